@@ -1,0 +1,46 @@
+"""``workbench``: the one command line of the project.
+
+Sub-commands, each implemented by the module named beside it (imported only when used, so the
+server never imports torch):
+
+- ``serve``        the dashboard and API on http://127.0.0.1:8000   (backend.server)
+- ``train``        one training run, the worker the backend launches  (runtime.trainer.cli)
+- ``bench``        the benchmark suite                                (runtime.bench.cli)
+- ``demo-assets``  build the local models, digits and text encoder   (runtime.assets.cli)
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("backend.server", "serve the dashboard and API (default http://127.0.0.1:8000)"),
+    "train": ("runtime.trainer.cli", "run one training job: workbench train PRESET --run-dir DIR"),
+    "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
+    "demo-assets": ("runtime.assets.cli", "build the local demo models, digits and encoder"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: workbench COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`workbench COMMAND --help` describes each command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"workbench: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""A real (tiny) image data set: scikit-learn's bundled 8x8 handwritten digits.
+
+``build_digits`` writes the 1,797 samples as an image folder in the common trainer layout::
+
+    00000.png   RGB, ``size`` x ``size`` px, white digit on black
+    00000.txt   "a handwritten digit zero"
+    ...
+
+No download: ``sklearn.datasets.load_digits`` ships with scikit-learn.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .cache import build_once, cache_root
+
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+NUM_DIGITS = 1797
+
+
+def caption_for(label: int) -> str:
+    """Caption for a digit label, e.g. 7 -> "a handwritten digit seven"."""
+    return f"a handwritten digit {DIGIT_NAMES[int(label)]}"
+
+
+def digits_dir(cache_dir: str | os.PathLike | None = None, size: int = 64) -> Path:
+    """Where the digits folder for ``size`` lives (built or not)."""
+    return cache_root(cache_dir, create=False) / "data" / f"digits-{int(size)}px"
+
+
+def build_digits(cache_dir: str | os.PathLike | None = None, size: int = 64) -> Path:
+    """Write (once) the digits image folder upscaled (bicubic) to ``size`` px; return it."""
+    if int(size) < 8:
+        raise ValueError(f"size must be >= 8 px, got {size}")
+    size = int(size)
+    root = cache_root(cache_dir)
+    final = root / "data" / f"digits-{size}px"
+    spec = {"dataset": "sklearn.load_digits", "size": size, "resample": "bicubic", "format": 1}
+
+    def _build(tmp: Path) -> None:
+        from PIL import Image
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        images = np.clip(np.rint(data.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+        for i, (img, label) in enumerate(zip(images, data.target, strict=True)):
+            pil = Image.fromarray(img, mode="L").resize((size, size), Image.Resampling.BICUBIC)
+            pil.convert("RGB").save(tmp / f"{i:05d}.png", format="PNG")
+            (tmp / f"{i:05d}.txt").write_text(caption_for(label) + "\n")
+
+    return build_once(final, spec, _build)

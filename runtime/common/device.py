@@ -1,0 +1,85 @@
+"""Copies between host and device: CUDA streams, events and pinned memory when a GPU is present,
+the same calls as synchronous copies on ordinary host memory when not.
+
+The runtimes never call ``torch.cuda.synchronize()`` in the hot path: the compute stream waits on
+an event recorded after a copy (``TransferEvent.wait``), a device-side wait. A host wait
+(``TransferEvent.synchronize``) is only for D2H copies whose destination the host reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def uses_cuda(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A host buffer of ``nbytes`` bytes (1-D, ``dtype``), page-locked when ``pin``.
+
+    ``pin`` must be False without CUDA: ``pin_memory`` raises there.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes % itemsize:
+        raise ValueError(f"nbytes ({nbytes}) is not a multiple of {dtype}'s size ({itemsize})")
+    return torch.empty(nbytes // itemsize, dtype=dtype, pin_memory=pin)
+
+
+class TransferEvent:
+    """Completion of one copy. On CPU the copy was synchronous, so it is already complete."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self._event = event
+
+    def query(self) -> bool:
+        """True when the copy finished (never blocks)."""
+        return self._event is None or self._event.query()
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the copy, on the device."""
+        if self._event is not None:
+            self._event.wait(stream if stream is not None else torch.cuda.current_stream())
+
+    def synchronize(self) -> None:
+        """Block the host until the copy finished (for D2H results the host reads)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class TransferStream:
+    """A dedicated copy stream on CUDA; a synchronous stand-in with the same calls on CPU."""
+
+    def __init__(self, device: torch.device | str, priority: int = 0) -> None:
+        self.device = torch.device(device)
+        self.stream = (
+            torch.cuda.Stream(self.device, priority=priority) if uses_cuda(device) else None
+        )
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        """Issue the enclosed copies on this stream, after the compute stream's pending work."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def record(self) -> TransferEvent:
+        """An event completing when the copies issued so far on this stream finished."""
+        if self.stream is None:
+            return TransferEvent(None)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return TransferEvent(event)
+
+    @property
+    def non_blocking(self) -> bool:
+        """Whether copies on this stream may be asynchronous (pinned host memory, CUDA)."""
+        return self.stream is not None

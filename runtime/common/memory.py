@@ -1,0 +1,104 @@
+"""Device memory figures shared by the runtimes: CUDA allocator on GPU, tracked bytes on CPU.
+
+On CUDA the figures come from the caching allocator (``memory_allocated`` *and*
+``memory_reserved``: a budget on allocated memory alone lets reserved memory run into the card's
+limit, a defect of the public implementation). On CPU there is no separate device memory, so the
+runtimes account for what they place on the compute device themselves (streamed block weights,
+kept saved tensors...) through ``track``/``untrack``; figures are then labelled ``"tracked"``.
+One ``DeviceMemory`` is shared by every runtime of a strategy so their bytes add up.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from runtime.config import MB
+
+
+class DeviceMemory:
+    """VRAM usage of ``device`` in bytes, with its source (``"cuda"`` or ``"tracked"``)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.source = "cuda" if self.is_cuda else "tracked"
+        self._lock = threading.Lock()
+        self._tracked = 0
+        self._tracked_peak = 0
+        self._by_category: dict[str, int] = {}
+
+    def track(self, nbytes: int, category: str = "other") -> None:
+        """Count ``nbytes`` placed on the compute device (tracked on CUDA too, for telemetry)."""
+        with self._lock:
+            self._tracked += nbytes
+            self._by_category[category] = self._by_category.get(category, 0) + nbytes
+            if self._tracked > self._tracked_peak:
+                self._tracked_peak = self._tracked
+
+    def untrack(self, nbytes: int, category: str = "other") -> None:
+        """Count ``nbytes`` released from the compute device.
+
+        Raises:
+            RuntimeError: when more is released than was tracked (an accounting bug).
+        """
+        with self._lock:
+            left = self._by_category.get(category, 0) - nbytes
+            if left < 0 or self._tracked - nbytes < 0:
+                raise RuntimeError(
+                    f"untrack({nbytes}, {category!r}) releases more than tracked "
+                    f"({self._by_category.get(category, 0)} bytes in that category)"
+                )
+            self._by_category[category] = left
+            self._tracked -= nbytes
+
+    def tracked_bytes(self, category: str | None = None) -> int:
+        if category is None:
+            return self._tracked
+        return self._by_category.get(category, 0)
+
+    def allocated_bytes(self) -> int:
+        """Bytes allocated on the device now."""
+        if self.is_cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return self._tracked
+
+    def reserved_bytes(self) -> int:
+        """Bytes the allocator holds (allocated plus cached); equals allocated when tracked."""
+        if self.is_cuda:
+            return torch.cuda.memory_reserved(self.device)
+        return self._tracked
+
+    def usage_bytes(self) -> int:
+        """The figure budgets compare against watermarks, in bytes.
+
+        Tracked: the tracked bytes. CUDA: allocated plus the allocator's inactive split bytes
+        (free fragments inside reserved segments that a new block of weights cannot use), so a
+        fragmented cache counts against the budget instead of being invisible to it.
+        """
+        if self.is_cuda:
+            stats = torch.cuda.memory_stats(self.device)
+            return self.allocated_bytes() + stats.get("inactive_split_bytes.all.current", 0)
+        return self._tracked
+
+    def peak_bytes(self) -> int:
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._tracked_peak
+
+    def reset_peak(self) -> None:
+        """Start a new peak window (each step)."""
+        with self._lock:
+            self._tracked_peak = self._tracked
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def snapshot(self) -> dict[str, float | str]:
+        """Figures for telemetry, in MB."""
+        return {
+            "vram_allocated_mb": self.allocated_bytes() / MB,
+            "vram_reserved_mb": self.reserved_bytes() / MB,
+            "vram_peak_mb": self.peak_bytes() / MB,
+            "vram_source": self.source,
+        }

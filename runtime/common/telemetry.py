@@ -1,0 +1,167 @@
+"""One telemetry stream per run: JSONL records with a sequence number, time, step, phase, source.
+
+Every record the runtimes and the trainer write goes through ``Telemetry.emit`` and has the
+envelope ``{"seq", "time", "source", "kind", "step", "phase"}`` followed by the record's own
+fields, which keep the seeds' names (``activations_spilled``, ``step_id``, ``vram_peak_mb``...).
+
+Sources: ``stagehand`` (weight streaming and layer offload), ``activation_stagehand``,
+``conductor``, ``strategy`` (the composed strategy: limits, set-up), ``trainer``.
+Kinds: ``block`` (one block event), ``step`` (one per source per step), ``event`` (anything
+else, with an ``event`` field naming it), ``limits_applied``, ``stage``, ``error``.
+
+``seq`` increases by one per record and, for a run dir that already holds a stream (resume),
+continues from its last record, so the backend can use ``(run, seq)`` as a key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    """Where records go. ``write`` must not raise for ordinary JSON-able records."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ListSink:
+    """Keeps records in memory (tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def of(self, source: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        """The records matching ``source`` and ``kind`` (None matches any)."""
+        return [
+            r
+            for r in self.records
+            if (source is None or r["source"] == source) and (kind is None or r["kind"] == kind)
+        ]
+
+
+class NullSink(ListSink):
+    """Drops every record."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    # JSON has no NaN/inf: a diverging loss must still be a valid line.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class JsonlSink:
+    """Appends one JSON object per line to ``path``; ``flush`` pushes the lines to the OS.
+
+    Lines are written whole (one ``write`` call each), so a reader tailing the file sees at most
+    one torn last line. ``last_seq`` is the highest ``seq`` already in the file (-1 if none).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.last_seq = _last_seq(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - owned until close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {k: _finite(v) for k, v in record.items()}
+        self._file.write(json.dumps(record, default=_json_default, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+
+def _last_seq(path: Path) -> int:
+    if not path.exists() or path.stat().st_size == 0:
+        return -1
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 65536))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["seq"])
+        except (ValueError, KeyError, TypeError):
+            continue  # torn or foreign line
+    return -1
+
+
+class Telemetry:
+    """Stamps records with the run's envelope and hands them to one sink.
+
+    ``step`` and ``phase`` are set by whoever drives the step (the composed strategy or the
+    trainer); runtimes only call ``emit``. Thread-safe: one lock around stamping and writing.
+    """
+
+    def __init__(self, sink: Sink | None = None) -> None:
+        self.sink: Sink = sink if sink is not None else NullSink()
+        self._seq = getattr(self.sink, "last_seq", -1) + 1
+        self._lock = threading.Lock()
+        self.step: int | None = None
+        self.phase: str | None = None
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def emit(self, source: str, kind: str, **fields: Any) -> dict[str, Any]:
+        """Write one record and return it (with its envelope)."""
+        with self._lock:
+            record = {
+                "seq": self._seq,
+                "time": time.time(),
+                "source": source,
+                "kind": kind,
+                "step": self.step,
+                "phase": self.phase,
+                **fields,
+            }
+            self._seq += 1
+            self.sink.write(record)
+        return record
+
+    def flush(self) -> None:
+        with self._lock:
+            self.sink.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self.sink.close()

@@ -1,0 +1,229 @@
+"""Configuration of the memory runtimes, with the field names and defaults of the source documents.
+
+Every model here is a pydantic model with ``extra="forbid"``: an unknown field or a wrong type
+raises ``pydantic.ValidationError`` whose ``loc`` is the JSON path of the field. Sizes ending in
+``_mb`` are MB of 2**20 bytes, as the seeds use them (``torch.cuda.memory_allocated() / 2**20``).
+
+Sources:
+- ``StagehandConfig``: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` (the ``memory.stagehand`` JSON).
+- ``ActivationStagehandConfig``: ``shared/seeds/activation-stagehand.md`` (config table and JSON).
+- ``ConductorConfig``: ``shared/seeds/conductor.md`` (``conductor_config`` JSON, policy rules).
+- ``MemoryConfig`` layer-offload fields: ``shared/seeds/case-study-flux-2048-layer-offload.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MB = 2**20
+"""Bytes in one MB as the seeds count it."""
+
+NonNegMB = Annotated[float, Field(ge=0)]
+PosInt = Annotated[int, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _check_watermarks(high: float, low: float) -> None:
+    if low > high:
+        raise ValueError(
+            f"vram_low_watermark_mb ({low}) must not be above vram_high_watermark_mb ({high})"
+        )
+
+
+class StagehandConfig(_Strict):
+    """Weight streaming (block swap). Defaults are the seed's LTX-2 24 GB run."""
+
+    pinned_pool_mb: PosInt = 8192
+    """Host pool of uniform slabs, allocated once (pinned when CUDA is present)."""
+    pinned_slab_mb: PosInt = 1024
+    """Size of one slab; a block larger than a slab takes the direct path."""
+    vram_high_watermark_mb: NonNegMB = 20000
+    """Speculative prefetch stops when a load would cross this."""
+    vram_low_watermark_mb: NonNegMB = 16000
+    """Eviction runs until usage is under this."""
+    prefetch_window_blocks: Annotated[int, Field(ge=0)] = 2
+    """Blocks loaded ahead of use along the traced order (0 disables prefetch)."""
+    max_inflight_transfers: PosInt = 2
+    """H2D block copies in flight at once."""
+    block_pattern: str | None = None
+    """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
+    file_backed: bool = True
+    """Stream frozen block weights from the model's safetensors files (mmap) when known."""
+    slab_acquire_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """A slab acquire that waits longer raises, naming what holds the slabs."""
+    block_events: bool = True
+    """Emit one telemetry record per block enter/exit/load/evict."""
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> StagehandConfig:
+        _check_watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
+        if self.pinned_slab_mb > self.pinned_pool_mb:
+            raise ValueError(
+                f"pinned_slab_mb ({self.pinned_slab_mb}) is larger than pinned_pool_mb "
+                f"({self.pinned_pool_mb}): the pool would hold zero slabs"
+            )
+        return self
+
+
+class ActivationStagehandConfig(_Strict):
+    """Activation spill through ``saved_tensors_hooks``; defaults from the seed's config table."""
+
+    enabled: bool = True
+    vram_high_watermark_mb: NonNegMB = 20000
+    """Start spilling above this."""
+    vram_low_watermark_mb: NonNegMB = 16000
+    """Stop spilling below this (hysteresis)."""
+    pinned_pool_classes_mb: tuple[Annotated[float, Field(gt=0)], ...] = (1, 4, 16, 64, 256)
+    """Size-class bucket sizes, ascending."""
+    slabs_per_class: PosInt | tuple[Annotated[int, Field(ge=0)], ...] = (512, 2, 2, 2, 2)
+    """Slabs per class: one int for every class, or one count per class."""
+    max_inflight_d2h: Annotated[int, Field(ge=0)] = 1
+    max_inflight_h2d: PosInt = 1
+    debug_checksums: bool = False
+    """CRC32 on spill and restore; a mismatch raises with the record id."""
+    telemetry_enabled: bool = True
+    telemetry_file: str = "activation_telemetry.jsonl"
+    recompute_threshold_bytes: Annotated[int, Field(ge=0)] = 0
+    """Tensors below this are never spilled (cheaper to keep or recompute)."""
+    min_spill_bytes: Annotated[int, Field(ge=0)] = 4096
+    """Tensors below this are never spilled: the copy costs more than the memory saved."""
+    predictive_restore: bool = True
+    """Restore spilled tensors ahead of need in reverse pack order during backward."""
+    restore_ahead: Annotated[int, Field(ge=0)] = 2
+    """Spilled records restored ahead of the one backward is consuming."""
+    pool_growth_miss_threshold: Annotated[int, Field(ge=0)] = 8
+    """Pool misses in one step above which the pool grows between steps (0 disables growth)."""
+    pinned_growth_budget_mb: NonNegMB = 512
+    """Extra host memory the pool may grow into, in total."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ActivationStagehandConfig:
+        _check_watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
+        classes = self.pinned_pool_classes_mb
+        if list(classes) != sorted(set(classes)):
+            raise ValueError(
+                f"pinned_pool_classes_mb must be strictly ascending sizes, got {list(classes)}"
+            )
+        if isinstance(self.slabs_per_class, tuple) and len(self.slabs_per_class) != len(classes):
+            raise ValueError(
+                f"slabs_per_class has {len(self.slabs_per_class)} counts but "
+                f"pinned_pool_classes_mb has {len(classes)} classes"
+            )
+        return self
+
+    def slab_counts(self) -> tuple[int, ...]:
+        """Slabs per class, one count per entry of ``pinned_pool_classes_mb``."""
+        if isinstance(self.slabs_per_class, int):
+            return (self.slabs_per_class,) * len(self.pinned_pool_classes_mb)
+        return tuple(self.slabs_per_class)
+
+
+class ConductorConfig(_Strict):
+    """Resource arbitration between the runtimes; fields from the seed's ``conductor_config``."""
+
+    enabled: bool = False
+    vram_soft_cap_mb: NonNegMB = 22000
+    vram_hard_cap_mb: NonNegMB = 23500
+    pinned_budget_mb: NonNegMB = 16384
+    """Pinned host memory the runtimes may reserve together."""
+    h2d_slots: PosInt = 2
+    d2h_slots: PosInt = 2
+    backward_pressure_threshold: Annotated[float, Field(gt=0, le=1)] = 0.8
+    """Rule 1: VRAM pressure (of the soft cap) above which BACKWARD suppresses speculation."""
+    contention_checks: PosInt = 3
+    """Rule 3: consecutive all-slots-full checks after which the prefetch window shrinks."""
+    telemetry_interval_steps: PosInt = 1
+    telemetry_file: str = "conductor_telemetry.jsonl"
+    debug_event_trace: bool = False
+
+    @model_validator(mode="after")
+    def _caps(self) -> ConductorConfig:
+        if self.vram_soft_cap_mb > self.vram_hard_cap_mb:
+            raise ValueError(
+                f"vram_soft_cap_mb ({self.vram_soft_cap_mb}) must not be above "
+                f"vram_hard_cap_mb ({self.vram_hard_cap_mb})"
+            )
+        return self
+
+
+class StagehandSection(StagehandConfig):
+    """The preset's ``memory.stagehand`` block: the weight runtime's fields plus what nests in it."""
+
+    two_stage: bool = True
+    """Stage 1 caches text embeddings (and latents), stage 2 trains: the seed's two-stage run."""
+    text_encoder_block_swap: bool = True
+    """Run the stage-1 text encoder under the weight runtime in inference mode."""
+    encoder_family: str | None = None
+    family: str | None = None
+    activation_stagehand: ActivationStagehandConfig | None = None
+    conductor_config: ConductorConfig | None = None
+
+
+def _on_off(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in ("on", "off"):
+        return value == "on"
+    raise ValueError(f'expected "on", "off", true or false, got {value!r}')
+
+
+class MemoryConfig(_Strict):
+    """The preset's ``memory`` section: which strategy runs and its settings."""
+
+    strategy: Literal["none", "stagehand", "layer_offload"] = "stagehand"
+    gradient_checkpointing: bool = True
+    """Accepts the seeds' "on"/"off" as well as booleans."""
+    enable_activation_offloading: bool = False
+    """layer_offload: move checkpoint inputs to the host between layers."""
+    enable_async_offloading: bool = False
+    """layer_offload: non_blocking copies on CUDA."""
+    layer_offload_fraction: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """layer_offload: fraction of the blocks offloaded; the first (1 - f) x N stay resident."""
+    stagehand: StagehandSection | None = None
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _gc(cls, value: object) -> bool:
+        return _on_off(value)
+
+    @model_validator(mode="after")
+    def _fill(self) -> MemoryConfig:
+        if self.strategy == "stagehand" and self.stagehand is None:
+            self.stagehand = StagehandSection()
+        return self
+
+
+class LiveLimits(_Strict):
+    """Limits a user may change during a run; applied at the next STEP_BEGIN.
+
+    Every field is optional: only the given ones change. Watermarks apply to both runtimes
+    unless the ``activation_`` ones are given.
+    """
+
+    vram_high_watermark_mb: NonNegMB | None = None
+    vram_low_watermark_mb: NonNegMB | None = None
+    activation_vram_high_watermark_mb: NonNegMB | None = None
+    activation_vram_low_watermark_mb: NonNegMB | None = None
+    prefetch_window_blocks: Annotated[int, Field(ge=0)] | None = None
+    max_inflight_transfers: PosInt | None = None
+    max_inflight_d2h: Annotated[int, Field(ge=0)] | None = None
+    max_inflight_h2d: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _pairs(self) -> LiveLimits:
+        for high, low in (
+            (self.vram_high_watermark_mb, self.vram_low_watermark_mb),
+            (self.activation_vram_high_watermark_mb, self.activation_vram_low_watermark_mb),
+        ):
+            if high is not None and low is not None:
+                _check_watermarks(high, low)
+        return self
+
+    def given(self) -> dict[str, float | int]:
+        """The fields that were set, as a plain dict."""
+        return self.model_dump(exclude_none=True)

@@ -1,0 +1,187 @@
+"""The one object a training loop drives: a memory strategy with step and phase contexts.
+
+Usage (the trainer's loop)::
+
+    strategy = build_strategy(model, memory_config, device=device, telemetry=telemetry)
+    for step in range(max_steps):
+        with strategy.step(step):
+            with strategy.forward():
+                loss = loss_fn(model(**inputs))
+            with strategy.backward():
+                loss.backward()
+            with strategy.optimizer(optimizer):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    strategy.close()
+
+``forward``/``backward``/``optimizer`` outside ``step`` raise ``PhaseError``, so a step boundary
+cannot be forgotten. Limits given to ``set_limits`` between steps apply at the next STEP_BEGIN and
+are acknowledged by a ``strategy/limits_applied`` telemetry record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from runtime.common.memory import DeviceMemory
+from runtime.common.phases import Phase, PhaseError, check_transition
+from runtime.common.telemetry import Telemetry
+from runtime.config import LiveLimits
+
+
+class MemoryStrategy:
+    """Base strategy: phase order, phase timing and live limits; no memory management.
+
+    Subclasses override the ``_on_*`` hooks and ``_apply_limits``. ``strategy: "none"`` is this
+    class as is: the plain model, the baseline every benchmark compares against.
+    """
+
+    name = "none"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device | str,
+        telemetry: Telemetry | None = None,
+        memory: DeviceMemory | None = None,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.memory = memory if memory is not None else DeviceMemory(self.device)
+        self.phase: Phase | None = None
+        self.step_index: int | None = None
+        self.phase_ms: dict[str, float] = {}
+        """Milliseconds spent in each phase of the current (or last) step."""
+        self.step_ms: float = 0.0
+        self._pending: list[tuple[str | None, LiveLimits]] = []
+        self._closed = False
+
+    # -- phases -------------------------------------------------------------------------------
+    def _enter(self, phase: Phase) -> None:
+        check_transition(self.phase, phase)
+        self.phase = phase
+        self.telemetry.phase = phase.value
+
+    @contextlib.contextmanager
+    def _timed(self, phase: Phase) -> Iterator[None]:
+        if self.step_index is None:
+            raise PhaseError(f"{phase.name} outside a step: wrap it in `with strategy.step(i):`")
+        self._enter(phase)
+        t0 = time.perf_counter()
+        getattr(self, f"_on_{phase.value}_begin")()
+        try:
+            yield
+        finally:
+            getattr(self, f"_on_{phase.value}_end")()
+            self.phase_ms[phase.value] = (
+                self.phase_ms.get(phase.value, 0.0) + (time.perf_counter() - t0) * 1e3
+            )
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """STEP_BEGIN ... STEP_END around one training (or inference) step."""
+        if self._closed:
+            raise RuntimeError("the strategy is closed")
+        if self.step_index is not None:
+            raise PhaseError(f"step {step} begun inside step {self.step_index}: steps do not nest")
+        self.step_index = step
+        self.telemetry.step = step
+        self.phase_ms = {}
+        self._enter(Phase.STEP_BEGIN)
+        t0 = time.perf_counter()
+        self._apply_pending_limits()
+        self._on_step_begin(step)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._enter(Phase.STEP_END)
+            self.step_ms = (time.perf_counter() - t0) * 1e3
+            try:
+                self._on_step_end(step, ok)
+            finally:
+                self.telemetry.flush()
+                self.step_index = None
+                self.telemetry.phase = None
+
+    def forward(self) -> contextlib.AbstractContextManager[None]:
+        return self._timed(Phase.FORWARD)
+
+    def backward(self) -> contextlib.AbstractContextManager[None]:
+        return self._timed(Phase.BACKWARD)
+
+    def optimizer(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """OPTIMIZER phase; subclasses bring trainable parameters and optimizer state to the
+        compute device for ``optimizer.step()`` (the seed's bug 6) and back after."""
+        self._optimizer = optimizer
+        return self._timed(Phase.OPTIMIZER)
+
+    # -- live limits ----------------------------------------------------------------------------
+    def set_limits(self, limits: LiveLimits | dict[str, Any], request_id: str | None = None) -> None:
+        """Queue new limits; they apply at the next STEP_BEGIN.
+
+        Raises:
+            pydantic.ValidationError: a field is unknown or out of range (low above high...).
+        """
+        if not isinstance(limits, LiveLimits):
+            limits = LiveLimits.model_validate(limits)
+        self._pending.append((request_id, limits))
+
+    def _apply_pending_limits(self) -> None:
+        while self._pending:
+            request_id, limits = self._pending.pop(0)
+            changed = self._apply_limits(limits)
+            self.telemetry.emit(
+                "strategy", "limits_applied", request_id=request_id, changed=changed
+            )
+
+    def _apply_limits(self, limits: LiveLimits) -> dict[str, list[Any]]:
+        """Apply ``limits``; return ``{field: [old, new]}`` of what changed. None here."""
+        return {}
+
+    def limits(self) -> dict[str, Any]:
+        """The current values of every live limit this strategy has."""
+        return {}
+
+    # -- hooks for subclasses -------------------------------------------------------------------
+    def _on_step_begin(self, step: int) -> None:
+        self.memory.reset_peak()
+
+    def _on_step_end(self, step: int, ok: bool) -> None:
+        pass
+
+    def _on_forward_begin(self) -> None:
+        pass
+
+    def _on_forward_end(self) -> None:
+        pass
+
+    def _on_backward_begin(self) -> None:
+        pass
+
+    def _on_backward_end(self) -> None:
+        pass
+
+    def _on_optimizer_begin(self) -> None:
+        pass
+
+    def _on_optimizer_end(self) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        """VRAM figures now (MB, with their source) for the trainer's step record."""
+        return self.memory.snapshot()
+
+    def close(self) -> None:
+        """Restore the model to ordinary resident weights and free the strategy's memory."""
+        self._closed = True

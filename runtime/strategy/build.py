@@ -1,0 +1,37 @@
+"""``build_strategy``: the preset's ``memory`` section to a strategy object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from runtime.common.telemetry import Telemetry
+from runtime.config import MemoryConfig
+from runtime.strategy.base import MemoryStrategy
+
+
+def build_strategy(
+    model: torch.nn.Module,
+    memory: MemoryConfig | dict,
+    *,
+    device: torch.device | str,
+    telemetry: Telemetry | None = None,
+    checkpoint_dir: str | Path | None = None,
+    mode: str = "training",
+) -> MemoryStrategy:
+    """The strategy named by ``memory.strategy`` for ``model``.
+
+    ``checkpoint_dir`` is the model's safetensors folder (sharded or not); with it, frozen block
+    weights stream from the files (file-backed) instead of being kept in host RAM.
+    ``mode`` is ``"training"`` or ``"inference"`` (stage-1 text encoding).
+
+    Raises:
+        pydantic.ValidationError: ``memory`` is not a valid memory section.
+        NotImplementedError: the strategy is not available in this build.
+    """
+    if not isinstance(memory, MemoryConfig):
+        memory = MemoryConfig.model_validate(memory)
+    if memory.strategy == "none":
+        return MemoryStrategy(model, device=device, telemetry=telemetry)
+    raise NotImplementedError(f"memory.strategy {memory.strategy!r} is not built yet")

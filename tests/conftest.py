@@ -1,0 +1,83 @@
+"""Shared test setup: single-threaded, offline, and session-scoped assets from the factory.
+
+Set ``STAGEHAND_WORKBENCH_TEST_CACHE=/some/folder`` to reuse builds across test runs;
+otherwise everything is built once per session into one temp folder.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def asset_cache(tmp_path_factory) -> Path:
+    """Cache root the factory builds into for this session."""
+    env = os.environ.get("STAGEHAND_WORKBENCH_TEST_CACHE")
+    if env:
+        path = Path(env).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(asset_cache) -> Path:
+    from runtime.assets import build_model
+
+    return build_model("flux", "tiny", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(asset_cache) -> Path:
+    from runtime.assets import build_model
+
+    return build_model("sd3", "tiny", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_video(asset_cache) -> Path:
+    """Tiny LTXVideoTransformer3DModel folder (arch name ``ltx``)."""
+    from runtime.assets import build_model
+
+    return build_model("ltx", "tiny", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_vae(asset_cache) -> Path:
+    from runtime.assets import build_model
+
+    return build_model("vae", "tiny", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def digits_dir(asset_cache) -> Path:
+    from runtime.assets import build_digits
+
+    return build_digits(asset_cache)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    from runtime.assets import minilm_path
+
+    return minilm_path()
