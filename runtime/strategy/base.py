@@ -127,7 +127,9 @@ class MemoryStrategy:
         return self._timed(Phase.OPTIMIZER)
 
     # -- live limits ----------------------------------------------------------------------------
-    def set_limits(self, limits: LiveLimits | dict[str, Any], request_id: str | None = None) -> None:
+    def set_limits(
+        self, limits: LiveLimits | dict[str, Any], request_id: str | None = None
+    ) -> None:
         """Queue new limits; they apply at the next STEP_BEGIN.
 
         Raises:
