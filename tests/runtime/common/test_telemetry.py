@@ -1,0 +1,59 @@
+import json
+
+import pytest
+
+from runtime.common.telemetry import JsonlSink, ListSink, Telemetry
+
+
+def test_envelope_and_increasing_seq():
+    sink = ListSink()
+    tel = Telemetry(sink)
+    tel.step, tel.phase = 3, "forward"
+    a = tel.emit("stagehand", "block", event="load", block=2)
+    b = tel.emit("trainer", "step", loss=0.5)
+    assert [a["seq"], b["seq"]] == [0, 1]
+    assert a["step"] == 3 and a["phase"] == "forward" and a["block"] == 2
+    assert sink.of(source="trainer") == [b]
+
+
+def test_jsonl_resume_continues_seq_and_skips_torn_line(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    tel = Telemetry(JsonlSink(path))
+    for i in range(3):
+        tel.emit("trainer", "step", loss=float(i))
+    tel.close()
+    with open(path, "a") as f:  # a crash mid-write leaves a torn last line
+        f.write('{"seq": 99, "sour')
+    resumed = Telemetry(JsonlSink(path))
+    assert resumed.next_seq == 3
+    rec = resumed.emit("trainer", "step", loss=float("nan"))
+    resumed.close()
+    assert rec["seq"] == 3
+    last = json.loads(path.read_text().splitlines()[-1].split("sour", 1)[-1].lstrip('"'))
+    assert last["seq"] == 3 and last["loss"] is None  # NaN is not JSON: written as null
+
+
+def test_flush_makes_lines_visible_to_a_reader(tmp_path):
+    path = tmp_path / "t.jsonl"
+    tel = Telemetry(JsonlSink(path))
+    tel.emit("trainer", "step", loss=1.0)
+    tel.flush()
+    assert json.loads(path.read_text())["loss"] == 1.0
+    tel.close()
+
+
+def test_non_json_values_are_stringified(tmp_path):
+    path = tmp_path / "t.jsonl"
+    tel = Telemetry(JsonlSink(path))
+    tel.emit("trainer", "event", where=tmp_path, ids={1})
+    tel.close()
+    rec = json.loads(path.read_text())
+    assert rec["where"] == str(tmp_path) and rec["ids"] == [1]
+
+
+def test_default_sink_drops_records():
+    tel = Telemetry()
+    tel.emit("x", "y")
+    assert tel.next_seq == 1
+    with pytest.raises(TypeError):
+        tel.emit("x")  # kind is required
