@@ -22,16 +22,32 @@ def build_strategy(
 ) -> MemoryStrategy:
     """The strategy named by ``memory.strategy`` for ``model``.
 
+    - ``"none"``: ``MemoryStrategy``, the plain model (the baseline).
+    - ``"stagehand"``: ``StagehandStrategy`` (weight streaming, activation spill and the
+      Conductor, each as ``memory.stagehand`` says).
+
     ``checkpoint_dir`` is the model's safetensors folder (sharded or not); with it, frozen block
     weights stream from the files (file-backed) instead of being kept in host RAM.
     ``mode`` is ``"training"`` or ``"inference"`` (stage-1 text encoding).
 
     Raises:
         pydantic.ValidationError: ``memory`` is not a valid memory section.
+        ValueError: bad ``mode`` or a set-up error of a runtime (naming the field).
         NotImplementedError: the strategy is not available in this build.
     """
     if not isinstance(memory, MemoryConfig):
         memory = MemoryConfig.model_validate(memory)
     if memory.strategy == "none":
         return MemoryStrategy(model, device=device, telemetry=telemetry)
+    if memory.strategy == "stagehand":
+        from runtime.strategy.composed import StagehandStrategy
+
+        return StagehandStrategy(
+            model,
+            memory.stagehand,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=checkpoint_dir,
+            mode=mode,
+        )
     raise NotImplementedError(f"memory.strategy {memory.strategy!r} is not built yet")

@@ -1,0 +1,416 @@
+"""``workbench train PRESET_OR_CONFIG --run-dir DIR [--resume] [--device cpu|cuda]``.
+
+The worker the backend launches for each run (``docs/contracts.md``): stage 1 caches text
+embeddings and latents (``encode.py``), stage 2 trains (``loop.py``); everything it reports goes
+into ONE telemetry stream, ``DIR/telemetry.jsonl``, shared with the memory strategy.
+
+Exit codes: 0 succeeded or cancelled (the last ``trainer/run_finished`` says which), 1 failed
+(the last record is ``trainer/error`` with type, message, traceback, ``oom``), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from runtime.common.telemetry import JsonlSink, Telemetry  # noqa: E402
+from runtime.config import MB  # noqa: E402
+from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
+from runtime.trainer import encode, loop  # noqa: E402
+from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
+from runtime.trainer.data import group_by_shape, scan_folder  # noqa: E402
+from runtime.trainer.families import family  # noqa: E402
+from runtime.trainer.outputs import (  # noqa: E402
+    latest_checkpoint,
+    load_checkpoint,
+    sample_images,
+    save_lora,
+)
+from runtime.trainer.progress import Progress  # noqa: E402
+
+
+class Run:
+    """One training run in ``run_dir``; ``execute`` returns the final status."""
+
+    def __init__(self, spec: str, run_dir: Path, device: torch.device, resume: bool) -> None:
+        self.spec, self.run_dir, self.device, self.resume = spec, run_dir, device, resume
+        self.telemetry = Telemetry(JsonlSink(run_dir / "telemetry.jsonl"))
+        self.control = ControlDir(run_dir)
+        self.stop = StopFlag()
+        self.progress = Progress()
+        self.model: torch.nn.Module | None = None
+        self.strategy = None
+        self.family = None
+        self.steps_done = 0
+        self.start_step = 0
+        self.lora_path: Path | None = None
+
+    # -- control ------------------------------------------------------------------------------
+    def poll_control(self) -> str | None:
+        """Handle pending control requests; return the stop reason, if any."""
+        for req in self.control.poll():
+            if req.command == "stop":
+                self.stop.set("stop")
+            elif req.command == "limits" and self.strategy is not None:
+                try:
+                    self.strategy.set_limits(
+                        req.body.get("limits") or {}, request_id=req.request_id
+                    )
+                except ValueError as exc:  # pydantic.ValidationError is a ValueError
+                    self._rejected(req.request_id, f"invalid limits: {exc}")
+            else:
+                why = req.error or f"command {req.command!r} not understood (or no strategy yet)"
+                self._rejected(req.request_id, why)
+        return self.stop.reason if self.stop.requested else None
+
+    def _rejected(self, request_id: str | None, message: str) -> None:
+        self.telemetry.emit(
+            "trainer", "event", event="control_rejected", request_id=request_id, message=message
+        )
+
+    def stage(self, stage: str, done: int, total: int, message: str) -> None:
+        self.telemetry.emit(
+            "trainer", "stage", stage=stage, done=done, total=total, message=message
+        )
+        self.progress.stage(stage, done, total, message)
+
+    # -- the run --------------------------------------------------------------------------------
+    def execute(self) -> str:
+        name, raw = load_preset(self.spec)
+        preset = validate_preset(raw)
+        preset.check_paths()
+        self.progress.log_every = preset.log_every
+        self.stop.install()
+        (self.run_dir / "config.json").write_text(
+            json.dumps(
+                {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
+            )
+        )
+        model_dir, vae_dir, encoder_dir, data_dir = resolve_assets(preset)
+        self.family = family(preset.family)
+        self.telemetry.emit(
+            "trainer",
+            "run_started",
+            run_name=self.run_dir.name,
+            preset=name,
+            max_steps=preset.max_steps,
+            device=str(self.device),
+            vram_source="cuda" if self.device.type == "cuda" else "tracked",
+            model=str(model_dir),
+            strategy=preset.memory.strategy,
+            resume=self.resume,
+        )
+        t0 = time.perf_counter()
+        cached = self.stage1(preset, vae_dir, encoder_dir, data_dir)
+        cache_s = time.perf_counter() - t0
+        if cached is None:
+            return self.finish("cancelled", {"cache_s": cache_s})
+        t1 = time.perf_counter()
+        state = self.stage2(preset, model_dir, cached)
+        timings = {"cache_s": cache_s, "train_s": time.perf_counter() - t1}
+        if state.stopped:
+            return self.finish("cancelled", timings)
+        if preset.samples.prompts:
+            self.samples(preset, vae_dir, cached)
+        return self.finish("succeeded", timings)
+
+    def stage1(self, preset: Preset, vae_dir, encoder_dir, data_dir) -> loop.Batchable | None:
+        from runtime.assets import cache_root
+
+        data = preset.data
+        samples = scan_folder(
+            data_dir,
+            captions=data.captions,
+            default_caption=data.default_caption,
+            limit=data.limit,
+            frames=data.frames,
+        )
+        texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))
+        total = len(texts) + len(samples)
+        cache_dir = cache_root() / "trainer-cache"
+        self.stage("cache", 0, total, f"{len(samples)} samples, {len(texts)} distinct texts")
+
+        def should_stop() -> bool:
+            return self.poll_control() is not None
+
+        text = encode.encode_texts(
+            texts,
+            encoder_dir,
+            memory=preset.memory,
+            device=self.device,
+            telemetry=self.telemetry,
+            cache_dir=cache_dir,
+            max_tokens=data.max_caption_tokens,
+            progress=lambda d, t, m: self.stage("cache", d, total, m),
+            should_stop=should_stop,
+        )
+        if text is None:
+            return None
+        self.stage("cache", len(texts), total, "text encoder released")
+        result = encode.encode_latents(
+            samples,
+            vae_dir,
+            resolution=preset.resolution,
+            bucketing=data.bucketing,
+            device=self.device,
+            cache_dir=cache_dir,
+            progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
+            should_stop=should_stop,
+        )
+        if result is None:
+            return None
+        latents, _ = result
+        row = {t: i for i, t in enumerate(texts)}
+        self.family.check_latents(tuple(latents[0].shape))
+        return loop.Batchable(
+            latents=latents,
+            text=text,
+            caption_rows=[row[s.caption] for s in samples],
+            groups=group_by_shape([tuple(z.shape) for z in latents]),
+        )
+
+    def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
+        from runtime.strategy import build_strategy
+
+        dtype = loop.DTYPES[preset.train_dtype]
+        self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
+        model = loop.load_transformer(self.family, model_dir, dtype)
+        check_text_dim(model, data.text["hidden"].shape[-1])
+        trainable = loop.attach_adapter(model, preset)
+        self.model = model
+        if preset.memory.gradient_checkpointing:
+            loop.enable_checkpointing(model)
+        model.train()
+        if preset.memory.strategy == "none":
+            model.to(self.device)
+        self.strategy = build_strategy(
+            model,
+            preset.memory,
+            device=self.device,
+            telemetry=self.telemetry,
+            checkpoint_dir=model_dir,
+            mode="training",
+        )
+        optimizer, scheduler = loop.make_optimizer(preset, trainable)
+        if self.resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is not None:
+                self.start_step = load_checkpoint(ckpt, model, optimizer, scheduler)
+                self.progress.line(f"resumed from {ckpt} (step {self.start_step})")
+        self.steps_done = self.start_step
+        message = f"{sum(p.numel() for p in trainable):,} trainable parameters"
+        self.stage("train", self.start_step, preset.max_steps, message)
+
+        def on_step(step: int, loss: float, step_s: float) -> None:
+            self.steps_done = step
+            self.progress.step(step, preset.max_steps, loss, step_s)
+
+        state = loop.run_steps(
+            preset=preset,
+            family=self.family,
+            model=model,
+            trainable=trainable,
+            strategy=self.strategy,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            data=data,
+            start_step=self.start_step,
+            device=self.device,
+            dtype=dtype,
+            telemetry=self.telemetry,
+            between_steps=self.poll_control,
+            on_step=on_step,
+            run_dir=self.run_dir,
+        )
+        self.stage("train", state.steps_done, preset.max_steps, state.stopped or "done")
+        self.close_strategy()
+        return state
+
+    def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
+        # Sampled on the plain model after the strategy is closed (it restores resident weights).
+        prompts = preset.samples.prompts
+        texts = list(dict.fromkeys(prompts))
+        rows = [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
+        dtype = loop.DTYPES[preset.train_dtype]
+        model = self.model.to(self.device).eval()
+        paths = sample_images(
+            self.family,
+            model,
+            data.text_rows(rows, self.device, dtype),
+            vae_dir,
+            tuple(data.latents[0].shape),
+            steps=preset.samples.steps,
+            seed=preset.samples.seed,
+            device=self.device,
+            dtype=dtype,
+            out_dir=self.run_dir / "samples",
+            names=[f"sample-{i:02d}" for i in range(len(prompts))],
+        )
+        for path, prompt in zip(paths, prompts, strict=True):
+            rel = str(path.relative_to(self.run_dir))
+            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+
+    # -- endings --------------------------------------------------------------------------------
+    def close_strategy(self) -> None:
+        if self.strategy is not None:
+            strategy, self.strategy = self.strategy, None
+            strategy.close()
+            gc.collect()
+
+    def save(self) -> None:
+        """Save the LoRA when at least one step ran (the user's work is never lost)."""
+        if self.model is not None and self.steps_done > 0:
+            self.lora_path = save_lora(self.model, self.family, self.run_dir)
+
+    def finish(self, status: str, timings: dict[str, float]) -> str:
+        self.close_strategy()
+        self.save()
+        self.telemetry.step, self.telemetry.phase = self.steps_done or None, None
+        lora = str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None
+        self.telemetry.emit(
+            "trainer",
+            "run_finished",
+            status=status,
+            lora_path=lora,
+            steps_done=self.steps_done,
+            timings_s=timings,
+            stop_reason=self.stop.reason,
+        )
+        self.progress.line(
+            f"{status}: {self.steps_done} steps"
+            + "".join(f", {k} {v:.1f} s" for k, v in timings.items())
+            + (f", LoRA {self.lora_path}" if self.lora_path else "")
+        )
+        return status
+
+    def fail(self, exc: BaseException) -> None:
+        """Save what exists, then write the final ``trainer/error`` record."""
+        save_error = None
+        try:
+            self.save()
+        except Exception as inner:  # the original error is the one to report
+            save_error = f"{type(inner).__name__}: {inner}"
+        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+        vram = {}
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            vram = {
+                "vram_allocated_mb": torch.cuda.memory_allocated(self.device) / MB,
+                "vram_reserved_mb": torch.cuda.memory_reserved(self.device) / MB,
+                "vram_peak_mb": torch.cuda.max_memory_allocated(self.device) / MB,
+                "vram_total_mb": torch.cuda.get_device_properties(self.device).total_memory / MB,
+                "vram_source": "cuda",
+            }
+        self.telemetry.phase = None
+        self.telemetry.emit(
+            "trainer",
+            "error",
+            error_type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+            oom=oom,
+            steps_done=self.steps_done,
+            lora_path=str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None,
+            save_error=save_error,
+            **vram,
+        )
+        self.progress.line(f"failed: {type(exc).__name__}: {exc}")
+
+
+def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
+    """``(transformer folder, VAE folder, text encoder folder, data folder)``; factory models and
+    the digits are built into the cache on first use.
+
+    Raises:
+        FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
+    """
+    from runtime import assets
+
+    m = preset.model
+    if m.factory:
+        model_dir = assets.build_model(m.factory, m.size)
+        vae_dir = Path(m.vae_path) if m.vae_path else assets.build_model("vae", m.size)
+    else:
+        root = Path(m.path).expanduser()
+        model_dir = root / "transformer" if (root / "transformer").is_dir() else root
+        vae_dir = Path(m.vae_path) if m.vae_path else root / "vae"
+        if not vae_dir.is_dir():
+            raise FileNotFoundError(
+                f"model.vae_path: no VAE folder (looked for {vae_dir}); set model.vae_path"
+            )
+    encoder = Path(preset.text_encoder_path) if preset.text_encoder_path else assets.minilm_path()
+    if preset.data.factory == "digits":
+        data_dir = assets.build_digits(size=preset.resolution)
+    else:
+        data_dir = Path(preset.data.path).expanduser()
+    return model_dir, vae_dir, encoder, data_dir
+
+
+def check_text_dim(model: torch.nn.Module, dim: int) -> None:
+    """Raise ``ValueError`` when the text encoder's hidden size is not what the model takes."""
+    cfg = model.config
+    want = getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
+    if want is not None and int(want) != int(dim):
+        raise ValueError(
+            f"text_encoder: hidden size {dim} does not match the model's text input {want} "
+            "(joint_attention_dim / caption_channels); use the model's own text encoder"
+        )
+
+
+def quiet_libraries() -> None:
+    """No per-shard progress bars from diffusers / transformers: our own lines say where we are."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("workbench train: --device cuda but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="workbench train",
+        description="Train a LoRA: stage 1 caches text embeddings and latents, stage 2 trains "
+        "under the preset's memory strategy. Writes into --run-dir (see docs/contracts.md).",
+    )
+    parser.add_argument("preset", help="built-in preset name (presets/NAME.json) or a JSON path")
+    parser.add_argument("--run-dir", required=True, type=Path, help="folder the run writes into")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+    quiet_libraries()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    run = Run(args.preset, args.run_dir, pick_device(args.device), args.resume)
+    try:
+        run.execute()
+        return 0
+    except (Exception, KeyboardInterrupt) as exc:
+        run.fail(exc)
+        return 1
+    finally:
+        run.stop.uninstall()
+        run.progress.close()
+        run.telemetry.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""What a run leaves in its folder: the LoRA, checkpoints, sample images.
+
+- ``DIR/lora/pytorch_lora_weights.safetensors``: keys ``transformer.<module>.lora_A.weight`` /
+  ``lora_B.weight``, written by the family's diffusers LoRA mixin (``FluxLoraLoaderMixin``...)
+  with the peft config as adapter metadata, so ``pipeline.load_lora_weights(DIR/lora)`` and
+  ``transformer.load_lora_adapter(path, prefix="transformer")`` read it back.
+- ``DIR/model/diffusion_pytorch_model.safetensors``: the weights of a full (non-LoRA) run.
+- ``DIR/checkpoints/step-N/``: ``trainable.safetensors`` (trainable parameters by name),
+  ``optimizer.pt``, ``scheduler.pt``, ``rng.pt``, ``state.json`` (``{"step": N}``), written to a
+  temp folder and renamed, so a crash never leaves a half checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.trainer.families import Family
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Trainable parameters by name, as contiguous CPU copies."""
+    return {
+        n: p.detach().to("cpu", copy=True).contiguous()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def save_lora(model: torch.nn.Module, family: Family, run_dir: Path) -> Path:
+    """Save the LoRA (or, for a full run, the whole model) and return the file written."""
+    if getattr(model, "peft_config", None):
+        from peft.utils import get_peft_model_state_dict
+
+        state = {
+            k: v.detach().to("cpu", copy=True).contiguous()
+            for k, v in get_peft_model_state_dict(model).items()
+        }
+        folder = run_dir / "lora"
+        folder.mkdir(parents=True, exist_ok=True)
+        metadata = model.peft_config["default"].to_dict()
+        family.save_lora(str(folder), state, metadata)
+        return folder / LORA_FILE
+    folder = run_dir / "model"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "diffusion_pytorch_model.safetensors"
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path))
+    return path
+
+
+def _rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> Path:
+    """Write ``DIR/checkpoints/step-<step>/`` atomically and return it."""
+    root = run_dir / "checkpoints"
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The ``step-N`` folder with the largest N, or None."""
+    found = []
+    for p in (run_dir / "checkpoints").glob("step-*"):
+        if p.is_dir() and (p / "state.json").is_file():
+            try:
+                found.append((int(p.name.split("-", 1)[1]), p))
+            except ValueError:
+                continue
+    return max(found)[1] if found else None
+
+
+def load_checkpoint(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """Restore a checkpoint into ``model``/``optimizer``/``scheduler`` and the RNGs; return its step.
+
+    Raises:
+        KeyError: the checkpoint's trainable parameters do not match the model's (other preset).
+    """
+    weights = load_file(str(folder / "trainable.safetensors"))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != set(params):
+        missing, extra = set(params) - set(weights), set(weights) - set(params)
+        raise KeyError(
+            f"checkpoint {folder} does not match the model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(extra)[:3]}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.device, p.dtype))
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(json.loads((folder / "state.json").read_text())["step"])
+
+
+@torch.no_grad()
+def sample_images(
+    family: Family,
+    model: torch.nn.Module,
+    text,
+    vae_path: Path,
+    latent_shape: tuple[int, ...],
+    *,
+    steps: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    out_dir: Path,
+    names: list[str],
+) -> list[Path]:
+    """Euler sampler of the flow ODE from sigma 1 (noise) to 0, VAE decode, one PNG per prompt.
+
+    ``text`` is a ``families.Text`` with one row per prompt; ``latent_shape`` is (C, h, w) or
+    (C, F, h, w) (the first frame of a clip is written).
+    """
+    from diffusers import AutoencoderKL
+    from PIL import Image
+
+    n = text.hidden.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *latent_shape, generator=g).to(device, dtype)  # (n, C, [F,] h, w)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    for i in range(steps):
+        s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
+        v = family.predict(model, x, s, text)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v  # dx/ds = noise - x0 = v
+    vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
+    shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
+    z = x.float()
+    if z.dim() == 5:
+        z = z[:, :, 0]  # first frame of each clip: (n, C, h, w)
+    images = vae.decode(z / vae.config.scaling_factor + shift).sample  # (n, 3, H, W)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for img, name in zip(images, names, strict=True):
+        arr = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu()
+        path = out_dir / f"{name}.png"
+        Image.fromarray(arr.numpy()).save(path)
+        paths.append(path)
+    return paths

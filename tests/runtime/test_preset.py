@@ -1,0 +1,234 @@
+"""Preset schema: shipped presets, the seeds' configuration blocks verbatim, path-named errors."""
+
+import json
+
+import pytest
+
+from runtime.preset import (
+    PRESETS_DIR,
+    Preset,
+    PresetError,
+    list_presets,
+    load_preset,
+    validate_preset,
+)
+
+# Copied from shared/seeds/case-study-ltx2-bf16-24gb.md (verbatim).
+LTX2_SEED = """{
+"model_type": "ltx2",
+"training_method": "lora",
+"model": {
+"path": "/path/to/LTX-2/",
+"dtype": "bfloat16",
+"text_encoder_model_name": "/path/to/gemma-3-12b-it"
+},
+"adapter": { "rank": 32, "alpha": 32 },
+"memory": {
+"gradient_checkpointing": "on",
+"strategy": "stagehand",
+"stagehand": {
+"two_stage": true,
+"text_encoder_block_swap": true,
+"encoder_family": "gemma3",
+"family": "ltx2",
+"pinned_pool_mb": 8192,
+"pinned_slab_mb": 1024,
+"vram_high_watermark_mb": 20000,
+"vram_low_watermark_mb": 16000,
+"prefetch_window_blocks": 2,
+"max_inflight_transfers": 2
+}
+},
+"resolution": 512,
+"batch_size": 1,
+"data": { "frames": 17 }
+}"""
+
+# Copied from shared/seeds/case-study-flux-2048-layer-offload.md (verbatim).
+FLUX2048_SEED = """{
+"model_type": "flux_dev",
+"training_method": "lora",
+"lora_rank": 16,
+"lora_alpha": 16.0,
+"model": {
+"path": "black-forest-labs/FLUX.1-dev",
+"dtype": "bfloat16"
+},
+"memory": {
+"gradient_checkpointing": "on",
+"enable_activation_offloading": true,
+"enable_async_offloading": true,
+"layer_offload_fraction": 0.9
+},
+"optimizer": { "optimizer": "adamw", "weight_decay": 0.01 },
+"scheduler": { "scheduler": "constant", "warmup_steps": 0 },
+"timestep_distribution": "logit_normal",
+"learning_rate": 0.0004,
+"resolution": 2048,
+"batch_size": 1,
+"max_steps": 50,
+"train_dtype": "bfloat16"
+}"""
+
+# Copied from shared/seeds/activation-stagehand.md (verbatim; it is a whole-config fragment).
+ACTIVATION_SEED = """{
+  "memory": {
+    "strategy": "stagehand",
+    "stagehand": {
+      "activation_stagehand": {
+        "enabled": true,
+        "vram_high_watermark_mb": 16000,
+        "vram_low_watermark_mb": 12000,
+        "pinned_pool_classes_mb": [1, 4, 16, 64, 256],
+        "slabs_per_class": [512, 2, 2, 2, 2],
+        "max_inflight_d2h": 1,
+        "max_inflight_h2d": 1,
+        "debug_checksums": false,
+        "telemetry_enabled": true,
+        "telemetry_file": "activation_telemetry.jsonl"
+      }
+    }
+  }
+}"""
+
+# Copied from shared/seeds/conductor.md (verbatim).
+CONDUCTOR_SEED = """{
+  "memory": {
+    "stagehand": {
+      "conductor_config": {
+        "enabled": true,
+        "vram_soft_cap_mb": 22000,
+        "vram_hard_cap_mb": 23500,
+        "h2d_slots": 2,
+        "d2h_slots": 2
+      }
+    }
+  }
+}"""
+
+MODEL = {"model": {"factory": "flux", "size": "tiny"}}
+
+
+def test_every_shipped_preset_validates():
+    names = list_presets()
+    for required in (
+        "default",
+        "tiny-ci",
+        "ltx2-24gb",
+        "flux-2048-layer-offload",
+        "activation-spill-16000-12000",
+        "conductor-22000-23500",
+    ):
+        assert required in names
+    for name in names:
+        loaded_name, raw = load_preset(name)
+        preset = validate_preset(raw)
+        assert loaded_name == name and preset.name == name
+        assert preset.max_steps > 0
+
+
+def test_ltx2_seed_block_verbatim():
+    p = validate_preset(json.loads(LTX2_SEED))
+    assert (p.family, p.rank, p.alpha) == ("ltx", 32, 32.0)
+    assert p.memory.strategy == "stagehand" and p.memory.gradient_checkpointing is True
+    sh = p.memory.stagehand
+    assert (sh.pinned_pool_mb, sh.pinned_slab_mb, sh.prefetch_window_blocks) == (8192, 1024, 2)
+    assert (sh.vram_high_watermark_mb, sh.vram_low_watermark_mb) == (20000, 16000)
+    assert sh.two_stage and sh.text_encoder_block_swap and sh.encoder_family == "gemma3"
+    assert p.data.frames == 17 and p.text_encoder_path == "/path/to/gemma-3-12b-it"
+
+
+def test_flux2048_seed_block_verbatim():
+    p = validate_preset(json.loads(FLUX2048_SEED))
+    assert (p.family, p.rank, p.alpha, p.learning_rate) == ("flux", 16, 16.0, 0.0004)
+    # The seed names no strategy; its layer-offload fields select it.
+    assert p.memory.strategy == "layer_offload"
+    assert p.memory.layer_offload_fraction == 0.9 and p.memory.enable_async_offloading
+    assert p.optimizer.weight_decay == 0.01 and p.timestep_distribution == "logit_normal"
+    assert (p.resolution, p.max_steps, p.train_dtype) == (2048, 50, "bfloat16")
+
+
+def test_activation_and_conductor_seed_blocks_verbatim():
+    act = validate_preset({**MODEL, **json.loads(ACTIVATION_SEED)})
+    a = act.memory.stagehand.activation_stagehand
+    assert (a.vram_high_watermark_mb, a.vram_low_watermark_mb) == (16000, 12000)
+    assert a.slab_counts() == (512, 2, 2, 2, 2)
+    cond = validate_preset({**MODEL, **json.loads(CONDUCTOR_SEED)})
+    c = cond.memory.stagehand.conductor_config
+    assert cond.memory.strategy == "stagehand"
+    assert (c.enabled, c.vram_soft_cap_mb, c.vram_hard_cap_mb, c.h2d_slots) == (
+        True,
+        22000,
+        23500,
+        2,
+    )
+
+
+def _problems(data):
+    with pytest.raises(PresetError) as info:
+        validate_preset(data)
+    return {p["path"]: p for p in info.value.problems}, str(info.value)
+
+
+def test_unknown_field_is_named_by_path():
+    probs, text = _problems({**MODEL, "memory": {"stagehand": {"prefetch_window": 2}}})
+    assert "memory.stagehand.prefetch_window" in probs
+    assert "memory.stagehand.prefetch_window: found 2, expected no such field" in text
+
+
+def test_wrong_type_names_path_value_and_expectation():
+    probs, text = _problems({**MODEL, "batch_size": "four", "adapter": {"rank": 1.5}})
+    assert probs["batch_size"]["found"] == "'four'"
+    assert "valid integer" in probs["batch_size"]["expected"]
+    assert "adapter.rank" in probs
+
+
+def test_layer_offload_fraction_out_of_range():
+    probs, text = _problems({**MODEL, "memory": {"layer_offload_fraction": 1.5}})
+    assert list(probs) == ["memory.layer_offload_fraction"]
+    assert "memory.layer_offload_fraction: found 1.5, expected less than or equal to 1" in text
+
+
+def test_union_branches_do_not_leak_into_paths():
+    bad = {"stagehand": {"activation_stagehand": {"slabs_per_class": "many"}}}
+    probs, _ = _problems({**MODEL, "memory": {"strategy": "stagehand", **bad}})
+    assert set(probs) == {"memory.stagehand.activation_stagehand.slabs_per_class"}
+
+
+def test_conflicting_rank_spellings_rejected_and_equal_ones_accepted():
+    _, text = _problems({**MODEL, "lora_rank": 8, "adapter": {"rank": 4}})
+    assert "lora_rank (8) and adapter.rank (4) disagree" in text
+    p = validate_preset({**MODEL, "lora_rank": 8, "adapter": {"rank": 8, "alpha": 4}})
+    assert (p.rank, p.alpha) == (8, 4.0)
+
+
+def test_model_needs_exactly_one_source_and_known_type():
+    probs, _ = _problems({"model": {"dtype": "float32"}})
+    assert "model" in probs
+    _, text = _problems({**MODEL, "model_type": "unet9"})
+    assert "model_type 'unet9'" in text
+
+
+def test_check_paths_names_missing_folders(tmp_path):
+    p = validate_preset(json.loads(LTX2_SEED))  # placeholder paths validate...
+    with pytest.raises(PresetError) as info:
+        p.check_paths()  # ...but not when training starts
+    paths = {x["path"] for x in info.value.problems}
+    assert {"model.path", "model.text_encoder_model_name", "data"} <= paths
+    ok = validate_preset({"model": {"path": str(tmp_path)}, "data": {"path": str(tmp_path)}})
+    ok.check_paths()
+
+
+def test_preset_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, runtime.preset; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_load_preset_unknown_name_lists_builtins():
+    with pytest.raises(FileNotFoundError, match="tiny-ci"):
+        load_preset("no-such-preset")
+    assert PRESETS_DIR.is_dir() and isinstance(Preset.model_fields, dict)
