@@ -1,0 +1,362 @@
+"""``ActivationRuntime``: spill autograd's saved tensors to host past a VRAM watermark, restore
+them for backward (ahead of need with predictive restore).
+
+Source: ``shared/seeds/activation-stagehand.md`` (design, config, telemetry, lifecycle). Usage,
+standalone::
+
+    runtime = ActivationRuntime(config, device=device, model=model)
+    for step in range(n):
+        runtime.step_begin(step)
+        with runtime.managed_forward():
+            loss = loss_fn(model(**inputs))
+            runtime.backward_begin()  # optional: restores the first tensors before backward asks
+            loss.backward()
+        runtime.step_end()           # releases every record, emits the step record
+    runtime.close()
+
+Composed (one ``SavedTensorRouter([weights.packer, activations.packer])`` installed by the
+strategy), ``managed_forward(install_hooks=False)`` and ``packer`` are what the strategy uses;
+the seed nests this runtime's step inside the weight runtime's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections import Counter
+from itertools import chain
+
+import torch
+
+from runtime.activations.budget import ActivationBudgetManager
+from runtime.activations.hooks import (
+    KeptTensor,
+    SpilledTensor,
+    managed_forward,
+    span_bytes_view,
+    span_elements,
+)
+from runtime.activations.pool import CPUSpillBackend
+from runtime.activations.prefetch import RestorePlanner
+from runtime.activations.registry import ActivationRecord, ActivationRegistry
+from runtime.activations.registry import ActivationState as S
+from runtime.activations.restore import CATEGORY, RestoreMixin
+from runtime.activations.telemetry import SOURCE, ActivationStepMetrics
+from runtime.activations.transfer import ActivationTransferEngine
+from runtime.common.memory import DeviceMemory
+from runtime.common.telemetry import Telemetry
+from runtime.config import MB, ActivationStagehandConfig
+
+PUBLISH_BYTES = 64 * 1024
+"""Kept bytes are reported to ``DeviceMemory`` in batches of at least this many (a lock and two
+dict updates per saved tensor would double the KEEP path's cost); watermark decisions add the
+unreported bytes, so only the tracked *peak* can lag the truth, by less than this."""
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+class ActivationRuntime(RestoreMixin):
+    """Saved-tensor spill runtime (Activation Stagehand).
+
+    Args:
+        config: ``ActivationStagehandConfig`` (or its JSON block as a dict).
+        device: the compute device.
+        memory: the strategy's shared ``DeviceMemory`` (a new one when None).
+        telemetry: the run's ``Telemetry``; step records go there as
+            ``activation_stagehand/step`` when ``config.telemetry_enabled``.
+        model: its parameters and buffers (and views of them) are never spilled.
+
+    Raises:
+        pydantic.ValidationError: an invalid config dict.
+        ValueError: bad pool classes or caps (see ``CPUSpillBackend``,
+            ``ActivationTransferEngine``).
+    """
+
+    def __init__(
+        self,
+        config: ActivationStagehandConfig | dict,
+        *,
+        device: torch.device | str,
+        memory: DeviceMemory | None = None,
+        telemetry: Telemetry | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        if not isinstance(config, ActivationStagehandConfig):
+            config = ActivationStagehandConfig.model_validate(config)
+        self.config = config
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.memory = memory if memory is not None else DeviceMemory(self.device)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.model = model
+        self.conductor: object | None = None
+        """Set by the Conductor adapter: each spill then asks it for a D2H slot first."""
+        self.transfer = ActivationTransferEngine(
+            self.device, config.max_inflight_d2h, config.max_inflight_h2d
+        )
+        self.budget = ActivationBudgetManager(
+            self.memory, config.vram_high_watermark_mb, config.vram_low_watermark_mb
+        )
+        self.pool = CPUSpillBackend(
+            config.pinned_pool_classes_mb,
+            config.slab_counts(),
+            pin=self.is_cuda,
+            growth_budget_mb=config.pinned_growth_budget_mb,
+        )
+        self.registry = ActivationRegistry()
+        self.planner = RestorePlanner()
+        self.metrics = ActivationStepMetrics()
+        self.min_spill_bytes = max(config.recompute_threshold_bytes, config.min_spill_bytes, 1)
+        self.predictive_restore = config.predictive_restore
+        self.restore_ahead = config.restore_ahead
+        self._track_kept = not self.memory.is_cuda
+        self._live: dict[int, list[int]] = {}
+        """Kept storages counted in tracked memory: data_ptr -> [saved refs, bytes]."""
+        self._unpublished = 0
+        """Kept bytes counted here and not yet reported to ``DeviceMemory`` (signed)."""
+        self._generation = 0
+        self._weights: dict[int, torch.Tensor] = {}
+        """id -> the model's parameters and buffers: never spilled, never counted."""
+        self._spilled: list[ActivationRecord] = []
+        self._pending: list[tuple[object, torch.Tensor]] = []
+        """(H2D event, host buffer) of restores released before their copy was seen done."""
+        self._misses = Counter()
+        self._seq = 0
+        self._step: int | None = None
+        self._closed = False
+        self.packer = self._pack if config.enabled else _keep
+        """``packer(tensor) -> Packed | None`` for ``SavedTensorRouter``."""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def set_watermarks(self, high_mb: float, low_mb: float) -> None:
+        """New watermarks (MB), effective for the next saved tensor.
+
+        Raises:
+            ValueError: a negative watermark or low above high, naming the field.
+        """
+        self.budget.set_watermarks(high_mb, low_mb)
+
+    def step_begin(self, step: int) -> None:
+        """Start step ``step``: fresh counters, a new peak window, the model's weight storages.
+
+        Raises:
+            RuntimeError: a step is already open, or the runtime is closed.
+        """
+        if self._closed:
+            raise RuntimeError("ActivationRuntime is closed")
+        if self._step is not None:
+            raise RuntimeError(f"step_begin({step}) while step {self._step} is open")
+        self._step = step
+        self.metrics = ActivationStepMetrics(step=step)
+        self._seq = 0
+        self._misses.clear()
+        if self.model is not None:
+            # By identity, not storage address: a weight runtime swaps the storages of streamed
+            # weights, and a freed address may come back as an activation. Refreshed each step
+            # (adapters may have been added); the dict holds the tensors so no id is reused.
+            tensors = chain(self.model.parameters(), self.model.buffers())
+            self._weights = {id(t): t for t in tensors}
+        self.memory.reset_peak()
+        self.budget.reset()
+
+    def managed_forward(self, install_hooks: bool = True) -> contextlib.AbstractContextManager:
+        """The hook context (see ``hooks.managed_forward``)."""
+        return managed_forward(self, install_hooks)
+
+    def backward_begin(self) -> None:
+        """Backward is about to start: finish in-flight spills, plan the backward order and
+        restore its first ``restore_ahead`` tensors (the seed's strategy calls this from its
+        BACKWARD phase; without it the first unpack starts the plan, and stalls once)."""
+        self._finalize(list(self.transfer.d2h_inflight))
+        if not self.planner.active:
+            self._start_plan()
+
+    def step_end(self) -> None:
+        """End the step: finish every copy, release every record of the step, untrack what was
+        kept, grow the pool if it missed too often, emit the ``activation_stagehand/step``
+        record. Safe without ``step_begin`` (releases what the hooks created)."""
+        self._finalize(list(self.transfer.d2h_inflight))
+        for record in self.transfer.completed_restores(block=True):
+            self._restored(record)
+        self._retire_pending(block=True)
+        for record in self.registry:
+            self._release_record(record)
+        self._unpublished -= sum(nbytes for _count, nbytes in self._live.values())
+        self._live.clear()
+        self._publish()
+        self._generation += 1
+        self._spilled = []
+        self.planner.end_step(self._seq)
+        self.metrics.vram_peak_mb = self.memory.peak_bytes() / MB
+        self._grow_pool()
+        if self.config.telemetry_enabled and self._step is not None:
+            self.telemetry.emit(SOURCE, "step", **self.metrics.record())
+        self._step = None
+
+    def step_metrics(self) -> dict:
+        """The step record's fields (``telemetry.STEP_FIELDS``) of the open or last step."""
+        if self._step is not None:
+            self.metrics.vram_peak_mb = self.memory.peak_bytes() / MB
+        return self.metrics.record()
+
+    def snapshot(self) -> dict:
+        """Live knobs, for the Conductor's runtime snapshots."""
+        return {"max_d2h": self.transfer.max_d2h, "max_h2d": self.transfer.max_h2d}
+
+    def close(self) -> None:
+        """Release everything and free the pool; the packer keeps everything afterwards."""
+        if self._closed:
+            return
+        self.step_end()
+        self.pool.close()
+        self._weights = {}
+        self._closed = True
+        self.packer = _keep
+
+    # -- pack ------------------------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> object | None:
+        metrics = self.metrics
+        metrics.activations_saved += 1
+        seq = self._seq
+        self._seq = seq + 1
+        nbytes = tensor.nbytes
+        if self.budget.pressure(nbytes, self._unpublished) and nbytes >= self.min_spill_bytes:
+            handle = self._try_spill(tensor, seq)
+            if handle is not None:
+                return handle
+        metrics.activations_kept += 1
+        if not self._track_kept:
+            return None  # KEEP: the router saves the tensor itself
+        # Tracked memory (CPU): see NOTE [ Tracking kept tensors ] in hooks.py. Inlined: this
+        # runs for every kept tensor.
+        weights = self._weights
+        base = tensor._base
+        if id(tensor) in weights or (base is not None and id(base) in weights):
+            return None  # weights are not activations: never counted here
+        key = tensor.data_ptr()
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [1, nbytes]
+            self._unpublished += nbytes
+            if self._unpublished >= PUBLISH_BYTES:
+                self._publish()
+        else:
+            entry[0] += 1
+        return KeptTensor(tensor, key, self._generation, self)
+
+    def _drop_kept(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._live[key]
+                self._unpublished -= entry[1]
+                if self._unpublished <= -PUBLISH_BYTES:
+                    self._publish()
+
+    def _publish(self) -> None:
+        """Report the kept bytes counted since the last report to ``DeviceMemory``."""
+        pending, self._unpublished = self._unpublished, 0
+        if pending > 0:
+            self.memory.track(pending, CATEGORY)
+        elif pending < 0:
+            self.memory.untrack(-pending, CATEGORY)
+
+    def _is_weight(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base  # the root of any chain of views
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter):
+            return True
+        if id(tensor) in self._weights or (base is not None and id(base) in self._weights):
+            return True
+        # Without the model, a leaf that requires grad is taken for a parameter.
+        return self.model is None and tensor.requires_grad and tensor.is_leaf
+
+    def _try_spill(self, tensor: torch.Tensor, seq: int) -> SpilledTensor | None:
+        if (
+            tensor.device.type != self.device.type
+            or tensor.layout is not torch.strided
+            or _graph_task_id() != -1  # saved during backward: needed again right away
+            or self._is_weight(tensor)
+        ):
+            return None
+        span = span_elements(tuple(tensor.shape), tensor.stride())
+        nbytes = span * tensor.element_size()
+        if nbytes <= 0:
+            return None
+        self._poll()
+        metrics = self.metrics
+        if not self.transfer.can_spill():
+            if self.transfer.max_d2h == 0:
+                return self._refuse(tensor, seq)
+            # The seed's inline finalize: without it only one tensor per step would spill.
+            self._finalize(list(self.transfer.d2h_inflight))
+            metrics.inline_finalizes += 1
+        grant = None
+        if self.conductor is not None:
+            grant = self.conductor.request_transfer("d2h", "required")
+            if not grant.granted:
+                return self._refuse(tensor, seq)
+        buffer, pooled = self.pool.acquire(nbytes)
+        record = self.registry.create(seq, S.SPILLING, tensor)
+        record.span, record.nbytes, record.buffer, record.pooled = span, nbytes, buffer, pooled
+        record.grant = grant
+        source = span_bytes_view(tensor, span)
+        record.device_tensor = source  # held until the D2H copy completes
+        record.event = self.transfer.spill_copy(source, buffer)
+        self.transfer.d2h_inflight.append(record)
+        metrics.activations_spilled += 1
+        metrics.spill_bytes += nbytes
+        if pooled:
+            metrics.pool_hits += 1
+        else:
+            metrics.pool_misses += 1
+            self._misses[self.pool.class_for(nbytes)] += 1
+        self._spilled.append(record)
+        if self.planner.active:
+            self.planner.active = False  # a new forward after a backward: plan again
+        if not self.is_cuda:
+            self._finalize([record])  # the copy was synchronous
+        return SpilledTensor(record, self)
+
+    def _refuse(self, tensor: torch.Tensor, seq: int) -> None:
+        self.registry.create(seq, S.KEPT, tensor)
+        self.metrics.spills_denied += 1
+        return None
+
+    def _finalize(self, records: list[ActivationRecord]) -> None:
+        for record in self.transfer.finalize(records):
+            self._spilled_done(record)
+
+    def _spilled_done(self, record: ActivationRecord) -> None:
+        self.registry.transition(record, S.SPILLED)
+        record.device_tensor = None  # the device memory is free once forward drops it too
+        if record.grant is not None:
+            record.grant.release()
+            record.grant = None
+        if self.config.debug_checksums:
+            record.crc32 = zlib.crc32(record.buffer.numpy())
+
+    # -- pool growth -------------------------------------------------------------------------------
+    def _grow_pool(self) -> None:
+        """Beyond the seed (v0 limit "fixed pool at init"): after a step with more than
+        ``pool_growth_miss_threshold`` misses, add slabs to the classes that missed, within
+        ``pinned_growth_budget_mb``. Tensors larger than every class cannot be helped."""
+        threshold = self.config.pool_growth_miss_threshold
+        if threshold <= 0 or self.metrics.pool_misses <= threshold:
+            return
+        for index, misses in sorted((i, n) for i, n in self._misses.items() if i is not None):
+            class_mb = self.pool.class_sizes_mb[index]
+            added = self.pool.grow(class_mb, misses)
+            if added:
+                self.telemetry.emit(
+                    SOURCE,
+                    "event",
+                    event="pool_grown",
+                    class_mb=class_mb,
+                    slabs_added=added,
+                    pool_total_mb=self.pool.total_bytes() / MB,
+                )
+
+
+def _keep(tensor: torch.Tensor) -> None:
+    return None
