@@ -1,0 +1,181 @@
+"""Set-up: register the blocks, bind each block parameter to its source, place the rest.
+
+File-backed conversion (the seed's ``convert_registry_to_file_backed_sharded``): with a
+checkpoint folder, every frozen block parameter is matched to a checkpoint tensor and the
+module's own copy is released; a parameter that matches no key, or whose shape or dtype
+differs, raises at set-up naming it (never filled with zeros). Trainable parameters (LoRA
+``lora_A``/``lora_B``, a fully fine-tuned block) are module-backed: their host master is the
+only copy, preserved on eviction. A model built on the ``meta`` device (no weights in RAM) gets
+its parameters from the checkpoint: resident ones are read once, block ones stream.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.config import MB
+from runtime.weights.errors import (
+    BlockTooLargeError,
+    ParameterMismatchError,
+    UnmatchedParameterError,
+)
+from runtime.weights.pool import PinnedPool
+from runtime.weights.registry import Block, BlockState, build_layout
+from runtime.weights.sources import SafetensorsCheckpoint
+from runtime.weights.transfer import placeholder
+
+
+def _checked_key(
+    source: SafetensorsCheckpoint, name: str, shape: torch.Size, dtype: torch.dtype
+) -> str:
+    key = source.resolve(name)
+    entry = source.entries[key]
+    if tuple(shape) != entry.shape or dtype != entry.dtype:
+        raise ParameterMismatchError(
+            f"parameter {name!r}: model has shape {tuple(shape)} {dtype}, checkpoint tensor "
+            f"{key!r} has shape {entry.shape} {entry.dtype}"
+        )
+    return key
+
+
+def _replace_param(
+    model: nn.Module, qualname: str, data: torch.Tensor, requires_grad: bool
+) -> nn.Parameter:
+    # A meta parameter cannot take CPU data through ``.data`` (incompatible tensor type), so
+    # the Parameter object itself is replaced; this happens before any optimizer exists.
+    owner_name, _, leaf = qualname.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    new = nn.Parameter(data, requires_grad=requires_grad)
+    owner._parameters[leaf] = new
+    return new
+
+
+def register_blocks(
+    model: nn.Module,
+    found: list[tuple[str, nn.Module]],
+    source: SafetensorsCheckpoint | None,
+    file_backed: bool,
+    pin_trainable: bool,
+    inference: bool = False,
+) -> list[Block]:
+    """Blocks with layouts and sources; every block parameter released to its UNLOADED form.
+
+    Raises:
+        UnmatchedParameterError: a parameter has no checkpoint tensor (or is on ``meta`` with no
+            checkpoint to read it from).
+        ParameterMismatchError: shape or dtype differ from the checkpoint tensor.
+    """
+    qualnames = {p: n for n, p in model.named_parameters()}
+    blocks = []
+    for index, (name, module) in enumerate(found):
+        block = Block(name=name, index=index, module=module)
+        build_layout(block, qualnames)
+        for slot in block.layout:
+            # Inference mode never updates weights: ``requires_grad`` left on by a loader
+            # (transformers leaves it on) must not keep a text encoder off the file path.
+            slot.trainable = slot.trainable and not inference
+            meta = slot.param.device.type == "meta"
+            key = None
+            if source is not None and ((file_backed and not slot.trainable) or meta):
+                key = _checked_key(source, slot.qualname, slot.shape, slot.dtype)
+            elif meta:
+                raise UnmatchedParameterError(
+                    f"parameter {slot.qualname!r} is on the meta device and no checkpoint_dir was given"
+                )
+            if file_backed and key is not None and not slot.trainable:
+                slot.key = key
+                data = placeholder(slot.dtype)
+            else:
+                host = source.load(key) if meta else slot.param.data
+                if host.device.type != "cpu":
+                    host = host.cpu()
+                if slot.trainable and pin_trainable:
+                    host = host.pin_memory()  # D2H copies back on eviction run asynchronously
+                slot.host = data = host
+            if meta:
+                slot.param = _replace_param(model, slot.qualname, data, slot.trainable)
+            else:
+                slot.param.data = data
+        block.state = BlockState.UNLOADED
+        blocks.append(block)
+    return blocks
+
+
+def check_sizes(blocks: list[Block], pool: PinnedPool, device: torch.device) -> None:
+    """Refuse, at set-up, a block that cannot be staged or placed at all.
+
+    A block larger than a slab takes the direct path; larger than the whole pinned pool (the
+    host staging budget) or than the device's memory it cannot load, and would otherwise fail
+    on its first load (a defect of the public implementation).
+
+    Raises:
+        BlockTooLargeError: names the block and the sizes involved (MB).
+    """
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for block in blocks:
+        if block.nbytes > pool.pool_bytes:
+            raise BlockTooLargeError(
+                f"block {block.name!r} needs {block.nbytes / MB:.2f} MB, more than the whole pinned "
+                f"pool ({pool.pool_bytes / MB:.2f} MB, pinned_pool_mb); raise pinned_pool_mb"
+            )
+        if total is not None and block.nbytes > total:
+            raise BlockTooLargeError(
+                f"block {block.name!r} needs {block.nbytes / MB:.2f} MB, more than the device's "
+                f"{total / MB:.2f} MB"
+            )
+
+
+def place_resident(
+    model: nn.Module,
+    blocks: list[Block],
+    source: SafetensorsCheckpoint | None,
+    device: torch.device,
+) -> int:
+    """Move everything outside the blocks (and every buffer) to ``device``; returns its bytes.
+
+    Raises:
+        UnmatchedParameterError / ParameterMismatchError: a ``meta`` tensor cannot be read.
+    """
+    streamed = {id(slot.param) for block in blocks for slot in block.layout}
+    nbytes = 0
+    for name, param in list(model.named_parameters()):
+        if id(param) in streamed:
+            continue
+        if param.device.type == "meta":
+            if source is None:
+                raise UnmatchedParameterError(
+                    f"parameter {name!r} is on the meta device and no checkpoint_dir was given"
+                )
+            key = _checked_key(source, name, param.shape, param.dtype)
+            param = _replace_param(model, name, source.load(key).to(device), param.requires_grad)
+        else:
+            param.data = param.data.to(device)
+        nbytes += param.numel() * param.element_size()
+    for module_name, module in model.named_modules():
+        for leaf, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if buf.device.type == "meta":
+                if source is None:
+                    raise UnmatchedParameterError(
+                        f"buffer {name!r} is on the meta device and no checkpoint_dir was given"
+                    )
+                buf = source.load(_checked_key(source, name, buf.shape, buf.dtype))
+            module._buffers[leaf] = buf = buf.to(device)
+            nbytes += buf.numel() * buf.element_size()
+    return nbytes
+
+
+def restore_blocks(
+    blocks: list[Block], source: SafetensorsCheckpoint | None, device: torch.device
+) -> None:
+    """Every (evicted) block parameter becomes an ordinary tensor on ``device`` again: read from
+    its checkpoint tensor (file-backed) or copied from its host master (module-backed)."""
+    for block in blocks:
+        for slot in block.layout:
+            data = slot.host if slot.key is None else source.load(slot.key)
+            slot.param.data = data.to(device, copy=slot.key is None)
+            if slot.param.grad is not None:
+                slot.param.grad = slot.param.grad.to(device)

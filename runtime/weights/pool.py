@@ -1,0 +1,114 @@
+"""The pinned pool: uniform host slabs that stage block bytes for H2D copies.
+
+Slabs are allocated on first use and then kept until ``close`` (allocated once, never per
+load), page-locked when CUDA is present. A slab is held from staging until its copy's event
+completes. An acquire never waits forever: after ``timeout_s`` it raises ``SlabTimeoutError``
+naming the blocks that hold the slabs (a defect of the public implementation: no timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from runtime.common.device import host_buffer
+from runtime.config import MB
+from runtime.weights.errors import PoolConfigError, SlabTimeoutError
+
+
+@dataclass(eq=False)
+class Slab:
+    index: int
+    buffer: torch.Tensor
+    """uint8, ``slab_bytes`` long."""
+    holder: str | None = None
+
+
+class PinnedPool:
+    """``pool_bytes // slab_bytes`` slabs of ``slab_bytes`` bytes each.
+
+    Raises:
+        PoolConfigError: a size is not positive, or the pool would hold zero slabs.
+    """
+
+    def __init__(self, pool_bytes: int, slab_bytes: int, *, pin: bool, timeout_s: float) -> None:
+        if pool_bytes <= 0 or slab_bytes <= 0:
+            raise PoolConfigError(
+                f"pinned_pool_mb and pinned_slab_mb must be positive, got {pool_bytes} and {slab_bytes} bytes"
+            )
+        self.slab_count = pool_bytes // slab_bytes
+        if self.slab_count == 0:
+            raise PoolConfigError(
+                f"pinned_slab_mb ({slab_bytes / MB:g}) is larger than pinned_pool_mb "
+                f"({pool_bytes / MB:g}): the pool would hold zero slabs"
+            )
+        self.slab_bytes = slab_bytes
+        self.pool_bytes = self.slab_count * slab_bytes
+        self.pin = pin
+        self.timeout_s = timeout_s
+        self.slabs: list[Slab] = []
+        self._free: list[Slab] = []
+        self.closed = False
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes the pool holds now (slabs allocated so far)."""
+        return len(self.slabs) * self.slab_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slabs held by a block."""
+        return (len(self.slabs) - len(self._free)) * self.slab_bytes
+
+    def try_acquire(self, holder: str) -> Slab | None:
+        """A free slab for ``holder``, or None when all ``slab_count`` slabs are held."""
+        if self.closed:
+            raise RuntimeError("the pinned pool is closed")
+        if self._free:
+            slab = self._free.pop()
+        elif len(self.slabs) < self.slab_count:
+            slab = Slab(len(self.slabs), host_buffer(self.slab_bytes, pin=self.pin))
+            self.slabs.append(slab)
+        else:
+            return None
+        slab.holder = holder
+        return slab
+
+    def acquire(self, holder: str, reclaim: Callable[[], bool]) -> Slab:
+        """A slab for ``holder``, calling ``reclaim`` (retire finished copies; True when it freed
+        something) while none is free.
+
+        Raises:
+            SlabTimeoutError: none became free within ``timeout_s`` (names the holders).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            slab = self.try_acquire(holder)
+            if slab is not None:
+                return slab
+            if not reclaim():
+                if time.monotonic() > deadline:
+                    holders = ", ".join(
+                        f"slab {s.index}: {s.holder}" for s in self.slabs if s.holder
+                    )
+                    raise SlabTimeoutError(
+                        f"no free slab for {holder!r} after {self.timeout_s} s "
+                        f"(slab_acquire_timeout_s); {self.slab_count} slabs held by: {holders}"
+                    )
+                time.sleep(0.001)
+
+    def release(self, slab: Slab) -> None:
+        slab.holder = None
+        if not self.closed:
+            self._free.append(slab)
+
+    def close(self) -> None:
+        """Free every slab (seed bug 3: the pool is released before the next stage loads)."""
+        self.closed = True
+        for slab in self.slabs:
+            slab.buffer = torch.empty(0, dtype=torch.uint8)
+        self.slabs.clear()
+        self._free.clear()

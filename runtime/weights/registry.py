@@ -1,0 +1,198 @@
+"""Block registry: find a model's repeated blocks and lay out each block's parameters.
+
+A *block* is one entry of a repeated ``ModuleList`` (``transformer_blocks.3``,
+``encoder.layer.0``, ``model.language_model.layers.17``). Each block has a *layout*: its
+parameters' names, shapes, dtypes and byte offsets inside one contiguous buffer, so a block is
+loaded with one allocation and one H2D copy. Everything outside the blocks stays resident.
+
+Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` (block swap, state machine, bug 1: nested
+text-encoder layouts such as ``model.language_model.layers``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from runtime.weights.errors import BlockDiscoveryError, BlockStateError
+
+ALIGN = 64
+"""Byte alignment of each parameter inside a block buffer (any dtype's view stays aligned)."""
+
+MIN_SHARE = 0.1
+"""A repeated ModuleList holding less than this share of the largest one's bytes stays resident:
+streaming it would cost more hooks than the memory it frees."""
+
+
+class BlockState(enum.Enum):
+    """The seed's block lifecycle: UNLOADED -> HOST_STAGED -> PREFETCHING -> GPU_READY ->
+    EVICTING -> HOST_STAGED -> GPU_FREEING -> UNLOADED."""
+
+    UNLOADED = "unloaded"
+    """No device copy; file-backed weights live only on disk, module-backed on the host."""
+    HOST_STAGED = "host_staged"
+    """Bytes are in a host staging buffer (slab), or copied back to the host on eviction."""
+    PREFETCHING = "prefetching"
+    """H2D copy issued on the transfer stream; its event has not been waited on yet."""
+    GPU_READY = "gpu_ready"
+    """Parameters are views into the block's device buffer; compute may use them."""
+    EVICTING = "evicting"
+    """Trainable (module-backed) parameters and gradients are being copied back to the host."""
+    GPU_FREEING = "gpu_freeing"
+    """The device buffer is being released."""
+
+
+LEGAL: dict[BlockState, frozenset[BlockState]] = {
+    BlockState.UNLOADED: frozenset({BlockState.HOST_STAGED}),
+    BlockState.HOST_STAGED: frozenset({BlockState.PREFETCHING, BlockState.GPU_FREEING}),
+    BlockState.PREFETCHING: frozenset(
+        {BlockState.GPU_READY, BlockState.EVICTING, BlockState.GPU_FREEING}
+    ),
+    BlockState.GPU_READY: frozenset({BlockState.EVICTING, BlockState.GPU_FREEING}),
+    BlockState.EVICTING: frozenset({BlockState.HOST_STAGED}),
+    BlockState.GPU_FREEING: frozenset({BlockState.UNLOADED}),
+}
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter of a block: where it lives in the block buffer and where its bytes come from.
+
+    ``key`` is the checkpoint tensor of a file-backed parameter (None when module-backed);
+    ``host`` is the host master copy of a module-backed parameter (the only copy of its data).
+    """
+
+    name: str
+    qualname: str
+    param: nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+    trainable: bool
+    key: str | None = None
+    host: torch.Tensor | None = None
+    host_grad: torch.Tensor | None = None
+
+    @property
+    def file_backed(self) -> bool:
+        return self.key is not None
+
+
+@dataclass(eq=False)
+class Block:
+    """One streamed block: ``nbytes`` is the size of its contiguous buffer (aligned layout)."""
+
+    name: str
+    index: int
+    module: nn.Module
+    layout: list[ParamSlot] = field(default_factory=list)
+    nbytes: int = 0
+    state: BlockState = BlockState.UNLOADED
+    flat: torch.Tensor | None = None
+    """The device buffer (uint8, ``nbytes``) while PREFETCHING or GPU_READY."""
+    load_event: object | None = None
+    staging: object | None = None
+    """The slab or temporary host buffer a copy reads from, held until its event completes."""
+    prefetched: bool = False
+    """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
+    grant: object | None = None
+    d2h_event: object | None = None
+    """The copy back of trainable parameters to their host masters (read only after it)."""
+
+    def to(self, new: BlockState) -> None:
+        """Move to ``new``; raises ``BlockStateError`` naming both states when illegal."""
+        if new not in LEGAL[self.state]:
+            allowed = " or ".join(sorted(s.name for s in LEGAL[self.state]))
+            raise BlockStateError(
+                f"block {self.name!r}: illegal transition {self.state.name} -> {new.name} "
+                f"(from {self.state.name} expected {allowed})"
+            )
+        self.state = new
+
+    @property
+    def on_device(self) -> bool:
+        return self.state in (BlockState.PREFETCHING, BlockState.GPU_READY)
+
+
+def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
+    """The model's blocks as ``(qualified name, module)`` in registration order.
+
+    With ``pattern`` (a regex, ``re.fullmatch`` on module names) the outermost matching modules
+    are the blocks. Without it, every ``ModuleList`` of >= 2 modules of one class that holds
+    parameters and is not inside another such list is a candidate; candidates holding at least
+    ``MIN_SHARE`` of the largest candidate's bytes are streamed (Flux: ``transformer_blocks`` and
+    ``single_transformer_blocks``; BERT: ``encoder.layer``; Gemma 3: ``model.language_model.layers``).
+
+    Raises:
+        BlockDiscoveryError: nothing matched (names the pattern or the model class).
+    """
+    if pattern is not None:
+        regex = re.compile(pattern)
+        found: list[tuple[str, nn.Module]] = []
+        for name, module in model.named_modules():
+            if (
+                name
+                and regex.fullmatch(name)
+                and not any(name.startswith(f + ".") for f, _ in found)
+            ):
+                found.append((name, module))
+        if not found:
+            raise BlockDiscoveryError(
+                f"block_pattern {pattern!r} matched no module of {type(model).__name__}"
+            )
+        return found
+    candidates: list[tuple[str, nn.ModuleList, int]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        if any(name.startswith(c + ".") for c, _, _ in candidates):
+            continue  # nested inside a list already chosen (e.g. attn.to_out)
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        if nbytes:
+            candidates.append((name, module, nbytes))
+    if not candidates:
+        raise BlockDiscoveryError(
+            f"no repeated blocks found in {type(model).__name__}: no ModuleList of >= 2 modules "
+            "of one class holds parameters; pass block_pattern"
+        )
+    largest = max(c[2] for c in candidates)
+    blocks = []
+    for name, module, nbytes in candidates:
+        if nbytes >= MIN_SHARE * largest:
+            blocks.extend(
+                (f"{name}.{i}" if name else str(i), child) for i, child in enumerate(module)
+            )
+    return blocks
+
+
+def build_layout(block: Block, qualnames: dict[nn.Parameter, str]) -> None:
+    """Fill ``block.layout`` and ``block.nbytes`` from the module's parameters (aligned offsets)."""
+    offset = 0
+    for name, param in block.module.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        block.layout.append(
+            ParamSlot(
+                name=name,
+                qualname=qualnames[param],
+                param=param,
+                shape=param.shape,
+                dtype=param.dtype,
+                offset=offset,
+                nbytes=nbytes,
+                trainable=param.requires_grad,
+            )
+        )
+        offset += -(-nbytes // ALIGN) * ALIGN
+    block.nbytes = offset
+
+
+def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """The parameter's tensor inside a block buffer (``flat``: uint8, the block's ``nbytes``)."""
+    return flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)

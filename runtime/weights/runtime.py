@@ -1,0 +1,451 @@
+"""StagehandRuntime: a model's blocks stream through a pinned pool to the compute device.
+
+Usage (standalone)::
+
+    runtime = StagehandRuntime(model, StagehandConfig(...), device="cuda", checkpoint_dir=folder)
+    for step in range(steps):
+        runtime.begin_step(step)                 # optional: steps are detected when omitted
+        with runtime.managed_forward():
+            loss = loss_fn(model(**inputs))
+        with runtime.managed_backward():
+            loss.backward()
+        with runtime.optimizer_context(optimizer):   # trainable params + state on the device
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        runtime.end_step()
+    runtime.close()
+
+A composed strategy builds one ``SavedTensorRouter([weights.packer, activations.packer])`` and
+passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Backward block
+boundaries ] and NOTE [ Saved weight views ] (hooks.py). Source:
+``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from runtime.common.device import uses_cuda
+from runtime.common.memory import DeviceMemory
+from runtime.common.saved_tensors import SavedTensorRouter
+from runtime.common.telemetry import Telemetry
+from runtime.config import MB, StagehandConfig
+from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
+from runtime.weights.hooks import WeightView, wrap_inputs, wrap_outputs
+from runtime.weights.optimizer import trainable_on_device
+from runtime.weights.pool import PinnedPool
+from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
+from runtime.weights.scheduler import BlockScheduler
+from runtime.weights.sources import SafetensorsCheckpoint
+from runtime.weights.transfer import TransferEngine
+
+_COUNTERS = (
+    "blocks_loaded",
+    "blocks_evicted",
+    "prefetch_hits",
+    "prefetch_misses",
+    "prefetch_skipped",
+    "stall_time_ms",
+)
+
+
+def _in_backward() -> bool:
+    # Inside the autograd engine: a gradient-checkpoint recomputation, not a new forward.
+    return torch._C._current_graph_task_id() != -1
+
+
+class StagehandRuntime:
+    """Weight streaming for one model (see the module docstring).
+
+    Raises (at set-up): ``BlockDiscoveryError``, ``UnmatchedParameterError``,
+    ``ParameterMismatchError``, ``BlockTooLargeError``, ``PoolConfigError``, ``ValueError``
+    (watermarks, mode), all from ``runtime.weights.errors``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: StagehandConfig,
+        *,
+        device: torch.device | str,
+        memory: DeviceMemory | None = None,
+        telemetry: Telemetry | None = None,
+        mode: Literal["training", "inference"] = "training",
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        if mode not in ("training", "inference"):
+            raise ValueError(f'mode must be "training" or "inference", got {mode!r}')
+        self.model, self.config, self.mode = model, config, mode
+        self.device = torch.device(device)
+        self._owns_memory = memory is None
+        self.memory = memory if memory is not None else DeviceMemory(self.device)
+        self._owns_telemetry = telemetry is None
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.conductor: Any | None = None
+        self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
+        cuda = uses_cuda(self.device)
+        self.pool = PinnedPool(
+            int(config.pinned_pool_mb * MB),
+            int(config.pinned_slab_mb * MB),
+            pin=cuda,
+            timeout_s=config.slab_acquire_timeout_s,
+        )
+        self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
+        found = find_blocks(model, config.block_pattern)
+        self.blocks: list[Block] = register_blocks(
+            model,
+            found,
+            self.source,
+            config.file_backed and self.source is not None,
+            cuda,
+            mode == "inference",
+        )
+        check_sizes(self.blocks, self.pool, self.device)
+        self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
+        self.memory.track(self.resident_bytes, "weights")
+        self.scheduler = BlockScheduler(config.prefetch_window_blocks)
+        self.transfer = TransferEngine(
+            self.device, self.pool, self.memory, self.source, config.max_inflight_transfers
+        )
+        self.transfer.on_copy_done = self._copy_done
+        self.router = SavedTensorRouter([self.packer])
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._by_storage: dict[int, Block] = {}
+        self._by_ptr: dict[int, ParamSlot] = {}
+        self._active: set[int] = set()
+        self._handles = []
+        for block in self.blocks:
+            self._handles.append(
+                block.module.register_forward_pre_hook(
+                    partial(self._pre_hook, block), with_kwargs=True
+                )
+            )
+            self._handles.append(
+                block.module.register_forward_hook(
+                    partial(self._post_hook, block), with_kwargs=True
+                )
+            )
+        self.step: int | None = None
+        self._open = self._explicit = self._saw_backward = False
+        self._first_block: int | None = None
+        self._counts: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._h2d_at_begin = 0
+        self._last: dict[str, Any] = {}
+        self._closed = False
+
+    # -- knobs ----------------------------------------------------------------------------------
+    def set_watermarks(self, high_mb: float, low_mb: float) -> None:
+        """Set the VRAM watermarks (MB). Raises ``ValueError`` naming the field at fault."""
+        for field, value in (
+            ("vram_high_watermark_mb", high_mb),
+            ("vram_low_watermark_mb", low_mb),
+        ):
+            if not isinstance(value, (int, float)) or value != value or value < 0:
+                raise ValueError(f"{field} must be a number >= 0 (MB), got {value!r}")
+        if low_mb > high_mb:
+            raise ValueError(
+                f"vram_low_watermark_mb ({low_mb}) must not be above vram_high_watermark_mb ({high_mb})"
+            )
+        self.high_mb, self.low_mb = float(high_mb), float(low_mb)
+
+    def snapshot(self) -> dict[str, int]:
+        """Live knobs for the Conductor's ``runtime_snapshots``."""
+        return {
+            "max_inflight": self.transfer.max_inflight,
+            "prefetch_window": self.scheduler.prefetch_window,
+        }
+
+    # -- steps ----------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Open step ``step`` (closing a step still open) and prefetch its first blocks."""
+        if self._open:
+            self.end_step()
+        self._start(step, explicit=True)
+
+    def _start(self, step: int, explicit: bool) -> None:
+        self.step, self._open, self._explicit = step, True, explicit
+        self._saw_backward, self._first_block = False, None
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._h2d_at_begin = self.transfer.h2d_bytes
+        self._t_step = time.perf_counter()
+        if self._owns_memory:
+            self.memory.reset_peak()
+        self.telemetry.step = step  # a composed strategy sets the same number
+        self._prefetch()
+
+    def end_step(self) -> None:
+        """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``."""
+        if not self._open:
+            return
+        self._finish_backward()
+        self.transfer.synchronize_d2h()
+        traced = self.scheduler.end_step()
+        self._open = False
+        mem = self.memory.snapshot()
+        c = self._counts
+        self._last = {
+            "blocks_loaded": int(c["blocks_loaded"]),
+            "blocks_evicted": int(c["blocks_evicted"]),
+            "prefetch_hits": int(c["prefetch_hits"]),
+            "prefetch_misses": int(c["prefetch_misses"]),
+            "prefetch_skipped": int(c["prefetch_skipped"]),
+            "stall_time_ms": c["stall_time_ms"],
+            "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
+            **mem,
+            "pool_used_mb": self.pool.used_bytes / MB,
+            "pool_total_mb": self.pool.pool_bytes / MB,
+            "pool_allocated_mb": self.pool.allocated_bytes / MB,
+            "vram_high_watermark_mb": self.high_mb,
+            "vram_low_watermark_mb": self.low_mb,
+            "prefetch_window_blocks": self.scheduler.prefetch_window,
+            "trace_updated": traced,
+            "step_time_ms": (time.perf_counter() - self._t_step) * 1e3,
+        }
+        self.telemetry.emit("stagehand", "step", **self._last)
+        self._prefetch()  # the next step's first blocks (cursor is at the order's start)
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The last closed step's ``stagehand/step`` fields (docs/contracts.md)."""
+        return dict(self._last)
+
+    def _forward_started(self, block: Block) -> None:
+        # Step boundaries when begin_step is not called: the first block's forward after a
+        # backward (or, forward-only, the first block again) starts a new step.
+        if self._explicit and self._open:
+            pass
+        elif not self._open:
+            self._start(0 if self.step is None else self.step + 1, explicit=False)
+        elif self._saw_backward or (
+            block.index == self._first_block
+            and (self.mode == "inference" or not torch.is_grad_enabled())
+        ):
+            self.end_step()
+            self._start(self.step + 1, explicit=False)
+        if self._first_block is None:
+            self._first_block = block.index
+
+    # -- contexts -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def managed_forward(self, install_hooks: bool = True) -> Iterator[None]:
+        """Forward under the saved-tensor router (skip with ``install_hooks=False`` when a
+        composed strategy installs one router with this runtime's ``packer`` first)."""
+        with self.router.hooks() if install_hooks else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def managed_backward(self) -> Iterator[None]:
+        """Backward; on exit, blocks whose end boundary did not fire are finished and gradient
+        copies to the host are waited on (they may be read next)."""
+        yield
+        self._finish_backward()
+        self.transfer.synchronize_d2h()
+
+    def optimizer_context(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Trainable block parameters, their gradients and optimizer state on the compute device
+        for ``optimizer.step()``, back to their host masters after (the seed's bug 6)."""
+        self.transfer.synchronize_d2h()
+        for block in self.blocks:
+            if block.state is BlockState.PREFETCHING:
+                self._ready(block)
+        return trainable_on_device(self.blocks, self.device, self.memory, optimizer)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _pre_hook(self, block: Block, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        recompute = _in_backward()
+        if not recompute:
+            self._forward_started(block)
+        self._use(block, "recompute" if recompute else "forward")
+        if self.mode != "training" or not torch.is_grad_enabled():
+            return None
+        # Wrapped in a recomputation too: the anchor decides what autograd saves, and a
+        # checkpoint's recomputation must save exactly what the original forward saved.
+        return wrap_inputs(args, kwargs, partial(self._backward_end, block), self._anchor)
+
+    def _post_hook(
+        self, block: Block, module: nn.Module, args: tuple, kwargs: dict, output: Any
+    ) -> Any:
+        if _in_backward():
+            return None  # recomputation: the block's backward follows
+        self._emit_block("exit", block, direction="forward")
+        self._done(block)
+        if self.mode != "training" or not torch.is_grad_enabled():
+            return None
+        return wrap_outputs(output, partial(self._backward_begin, block))
+
+    def _backward_begin(self, block: Block) -> None:
+        self._saw_backward = True
+        self._use(block, "backward")
+
+    def _backward_end(self, block: Block) -> None:
+        self._emit_block("exit", block, direction="backward")
+        self._done(block)
+
+    def _finish_backward(self) -> None:
+        for index in sorted(self._active, reverse=True):
+            self._done(self.blocks[index])
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _use(self, block: Block, direction: str) -> None:
+        self.scheduler.record_use(block.index, recompute=direction == "recompute")
+        self._active.add(block.index)
+        self._emit_block("enter", block, direction=direction)
+        self._ensure(block)
+        self._prefetch()
+
+    def _ensure(self, block: Block) -> None:
+        if block.state is BlockState.GPU_READY:
+            self._count_hit(block)
+            return
+        t0 = time.perf_counter()
+        miss = block.state is BlockState.UNLOADED
+        if miss:
+            self._counts["prefetch_misses"] += 1
+            self.transfer.load(block, speculative=False)
+            self._counts["blocks_loaded"] += 1
+            self._emit_block("load", block, prefetch=False)
+        else:
+            self._count_hit(block)
+        self._ready(block)
+        # Host time the compute waited: a demand load (on CUDA a prefetched block's event wait
+        # is on the device and costs the host nothing).
+        stall_ms = (time.perf_counter() - t0) * 1e3
+        self._counts["stall_time_ms"] += stall_ms
+        if miss:
+            self._emit_block("stall", block, stall_ms=stall_ms)
+
+    def _count_hit(self, block: Block) -> None:
+        if block.prefetched:
+            self._counts["prefetch_hits"] += 1
+            block.prefetched = False
+
+    def _ready(self, block: Block) -> None:
+        self.transfer.ready(block)
+        self._by_storage[block.flat.untyped_storage().data_ptr()] = block
+        for slot in block.layout:
+            self._by_ptr[slot.param.data_ptr()] = slot
+
+    def _prefetch(self) -> None:
+        for index in self.scheduler.upcoming():
+            block = self.blocks[index]
+            if block.state is not BlockState.UNLOADED:
+                continue
+            if self.memory.usage_bytes() + block.nbytes > self.high_mb * MB:
+                self._counts["prefetch_skipped"] += (
+                    1  # can_prefetch: would cross the high watermark
+                )
+                return
+            grant = None
+            if self.conductor is not None:
+                grant = self.conductor.request_transfer("h2d", "speculative")
+                if not grant.granted:
+                    self._counts["prefetch_skipped"] += 1
+                    return
+            block.grant = grant
+            if not self.transfer.load(block, speculative=True):
+                block.grant = None
+                if grant is not None:
+                    grant.release()
+                self._counts["prefetch_skipped"] += 1
+                return
+            block.prefetched = True
+            self._counts["blocks_loaded"] += 1
+            self._emit_block("load", block, prefetch=True)
+
+    def _copy_done(self, block: Block) -> None:
+        if block.grant is not None:
+            block.grant.release()
+            block.grant = None
+
+    def _done(self, block: Block) -> None:
+        self._active.discard(block.index)
+        if block.on_device:
+            soon = self.scheduler.upcoming()
+            if block.index not in soon or self.memory.usage_bytes() > self.low_mb * MB:
+                self._evict(block)
+            # Evict what the order does not need soon until usage is under the low watermark.
+            while self.memory.usage_bytes() > self.low_mb * MB:
+                soon = self.scheduler.upcoming()
+                idle = [
+                    b
+                    for b in self.blocks
+                    if b.on_device and b.index not in self._active and b.index not in soon
+                ]
+                if not idle:
+                    break
+                self._evict(max(idle, key=lambda b: self.scheduler.distance(b.index)))
+        self._prefetch()
+
+    def _evict(self, block: Block) -> None:
+        if block.flat is not None:
+            self._by_storage.pop(block.flat.untyped_storage().data_ptr(), None)
+        for slot in block.layout:
+            self._by_ptr.pop(slot.param.data_ptr(), None)
+        self.transfer.evict(block)
+        self._counts["blocks_evicted"] += 1
+        self._emit_block("evict", block)
+
+    # -- saved weight views ---------------------------------------------------------------------
+    def packer(self, tensor: torch.Tensor) -> WeightView | None:
+        """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None.
+        O(1): two dict lookups (see NOTE [ Saved weight views ] in hooks.py)."""
+        block = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if block is None or tensor.device != block.flat.device:
+            return None
+        slot = self._by_ptr.get(tensor.data_ptr())
+        if slot is None:
+            byte = tensor.data_ptr() - block.flat.data_ptr()
+            slot = next(s for s in block.layout if s.offset <= byte < s.offset + max(s.nbytes, 1))
+        return WeightView(partial(self._ensure_loaded, block), slot, tensor)
+
+    def _ensure_loaded(self, block: Block) -> None:
+        if block.state is not BlockState.GPU_READY:
+            self._ensure(block)
+
+    # -- telemetry ------------------------------------------------------------------------------
+    def _emit_block(self, event: str, block: Block, **fields: Any) -> None:
+        if self.config.block_events:
+            self.telemetry.emit(
+                "stagehand",
+                "block",
+                event=event,
+                block=block.index,
+                block_name=block.name,
+                vram_allocated_mb=self.memory.allocated_bytes() / MB,
+                vram_reserved_mb=self.memory.reserved_bytes() / MB,
+                vram_source=self.memory.source,
+                **fields,
+            )
+
+    # -- teardown -------------------------------------------------------------------------------
+    def close(self, restore: bool = True) -> None:
+        """Remove the hooks, free the pinned pool and every block buffer (seed bug 3). With
+        ``restore`` the block parameters become ordinary tensors on the device again (read from
+        their host master or checkpoint); without it file-backed ones stay empty."""
+        if self._closed:
+            return
+        self.end_step()
+        for handle in self._handles:
+            handle.remove()
+        for block in self.blocks:
+            if block.on_device:
+                self._evict(block)
+        self.transfer.synchronize_d2h()
+        if restore:
+            restore_blocks(self.blocks, self.source, self.device)
+        self.pool.close()
+        if self.source is not None:
+            self.source.close()
+        self.memory.untrack(self.resident_bytes, "weights")
+        self._by_storage.clear()
+        self._by_ptr.clear()
+        self._closed = True

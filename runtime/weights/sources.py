@@ -1,0 +1,149 @@
+"""Where a block's bytes come from: a folder of (sharded) safetensors files, or the module.
+
+*File-backed* parameters are read from the checkpoint each time their block loads, straight
+into the staging buffer with positional reads (``os.preadv``): the module keeps no copy, and no
+file page is mapped into the process, so host RSS does not grow with the model (an mmap'd read
+would count every touched page in RSS). The headers are parsed once at set-up, so shapes, dtypes
+and keys are checked before the first step.
+
+Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` ("file-backed mode streams frozen weights
+directly from NVMe ... through a fixed pinned buffer pool").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.weights.errors import StagehandSetupError, UnmatchedParameterError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One checkpoint tensor: its file and absolute byte range."""
+
+    key: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def checkpoint_key(name: str) -> str:
+    """The checkpoint key of a model parameter name: peft's ``base_model.model.`` prefix and
+    ``.base_layer`` (LoRA-wrapped layers) removed."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".").removesuffix(".base_layer")
+
+
+def _read_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a folder of safetensors files (``*.safetensors.index.json`` when sharded).
+
+    Raises:
+        StagehandSetupError: the folder holds no safetensors file, or a header is malformed.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        indexes = sorted(self.folder.glob("*.safetensors.index.json"))
+        if indexes:
+            weight_map = json.loads(indexes[0].read_text())["weight_map"]
+            files = sorted({self.folder / f for f in weight_map.values()})
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise StagehandSetupError(f"checkpoint_dir {self.folder} holds no .safetensors file")
+        self.entries: dict[str, TensorEntry] = {}
+        for path in files:
+            header, data_start = _read_header(path)
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info["dtype"] not in DTYPES:
+                    raise StagehandSetupError(
+                        f"{path.name}: tensor {key!r} has unsupported dtype {info['dtype']}"
+                    )
+                begin, end = info["data_offsets"]
+                self.entries[key] = TensorEntry(
+                    key,
+                    path,
+                    DTYPES[info["dtype"]],
+                    tuple(info["shape"]),
+                    data_start + begin,
+                    end - begin,
+                )
+        self._fds: dict[Path, int] = {}
+
+    def resolve(self, name: str) -> str:
+        """The checkpoint key of model parameter ``name``.
+
+        Raises:
+            UnmatchedParameterError: no key, or several keys, match (names the parameter).
+        """
+        key = checkpoint_key(name)
+        if key in self.entries:
+            return key
+        # Wrapped or unwrapped models (``bert.`` prefixes...): a unique suffix match.
+        hits = [k for k in self.entries if k.endswith("." + key) or key.endswith("." + k)]
+        if len(hits) == 1:
+            return hits[0]
+        raise UnmatchedParameterError(
+            f"parameter {name!r} (checkpoint key {key!r}) matches "
+            f"{'no' if not hits else len(hits)} tensor(s) in {self.folder}"
+            + (f": {hits[:4]}" if hits else "")
+        )
+
+    def read_into(self, key: str, dst: torch.Tensor) -> None:
+        """Read tensor ``key``'s bytes into ``dst`` (a contiguous CPU uint8 tensor of its size)."""
+        entry = self.entries[key]
+        fd = self._fds.get(entry.path)
+        if fd is None:
+            fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+        view = memoryview(dst.numpy()).cast("B")
+        done = 0
+        while done < entry.nbytes:
+            n = os.preadv(fd, [view[done:]], entry.start + done)
+            if n <= 0:
+                raise OSError(
+                    f"short read of {key!r} from {entry.path} at byte {entry.start + done}"
+                )
+            done += n
+
+    def load(self, key: str) -> torch.Tensor:
+        """A fresh CPU tensor holding checkpoint tensor ``key`` (resident parameters)."""
+        entry = self.entries[key]
+        raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+        self.read_into(key, raw)
+        return raw.view(entry.dtype).view(entry.shape)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,84 @@
+"""Shared helpers of the weight runtime tests: tiny factory models, a 3-step training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+from runtime.assets import example_inputs, model_class, output_tensor
+from runtime.config import StagehandConfig
+
+LORA_TARGETS = ["to_q", "to_k", "to_v"]
+
+
+def make_model(
+    arch: str, path: Path, method: str = "lora", checkpointing: bool = False
+) -> torch.nn.Module:
+    """A factory model in train mode: frozen base + peft LoRA, or full fine-tuning of block 1."""
+    model = model_class(arch).from_pretrained(path)
+    model.requires_grad_(False)
+    if method == "lora":
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # lora_B starts at zero: make every LoRA gradient non-trivial
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    else:
+        model.transformer_blocks[1].requires_grad_(True)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def config(**overrides) -> StagehandConfig:
+    """Small pool and slabs for tiny models; window 1; watermarks far above the tiny figures."""
+    fields = {
+        "pinned_pool_mb": 4,
+        "pinned_slab_mb": 1,
+        "prefetch_window_blocks": 1,
+        "vram_high_watermark_mb": 1000,
+        "vram_low_watermark_mb": 1000,
+    }
+    fields.update(overrides)
+    return StagehandConfig(**fields)
+
+
+def train(model: torch.nn.Module, runtime=None, steps: int = 3, begin_step: bool = True):
+    """``steps`` AdamW steps; returns (losses, [{param name: grad}] per step)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], []
+    for step in range(steps):
+        inputs = example_inputs(model, seed=step)
+        if runtime is not None and begin_step:
+            runtime.begin_step(step)
+        with runtime.managed_forward() if runtime is not None else torch.enable_grad():
+            loss = output_tensor(model(**inputs)).pow(2).mean()
+        with runtime.managed_backward() if runtime is not None else torch.enable_grad():
+            loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        with runtime.optimizer_context(opt) if runtime is not None else torch.enable_grad():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if runtime is not None and begin_step:
+            runtime.end_step()
+    return losses, grads
+
+
+def assert_same_training(reference, streamed) -> None:
+    """Loss and every trainable gradient of every step bit-identical (fp32)."""
+    (loss_a, grads_a), (loss_b, grads_b) = reference, streamed
+    assert loss_a == loss_b
+    for step, (ga, gb) in enumerate(zip(grads_a, grads_b, strict=True)):
+        assert ga.keys() == gb.keys() and ga
+        # Some parameters legitimately get zero gradients (SD3's last block drops the context
+        # stream), but most must not: equality of zeros would prove nothing.
+        nonzero = sum(bool(torch.count_nonzero(g)) for g in ga.values())
+        assert nonzero >= 0.75 * len(ga), (
+            f"step {step}: only {nonzero}/{len(ga)} gradients non-zero"
+        )
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), f"step {step}: gradient of {name} differs"

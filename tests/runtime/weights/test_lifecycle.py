@@ -1,0 +1,136 @@
+"""Seed bugs 3, 5 and 6, saved weight views, and close()."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from runtime.assets import example_inputs, output_tensor
+from runtime.common import DeviceMemory, ListSink, SavedTensorRouter, Telemetry
+from runtime.weights import StagehandRuntime
+from runtime.weights.hooks import WeightView
+
+from ._train import config, make_model, train
+
+
+def test_close_frees_pool_and_blocks_before_next_stage(tiny_flux):
+    """Seed bug 3: the pool is released before the next stage loads."""
+    model = make_model("flux", tiny_flux)
+    memory = DeviceMemory("cpu")
+    runtime = StagehandRuntime(
+        model, config(), device="cpu", memory=memory, checkpoint_dir=tiny_flux
+    )
+    train(model, runtime, steps=2)
+    assert runtime.pool.allocated_bytes > 0 and memory.tracked_bytes("weights") > 0
+    slabs = [weakref.ref(slab.buffer) for slab in runtime.pool.slabs]
+    runtime.close(restore=False)
+    gc.collect()
+    assert runtime.pool.allocated_bytes == 0 and all(ref() is None for ref in slabs)
+    assert memory.tracked_bytes("weights") == 0
+    assert all(b.state.name == "UNLOADED" and b.flat is None for b in runtime.blocks)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-gc", "gc"])
+def test_gradient_checkpointing_really_recomputes(tiny_video, checkpointing):
+    """Seed bug 5: with checkpointing on, every block's forward runs twice per step."""
+    model = make_model("ltx", tiny_video, "lora", checkpointing)
+    assert model.is_gradient_checkpointing == checkpointing
+    sink = ListSink()
+    runtime = StagehandRuntime(model, config(), device="cpu", telemetry=Telemetry(sink))
+    calls = {b.index: 0 for b in runtime.blocks}
+    for block in runtime.blocks:
+        block.module.register_forward_pre_hook(
+            lambda m, a, i=block.index: calls.__setitem__(i, calls[i] + 1)
+        )
+    train(model, runtime, steps=2)
+    expected = 2 if checkpointing else 1
+    assert calls == {b.index: 2 * expected for b in runtime.blocks}
+    recomputes = [r for r in sink.of("stagehand", "block") if r.get("direction") == "recompute"]
+    assert len(recomputes) == (2 * len(runtime.blocks) if checkpointing else 0)
+
+
+def test_optimizer_step_runs_with_trainable_params_on_device(tiny_flux):
+    """Seed bug 6: trainable block params, grads and optimizer state are on the compute device
+    for optimizer.step() and back on their host masters after."""
+    model = make_model("flux", tiny_flux, "full")
+    memory = DeviceMemory("cpu")
+    runtime = StagehandRuntime(
+        model,
+        config(vram_low_watermark_mb=0),
+        device="cpu",
+        memory=memory,
+        checkpoint_dir=tiny_flux,
+    )
+    slots = [s for b in runtime.blocks for s in b.layout if s.trainable]
+    assert slots and all(s.key is None and s.host is not None for s in slots)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with runtime.managed_forward():
+        loss = output_tensor(model(**example_inputs(model))).pow(2).mean()
+    with runtime.managed_backward():
+        loss.backward()
+    assert all(s.param.data_ptr() == s.host.data_ptr() for s in slots)  # evicted to host masters
+    before = {id(s): s.host.clone() for s in slots}
+    tracked = memory.tracked_bytes("weights")
+    with runtime.optimizer_context(opt):
+        assert memory.tracked_bytes("weights") == tracked + sum(s.nbytes for s in slots)
+        for s in slots:
+            assert s.param.device == runtime.device and s.param.shape == s.shape
+            assert s.param.data_ptr() != s.host.data_ptr() and s.param.grad.device == runtime.device
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert memory.tracked_bytes("weights") == tracked
+    for s in slots:
+        assert s.param.data_ptr() == s.host.data_ptr()
+        assert not torch.equal(s.host, before[id(s)])  # the update landed in the host master
+        assert all(v.device.type == "cpu" for v in opt.state[s.param].values())
+
+
+def test_saved_weight_views_do_not_pin_evicted_blocks(tiny_flux):
+    """Autograd's saved ``weight.t()`` views are replaced by handles, so evicting a block after
+    its forward really releases it; backward rebuilds the views from the reloaded block."""
+    model = make_model("flux", tiny_flux)
+    memory = DeviceMemory("cpu")
+    runtime = StagehandRuntime(
+        model,
+        config(prefetch_window_blocks=0, vram_low_watermark_mb=0),
+        device="cpu",
+        memory=memory,
+        checkpoint_dir=tiny_flux,
+    )
+    claimed = []
+
+    def counting(tensor):
+        handle = runtime.packer(tensor)
+        if handle is not None:
+            claimed.append(handle)
+        return handle
+
+    flats = []
+    with SavedTensorRouter([counting]).hooks():
+        loss = output_tensor(model(**example_inputs(model))).pow(2).mean()
+    assert len(claimed) >= 4 * len(runtime.blocks) and all(
+        isinstance(h, WeightView) for h in claimed
+    )
+    assert all(b.state.name == "UNLOADED" for b in runtime.blocks)
+    assert memory.tracked_bytes("weights") == runtime.resident_bytes  # every block buffer released
+    flats = [weakref.ref(b.flat) for b in runtime.blocks if b.flat is not None]
+    assert flats == []
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    unpacked = claimed[0].unpack()  # after backward the block is loaded again on demand
+    assert unpacked.shape == claimed[0]._size
+    runtime.close()
+
+
+def test_close_restores_an_ordinary_model(tiny_flux):
+    model = make_model("flux", tiny_flux)
+    reference = make_model("flux", tiny_flux)
+    runtime = StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
+    train(model, runtime, steps=1)
+    train(reference, steps=1)
+    runtime.close()
+    inputs = example_inputs(model, seed=5)
+    with torch.no_grad():
+        assert torch.equal(output_tensor(model(**inputs)), output_tensor(reference(**inputs)))
+    assert not model.transformer_blocks[0]._forward_pre_hooks

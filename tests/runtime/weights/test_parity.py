@@ -1,0 +1,46 @@
+"""Training with streamed blocks equals the unhooked model bit for bit (fp32, CPU)."""
+
+import pytest
+import torch
+
+from runtime.common import ListSink, Telemetry
+from runtime.weights import StagehandRuntime
+
+from ._train import assert_same_training, config, make_model, train
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_flux, tiny_sd3, tiny_video):
+    return {"flux": tiny_flux, "sd3": tiny_sd3, "ltx": tiny_video}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-gc", "gc"])
+@pytest.mark.parametrize("backing", ["module", "file"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("arch", ["flux", "sd3", "ltx"])
+def test_three_steps_match_plain_model(folders, arch, method, backing, checkpointing):
+    path = folders[arch]
+    reference = train(make_model(arch, path, method, checkpointing))
+    model = make_model(arch, path, method, checkpointing)
+    sink = ListSink()
+    runtime = StagehandRuntime(
+        model,
+        config(),
+        device="cpu",
+        telemetry=Telemetry(sink),
+        checkpoint_dir=path if backing == "file" else None,
+    )
+    if backing == "file":
+        frozen = [s for b in runtime.blocks for s in b.layout if not s.trainable]
+        assert frozen and all(s.key is not None and s.param.numel() == 0 for s in frozen)
+    assert_same_training(reference, train(model, runtime))
+    steps = sink.of("stagehand", "step")
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert steps[0]["prefetch_hits"] == 0 and steps[2]["prefetch_misses"] == 0
+    assert steps[2]["prefetch_hits"] >= len(runtime.blocks)
+    runtime.close()
+    # close() restores ordinary weights: the model runs without the runtime
+    plain = make_model(arch, path, method, checkpointing)
+    with torch.no_grad():
+        plain.load_state_dict(model.state_dict())
+    assert all(p.numel() > 0 for p in model.parameters())
