@@ -39,6 +39,16 @@ def _checked_key(
     return key
 
 
+def _in_checkpoint(source: SafetensorsCheckpoint | None, name: str) -> bool:
+    if source is None:
+        return False
+    try:
+        source.resolve(name)
+    except UnmatchedParameterError:
+        return False
+    return True
+
+
 def _replace_param(
     model: nn.Module, qualname: str, data: torch.Tensor, requires_grad: bool
 ) -> nn.Parameter:
@@ -73,8 +83,10 @@ def register_blocks(
         build_layout(block, qualnames)
         for slot in block.layout:
             # Inference mode never updates weights: ``requires_grad`` left on by a loader
-            # (transformers leaves it on) must not keep a text encoder off the file path.
-            slot.trainable = slot.trainable and not inference
+            # (transformers leaves it on) must not keep a text encoder off the file path. An
+            # adapter added after loading (LoRA) has no checkpoint tensor: it stays module-backed.
+            if inference and slot.trainable:
+                slot.trainable = not _in_checkpoint(source, slot.qualname)
             meta = slot.param.device.type == "meta"
             key = None
             if source is not None and ((file_backed and not slot.trainable) or meta):
