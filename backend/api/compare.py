@@ -1,0 +1,89 @@
+"""``GET /api/compare``: 2-6 runs side by side: aligned series, config diff, summary table."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from backend.api.deps import StoreDep, public_run, run_row
+from backend.errors import Invalid
+from backend.presets import normalized
+
+router = APIRouter(prefix="/api", tags=["compare"])
+METRIC_RE = re.compile(
+    r"^(?:(trainer|stagehand|activation_stagehand|conductor|strategy)\.)?([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?)$"
+)
+DEFAULT_METRICS = "loss,vram_allocated_mb,step_time_ms"
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, sub in value.items():
+            out.update(_flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def config_diff(configs: dict[int, dict]) -> list[dict[str, Any]]:
+    """Only the dotted paths whose values differ (a path missing in a run counts as None)."""
+    flat = {run_id: _flatten(cfg) for run_id, cfg in configs.items()}
+    paths = sorted(set().union(*(f.keys() for f in flat.values())))
+    diff = []
+    for path in paths:
+        values = {str(run_id): f.get(path) for run_id, f in flat.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            diff.append({"path": path, "values": values})
+    return diff
+
+
+def _ids(ids: str) -> list[int]:
+    try:
+        out = [int(part) for part in ids.split(",") if part.strip()]
+    except ValueError:
+        raise Invalid(f"ids: expected comma-separated run ids, got {ids!r}", field="ids") from None
+    out = list(dict.fromkeys(out))
+    if not 2 <= len(out) <= 6:
+        raise Invalid(f"ids: expected 2 to 6 distinct run ids, got {len(out)}", field="ids")
+    return out
+
+
+@router.get("/compare")
+def compare(
+    store: StoreDep,
+    ids: Annotated[str, Query(max_length=200)],
+    metrics: Annotated[str, Query(max_length=500)] = DEFAULT_METRICS,
+) -> dict:
+    """``{runs, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path, values}],
+    summary: [{run_id, name, status, ...summary}]}``.
+
+    A metric is a field of ``step`` records (``loss``, ``phase_ms.forward``), optionally
+    qualified by its source (``stagehand.h2d_bytes``); unqualified, the trainer's record wins
+    when several sources carry the field (``vram_peak_mb``).
+    """
+    run_ids = _ids(ids)
+    runs = {run_id: public_run(store, run_row(store, run_id)) for run_id in run_ids}
+    names = [m.strip() for m in metrics.split(",") if m.strip()]
+    if not names or len(names) > 20:
+        raise Invalid("metrics: expected 1 to 20 comma-separated field names", field="metrics")
+    series: dict[str, dict[str, list]] = {}
+    for metric in names:
+        match = METRIC_RE.match(metric)
+        if not match:
+            raise Invalid(f"metrics: {metric!r} is not a field name", field="metrics")
+        source, field = match.group(1), match.group(2)
+        if source is None:
+            sources = store.metric_sources(run_ids, field)
+            source = "trainer" if "trainer" in sources or not sources else sources[0]
+        series[metric] = {str(i): store.series(i, field, source) for i in run_ids}
+    return {
+        "runs": list(runs.values()),
+        "series": series,
+        "config_diff": config_diff({i: normalized(r["config"]) for i, r in runs.items()}),
+        "summary": [
+            {"run_id": i, "name": r["name"], "status": r["status"], **r["summary"]}
+            for i, r in runs.items()
+        ],
+    }

@@ -1,0 +1,60 @@
+"""Typed dependencies: the services built in ``lifespan``, reached through ``app.state``.
+
+Tests may replace any of them with ``app.dependency_overrides[get_store] = ...``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends
+from starlette.requests import HTTPConnection
+
+from backend.errors import NotFound
+from backend.hub import Hub
+from backend.models import run_public
+from backend.settings import Settings
+from backend.store import ACTIVE, Store
+from backend.supervisor import Supervisor
+from backend.system import SystemProbe
+
+
+def get_store(conn: HTTPConnection) -> Store:
+    return conn.app.state.store
+
+
+def get_supervisor(conn: HTTPConnection) -> Supervisor:
+    return conn.app.state.supervisor
+
+
+def get_hub(conn: HTTPConnection) -> Hub:
+    return conn.app.state.hub
+
+
+def get_settings(conn: HTTPConnection) -> Settings:
+    return conn.app.state.settings
+
+
+def get_probe(conn: HTTPConnection) -> SystemProbe:
+    return conn.app.state.probe
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
+HubDep = Annotated[Hub, Depends(get_hub)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ProbeDep = Annotated[SystemProbe, Depends(get_probe)]
+
+
+def run_row(store: Store, run_id: int) -> dict[str, Any]:
+    """The run's store row; raises ``NotFound``."""
+    row = store.get_run(run_id)
+    if row is None:
+        raise NotFound(f"no run with id {run_id}", field="id")
+    return row
+
+
+def public_run(store: Store, row: dict[str, Any]) -> dict[str, Any]:
+    """The API's Run, with live summary figures while the run is active."""
+    live = row["status"] in ACTIVE or not row.get("summary")
+    return run_public(row, store.summary(row["id"]) if live else None)

@@ -1,0 +1,48 @@
+"""``GET /api/runs/{id}/telemetry``: the ingested records, paged by seq, optionally downsampled."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+
+from backend.api.deps import StoreDep, run_row
+from backend.downsample import numeric_paths
+from backend.models import TelemetryPage
+
+router = APIRouter(prefix="/api/runs", tags=["telemetry"])
+MAX_PAGE = 10_000
+MAX_BUCKETED = 500_000
+"""Records considered for one downsampled answer (a 10k-step run with all sources is ~100k)."""
+
+
+@router.get("/{run_id}/telemetry", response_model=TelemetryPage)
+def telemetry(
+    store: StoreDep,
+    run_id: Annotated[int, Path(ge=1, le=2**62)],
+    since: Annotated[int, Query(ge=-1, le=2**62)] = -1,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1000,
+    source: Annotated[str | None, Query(max_length=64)] = None,
+    kind: Annotated[str | None, Query(max_length=64)] = None,
+    buckets: Annotated[int | None, Query(ge=1, le=10_000)] = None,
+) -> dict:
+    """Records with ``seq > since`` in seq order. ``next_since`` is the last seq returned (pass
+    it back as ``since`` for the next page); ``count`` is the length of ``data``.
+
+    With ``buckets=N`` every matching record after ``since`` is grouped into N buckets and
+    ``data`` holds ``{seq, seq_last, step, step_last, time, count, min, max}`` per bucket:
+    the min and max of every numeric field (those present in the first and last 200 matching
+    records), so peaks survive.
+    """
+    run_row(store, run_id)
+    source, kind = source or None, kind or None
+    if buckets:
+        paths = numeric_paths(store.sample_lines(run_id, since, source, kind))
+        data, next_since = store.bucket_stats(
+            run_id, since, source, kind, buckets, paths, MAX_BUCKETED
+        )
+        return {"data": data, "count": len(data), "next_since": next_since}
+    rows = store.telemetry_lines(run_id, since, limit, source, kind)
+    data = [json.loads(line) for _, line in rows]
+    return {"data": data, "count": len(data), "next_since": rows[-1][0] if rows else since}

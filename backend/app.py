@@ -1,0 +1,109 @@
+"""The FastAPI application: services built in ``lifespan``, one router per resource, the
+dashboard's static files, one error body, and the security middleware in front."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from importlib import util as importlib_util
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+from backend import errors
+from backend.api import ROUTERS
+from backend.api.deps import public_run
+from backend.errors import NotFound
+from backend.hub import Hub
+from backend.presets import load_builtins
+from backend.security import SecurityMiddleware
+from backend.settings import Settings
+from backend.store import Store
+from backend.supervisor import Supervisor
+from backend.system import SystemProbe
+from backend.tailer import Tailer
+
+log = logging.getLogger("backend.app")
+
+PLACEHOLDER = """<!doctype html><meta charset="utf-8"><title>Stagehand Workbench</title>
+<h1>Stagehand Workbench</h1><p>The dashboard is not installed (no <code>frontend/index.html</code>).
+The API is running: see <a href="/docs">/docs</a>.</p>"""
+
+
+def plotly_js() -> Path | None:
+    """``plotly/package_data/plotly.min.js`` of the installed plotly package, if any."""
+    spec = importlib_util.find_spec("plotly")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "package_data" / "plotly.min.js"
+    return path if path.is_file() else None
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    settings: Settings = app.state.settings
+    settings.runs_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(settings.db_path)
+    names = load_builtins(store, settings.presets_dir)
+    log.info("built-in presets: %s", ", ".join(names) or "none")
+    hub = Hub(asyncio.get_running_loop())
+    tailer = Tailer(store, hub, settings.poll_interval_s)
+
+    def on_change(run_id: int) -> None:
+        row = store.get_run(run_id)
+        if row is not None:
+            hub.publish_run(run_id, public_run(store, row))
+
+    supervisor = Supervisor(settings, store, tailer, on_change)
+    probe = SystemProbe()
+    probe.start()
+    app.state.store, app.state.hub, app.state.tailer = store, hub, tailer
+    app.state.supervisor, app.state.probe = supervisor, probe
+    supervisor.start()
+    tailer.start()
+    try:
+        yield
+    finally:
+        supervisor.stop()
+        tailer.stop()
+        store.close()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The app for ``settings`` (defaults from the environment). Services start in lifespan."""
+    settings = settings or Settings()
+    app = FastAPI(
+        title="Stagehand Workbench",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Runs, presets and live telemetry of LoRA training runs (docs/contracts.md).",
+    )
+    app.state.settings = settings
+    errors.install(app)
+    for router in ROUTERS:
+        app.include_router(router)
+
+    @app.get("/", include_in_schema=False)
+    def index():
+        page = settings.frontend_dir / "index.html"
+        if page.is_file():
+            return FileResponse(page, media_type="text/html")
+        return HTMLResponse(PLACEHOLDER)
+
+    @app.get("/static/vendor/plotly.min.js", include_in_schema=False)
+    def plotly():
+        path = plotly_js()
+        if path is None:
+            raise NotFound("plotly is not installed: pip install plotly")
+        return FileResponse(path, media_type="text/javascript")
+
+    app.mount(
+        "/static", StaticFiles(directory=settings.frontend_dir, check_dir=False), name="static"
+    )
+    app.add_middleware(
+        SecurityMiddleware, token=settings.token, max_body_bytes=settings.max_body_bytes
+    )
+    return app

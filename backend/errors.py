@@ -1,0 +1,202 @@
+"""One JSON error body for every error the API returns.
+
+``{"error": {"code": str, "message": str, "field": str | None, "details": list}}`` for 4xx/5xx
+responses, and as the last frame before a websocket closes (docs/contracts.md). ``field`` is the
+JSON path of the input at fault (``overrides.memory.stagehand.vram_high_watermark_mb``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("backend.errors")
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and a stable machine-readable code."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        details: list[Any] | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.details = details or []
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, self.field, self.details)
+
+
+class NotFound(ApiError):
+    """The named preset, run or artifact does not exist."""
+
+    status, code = 404, "not_found"
+
+
+class Conflict(ApiError):
+    """The request clashes with the current state (name taken, run not running)."""
+
+    status, code = 409, "conflict"
+
+
+class ReadOnly(ApiError):
+    """Built-in presets cannot be changed or deleted."""
+
+    status, code = 403, "read_only"
+
+
+class Invalid(ApiError):
+    """The input is well-formed JSON but not a valid value."""
+
+    status, code = 422, "invalid"
+
+
+class Unauthorized(ApiError):
+    """No token, or the wrong one."""
+
+    status, code = 401, "unauthorized"
+
+
+class TooLarge(ApiError):
+    """The request body is over the limit."""
+
+    status, code = 413, "body_too_large"
+
+
+def error_body(
+    code: str, message: str, field: str | None = None, details: list[Any] | None = None
+) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "field": field, "details": details or []}}
+
+
+def json_path(loc: Sequence[Any], prefix: str | None = None) -> str | None:
+    """``("memory", "stagehand", 0)`` -> ``"memory.stagehand[0]"``, with an optional prefix."""
+    out = prefix or ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _plain(value: Any) -> Any:
+    # pydantic puts exception objects in ``ctx``; the body must stay JSON.
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def validation_details(errors: Iterable[dict[str, Any]], prefix: str | None = None) -> list[dict]:
+    """pydantic errors as ``[{field, message, type}]`` with JSON paths."""
+    return [
+        {
+            "field": json_path(e.get("loc", ()), prefix),
+            "message": e.get("msg", ""),
+            "type": e.get("type", ""),
+        }
+        for e in errors
+    ]
+
+
+def from_validation(exc: ValidationError, prefix: str | None = None) -> Invalid:
+    """A pydantic ``ValidationError`` as a 422 naming its first field."""
+    details = validation_details(exc.errors(), prefix)
+    first = details[0] if details else {"field": prefix, "message": str(exc)}
+    field = first["field"]
+    message = f"{field}: {first['message']}" if field else first["message"]
+    return Invalid(message, field=field or prefix, details=details, code="validation_error")
+
+
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    422: "validation_error",
+}
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = _STATUS_CODES.get(exc.status_code, "http_error")
+    message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"no route or file at {request.url.path}"
+    if exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    return JSONResponse(error_body(code, message), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        ctx = errors[0].get("ctx") or {}
+        return JSONResponse(
+            error_body(
+                "malformed_json", f"request body is not valid JSON: {ctx.get('error', '')}".strip()
+            ),
+            status_code=400,
+        )
+    # Strip FastAPI's "body"/"query"/"path" head: the field is the client's JSON path.
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+            e["loc"] = loc[1:]
+    err = from_validation_list(errors)
+    return JSONResponse(err.body(), status_code=422)
+
+
+def from_validation_list(errors: list[dict[str, Any]]) -> Invalid:
+    details = validation_details(errors)
+    first = details[0] if details else {"field": None, "message": "invalid request"}
+    field = first["field"]
+    message = f"{field}: {first['message']}" if field else first["message"]
+    return Invalid(_plain(message), field=field, details=_plain(details), code="validation_error")
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse(
+        error_body("internal_error", f"{type(exc).__name__}: the server failed on this request"),
+        status_code=500,
+    )
+
+
+def install(app: FastAPI) -> None:
+    """Route every error path of ``app`` to the one body."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(Exception, _unhandled)

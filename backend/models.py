@@ -1,0 +1,202 @@
+"""Request and response models, split by direction (Create / Update / Public) as the API uses them.
+
+Field names and shapes are docs/contracts.md's; lists are ``{data, count}``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RunStatus = Literal[
+    "queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"
+]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""Preset names: they double as file names of built-in presets, so no separators or dots first."""
+MAX_RUN_NAME = 100
+MAX_TAGS = 32
+MAX_TAG_CHARS = 40
+MAX_NOTES_CHARS = 20_000
+
+
+def check_preset_name(value: str) -> str:
+    if not NAME_RE.match(value):
+        raise ValueError(
+            "expected 1-64 characters of letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit, got {value!r}"
+        )
+    return value
+
+
+def check_run_name(value: str) -> str:
+    """Run names are labels, never paths: no separators, no '..', no control characters."""
+    if not 1 <= len(value) <= MAX_RUN_NAME:
+        raise ValueError(f"expected 1-{MAX_RUN_NAME} characters, got {len(value)}")
+    if any(c in value for c in "/\\") or ".." in value or not value.isprintable():
+        raise ValueError(
+            f"expected a label without '/', '\\', '..' or control characters, got {value!r}"
+        )
+    return value
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PresetCreate(_In):
+    name: str = Field(max_length=64)
+    config: dict[str, Any]
+    description: str = Field(default="", max_length=2000)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_preset_name(v)
+
+
+class PresetUpdate(_In):
+    config: dict[str, Any]
+    description: str | None = Field(default=None, max_length=2000)
+
+
+class PresetDuplicate(_In):
+    name: str = Field(max_length=64)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_preset_name(v)
+
+
+class PresetPublic(BaseModel):
+    name: str
+    description: str
+    builtin: bool
+    config: dict[str, Any]
+    created_at: float | None = None
+    updated_at: float | None = None
+
+
+class PresetsPublic(BaseModel):
+    data: list[PresetPublic]
+    count: int
+
+
+class RunCreate(_In):
+    preset: str = Field(max_length=64)
+    name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return None if v is None else check_run_name(v)
+
+
+class RunUpdate(_In):
+    notes: str | None = Field(default=None, max_length=MAX_NOTES_CHARS)
+    tags: list[str] | None = Field(default=None, max_length=MAX_TAGS)
+    name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return None if v is None else check_run_name(v)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        for tag in v:
+            if not 1 <= len(tag) <= MAX_TAG_CHARS or not tag.isprintable() or "," in tag:
+                raise ValueError(
+                    f"expected tags of 1-{MAX_TAG_CHARS} printable characters without ',', "
+                    f"got {tag!r}"
+                )
+        return v
+
+
+class RunSummary(BaseModel):
+    steps_done: int | None = None
+    max_steps: int | None = None
+    final_loss: float | None = None
+    peak_vram_mb: float | None = None
+    mean_step_time_ms: float | None = None
+    spill_bytes: int | None = None
+    stall_ms: float | None = None
+
+
+class RunError(BaseModel):
+    """Why a run failed, was killed or crashed (docs/contracts.md, ``Run.error``)."""
+
+    message: str
+    error_type: str | None = None
+    traceback: str | None = None
+    oom: bool | None = None
+    log_tail: str | None = None
+    """Last lines of ``worker.log``: the reason when the worker died before writing telemetry."""
+    last_record: dict[str, Any] | None = None
+
+
+class RunPublic(BaseModel):
+    id: int
+    name: str
+    preset: str
+    config: dict[str, Any]
+    status: RunStatus
+    device: str | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    error: RunError | None = None
+    notes: str = ""
+    tags: list[str] = []
+    summary: RunSummary = RunSummary()
+    last_seq: int = -1
+
+
+class RunsPublic(BaseModel):
+    data: list[RunPublic]
+    count: int
+
+
+class LimitsAccepted(BaseModel):
+    request_id: str
+
+
+class TelemetryPage(BaseModel):
+    data: list[dict[str, Any]]
+    count: int
+    next_since: int
+
+
+class SystemInfo(BaseModel):
+    device: str
+    device_name: str | None
+    vram_total_mb: float | None
+    ram_total_mb: float
+    torch_version: str | None
+    cuda_version: str | None
+    version: str
+
+
+RUN_FIELDS = tuple(RunPublic.model_fields)
+
+
+def run_public(row: dict[str, Any], summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A store row as the API's ``Run`` (plain JSON-able dict)."""
+    out = {k: row.get(k) for k in RUN_FIELDS if k in row}
+    out["notes"] = row.get("notes") or ""
+    out["summary"] = summary if summary is not None else (row.get("summary") or {})
+    out["summary"] = RunSummary.model_validate(
+        {k: v for k, v in out["summary"].items() if k in RunSummary.model_fields}
+    ).model_dump()
+    if out.get("last_seq") is None:
+        out["last_seq"] = -1
+    return out

@@ -1,0 +1,103 @@
+"""How a run ended, from its worker's exit and its last telemetry (docs/contracts.md, "Worker").
+
+- killed by a signal: ``killed`` with the signal named (``cancelled`` if we asked it to stop);
+- exit 0 (or unknown, for a worker adopted after a restart) with a ``run_finished`` record: that
+  record's status (``succeeded`` | ``cancelled``);
+- a last ``trainer/error`` record: ``failed`` with its type, message, traceback and ``oom``;
+- gone with an unknown exit and no final record: ``crashed``, saying what telemetry last said;
+- any other non-zero exit: ``failed``, with the tail of ``worker.log`` (a launch that died
+  before writing telemetry still shows why).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+LOG_TAIL_BYTES = 4000
+
+
+def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str | None:
+    """The last ``limit`` bytes of ``path`` as text, or None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def describe(record: dict[str, Any] | None) -> str:
+    """``trainer/step at step 12 (seq 340)``: a record in words, for error messages."""
+    if not record:
+        return "no telemetry at all"
+    step = record.get("step")
+    where = f" at step {step}" if step is not None else ""
+    return f"{record.get('source')}/{record.get('kind')}{where} (seq {record.get('seq')})"
+
+
+def signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def classify(
+    rc: int | None,
+    *,
+    cancel_requested: bool,
+    finished: dict[str, Any] | None,
+    last: dict[str, Any] | None,
+    tail: str | None,
+    pid: int | None,
+    gone_at_start: bool = False,
+) -> dict[str, Any]:
+    """The run's ``status, exit_code, signal, error`` fields.
+
+    ``rc`` is the exit code (negative: killed by that signal; None: unknown, the worker was not
+    our child); ``finished`` the last ``trainer/run_finished`` record; ``last`` the last record.
+    """
+    out: dict[str, Any] = {"exit_code": rc, "signal": None, "error": None}
+    if rc is not None and rc < 0:
+        name = signal_name(-rc)
+        out["signal"] = name
+        out["status"] = "cancelled" if cancel_requested else "killed"
+        if not cancel_requested:
+            oom = " (the kernel's OOM killer sends SIGKILL when host RAM runs out)"
+            out["error"] = {
+                "message": f"worker killed by {name}" + (oom if name == "SIGKILL" else ""),
+                "log_tail": tail,
+                "last_record": last,
+            }
+    elif finished is not None and rc in (0, None):
+        status = finished.get("status")
+        out["status"] = status if status in ("succeeded", "cancelled") else "succeeded"
+    elif last is not None and last.get("kind") == "error":
+        out["status"] = "failed"
+        out["error"] = {
+            "message": str(last.get("message", "")),
+            "error_type": last.get("error_type"),
+            "traceback": last.get("traceback"),
+            "oom": last.get("oom"),
+            "log_tail": tail,
+        }
+    elif rc is None:
+        when = "was gone when the server started" if gone_at_start else "disappeared"
+        out["status"] = "crashed"
+        out["error"] = {
+            "message": f"worker process (pid {pid}) {when}; its telemetry last said {describe(last)}",
+            "last_record": last,
+            "log_tail": tail,
+        }
+    else:
+        missing = "" if rc else " without a run_finished record"
+        out["status"] = "failed"
+        out["error"] = {
+            "message": f"worker exited with code {rc} after {describe(last)}{missing}",
+            "log_tail": tail,
+            "last_record": last,
+        }
+    return out

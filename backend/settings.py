@@ -1,0 +1,96 @@
+"""Server settings: where data lives, where to listen, who may connect, how runs are scheduled.
+
+Every field has a default a single user on one GPU wants; ``Settings.from_env`` reads the
+``STAGEHAND_WORKBENCH_*`` variables and the command line (``backend.server``) overrides both.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+"""The checkout: ``presets/`` (built-in presets) and ``frontend/`` (the dashboard) live here."""
+
+ENV_PREFIX = "STAGEHAND_WORKBENCH_"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def _env_float(name: str, default: float) -> float:
+    value = _env(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PREFIX}{name}: expected a number, got {value!r}") from exc
+
+
+TOKENLESS_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""The only binds allowed without a token. Even 127.0.0.2 needs one: the rule is "the default
+address or a token", which keeps it simple to state and to test."""
+
+
+def needs_token(host: str) -> bool:
+    """True unless ``host`` is one of ``TOKENLESS_HOSTS``."""
+    try:
+        return str(ipaddress.ip_address(host)) not in TOKENLESS_HOSTS
+    except ValueError:
+        return host not in TOKENLESS_HOSTS
+
+
+@dataclass
+class Settings:
+    """Everything the app reads at start-up. Times are seconds, sizes bytes."""
+
+    data_dir: Path = field(default_factory=lambda: Path(_env("DATA", "./data") or "./data"))
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = field(default_factory=lambda: _env("TOKEN") or None)
+    max_parallel: int = 1
+    """Runs that may hold one device at once (one at a time per GPU by default)."""
+    presets_dir: Path = REPO_ROOT / "presets"
+    frontend_dir: Path = REPO_ROOT / "frontend"
+    max_body_bytes: int = 1 << 20
+    """Request bodies above this get 413 (presets and overrides are a few KB)."""
+    max_name_chars: int = 100
+    poll_interval_s: float = field(default_factory=lambda: _env_float("POLL_S", 0.01))
+    """How often the tailer looks at the telemetry files of active runs."""
+    stop_grace_s: float = field(default_factory=lambda: _env_float("STOP_GRACE_S", 30.0))
+    """After a stop request, wait this long for the step to finish before SIGTERM."""
+    term_grace_s: float = field(default_factory=lambda: _env_float("TERM_GRACE_S", 10.0))
+    """After SIGTERM, wait this long before SIGKILL."""
+    stall_factor: float = field(default_factory=lambda: _env_float("STALL_FACTOR", 20.0))
+    """A run is stalled after ``stall_factor`` x its median step time without telemetry..."""
+    stall_min_s: float = field(default_factory=lambda: _env_float("STALL_MIN_S", 60.0))
+    """...and never sooner than this (the first steps and checkpoint saves are slow)."""
+    startup_stall_s: float = field(default_factory=lambda: _env_float("STARTUP_STALL_S", 900.0))
+    """Before the first step record (model load, stage-1 caching) the threshold is this."""
+    worker_module: str = field(default_factory=lambda: _env("WORKER_MODULE", "backend.cli") or "")
+    """``python -m <worker_module> train CONFIG --run-dir DIR`` launches a worker."""
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser().resolve()
+        if self.max_parallel < 1:
+            raise ValueError(f"max_parallel must be >= 1, got {self.max_parallel}")
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.data_dir / "runs"
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "workbench.db"
+
+    def check_bind(self) -> None:
+        """Raise ``ValueError`` when binding anything but 127.0.0.1 / localhost / ::1 without a token."""
+        if needs_token(self.host) and not self.token:
+            raise ValueError(
+                f"refusing to bind {self.host!r} without a token: anyone who can reach it could "
+                f"start and delete runs. Pass --token or set {ENV_PREFIX}TOKEN, or bind 127.0.0.1"
+            )

@@ -1,0 +1,507 @@
+"""All SQL of the backend: presets, runs, tags and ingested telemetry in one SQLite file.
+
+WAL mode so the ingester writes while the API reads. A ``sqlite_utils.Database`` cannot cross
+threads, so ``Store`` opens one connection per thread (``threading.local``) on the same file.
+Schema changes are named migrations applied once each, in order, recorded in ``_migrations``.
+
+Telemetry rows keep the worker's JSONL line verbatim in ``data`` (the API and websocket return
+exactly what the worker wrote) and copy the envelope into columns for indexed queries; the key
+``(run_id, seq)`` makes re-ingesting a line after a restart a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+ACTIVE = ("running", "stalled")
+"""Statuses of a run whose worker process is (believed to be) alive."""
+TERMINAL = ("succeeded", "failed", "cancelled", "killed", "crashed")
+
+
+def _m001_initial(db: sqlite_utils.Database) -> None:
+    db["presets"].create(
+        {
+            "name": str,
+            "config": str,
+            "description": str,
+            "builtin": int,
+            "created_at": float,
+            "updated_at": float,
+        },
+        pk="name",
+    )
+    db["runs"].create(
+        {
+            "id": int,
+            "name": str,
+            "preset": str,
+            "config": str,
+            "status": str,
+            "device": str,
+            "created_at": float,
+            "started_at": float,
+            "finished_at": float,
+            "pid": int,
+            "pid_create_time": float,
+            "exit_code": int,
+            "signal": str,
+            "error": str,
+            "notes": str,
+            "summary": str,
+            "cancel_requested_at": float,
+            "tail_offset": int,
+            "last_seq": int,
+            "last_record_at": float,
+            "control_seq": int,
+        },
+        pk="id",
+        not_null={"name", "preset", "config", "status"},
+        defaults={"notes": "", "tail_offset": 0, "last_seq": -1, "control_seq": 0},
+    )
+    db["runs"].create_index(["status"])
+    db["run_tags"].create(
+        {"run_id": int, "tag": str}, pk=("run_id", "tag"), foreign_keys=[("run_id", "runs", "id")]
+    )
+    db["telemetry"].create(
+        {
+            "run_id": int,
+            "seq": int,
+            "time": float,
+            "source": str,
+            "kind": str,
+            "step": int,
+            "phase": str,
+            "data": str,
+        },
+        pk=("run_id", "seq"),
+    )
+    db["telemetry"].create_index(["run_id", "source", "kind", "seq"])
+
+
+def _m002_telemetry_kind_index(db: sqlite_utils.Database) -> None:
+    # Summary figures read every source's ``step`` records (peak VRAM): an index on kind keeps
+    # that from scanning a run's block events.
+    db["telemetry"].create_index(["run_id", "kind", "seq"])
+
+
+MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
+    ("001_initial", _m001_initial),
+    ("002_telemetry_kind_index", _m002_telemetry_kind_index),
+]
+"""Append new ``(name, function)`` pairs; never edit or reorder applied ones."""
+
+
+class Store:
+    """The workbench database at ``path``. Safe to share between threads."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        self.migrate()
+
+    # -- connections ---------------------------------------------------------------------
+    @property
+    def db(self) -> sqlite_utils.Database:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            db = sqlite_utils.Database(conn)
+            self._local.db = db
+            with self._all_lock:
+                self._all.append(conn)
+        return db
+
+    def close(self) -> None:
+        with self._all_lock:
+            for conn in self._all:
+                try:
+                    conn.close()
+                except sqlite3.ProgrammingError:
+                    pass  # opened on a thread that is gone; sqlite frees it with the thread
+            self._all.clear()
+        self._local = threading.local()
+
+    def migrate(self) -> list[str]:
+        """Apply the migrations not yet recorded; returns their names."""
+        db = self.db
+        db["_migrations"].create({"name": str, "applied_at": float}, pk="name", if_not_exists=True)
+        done = {row["name"] for row in db["_migrations"].rows}
+        applied = []
+        for name, fn in MIGRATIONS:
+            if name in done:
+                continue
+            with db.conn:
+                db.execute("BEGIN IMMEDIATE")
+                fn(db)
+                db["_migrations"].insert({"name": name, "applied_at": time.time()})
+            applied.append(name)
+        return applied
+
+    # -- presets -------------------------------------------------------------------------
+    def upsert_builtin_preset(self, name: str, config: dict, description: str) -> None:
+        now = time.time()
+        self.db["presets"].upsert(
+            {
+                "name": name,
+                "config": json.dumps(config),
+                "description": description,
+                "builtin": 1,
+                "created_at": now,
+                "updated_at": now,
+            },
+            pk="name",
+        )
+
+    def drop_builtins_except(self, names: Iterable[str]) -> None:
+        keep = list(names)
+        marks = ",".join("?" for _ in keep) or "''"
+        self.db.execute(f"DELETE FROM presets WHERE builtin = 1 AND name NOT IN ({marks})", keep)
+
+    def list_presets(self) -> list[dict]:
+        rows = self.db.execute_returning_dicts("SELECT * FROM presets ORDER BY builtin DESC, name")
+        return [_preset(r) for r in rows]
+
+    def get_preset(self, name: str) -> dict | None:
+        rows = self.db.execute_returning_dicts("SELECT * FROM presets WHERE name = ?", [name])
+        return _preset(rows[0]) if rows else None
+
+    def insert_preset(self, name: str, config: dict, description: str = "") -> None:
+        """Raises ``sqlite3.IntegrityError`` when the name is taken."""
+        now = time.time()
+        self.db.execute(
+            "INSERT INTO presets (name, config, description, builtin, created_at, updated_at) "
+            "VALUES (?, ?, ?, 0, ?, ?)",
+            [name, json.dumps(config), description, now, now],
+        )
+
+    def update_preset(self, name: str, config: dict, description: str) -> None:
+        self.db.execute(
+            "UPDATE presets SET config = ?, description = ?, updated_at = ? "
+            "WHERE name = ? AND builtin = 0",
+            [json.dumps(config), description, time.time(), name],
+        )
+
+    def delete_preset(self, name: str) -> None:
+        self.db.execute("DELETE FROM presets WHERE name = ? AND builtin = 0", [name])
+
+    # -- runs ----------------------------------------------------------------------------
+    def create_run(self, name: str, preset: str, config: dict, device: str) -> int:
+        cur = self.db.execute(
+            "INSERT INTO runs (name, preset, config, status, device, created_at) "
+            "VALUES (?, ?, ?, 'queued', ?, ?)",
+            [name, preset, json.dumps(config), device, time.time()],
+        )
+        return int(cur.lastrowid)
+
+    def get_run(self, run_id: int) -> dict | None:
+        rows = self.db.execute_returning_dicts("SELECT * FROM runs WHERE id = ?", [run_id])
+        return self._with_tags(rows)[0] if rows else None
+
+    def list_runs(
+        self, status: str | None = None, preset: str | None = None, tag: str | None = None
+    ) -> list[dict]:
+        where, args = [], []
+        if status:
+            where.append("status = ?")
+            args.append(status)
+        if preset:
+            where.append("preset = ?")
+            args.append(preset)
+        if tag:
+            where.append("id IN (SELECT run_id FROM run_tags WHERE tag = ?)")
+            args.append(tag)
+        sql = "SELECT * FROM runs" + (" WHERE " + " AND ".join(where) if where else "")
+        return self._with_tags(self.db.execute_returning_dicts(sql + " ORDER BY id DESC", args))
+
+    def runs_with_status(self, *statuses: str) -> list[dict]:
+        marks = ",".join("?" for _ in statuses)
+        sql = f"SELECT * FROM runs WHERE status IN ({marks}) ORDER BY id"
+        return self._with_tags(self.db.execute_returning_dicts(sql, list(statuses)))
+
+    def update_run(self, run_id: int, **fields: Any) -> None:
+        if not fields:
+            return
+        for key in ("error", "summary"):
+            if key in fields and fields[key] is not None and not isinstance(fields[key], str):
+                fields[key] = json.dumps(fields[key])
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self.db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*fields.values(), run_id])
+
+    def set_status_if(self, run_id: int, expected: Iterable[str], **fields: Any) -> bool:
+        """Update only while the run's status is one of ``expected``; True if it changed."""
+        exp = list(expected)
+        for key in ("error", "summary"):
+            if key in fields and fields[key] is not None and not isinstance(fields[key], str):
+                fields[key] = json.dumps(fields[key])
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        marks = ",".join("?" for _ in exp)
+        cur = self.db.execute(
+            f"UPDATE runs SET {sets} WHERE id = ? AND status IN ({marks})",
+            [*fields.values(), run_id, *exp],
+        )
+        return cur.rowcount == 1
+
+    def set_tags(self, run_id: int, tags: list[str]) -> None:
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM run_tags WHERE run_id = ?", [run_id])
+            for tag in dict.fromkeys(tags):
+                db.execute("INSERT INTO run_tags (run_id, tag) VALUES (?, ?)", [run_id, tag])
+
+    def delete_run(self, run_id: int) -> None:
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM telemetry WHERE run_id = ?", [run_id])
+            db.execute("DELETE FROM run_tags WHERE run_id = ?", [run_id])
+            db.execute("DELETE FROM runs WHERE id = ?", [run_id])
+
+    def next_control_seq(self, run_id: int) -> int:
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("UPDATE runs SET control_seq = control_seq + 1 WHERE id = ?", [run_id])
+            row = db.execute("SELECT control_seq FROM runs WHERE id = ?", [run_id]).fetchone()
+        return int(row[0])
+
+    def _with_tags(self, rows: list[dict]) -> list[dict]:
+        if not rows:
+            return rows
+        ids = [r["id"] for r in rows]
+        marks = ",".join("?" for _ in ids)
+        tags: dict[int, list[str]] = {i: [] for i in ids}
+        for run_id, tag in self.db.execute(
+            f"SELECT run_id, tag FROM run_tags WHERE run_id IN ({marks}) ORDER BY rowid", ids
+        ):
+            tags[run_id].append(tag)
+        out = []
+        for r in rows:
+            r = dict(r)
+            r["config"] = json.loads(r["config"])
+            r["error"] = json.loads(r["error"]) if r["error"] else None
+            r["summary"] = json.loads(r["summary"]) if r["summary"] else None
+            r["tags"] = tags[r["id"]]
+            out.append(r)
+        return out
+
+    # -- telemetry -----------------------------------------------------------------------
+    def ingest(self, run_id: int, rows: list[tuple], offset: int) -> int:
+        """Insert parsed lines and advance the run's tail offset in one transaction.
+
+        ``rows`` are ``(seq, time, source, kind, step, phase, line)``; ``offset`` is the byte
+        offset just past the last complete line. Returns how many rows were new (a line seen
+        before a restart is ignored by its ``(run_id, seq)`` key).
+        """
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            before = db.conn.total_changes
+            db.conn.executemany(
+                "INSERT OR IGNORE INTO telemetry (run_id, seq, time, source, kind, step, phase,"
+                " data) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(run_id, *r) for r in rows],
+            )
+            new = db.conn.total_changes - before
+            last_seq = max((r[0] for r in rows), default=-1)
+            db.execute(
+                "UPDATE runs SET tail_offset = ?, last_seq = MAX(last_seq, ?),"
+                " last_record_at = ? WHERE id = ?",
+                [offset, last_seq, time.time(), run_id],
+            )
+        return new
+
+    def telemetry_lines(
+        self,
+        run_id: int,
+        since: int = -1,
+        limit: int = 1000,
+        source: str | None = None,
+        kind: str | None = None,
+    ) -> list[tuple[int, str]]:
+        """``(seq, line)`` of records with ``seq > since``, in seq order, at most ``limit``."""
+        where, args = ["run_id = ?", "seq > ?"], [run_id, since]
+        if source:
+            where.append("source = ?")
+            args.append(source)
+        if kind:
+            where.append("kind = ?")
+            args.append(kind)
+        sql = f"SELECT seq, data FROM telemetry WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
+        return [(int(s), d) for s, d in self.db.execute(sql, [*args, limit])]
+
+    def _filter(self, run_id: int, since: int, source: str | None, kind: str | None):
+        where, args = ["run_id = ?", "seq > ?"], [run_id, since]
+        if source:
+            where.append("source = ?")
+            args.append(source)
+        if kind:
+            where.append("kind = ?")
+            args.append(kind)
+        return " AND ".join(where), args
+
+    def sample_lines(
+        self, run_id: int, since: int, source: str | None, kind: str | None, n: int = 200
+    ) -> list[str]:
+        """The first and last ``n`` matching lines (to learn which fields the records carry)."""
+        where, args = self._filter(run_id, since, source, kind)
+        out = []
+        for order in ("ASC", "DESC"):
+            sql = f"SELECT data FROM telemetry WHERE {where} ORDER BY seq {order} LIMIT ?"
+            out += [d for (d,) in self.db.execute(sql, [*args, n])]
+        return out
+
+    def bucket_stats(
+        self,
+        run_id: int,
+        since: int,
+        source: str | None,
+        kind: str | None,
+        buckets: int,
+        paths: list[str],
+        max_records: int,
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Min and max of each JSON ``paths`` entry per bucket, computed in SQLite.
+
+        Record ``i`` (0-based, seq order) of ``n`` goes to bucket ``i * buckets // n``. Returns
+        ``([{bucket, seq, seq_last, step, step_last, time, count, min: {}, max: {}}], last_seq)``.
+        ``paths`` must be dotted names of ``[A-Za-z0-9_]`` parts (checked by the caller).
+        """
+        where, args = self._filter(run_id, since, source, kind)
+        cols = []
+        for p in paths:
+            cols.append(f"MIN(json_extract(data, '$.{p}'))")
+            cols.append(f"MAX(json_extract(data, '$.{p}'))")
+        extra = (", " + ", ".join(cols)) if cols else ""
+        sql = (
+            "WITH m AS (SELECT seq, step, time, data, ROW_NUMBER() OVER (ORDER BY seq) - 1 AS rn,"
+            f" COUNT(*) OVER () AS n FROM (SELECT * FROM telemetry WHERE {where}"
+            " ORDER BY seq LIMIT ?))"
+            " SELECT rn * ? / n AS b, MIN(seq), MAX(seq), MIN(step), MAX(step), MIN(time),"
+            f" COUNT(*){extra} FROM m GROUP BY b ORDER BY b"
+        )
+        out, last = [], since
+        for row in self.db.execute(sql, [*args, max_records, buckets]):
+            lo = {p: row[7 + 2 * i] for i, p in enumerate(paths) if row[7 + 2 * i] is not None}
+            hi = {p: row[8 + 2 * i] for i, p in enumerate(paths) if row[8 + 2 * i] is not None}
+            out.append(
+                {
+                    "seq": row[1],
+                    "seq_last": row[2],
+                    "step": row[3],
+                    "step_last": row[4],
+                    "time": row[5],
+                    "count": row[6],
+                    "min": lo,
+                    "max": hi,
+                }
+            )
+            last = row[2]
+        return out, last
+
+    def last_record(self, run_id: int, source: str | None = None, kind: str | None = None):
+        """The newest record (parsed) matching ``source``/``kind``, or None."""
+        where, args = ["run_id = ?"], [run_id]
+        if source:
+            where.append("source = ?")
+            args.append(source)
+        if kind:
+            where.append("kind = ?")
+            args.append(kind)
+        row = self.db.execute(
+            f"SELECT data FROM telemetry WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT 1",
+            args,
+        ).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def step_times_ms(self, run_id: int, last: int = 50) -> list[float]:
+        rows = self.db.execute(
+            "SELECT json_extract(data, '$.step_time_ms') FROM telemetry WHERE run_id = ? AND "
+            "source = 'trainer' AND kind = 'step' ORDER BY seq DESC LIMIT ?",
+            [run_id, last],
+        )
+        return [float(v) for (v,) in rows if v is not None]
+
+    def series(self, run_id: int, metric: str, source: str | None) -> list[list[float]]:
+        """``[[step, value], ...]`` of ``metric`` (a JSON path below the record) over step records."""
+        path = "$." + metric
+        where = "run_id = ? AND kind = 'step' AND json_extract(data, ?) IS NOT NULL"
+        args: list[Any] = [run_id, path]
+        if source:
+            where += " AND source = ?"
+            args.append(source)
+        rows = self.db.execute(
+            f"SELECT step, json_extract(data, ?) FROM telemetry WHERE {where} ORDER BY seq",
+            [path, *args],
+        )
+        return [[s, v] for s, v in rows if isinstance(v, (int, float))]
+
+    def metric_sources(self, run_ids: list[int], metric: str) -> list[str]:
+        marks = ",".join("?" for _ in run_ids)
+        rows = self.db.execute(
+            f"SELECT DISTINCT source FROM telemetry WHERE run_id IN ({marks}) AND kind = 'step'"
+            " AND json_extract(data, ?) IS NOT NULL",
+            [*run_ids, "$." + metric],
+        )
+        return [s for (s,) in rows]
+
+    def summary(self, run_id: int) -> dict[str, Any]:
+        """Summary figures from the ingested telemetry (see ``RunSummary``)."""
+        q = self.db.execute
+        steps, mean_ms = q(
+            "SELECT MAX(step), AVG(json_extract(data, '$.step_time_ms')) FROM telemetry "
+            "WHERE run_id = ? AND source = 'trainer' AND kind = 'step'",
+            [run_id],
+        ).fetchone()
+        final = q(
+            "SELECT json_extract(data, '$.loss') FROM telemetry WHERE run_id = ? AND "
+            "source = 'trainer' AND kind = 'step' ORDER BY seq DESC LIMIT 1",
+            [run_id],
+        ).fetchone()
+        (peak,) = q(
+            "SELECT MAX(json_extract(data, '$.vram_peak_mb')) FROM telemetry WHERE run_id = ? "
+            "AND kind = 'step'",
+            [run_id],
+        ).fetchone()
+        (spill,) = q(
+            "SELECT SUM(json_extract(data, '$.spill_bytes')) FROM telemetry WHERE run_id = ? "
+            "AND source = 'activation_stagehand' AND kind = 'step'",
+            [run_id],
+        ).fetchone()
+        (stall,) = q(
+            "SELECT SUM(json_extract(data, '$.stall_time_ms')) FROM telemetry WHERE run_id = ? "
+            "AND source IN ('stagehand', 'activation_stagehand') AND kind = 'step'",
+            [run_id],
+        ).fetchone()
+        started = self.last_record(run_id, "trainer", "run_started") or {}
+        finished = self.last_record(run_id, "trainer", "run_finished") or {}
+        return {
+            "steps_done": finished.get("steps_done", steps),
+            "max_steps": started.get("max_steps"),
+            "final_loss": final[0] if final else None,
+            "peak_vram_mb": peak,
+            "mean_step_time_ms": mean_ms,
+            "spill_bytes": int(spill) if spill is not None else None,
+            "stall_ms": stall,
+        }
+
+
+def _preset(row: dict) -> dict:
+    row = dict(row)
+    row["config"] = json.loads(row["config"])
+    row["builtin"] = bool(row["builtin"])
+    return row

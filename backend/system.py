@@ -1,0 +1,80 @@
+"""Device, VRAM, RAM and library versions, probed once without importing torch here.
+
+The server must stay torch-free (fast start, no CUDA context in the process that supervises
+the GPU's workers), so torch is asked in a short-lived subprocess, started in the background at
+start-up; ``info()`` waits for it at most ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from importlib import metadata
+from typing import Any
+
+import psutil
+
+MB = 2**20
+
+_PROBE = r"""
+import json, torch
+out = {"torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+       "device": "cpu", "device_name": None, "vram_total_mb": None}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    out.update(device="cuda:0", device_name=p.name, vram_total_mb=p.total_memory / 2**20)
+print(json.dumps(out))
+"""
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class SystemProbe:
+    """Runs the torch probe once; thread-safe."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: dict[str, Any] = {}
+        self._started = False
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._probe, name="system-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120
+            )
+            self._result = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            self._result = {}
+        finally:
+            self._done.set()
+
+    def info(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """``{device, device_name, vram_total_mb, ram_total_mb, torch_version, cuda_version,
+        version}`` (MB of 2**20 bytes); torch figures are None when the probe failed."""
+        self.start()
+        self._done.wait(timeout_s)
+        probe = self._result
+        return {
+            "device": probe.get("device", "unknown"),
+            "device_name": probe.get("device_name"),
+            "vram_total_mb": probe.get("vram_total_mb"),
+            "ram_total_mb": psutil.virtual_memory().total / MB,
+            "torch_version": probe.get("torch_version") or _version("torch"),
+            "cuda_version": probe.get("cuda_version"),
+            "version": _version("stagehand-workbench") or "0.0.0",
+        }

@@ -1,0 +1,241 @@
+"""Bad input everywhere gets a 4xx with the one error body; a bounded fuzz of the OpenAPI routes
+finds no 5xx."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import string
+
+import httpx
+import pytest
+from backend_helpers import Server, assert_error_body, kill_workers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("bad") / "data").start()
+    yield server
+    server.stop()
+    kill_workers(server.data_dir)
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with srv.client() as c:
+        yield c
+
+
+def test_error_body_on_every_error_path(client):
+    assert_error_body(client.get("/api/nothing-here"), 404)
+    assert_error_body(client.delete("/api/system"), 405)
+    assert_error_body(client.get("/api/runs/12345"), 404)
+    assert_error_body(client.get("/api/runs/abc"), 422)
+    assert_error_body(client.get("/api/presets/nope"), 404)
+    assert_error_body(client.get("/static/nope.js"), 404)
+    err = assert_error_body(
+        client.post(
+            "/api/runs", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+    assert err["code"] == "malformed_json"
+    assert_error_body(client.post("/api/runs", content=b"[1, 2]"), 422)
+    err = assert_error_body(client.post("/api/runs", json={"preset": "no-such-preset"}), 404)
+    assert err["field"] == "preset"
+    err = assert_error_body(client.post("/api/runs", json={"preset": "tiny-ci", "extra": 1}), 422)
+    assert err["field"] == "extra"
+
+
+def test_invalid_overrides_name_the_json_path(client):
+    err = assert_error_body(
+        client.post(
+            "/api/runs",
+            json={
+                "preset": "tiny-ci",
+                "overrides": {
+                    "memory": {"stagehand": {"vram_high_watermark_mb": "lots"}},
+                    "max_steps": 4,
+                },
+            },
+        ),
+        422,
+    )
+    assert err["field"] == "overrides.memory.stagehand.vram_high_watermark_mb", err
+    err = assert_error_body(
+        client.post("/api/runs", json={"preset": "tiny-ci", "overrides": {"max_steps": -1}}), 422
+    )
+    assert err["field"] == "overrides.max_steps"
+    err = assert_error_body(
+        client.post(
+            "/api/runs",
+            json={
+                "preset": "tiny-ci",
+                "overrides": {"data": {"path": "/nonexistent/folder", "factory": None}},
+            },
+        ),
+        422,
+    )
+    assert err["field"] == "overrides.data.path"
+    assert client.get("/api/runs").json() == {"data": [], "count": 0}
+
+
+@pytest.mark.parametrize(
+    "name", ["../../etc/passwd", "a/b", "..", "x\\y", "tab\tname", "x" * 101, ""]
+)
+def test_path_traversal_and_long_names_are_refused(client, name):
+    err = assert_error_body(client.post("/api/runs", json={"preset": "tiny-ci", "name": name}), 422)
+    assert err["field"] == "name"
+    assert_error_body(client.post("/api/presets", json={"name": name, "config": {}}), 422)
+
+
+def test_artifacts_by_name_only(client, srv):
+    # Any run will do: artifacts are looked up by run id + plain file name.
+    run = client.post("/api/runs", json={"preset": "tiny-ci"}).json()
+    client.post(f"/api/runs/{run['id']}/cancel")
+    samples = srv.data_dir / "runs" / str(run["id"]) / "samples"
+    samples.mkdir(parents=True)
+    (samples / "sample-00.png").write_bytes(b"\x89PNG fake")
+    (srv.data_dir / "secret.txt").write_text("no")
+    listed = client.get(f"/api/runs/{run['id']}/artifacts").json()
+    assert [a["name"] for a in listed["data"]] == ["sample-00.png"]
+    got = client.get(f"/api/runs/{run['id']}/artifacts/sample-00.png")
+    assert got.status_code == 200 and got.content == b"\x89PNG fake"
+    for bad in ["..%2F..%2Fsecret.txt", "%2E%2E", ".hidden", "config.json", "a%00b"]:
+        resp = client.get(f"/api/runs/{run['id']}/artifacts/{bad}")
+        assert 400 <= resp.status_code < 500, (bad, resp.status_code)
+        assert_error_body(resp)
+    # http.client sends the path as written (httpx would normalise the dots away).
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    for path in ("../../../secret.txt", "..", "../config.json"):
+        conn.request("GET", f"/api/runs/{run['id']}/artifacts/{path}")
+        resp = conn.getresponse()
+        body = resp.read()
+        assert 400 <= resp.status < 500 and b'"error"' in body, (path, resp.status, body)
+    conn.close()
+
+
+def test_huge_bodies_get_413(client, srv):
+    big = {"preset": "tiny-ci", "overrides": {"pad": "x" * (2 << 20)}}
+    err = assert_error_body(client.post("/api/runs", json=big), 413)
+    assert err["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: the limit holds for streamed bodies too
+        for _ in range(40):
+            yield b" " * 65536
+
+    resp = httpx.post(
+        f"{srv.url}/api/presets", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert_error_body(resp, 413)
+
+
+def test_presets_builtin_read_only_and_user_presets_editable(client):
+    tiny = client.get("/api/presets/tiny-ci").json()
+    assert tiny["builtin"] is True and tiny["config"]["max_steps"] == 8
+    assert_error_body(client.put("/api/presets/tiny-ci", json={"config": tiny["config"]}), 403)
+    assert_error_body(client.delete("/api/presets/tiny-ci"), 403)
+    resp = client.post("/api/presets/tiny-ci/duplicate", json={"name": "mine"})
+    assert resp.status_code == 201 and resp.json()["builtin"] is False
+    assert_error_body(client.post("/api/presets/tiny-ci/duplicate", json={"name": "mine"}), 409)
+    cfg = {**tiny["config"], "max_steps": 5}
+    resp = client.put("/api/presets/mine", json={"config": cfg, "description": "five"})
+    assert resp.status_code == 200 and resp.json()["config"]["max_steps"] == 5
+    err = assert_error_body(
+        client.put("/api/presets/mine", json={"config": {**cfg, "resolution": "big"}}), 422
+    )
+    assert err["field"] == "config.resolution"
+    names = [p["name"] for p in client.get("/api/presets").json()["data"]]
+    assert "mine" in names and "tiny-ci" in names
+    assert client.delete("/api/presets/mine").status_code == 204
+    assert_error_body(client.get("/api/presets/mine"), 404)
+
+
+def test_system_info(client):
+    info = client.get("/api/system").json()
+    assert info["ram_total_mb"] > 100 and info["device"] in ("cpu", "cuda:0")
+    assert info["torch_version"].startswith("2.")
+
+
+# -- fuzz ----------------------------------------------------------------------------------------
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+SEGMENT = st.one_of(
+    st.integers(-5, 10**20).map(str),
+    st.text(string.ascii_letters + string.digits + "._-%~", min_size=1, max_size=12),
+    st.sampled_from(["tiny-ci", "1", "..", "%2e%2e", "-1", "0"]),
+)
+
+
+def _routes(srv) -> list[tuple[str, str, dict]]:
+    spec = httpx.get(srv.url + "/openapi.json").json()
+    return [
+        (method.upper(), path, op)
+        for path, ops in spec["paths"].items()
+        for method, op in ops.items()
+    ]
+
+
+def test_fuzz_openapi_routes_never_5xx(srv, client):
+    routes = _routes(srv)
+    assert len(routes) >= 15
+    seen_5xx: list = []
+
+    @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        route=st.sampled_from(routes),
+        segs=st.lists(SEGMENT, min_size=3, max_size=3),
+        body=JSON,
+        query=st.dictionaries(
+            st.sampled_from(["since", "limit", "buckets", "ids", "metrics", "status", "tag", "x"]),
+            st.text(max_size=12) | st.integers(-(2**64), 2**64).map(str),
+            max_size=3,
+        ),
+        raw=st.booleans(),
+    )
+    def probe(route, segs, body, query, raw):
+        method, path, _ = route
+        it = iter(segs)
+        url = "".join(next(it) if part.startswith("{") else part for part in _split(path))
+        kw = {"params": query}
+        if method in ("POST", "PUT", "PATCH"):
+            if raw:
+                kw["content"] = json.dumps(body)[:-1].encode() or b"{"
+                kw["headers"] = {"content-type": "application/json"}
+            else:
+                kw["json"] = body
+        if method == "DELETE" and "runs" in path:
+            return  # deleting runs is tested elsewhere; fuzz must not remove the fixtures
+        resp = client.request(method, url, **kw)
+        if resp.status_code >= 500:
+            seen_5xx.append((method, url, kw, resp.status_code, resp.text[:300]))
+        if resp.status_code >= 400:
+            assert_error_body(resp)
+
+    probe()
+    assert seen_5xx == []
+
+
+def _split(path: str) -> list[str]:
+    out, cur = [], ""
+    for ch in path:
+        if ch == "{":
+            out.append(cur)
+            cur = "{"
+        elif ch == "}":
+            out.append(cur + "}")
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur]

@@ -1,0 +1,205 @@
+"""Worker exits and the statuses they give; the queue; cancel; live limits; server restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from backend_helpers import (
+    TERMINAL,
+    assert_error_body,
+    file_records,
+    stored_records,
+    wait_for,
+    wait_status,
+)
+
+LONG = {"max_steps": 100000}
+"""A run that only ends when it is stopped (steps of tiny-ci take ~0.1 s)."""
+
+
+def create(client, overrides=None, **body):
+    resp = client.post(
+        "/api/runs", json={"preset": "tiny-ci", "overrides": overrides or {}, **body}
+    )
+    assert resp.status_code == 201, resp.text
+    return resp.json()["id"]
+
+
+def steps_stored(client, run_id) -> int:
+    page = client.get(
+        f"/api/runs/{run_id}/telemetry", params={"source": "trainer", "kind": "step"}
+    ).json()
+    return page["count"]
+
+
+def wait_steps(client, run_id, n=2):
+    wait_for(lambda: steps_stored(client, run_id) >= n, 180, 0.2, f"{n} steps of run {run_id}")
+
+
+def test_stall_sigkill_gives_killed_and_a_failing_worker_gives_failed(server_factory, tmp_path):
+    # Stalled after 2 s without telemetry (the default is 20 x the median step, at least 60 s).
+    env = {"STAGEHAND_WORKBENCH_STALL_MIN_S": "2", "STAGEHAND_WORKBENCH_STALL_FACTOR": "1"}
+    client = server_factory(args=("--max-parallel", "2"), env=env).start().client()
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    bad = create(client, {"model": {"factory": None, "path": str(empty)}})
+    long = create(client, LONG)
+
+    failed = wait_status(client, bad, TERMINAL)
+    assert failed["status"] == "failed" and failed["exit_code"] == 1, failed
+    last = file_records(tmp_path / "data", bad)[-1]
+    assert last["kind"] == "error"
+    assert failed["error"]["message"] == last["message"]
+    assert failed["error"]["error_type"] == last["error_type"]
+    assert failed["error"]["traceback"] == last["traceback"] and "Traceback" in last["traceback"]
+
+    wait_steps(client, long)
+    pid = client.get(f"/api/runs/{long}").json()["pid"]
+    os.kill(pid, signal.SIGSTOP)  # alive but silent
+    try:
+        wait_status(client, long, "stalled", timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_status(client, long, "running", timeout=60)
+    os.kill(pid, signal.SIGKILL)
+    killed = wait_status(client, long, TERMINAL)
+    assert killed["status"] == "killed" and killed["signal"] == "SIGKILL", killed
+    assert killed["exit_code"] == -9 and "SIGKILL" in killed["error"]["message"]
+    assert stored_records(client, long) == file_records(tmp_path / "data", long)
+    assert killed["summary"]["steps_done"] >= 2
+
+    # Ended runs cannot be cancelled or given limits; they can be deleted with their files.
+    assert_error_body(client.post(f"/api/runs/{long}/cancel"), 409)
+    assert_error_body(
+        client.patch(f"/api/runs/{long}/limits", json={"prefetch_window_blocks": 1}), 409
+    )
+    assert client.delete(f"/api/runs/{bad}").status_code == 204
+    assert not (tmp_path / "data" / "runs" / str(bad)).exists()
+    assert_error_body(client.get(f"/api/runs/{bad}"), 404)
+    assert client.get(f"/api/runs/{bad}/telemetry").status_code == 404
+
+
+def test_queue_cancel_and_live_limits(server):
+    client = server.client()
+    first = create(client, LONG, name="first")
+    second = create(client, {"max_steps": 3}, name="second")
+    third = create(client, {"max_steps": 3}, name="third")
+    runs = {r["id"]: r for r in client.get("/api/runs").json()["data"]}
+    assert runs[first]["status"] == "running"
+    assert runs[second]["status"] == runs[third]["status"] == "queued"
+    listed = client.get("/api/runs", params={"status": "queued"}).json()
+    assert sorted(r["id"] for r in listed["data"]) == [second, third] and listed["count"] == 2
+
+    # A queued run is cancelled at once and never starts.
+    resp = client.post(f"/api/runs/{third}/cancel")
+    assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
+    assert resp.json()["pid"] is None
+
+    # Limits: validated (422 naming the field), 409 unless running, acknowledged by the worker.
+    err = assert_error_body(
+        client.patch(f"/api/runs/{first}/limits", json={"vram_high_watermark_mb": -5}), 422
+    )
+    assert err["field"] == "vram_high_watermark_mb"
+    err = assert_error_body(client.patch(f"/api/runs/{first}/limits", json={"bogus": 1}), 422)
+    assert err["field"] == "bogus"
+    err = assert_error_body(
+        client.patch(
+            f"/api/runs/{first}/limits",
+            json={"vram_high_watermark_mb": 100, "vram_low_watermark_mb": 200},
+        ),
+        422,
+    )
+    assert "vram_low_watermark_mb" in err["message"]
+    assert_error_body(client.patch(f"/api/runs/{first}/limits", json={}), 422)
+    assert_error_body(
+        client.patch(f"/api/runs/{second}/limits", json={"prefetch_window_blocks": 1}), 409
+    )
+    wait_steps(client, first)
+    resp = client.patch(
+        f"/api/runs/{first}/limits",
+        json={"vram_high_watermark_mb": 1234, "vram_low_watermark_mb": 1000},
+    )
+    assert resp.status_code == 202, resp.text
+    request_id = resp.json()["request_id"]
+
+    def ack():
+        recs = stored_records(client, first)
+        return [r for r in recs if r["kind"] == "limits_applied" and r["request_id"] == request_id]
+
+    acks = wait_for(ack, 120, 0.2, "limits_applied acknowledgement")
+    assert len(acks) == 1 and acks[0]["source"] == "strategy"
+    assert acks[0]["changed"]["vram_high_watermark_mb"][1] == 1234, acks[0]
+    # tiny-ci streams its blocks (memory.strategy "stagehand"): the weight runtime's step
+    # records after the acknowledgement carry the new watermarks.
+    later = wait_for(
+        lambda: [
+            r
+            for r in stored_records(client, first)
+            if r["source"] == "stagehand" and r["kind"] == "step" and r["seq"] > acks[0]["seq"]
+        ],
+        120,
+        0.2,
+        "a stagehand step record after the acknowledgement",
+    )
+    assert all(r["vram_high_watermark_mb"] == 1234 for r in later), later[0]
+    assert all(r["vram_low_watermark_mb"] == 1000 for r in later)
+
+    # Notes and tags.
+    resp = client.patch(f"/api/runs/{first}", json={"notes": "baseline", "tags": ["a", "b"]})
+    assert resp.json()["notes"] == "baseline" and resp.json()["tags"] == ["a", "b"]
+    tagged = client.get("/api/runs", params={"tag": "b"}).json()
+    assert [r["id"] for r in tagged["data"]] == [first]
+
+    # Cancelling the running run lets the queued one start, after it.
+    assert client.post(f"/api/runs/{first}/cancel").status_code == 200
+    done_first = wait_status(client, first, TERMINAL)
+    assert done_first["status"] == "cancelled" and done_first["exit_code"] == 0, done_first
+    assert file_records(server.data_dir, first)[-1]["status"] == "cancelled"
+    done_second = wait_status(client, second, TERMINAL)
+    assert done_second["status"] == "succeeded", done_second
+    assert done_second["started_at"] >= done_first["finished_at"]
+    assert client.get(f"/api/runs/{third}").json()["status"] == "cancelled"
+    assert not (server.data_dir / "runs" / str(third) / "telemetry.jsonl").exists()
+
+    # Compare the two that ran: aligned series, only differing config fields, summary table.
+    cmp = client.get("/api/compare", params={"ids": f"{first},{second}", "metrics": "loss"}).json()
+    assert set(cmp["series"]["loss"]) == {str(first), str(second)}
+    assert len(cmp["series"]["loss"][str(second)]) == 3
+    assert [d["path"] for d in cmp["config_diff"]] == ["max_steps"]
+    assert cmp["config_diff"][0]["values"] == {str(first): 100000, str(second): 3}
+    assert [s["run_id"] for s in cmp["summary"]] == [first, second]
+
+
+def test_server_restart_reconciles_without_losing_telemetry(server_factory):
+    srv = server_factory(args=("--max-parallel", "2")).start()
+    client = srv.client()
+    adopted, crashed = create(client, LONG), create(client, LONG)
+    wait_steps(client, adopted)
+    wait_steps(client, crashed)
+    pids = {i: client.get(f"/api/runs/{i}").json()["pid"] for i in (adopted, crashed)}
+
+    srv.stop(signal.SIGKILL)  # the server dies; its workers live on in their own sessions
+    os.kill(pids[crashed], signal.SIGKILL)  # ...and one of them dies while nobody watches
+    time.sleep(1.0)  # the survivor keeps writing telemetry that nobody ingests yet
+
+    srv2 = server_factory(args=("--max-parallel", "2")).start()
+    client = srv2.client()
+    gone = client.get(f"/api/runs/{crashed}").json()
+    assert gone["status"] == "crashed", gone
+    last = file_records(srv2.data_dir, crashed)[-1]
+    assert f"seq {last['seq']}" in gone["error"]["message"]
+    assert gone["error"]["last_record"] == last
+    assert stored_records(client, crashed) == file_records(srv2.data_dir, crashed)
+
+    alive = client.get(f"/api/runs/{adopted}").json()
+    assert alive["status"] == "running" and alive["pid"] == pids[adopted]
+    before = alive["last_seq"]
+    wait_for(lambda: client.get(f"/api/runs/{adopted}").json()["last_seq"] > before + 2, 120)
+    assert client.post(f"/api/runs/{adopted}/cancel").status_code == 200
+    final = wait_status(client, adopted, TERMINAL)
+    assert final["status"] == "cancelled", final
+    stored, in_file = stored_records(client, adopted), file_records(srv2.data_dir, adopted)
+    assert stored == in_file
+    assert [r["seq"] for r in stored] == list(range(len(in_file)))

@@ -1,0 +1,120 @@
+"""Binding defaults: 127.0.0.1 without a token; anything else needs one, and then every request
+(websockets included) must carry it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from backend_helpers import REPO, assert_error_body, free_port
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def test_other_address_without_token_refuses_to_start(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "backend.cli",
+            "serve",
+            "--host",
+            "127.0.0.2",
+            "--port",
+            str(free_port()),
+            "--data-dir",
+            str(tmp_path),
+            "--no-browser",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "token" in proc.stderr and "127.0.0.2" in proc.stderr
+    assert not (tmp_path / "workbench.db").exists()
+
+
+@pytest.fixture
+def guarded(server_factory):
+    srv = server_factory(host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN})
+    return srv.start()
+
+
+def test_token_required_everywhere(guarded):
+    url = guarded.url
+    for path in ("/api/runs", "/api/presets", "/api/system", "/", "/docs", "/openapi.json"):
+        err = assert_error_body(httpx.get(url + path), 401)
+        assert err["code"] == "unauthorized"
+    assert_error_body(httpx.get(url + "/api/runs", headers={"Authorization": "Bearer nope"}), 401)
+    assert_error_body(httpx.post(url + "/api/runs", json={"preset": "tiny-ci"}), 401)
+    ok = httpx.get(url + "/api/runs", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and ok.json() == {"data": [], "count": 0}
+    assert httpx.get(url + "/api/runs", cookies={"workbench_token": TOKEN}).status_code == 200
+
+    # /?token= sets the cookie once, so the dashboard works from a link.
+    resp = httpx.get(url + "/", params={"token": TOKEN})
+    assert resp.status_code == 303 and "workbench_token" in resp.headers["set-cookie"]
+    assert "HttpOnly" in resp.headers["set-cookie"]
+
+    with connect(f"ws://127.0.0.2:{guarded.port}/api/runs/1/stream") as ws:
+        frame = json.loads(ws.recv(timeout=10))
+        assert frame["error"]["code"] == "unauthorized"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+        assert ws.close_code == 4401
+    with connect(
+        f"ws://127.0.0.2:{guarded.port}/api/runs/1/stream",
+        additional_headers={"Authorization": f"Bearer {TOKEN}"},
+    ) as ws:
+        frame = json.loads(ws.recv(timeout=10))
+        assert frame["error"]["code"] == "not_found"  # past the token check
+
+
+def test_loopback_default_needs_no_token_and_serves_the_dashboard(server):
+    assert server.host == "127.0.0.1"
+    assert httpx.get(server.url + "/api/runs").status_code == 200
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200
+    assert "<html" in page.text.lower() or "<!doctype" in page.text.lower()
+    js = httpx.get(server.url + "/static/vendor/plotly.min.js")
+    assert js.status_code == 200 and len(js.content) > 1_000_000
+    assert "javascript" in js.headers["content-type"]
+
+
+def test_settings_rule():
+    from backend.settings import Settings, needs_token
+
+    assert not needs_token("127.0.0.1") and not needs_token("localhost") and not needs_token("::1")
+    assert needs_token("0.0.0.0") and needs_token("127.0.0.2") and needs_token("192.168.1.5")
+    with pytest.raises(ValueError, match="token"):
+        Settings(host="0.0.0.0", token=None, data_dir="/tmp/x").check_bind()
+    Settings(host="0.0.0.0", token="t", data_dir="/tmp/x").check_bind()
+
+
+def test_browser_borne_requests_from_other_sites_are_refused(server):
+    url = server.url
+    # DNS rebinding: a page on evil.example resolved to 127.0.0.1 sends its own Host.
+    err = assert_error_body(httpx.get(url + "/api/runs", headers={"Host": "evil.example"}), 403)
+    assert err["code"] == "forbidden"
+    foreign = {"Origin": "http://evil.example"}
+    assert_error_body(httpx.post(url + "/api/presets", json={}, headers=foreign), 403)
+    same = {"Origin": url}
+    resp = httpx.post(url + "/api/presets/tiny-ci/duplicate", json={"name": "x1"}, headers=same)
+    assert resp.status_code == 201
+    assert httpx.get(url + "/api/runs", headers=foreign).status_code == 200  # reads are fine
+    with connect(
+        f"ws://127.0.0.1:{server.port}/api/runs/1/stream", additional_headers=foreign
+    ) as ws:
+        assert json.loads(ws.recv(timeout=10))["error"]["code"] == "forbidden"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+        assert ws.close_code == 4403

@@ -1,0 +1,184 @@
+"""In-process checks of the tailer, the store, downsampling and the config diff."""
+
+from __future__ import annotations
+
+import json
+
+from backend.api.compare import config_diff
+from backend.downsample import bucketize
+from backend.store import MIGRATIONS, Store
+from backend.tailer import JsonlTail
+
+
+def rec(seq: int, **kw) -> str:
+    return json.dumps(
+        {
+            "seq": seq,
+            "time": 1.0,
+            "source": "trainer",
+            "kind": "step",
+            "step": seq,
+            "phase": None,
+            **kw,
+        }
+    )
+
+
+def test_tail_holds_a_torn_line_until_complete(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    tail = JsonlTail(path)
+    assert tail.read() == []  # no file yet
+    line0, line1 = rec(0, loss=1.5), rec(1, loss=0.5)
+    path.write_text(line0 + "\n" + line1[:10])
+    got = tail.read()
+    assert [ln.seq for ln in got] == [0] and tail.offset == len(line0) + 1
+    assert tail.read() == []  # still torn
+    with open(path, "a") as f:
+        f.write(line1[10:] + "\n")
+    got = tail.read()
+    assert [ln.raw for ln in got] == [line1]
+    with open(path, "a") as f:
+        f.write("not json\n" + rec(2) + "\n")
+    assert [ln.seq for ln in tail.read()] == [2] and tail.skipped == 1
+    # A new tail resumed from the stored offset reads nothing twice.
+    assert JsonlTail(path, tail.offset).read() == []
+
+
+def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    assert store.migrate() == []  # already applied by the constructor
+    names = [r["name"] for r in store.db["_migrations"].rows]
+    assert names == [name for name, _ in MIGRATIONS]
+    run_id = store.create_run("r", "p", {"a": 1}, "default")
+    rows = [(i, 1.0, "trainer", "step", i, None, rec(i, loss=float(i))) for i in range(5)]
+    assert store.ingest(run_id, rows[:3], 30) == 3
+    assert store.ingest(run_id, rows, 50) == 2  # the first three are already stored
+    assert [s for s, _ in store.telemetry_lines(run_id)] == [0, 1, 2, 3, 4]
+    run = store.get_run(run_id)
+    assert run["tail_offset"] == 50 and run["last_seq"] == 4
+    assert store.summary(run_id)["final_loss"] == 4.0
+    store.close()
+
+
+def test_buckets_keep_peaks():
+    records = [{"seq": i, "step": i, "loss": 1.0, "phase_ms": {"forward": 2.0}} for i in range(100)]
+    records[37]["loss"] = 99.0
+    records[80]["loss"] = -5.0
+    out = bucketize(records, 10)
+    assert len(out) == 10 and sum(b["count"] for b in out) == 100
+    assert out[3]["max"]["loss"] == 99.0 and out[3]["seq"] == 30 and out[3]["seq_last"] == 39
+    assert out[8]["min"]["loss"] == -5.0
+    assert out[0]["max"]["phase_ms.forward"] == 2.0 and "seq" not in out[0]["max"]
+    assert len(bucketize(records[:3], 10)) == 3
+
+
+def test_config_diff_lists_only_differing_paths():
+    a = {"memory": {"strategy": "none", "x": 1}, "lr": 1e-4, "name": "a"}
+    b = {"memory": {"strategy": "stagehand", "x": 1}, "lr": 1e-4, "name": "a", "new": True}
+    diff = config_diff({1: a, 2: b})
+    assert diff == [
+        {"path": "memory.strategy", "values": {"1": "none", "2": "stagehand"}},
+        {"path": "new", "values": {"1": None, "2": True}},
+    ]
+
+
+def test_hub_batches_for_slow_clients_and_closes_the_hopeless():
+    import asyncio
+
+    from backend.hub import Hub, SubscriberState
+
+    async def scenario():
+        hub = Hub(asyncio.get_running_loop(), max_pending=18)
+        fast, slow = hub.subscribe(1), hub.subscribe(1)
+        hub.publish_lines(1, [(0, "{}"), (1, "{}")])
+        hub.publish_lines(1, [(2, "{}")])
+        hub.publish_run(1, {"status": "running"})
+        await asyncio.sleep(0)
+        items = await fast.take()
+        assert [k for k, _ in items] == ["lines", "lines", "run"]
+        assert [s for _, b in items[:2] for s, _ in b.lines] == [0, 1, 2]
+        assert items[0][1].frame == '{"records":[{},{}]}'
+        hub.publish_lines(1, [(i, "{}") for i in range(3, 20)])  # slow: 3 + 17 = 20 > 18 behind
+        await asyncio.sleep(0)
+        assert slow.state is SubscriberState.OVERFLOWED and fast.state is SubscriberState.LIVE
+        assert await slow.take() == []
+        assert len((await fast.take())[0][1].lines) == 17
+        hub.unsubscribe(fast)
+        hub.unsubscribe(slow)
+        assert hub.subscribers(1) == 0
+
+    asyncio.run(scenario())
+
+
+def test_outcome_from_exit_and_last_records():
+    from backend.outcome import classify
+
+    fin = {"seq": 9, "source": "trainer", "kind": "run_finished", "status": "cancelled"}
+    err = {
+        "seq": 5,
+        "source": "trainer",
+        "kind": "error",
+        "step": 3,
+        "message": "CUDA out of memory",
+        "error_type": "OutOfMemoryError",
+        "traceback": "Traceback...",
+        "oom": True,
+    }
+    step = {"seq": 4, "source": "trainer", "kind": "step", "step": 3}
+    kw = {"tail": "log", "pid": 42}
+    killed = classify(-9, cancel_requested=False, finished=None, last=step, **kw)
+    assert (killed["status"], killed["signal"]) == ("killed", "SIGKILL")
+    assert (
+        classify(-15, cancel_requested=True, finished=None, last=step, **kw)["status"]
+        == "cancelled"
+    )
+    assert classify(0, cancel_requested=True, finished=fin, last=fin, **kw)["status"] == "cancelled"
+    assert classify(None, cancel_requested=False, finished=fin, last=fin, **kw)["error"] is None
+    failed = classify(1, cancel_requested=False, finished=None, last=err, **kw)
+    assert failed["status"] == "failed" and failed["error"]["oom"] is True
+    assert failed["error"]["message"] == "CUDA out of memory"
+    crashed = classify(
+        None, cancel_requested=False, finished=None, last=step, gone_at_start=True, **kw
+    )
+    assert crashed["status"] == "crashed"
+    assert (
+        "pid 42" in crashed["error"]["message"]
+        and "trainer/step at step 3 (seq 4)" in crashed["error"]["message"]
+    )
+    early = classify(2, cancel_requested=False, finished=None, last=None, **kw)
+    assert early["status"] == "failed" and early["error"]["log_tail"] == "log"
+    assert "code 2 after no telemetry" in early["error"]["message"]
+
+
+def test_sql_buckets_equal_the_python_reference(tmp_path):
+    import random
+
+    from backend.downsample import numeric_paths
+
+    rng = random.Random(0)
+    store = Store(tmp_path / "db.sqlite")
+    run_id = store.create_run("r", "p", {}, "default")
+    rows = []
+    for i in range(2000):
+        kind = "step" if i % 5 == 0 else "block"
+        line = rec(
+            i,
+            kind=kind,
+            loss=rng.random(),
+            vram_peak_mb=float(i % 97),
+            ok=True,
+            phase_ms={"forward": rng.random()},
+            block_name="b",
+        )
+        rows.append((i, 1.0, "trainer", kind, i, None, line))
+    store.ingest(run_id, rows, 1)
+    for kind, buckets, since in (("block", 37, -1), (None, 2000, 10), ("step", 999, 100)):
+        paths = numeric_paths(store.sample_lines(run_id, since, None, kind))
+        assert paths == ["loss", "phase_ms.forward", "vram_peak_mb"]
+        got, last = store.bucket_stats(run_id, since, None, kind, buckets, paths, 10**6)
+        ref = bucketize(
+            [json.loads(x) for _, x in store.telemetry_lines(run_id, since, 10**6, None, kind)],
+            buckets,
+        )
+        assert got == ref and last == ref[-1]["seq_last"]
+    store.close()
