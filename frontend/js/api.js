@@ -1,0 +1,140 @@
+// REST client for the backend (docs/contracts.md "REST API").
+//
+// Every failure becomes an ApiError carrying the backend's one error body
+// {"error": {code, message, field, details}}; network failures and non-JSON bodies are mapped
+// onto the same shape so callers have exactly one thing to show. Nothing here swallows errors.
+
+export class ApiError extends Error {
+  /**
+   * @param {number} status HTTP status (0 when the request never got an answer)
+   * @param {{code: string, message: string, field: string|null, details: Array}} body
+   */
+  constructor(status, body) {
+    super(body.message);
+    this.name = "ApiError";
+    this.status = status;
+    this.code = body.code;
+    this.field = body.field ?? null;
+    this.details = Array.isArray(body.details) ? body.details : [];
+  }
+
+  /** One line for a banner: "409 run_not_running: run 3 is succeeded (field: x)". */
+  describe() {
+    const where = this.field ? ` (field: ${this.field})` : "";
+    const status = this.status ? `${this.status} ` : "";
+    return `${status}${this.code}: ${this.message}${where}`;
+  }
+}
+
+/** Normalises any response body into the contract's error object. */
+function errorBody(status, payload, fallbackText) {
+  const err = payload && typeof payload === "object" ? payload.error : null;
+  if (err && typeof err === "object" && typeof err.message === "string") {
+    return {
+      code: String(err.code ?? "error"),
+      message: err.message,
+      field: err.field ?? null,
+      details: err.details ?? [],
+    };
+  }
+  // FastAPI's own {"detail": ...} (e.g. a route the backend did not wrap) is still shown.
+  if (payload && payload.detail !== undefined) {
+    const detail = payload.detail;
+    const message = typeof detail === "string" ? detail : JSON.stringify(detail);
+    return { code: `http_${status}`, message, field: null, details: Array.isArray(detail) ? detail : [] };
+  }
+  return {
+    code: `http_${status}`,
+    message: fallbackText || `request failed with HTTP ${status}`,
+    field: null,
+    details: [],
+  };
+}
+
+async function request(method, path, body) {
+  const init = { method, headers: { Accept: "application/json" } };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let response;
+  try {
+    response = await fetch(path, init);
+  } catch (exc) {
+    throw new ApiError(0, {
+      code: "network_error",
+      message: `${method} ${path} failed: ${exc.message}`,
+      field: null,
+      details: [],
+    });
+  }
+  const text = await response.text();
+  let payload = null;
+  if (text) {
+    try {
+      payload = JSON.parse(text);
+    } catch {
+      payload = null;
+    }
+  }
+  if (!response.ok) {
+    throw new ApiError(response.status, errorBody(response.status, payload, text.slice(0, 300)));
+  }
+  if (text && payload === null) {
+    throw new ApiError(response.status, {
+      code: "bad_response",
+      message: `${method} ${path} answered with non-JSON: ${text.slice(0, 120)}`,
+      field: null,
+      details: [],
+    });
+  }
+  return payload;
+}
+
+function query(params) {
+  const parts = [];
+  for (const [key, value] of Object.entries(params || {})) {
+    if (value === undefined || value === null || value === "") continue;
+    parts.push(`${encodeURIComponent(key)}=${encodeURIComponent(value)}`);
+  }
+  return parts.length ? `?${parts.join("&")}` : "";
+}
+
+const enc = encodeURIComponent;
+
+export const api = {
+  system: () => request("GET", "/api/system"),
+
+  presets: () => request("GET", "/api/presets"),
+  preset: (name) => request("GET", `/api/presets/${enc(name)}`),
+  createPreset: (name, config) => request("POST", "/api/presets", { name, config }),
+
+  /** @param {{status?: string, preset?: string, tag?: string}} filters */
+  runs: (filters) => request("GET", `/api/runs${query(filters)}`),
+  run: (id) => request("GET", `/api/runs/${enc(id)}`),
+  /** @param {{preset: string, name?: string, overrides?: object}} body */
+  createRun: (body) => request("POST", "/api/runs", body),
+  /** @param {{notes?: string, tags?: string[]}} body */
+  updateRun: (id, body) => request("PATCH", `/api/runs/${enc(id)}`, body),
+  cancelRun: (id) => request("POST", `/api/runs/${enc(id)}/cancel`),
+  deleteRun: (id) => request("DELETE", `/api/runs/${enc(id)}`),
+
+  /**
+   * Telemetry records, oldest first.
+   * @param {{since?: number, limit?: number, source?: string, kind?: string, buckets?: number}} params
+   * @returns {Promise<{data: Array<object>, count: number, next_since: number|null}>}
+   */
+  telemetry: (id, params) => request("GET", `/api/runs/${enc(id)}/telemetry${query(params)}`),
+
+  /** LiveLimits body (runtime/config.py); 409 when the run is not running. */
+  setLimits: (id, limits) => request("PATCH", `/api/runs/${enc(id)}/limits`, limits),
+
+  compare: (ids, metrics) =>
+    request("GET", `/api/compare${query({ ids: ids.join(","), metrics: (metrics || []).join(",") })}`),
+
+  artifacts: (id) => request("GET", `/api/runs/${enc(id)}/artifacts`),
+  artifactUrl: (id, name) => `/api/runs/${enc(id)}/artifacts/${enc(name)}`,
+};
+
+/** Terminal statuses: a run in one of these will not produce more records. */
+export const FINISHED = new Set(["succeeded", "failed", "cancelled", "killed", "crashed"]);

@@ -1,0 +1,73 @@
+// Page wiring: the system strip and a hash router (#/runs, #/new, #/runs/ID, #/compare?ids=1,2).
+// Each page module exports `mount(root, route) -> unmount()`; the router unmounts the previous
+// page (closing its sockets and timers) before mounting the next one.
+
+import { api } from "./api.js";
+import { fill, fmtMB, h, parseHash, showError } from "./ui.js";
+import * as runsPage from "./pages/runs.js";
+import * as newRunPage from "./pages/newrun.js";
+import * as runPage from "./pages/run.js";
+import * as comparePage from "./pages/compare.js";
+
+const root = document.getElementById("page");
+let unmount = null;
+
+function pick(parts) {
+  if (parts[0] === "runs" && parts[1]) return { page: runPage, nav: "runs" };
+  if (parts[0] === "new") return { page: newRunPage, nav: "new" };
+  if (parts[0] === "compare") return { page: comparePage, nav: "compare" };
+  return { page: runsPage, nav: "runs" };
+}
+
+function route() {
+  const { parts, params } = parseHash();
+  const { page, nav } = pick(parts);
+  if (unmount) {
+    try {
+      unmount();
+    } catch (exc) {
+      console.error("unmount failed", exc);
+    }
+  }
+  unmount = null;
+  for (const a of document.querySelectorAll("[data-nav]")) {
+    a.classList.toggle("active", a.dataset.nav === nav);
+  }
+  fill(root);
+  try {
+    unmount = page.mount(root, { parts, params }) || null;
+  } catch (exc) {
+    showError(root, exc, "page failed to load");
+    console.error(exc);
+  }
+}
+
+async function loadSystem() {
+  const strip = document.getElementById("system-strip");
+  try {
+    const s = await api.system();
+    const item = (label, value, key) =>
+      h("span", { class: "sys-item", "data-key": key }, h("span", { class: "sys-label" }, label), " ", value ?? "–");
+    fill(
+      strip,
+      item("device", `${s.device_name || s.device}${s.device && s.device_name ? ` (${s.device})` : ""}`, "device"),
+      item("VRAM", s.vram_total_mb ? fmtMB(s.vram_total_mb) : "none", "vram"),
+      item("RAM", fmtMB(s.ram_total_mb), "ram"),
+      item("torch", s.torch_version, "torch"),
+      s.cuda_version ? item("CUDA", s.cuda_version, "cuda") : null,
+      item("workbench", s.version, "version"),
+    );
+  } catch (err) {
+    fill(strip);
+    showError(strip, err, "system info");
+  }
+}
+
+// Errors that escape a page (a rejected promise nobody awaited) still reach the user.
+window.addEventListener("unhandledrejection", (event) => {
+  showError(document.getElementById("global-errors"), event.reason || new Error("unknown error"), "unexpected");
+});
+
+window.addEventListener("hashchange", route);
+loadSystem();
+route();

@@ -1,0 +1,265 @@
+// Plotly charts that grow while records arrive, with a point cap that never hides a peak.
+//
+// Points are appended with Plotly.extendTraces in batches (one redraw per FLUSH_MS, however
+// many records came in). When a trace passes its cap it is compressed in place with min/max
+// downsampling: each bucket keeps its lowest and its highest point, so a VRAM spike that
+// lasted one block is still drawn after 100k blocks. Compressing already-compressed data keeps
+// the same guarantee (the max of bucket maxima is the global max).
+
+/* global Plotly */
+
+export const DEFAULT_CAP = 4000;
+export const FLUSH_MS = 150;
+const SMALL_BATCH = 64; // points per flush drawn with extendTraces; more take one react
+// Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
+// ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
+const DENSE_POINTS = 300;
+
+export const BASE_LAYOUT = {
+  margin: { l: 58, r: 58, t: 36, b: 78 },
+  height: 310,
+  legend: { orientation: "h", x: 0, y: -0.3, yanchor: "top", traceorder: "normal", font: { size: 11 } },
+  font: { family: "system-ui, -apple-system, Segoe UI, sans-serif", size: 12, color: "#1d2733" },
+  paper_bgcolor: "#ffffff",
+  plot_bgcolor: "#ffffff",
+  xaxis: { gridcolor: "#e8ecf1", zeroline: false, automargin: true },
+  yaxis: { gridcolor: "#e8ecf1", zeroline: false, automargin: true, rangemode: "tozero" },
+  hovermode: "x unified",
+  uirevision: "keep", // user zoom survives updates
+};
+
+/** The note of an empty chart until something says why it is empty. */
+export const WAITING = "waiting for records…";
+
+export const PLOT_CONFIG = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+
+/** The cheap-to-draw form of a trace once it holds many points. */
+function denseTrace(trace) {
+  if (trace.type === "bar") {
+    const { marker = {}, type, ...rest } = trace;
+    return {
+      ...rest, type: "scatter", mode: "lines", stackgroup: trace.yaxis === "y2" ? "y2" : "bars",
+      line: { width: 0.5, color: marker.color }, fillcolor: marker.color,
+    };
+  }
+  if (typeof trace.mode === "string" && trace.mode.includes("markers")) return { ...trace, mode: "lines" };
+  return trace;
+}
+
+/**
+ * Legend at the bottom of the figure, below the x-axis title, with room for as many rows as
+ * the container's width needs (a phone wraps 4 traces onto 2-4 rows).
+ */
+export function legendFit(el, count) {
+  const width = el.clientWidth || 600;
+  const perRow = Math.max(1, Math.floor((width - 30) / 135));
+  const rows = Math.ceil(count / perRow);
+  return {
+    legend: { ...BASE_LAYOUT.legend, yref: "container", y: 0, yanchor: "bottom" },
+    margin: { ...BASE_LAYOUT.margin, b: 56 + rows * 20 },
+    height: 250 + rows * 20,
+  };
+}
+
+export function emptyNote(text) {
+  return {
+    text, xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
+    font: { size: 13, color: "#8592a3" }, name: "empty-note",
+  };
+}
+
+// Markers are shapes with their own label: an annotation in data coordinates would widen the
+// autorange by the width of its text.
+export function markerShapes(markers) {
+  return markers.map((m) => ({
+    type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
+    line: { color: m.color, width: 1.5, dash: "dash" },
+    label: { text: m.label, textangle: 0, textposition: "end", xanchor: "left", font: { size: 10, color: m.color } },
+  }));
+}
+
+/**
+ * Min/max downsampling of one series.
+ *
+ * Splits the points into `buckets` runs of consecutive indices and keeps, per run, the point
+ * with the lowest y and the point with the highest y, in x order. The result has at most
+ * 2 * buckets points; the global minimum and maximum are always kept. Null/NaN y values are
+ * skipped (they are gaps, not extremes).
+ *
+ * @param {Array<number>} x
+ * @param {Array<number>} y same length as x
+ * @param {number} buckets > 0
+ * @returns {{x: Array<number>, y: Array<number>}}
+ */
+export function minMaxDownsample(x, y, buckets) {
+  const n = y.length;
+  if (n <= 2 * buckets) return { x: Array.from(x), y: Array.from(y) };
+  const outX = [];
+  const outY = [];
+  const size = n / buckets;
+  for (let b = 0; b < buckets; b++) {
+    const start = Math.floor(b * size);
+    const end = Math.min(n, Math.floor((b + 1) * size));
+    let lo = -1;
+    let hi = -1;
+    for (let i = start; i < end; i++) {
+      const v = y[i];
+      if (v === null || v === undefined || Number.isNaN(v)) continue;
+      if (lo < 0 || v < y[lo]) lo = i;
+      if (hi < 0 || v > y[hi]) hi = i;
+    }
+    if (lo < 0) continue;
+    const first = Math.min(lo, hi);
+    const second = Math.max(lo, hi);
+    outX.push(x[first]);
+    outY.push(y[first]);
+    if (second !== first) {
+      outX.push(x[second]);
+      outY.push(y[second]);
+    }
+  }
+  return { x: outX, y: outY };
+}
+
+/** A line/bar chart fed by `extend`, with markers (vertical lines) for events such as limits. */
+export class LiveChart {
+  /**
+   * @param {HTMLElement} el container (its id is what tests read `.data` from)
+   * @param {object} opts
+   * @param {string} opts.title
+   * @param {Array<object>} opts.traces Plotly trace specs without x/y
+   * @param {object} [opts.layout] merged over the base layout (axes titles with units)
+   * @param {number} [opts.cap] most points per trace before compression
+   */
+  constructor(el, { title, traces, layout = {}, cap = DEFAULT_CAP, emptyText = WAITING }) {
+    this.el = el;
+    this.cap = cap;
+    this.emptyText = emptyText;
+    this.empty = true;
+    this.revision = 0;
+    this.pending = new Map();
+    this.timer = null;
+    this.markers = [];
+    this.title = title;
+    const data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, x: [], y: [] }));
+    this.layout = {
+      ...BASE_LAYOUT,
+      ...legendFit(el, traces.length),
+      ...layout,
+      title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" },
+      xaxis: { ...BASE_LAYOUT.xaxis, ...(layout.xaxis || {}) },
+      yaxis: { ...BASE_LAYOUT.yaxis, ...(layout.yaxis || {}) },
+      shapes: [],
+      annotations: emptyText ? [emptyNote(emptyText)] : [],
+    };
+    if (layout.yaxis2) {
+      this.layout.yaxis2 = { gridcolor: "#f3f5f8", zeroline: false, overlaying: "y", side: "right", automargin: true, ...layout.yaxis2 };
+    }
+    Plotly.newPlot(el, data, this.layout, PLOT_CONFIG);
+  }
+
+  /** Queues points for trace `index`; drawn at the next flush. */
+  push(index, x, y) {
+    let entry = this.pending.get(index);
+    if (!entry) {
+      entry = { x: [], y: [] };
+      this.pending.set(index, entry);
+    }
+    entry.x.push(x);
+    entry.y.push(y);
+    this._schedule();
+  }
+
+  /** Replaces all points of trace `index` (history load); compressed when over the cap. */
+  setSeries(index, x, y) {
+    this.pending.delete(index);
+    const ds = minMaxDownsample(x, y, Math.floor(this.cap / 2));
+    if (ds.x.length) this.empty = false;
+    this._react(this.el.data.map((trace, i) => (i === index ? { ...trace, x: ds.x, y: ds.y } : trace)));
+  }
+
+  /** Puts `x`/`y` before the points trace `index` already has (history arriving late). */
+  prependSeries(index, x, y) {
+    this.flush();
+    const trace = this.el.data[index];
+    this.setSeries(index, x.concat(Array.from(trace.x)), y.concat(Array.from(trace.y)));
+  }
+
+  /** Changes the note shown while the chart has no points (e.g. why a source is silent). */
+  setEmptyText(text) {
+    this.emptyText = text;
+    if (this.empty) this._react();
+  }
+
+  /**
+   * Draws everything queued now (tests and history loads call it to avoid waiting).
+   *
+   * A few live points go through Plotly.extendTraces. A big batch (history), a trace passing
+   * its cap, or the first points of an empty chart take one Plotly.react instead: a single
+   * redraw rather than extend + restyle + relayout.
+   */
+  flush() {
+    clearTimeout(this.timer);
+    this.timer = null;
+    if (!this.pending.size) return;
+    const pending = this.pending;
+    this.pending = new Map();
+    const data = this.el.data;
+    let total = 0;
+    let overflow = false;
+    let fills = false;
+    for (const [i, p] of pending) {
+      total += p.x.length;
+      if (data[i].x.length + p.x.length > this.cap) overflow = true;
+      if (p.y.some((v) => v !== undefined && v !== null)) fills = true;
+    }
+    if (total <= SMALL_BATCH && !overflow && !(this.empty && fills)) {
+      const indices = [...pending.keys()];
+      Plotly.extendTraces(this.el, { x: indices.map((i) => pending.get(i).x), y: indices.map((i) => pending.get(i).y) }, indices);
+      return;
+    }
+    const next = data.map((trace, i) => {
+      const p = pending.get(i);
+      if (!p) return trace;
+      let x = Array.from(trace.x).concat(p.x);
+      let y = Array.from(trace.y).concat(p.y);
+      if (x.length > this.cap) ({ x, y } = minMaxDownsample(x, y, Math.floor(this.cap / 4)));
+      return { ...trace, x, y };
+    });
+    if (next.some((t) => t.x.length > DENSE_POINTS)) {
+      for (let i = 0; i < next.length; i++) next[i] = denseTrace(next[i]);
+    }
+    if (fills) this.empty = false;
+    this._react(next);
+  }
+
+  _react(data) {
+    this.revision += 1;
+    const notes = this.empty && this.emptyText ? [emptyNote(this.emptyText)] : [];
+    this.layout = { ...this.layout, shapes: markerShapes(this.markers), annotations: notes, datarevision: this.revision };
+    Plotly.react(this.el, data || this.el.data, this.layout, PLOT_CONFIG);
+  }
+
+  _schedule() {
+    if (this.timer === null) this.timer = setTimeout(() => this.flush(), FLUSH_MS);
+  }
+
+  setTitle(title) {
+    if (title === this.title) return;
+    this.title = title;
+    this.layout = { ...this.layout, title: { ...this.layout.title, text: title } };
+    this._react();
+  }
+
+  /** Vertical dashed line at `x` with a short label (e.g. "limits applied"). */
+  addMarker(x, label, color = "#b4235a") {
+    this.markers.push({ x, label, color });
+    this.flush();
+    this._react();
+  }
+
+  purge() {
+    clearTimeout(this.timer);
+    Plotly.purge(this.el);
+  }
+}

@@ -1,0 +1,139 @@
+// Live-limits panel: PATCH /api/runs/{id}/limits with the LiveLimits fields that changed
+// (runtime/config.py), then wait for the worker's `strategy/limits_applied` record with the
+// same request_id (applied at the next step begin) and say so; the charts draw the marker.
+
+import { api } from "../api.js";
+import { fill, getPath, h, showError } from "../ui.js";
+
+const SH = "memory.stagehand";
+const AS = `${SH}.activation_stagehand`;
+
+// LiveLimits field -> where its current value lives in the run's config.
+const LIMITS = [
+  { field: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", path: `${SH}.vram_high_watermark_mb`, int: false },
+  { field: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", path: `${SH}.vram_low_watermark_mb`, int: false },
+  { field: "prefetch_window_blocks", label: "Prefetch window (blocks)", path: `${SH}.prefetch_window_blocks`, int: true },
+  { field: "max_inflight_transfers", label: "In-flight block H2D copies", path: `${SH}.max_inflight_transfers`, int: true },
+  { field: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", path: `${AS}.vram_high_watermark_mb`, int: false },
+  { field: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", path: `${AS}.vram_low_watermark_mb`, int: false },
+  { field: "max_inflight_d2h", label: "Spill in-flight D2H", path: `${AS}.max_inflight_d2h`, int: true },
+  { field: "max_inflight_h2d", label: "Restore in-flight H2D", path: `${AS}.max_inflight_h2d`, int: true },
+];
+
+export class LimitsPanel {
+  /**
+   * @param {HTMLElement} box the panel's card
+   * @param {object} run the API's Run
+   * @param {HTMLElement} errors where API errors are shown (besides the panel itself)
+   */
+  constructor(box, run, errors) {
+    this.box = box;
+    this.run = run;
+    this.errors = errors;
+    this.current = {};
+    this.pending = new Map(); // request_id -> list item
+    // A busy server can deliver the worker's record before the PATCH answer: kept here.
+    this.early = new Map(); // request_id -> limits_applied record
+    this.inputs = new Map();
+    for (const { field, path } of LIMITS) {
+      const value = getPath(run.config || {}, path);
+      if (value !== undefined && value !== null) this.current[field] = value;
+    }
+    this.applyBtn = h("button", { class: "primary", id: "apply-limits", onclick: () => this.submit() }, "Apply limits");
+    this.note = h("span", { class: "muted", id: "limits-note" });
+    this.log = h("ul", { class: "limits-log", id: "limits-log" });
+    const grid = h("div", { class: "form-grid compact" });
+    for (const { field, label } of LIMITS) {
+      const input = h("input", { type: "text", inputmode: "decimal", id: `limit-${field}`, value: this.current[field] ?? "", placeholder: "unchanged" });
+      const err = h("div", { class: "field-error" });
+      this.inputs.set(field, { input, err });
+      grid.append(h("label", { class: "field" }, h("span", { class: "label" }, label), input, err));
+    }
+    fill(box,
+      h("h2", {}, "Live limits"),
+      h("p", { class: "muted" }, "Changes apply at the next step begin; the charts mark where the worker applied them."),
+      grid, h("div", { class: "toolbar" }, this.applyBtn, this.note), this.log);
+    this.setStatus(run.status);
+  }
+
+  setStatus(status) {
+    const running = status === "running";
+    this.note.textContent = running ? "" : `run is ${status}: limits can only change while it runs`;
+    this.box.classList.toggle("inactive", !running);
+  }
+
+  /** Body of the PATCH: the fields whose input differs from the current value. */
+  body() {
+    const out = {};
+    let bad = false;
+    for (const { field, int } of LIMITS) {
+      const { input, err } = this.inputs.get(field);
+      err.textContent = "";
+      input.classList.remove("invalid");
+      const raw = input.value.trim();
+      if (raw === "") continue;
+      const value = Number(raw);
+      if (!Number.isFinite(value) || (int && !Number.isInteger(value))) {
+        err.textContent = `expected ${int ? "a whole number" : "a number"}, got "${raw}"`;
+        input.classList.add("invalid");
+        bad = true;
+        continue;
+      }
+      if (value !== this.current[field]) out[field] = value;
+    }
+    return bad ? null : out;
+  }
+
+  async submit() {
+    const body = this.body();
+    if (body === null) return;
+    if (!Object.keys(body).length) {
+      this.note.textContent = "nothing changed";
+      return;
+    }
+    try {
+      const { request_id: requestId } = await api.setLimits(this.run.id, body);
+      const item = h("li", { "data-request-id": requestId, class: "pending" },
+        `${describe(body)}: sent, waiting for the worker…`);
+      this.log.prepend(item);
+      this.pending.set(requestId, { item, body });
+      const early = this.early.get(requestId);
+      if (early) {
+        this.early.delete(requestId);
+        this.applied(early);
+      }
+    } catch (err) {
+      if (err.field) {
+        const target = this.inputs.get(err.field.replace(/^limits\./, ""));
+        if (target) {
+          target.err.textContent = err.message;
+          target.input.classList.add("invalid");
+        }
+      }
+      showError(this.box, err, "limits");
+    }
+  }
+
+  /** A `strategy/limits_applied` record arrived. */
+  applied(rec) {
+    const changed = rec.changed || {};
+    for (const [field, [, now]] of Object.entries(changed)) {
+      this.current[field] = now;
+      const entry = this.inputs.get(field);
+      if (entry && document.activeElement !== entry.input) entry.input.value = now;
+    }
+    const text = `applied at step ${rec.step ?? "?"}: ${Object.entries(changed).map(([f, [a, b]]) => `${f} ${a} → ${b}`).join(", ") || "no change"}`;
+    const entry = this.pending.get(rec.request_id);
+    if (entry) {
+      entry.item.className = "applied";
+      entry.item.textContent = `${describe(entry.body)}: ${text}`;
+      this.pending.delete(rec.request_id);
+    } else {
+      this.early.set(rec.request_id, rec);
+    }
+  }
+}
+
+function describe(body) {
+  return Object.entries(body).map(([k, v]) => `${k}=${v}`).join(", ");
+}

@@ -1,0 +1,260 @@
+// New run page: pick a preset, edit its key fields as a form or the whole JSON, then Start
+// (POST /api/runs with the changes as `overrides`) or save as a new preset. `#/new?from=ID`
+// opens it prefilled from a past run ("Re-run with changes"); `#/new?preset=NAME` selects one.
+// API validation errors are shown beside the form field their `field` JSON path names.
+
+import { api } from "../api.js";
+import { deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
+
+const SH = "memory.stagehand";
+const AS = `${SH}.activation_stagehand`;
+
+// Each form field binds to the first of `paths` present in the preset (the seeds spell the
+// LoRA rank two ways; a model is a folder or a factory).
+const FIELDS = [
+  { id: "model", label: "Model (folder or factory)", paths: ["model.path", "model.factory"], type: "text" },
+  { id: "max_steps", label: "Steps", paths: ["max_steps"], type: "int" },
+  { id: "learning_rate", label: "Learning rate", paths: ["learning_rate"], type: "float" },
+  { id: "resolution", label: "Resolution (px)", paths: ["resolution"], type: "int" },
+  { id: "lora_rank", label: "LoRA rank", paths: ["lora_rank", "adapter.rank"], type: "int" },
+  { id: "strategy", label: "Memory strategy", paths: ["memory.strategy"], type: "select", options: ["none", "stagehand", "layer_offload"] },
+  { id: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", paths: [`${SH}.vram_high_watermark_mb`], type: "float" },
+  { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", paths: [`${SH}.vram_low_watermark_mb`], type: "float" },
+  { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", paths: [`${SH}.prefetch_window_blocks`], type: "int" },
+  { id: "max_inflight_transfers", label: "In-flight block H2D copies", paths: [`${SH}.max_inflight_transfers`], type: "int" },
+  { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool" },
+  { id: "max_inflight_d2h", label: "Spill in-flight D2H", paths: [`${AS}.max_inflight_d2h`], type: "int" },
+  { id: "max_inflight_h2d", label: "Restore in-flight H2D", paths: [`${AS}.max_inflight_h2d`], type: "int" },
+  { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
+];
+
+function deletePath(obj, path) {
+  const keys = splitPath(path);
+  const parent = getPath(obj, keys.slice(0, -1).join("."));
+  if (parent && typeof parent === "object") delete parent[keys[keys.length - 1]];
+}
+
+/** Form text -> JSON value; throws with what was expected. */
+function parseField(field, el) {
+  const raw = field.type === "bool" ? el.checked : el.value.trim();
+  if (field.type === "bool") return raw;
+  if (raw === "") return undefined;
+  if (field.type === "int") {
+    if (!/^-?\d+$/.test(raw)) throw new Error(`expected a whole number, got "${raw}"`);
+    return Number(raw);
+  }
+  if (field.type === "float") {
+    const v = Number(raw);
+    if (!Number.isFinite(v)) throw new Error(`expected a number, got "${raw}"`);
+    return v;
+  }
+  if (field.type === "list") {
+    const parts = raw.split(",").map((p) => p.trim()).filter(Boolean);
+    const nums = parts.map(Number);
+    if (nums.some((n) => !Number.isFinite(n))) throw new Error(`expected numbers separated by commas, got "${raw}"`);
+    return nums;
+  }
+  return raw;
+}
+
+export function mount(root, { params }) {
+  let presets = [];
+  let base = {}; // the selected preset's config
+  let config = {}; // what the user edits
+  const bound = new Map(); // field id -> JSON path
+  const errors = h("div", { class: "page-errors" });
+  const presetSel = h("select", { id: "preset-select", onchange: () => selectPreset(presetSel.value) });
+  const nameInput = h("input", { id: "run-name", type: "text", placeholder: "run name (optional)" });
+  const jsonArea = h("textarea", { id: "config-json", class: "json-editor", spellcheck: "false", rows: 24 });
+  const jsonError = h("div", { class: "field-error", id: "config-json-error" });
+  const form = h("div", { class: "form-grid", id: "run-form" });
+  const presetName = h("input", { id: "new-preset-name", type: "text", placeholder: "new preset name" });
+  const startBtn = h("button", { id: "start-run", class: "primary", onclick: start }, "Start run");
+  const saveBtn = h("button", { id: "save-preset", onclick: savePreset }, "Save as new preset");
+  const from = params.get("from");
+  const title = h("h1", {}, from ? `Re-run ${from} with changes` : "New run");
+
+  const inputs = new Map();
+  for (const field of FIELDS) {
+    let input;
+    if (field.type === "select") input = h("select", {}, field.options.map((o) => h("option", { value: o }, o)));
+    else if (field.type === "bool") input = h("input", { type: "checkbox" });
+    else input = h("input", { type: "text", placeholder: "default", inputmode: field.type === "text" || field.type === "list" ? "text" : "decimal" });
+    input.id = `field-${field.id}`;
+    input.addEventListener(field.type === "bool" || field.type === "select" ? "change" : "input", () => fromForm(field));
+    const err = h("div", { class: "field-error", id: `error-${field.id}` });
+    inputs.set(field.id, { input, err });
+    form.append(h("label", { class: "field", for: input.id, "data-field": field.id },
+      h("span", { class: "label" }, field.label), input, h("code", { class: "path" }), err));
+  }
+  jsonArea.addEventListener("input", fromJson);
+
+  root.append(
+    h("section", { class: "card" },
+      h("div", { class: "toolbar" }, title, h("div", { class: "spacer" }),
+        h("label", { class: "inline" }, "Preset ", presetSel), nameInput),
+      errors,
+      h("div", { class: "two-col" },
+        h("div", {}, h("h2", {}, "Key fields"), form),
+        h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
+      h("div", { class: "toolbar actions-row" }, startBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
+  );
+
+  function clearFieldErrors() {
+    for (const { err, input } of inputs.values()) {
+      err.textContent = "";
+      input.classList.remove("invalid");
+    }
+    jsonError.textContent = "";
+  }
+
+  function bindPaths() {
+    for (const field of FIELDS) {
+      const path = field.paths.find((p) => getPath(config, p) != null) || field.paths[0];
+      bound.set(field.id, path);
+      const label = inputs.get(field.id).input.closest("label").querySelector(".path");
+      label.textContent = path;
+      label.title = path;
+    }
+  }
+
+  function toForm() {
+    for (const field of FIELDS) {
+      const { input } = inputs.get(field.id);
+      const value = getPath(config, bound.get(field.id));
+      if (field.type === "bool") input.checked = value === true;
+      else if (field.type === "list") input.value = Array.isArray(value) ? value.join(", ") : "";
+      else input.value = value === undefined || value === null ? "" : String(value);
+    }
+  }
+
+  function toJson() {
+    jsonArea.value = JSON.stringify(config, null, 2);
+  }
+
+  function fromForm(field) {
+    const { input, err } = inputs.get(field.id);
+    try {
+      const value = parseField(field, input);
+      if (value === undefined) deletePath(config, bound.get(field.id));
+      else setPath(config, bound.get(field.id), value);
+      err.textContent = "";
+      input.classList.remove("invalid");
+      toJson();
+    } catch (exc) {
+      err.textContent = exc.message;
+      input.classList.add("invalid");
+    }
+  }
+
+  function fromJson() {
+    try {
+      const parsed = JSON.parse(jsonArea.value);
+      if (!parsed || typeof parsed !== "object" || Array.isArray(parsed)) throw new Error("the config must be a JSON object");
+      config = parsed;
+      jsonError.textContent = "";
+      toForm();
+      return true;
+    } catch (exc) {
+      jsonError.textContent = `JSON: ${exc.message}`;
+      return false;
+    }
+  }
+
+  function load(baseConfig, editConfig) {
+    base = structuredClone(baseConfig || {});
+    config = structuredClone(editConfig || baseConfig || {});
+    clearFieldErrors();
+    bindPaths();
+    toForm();
+    toJson();
+  }
+
+  function selectPreset(name) {
+    const preset = presets.find((p) => p.name === name);
+    if (preset) load(preset.config);
+  }
+
+  /** Puts an API error next to the fields it names (`field` and each `details[].field`). */
+  function showApiError(err, prefix) {
+    const named = [{ field: err.field, message: err.message }, ...err.details.filter((d) => d && d.field)];
+    let placed = false;
+    for (const { field, message } of named) {
+      if (!field) continue;
+      const path = field.replace(/^(overrides|config)\.?/, "");
+      let target = FIELDS.find((f) => bound.get(f.id) === path);
+      // A model-level check (watermark order) names the section: show it on its first field.
+      if (!target) target = FIELDS.find((f) => path && bound.get(f.id).startsWith(`${path}.`));
+      if (target) {
+        const { err: box, input } = inputs.get(target.id);
+        box.textContent = message;
+        input.classList.add("invalid");
+        placed = true;
+      }
+    }
+    if (!placed || err.field === null) jsonError.textContent = err.describe();
+    showError(errors, err, prefix);
+  }
+
+  async function start() {
+    clearFieldErrors();
+    if (!fromJson()) return;
+    const body = { preset: presetSel.value, overrides: deepDiff(base, config) };
+    if (nameInput.value.trim()) body.name = nameInput.value.trim();
+    startBtn.disabled = true;
+    try {
+      const run = await api.createRun(body);
+      location.hash = `#/runs/${run.id}`;
+    } catch (err) {
+      showApiError(err, "start run");
+    } finally {
+      startBtn.disabled = false;
+    }
+  }
+
+  async function savePreset() {
+    clearFieldErrors();
+    if (!fromJson()) return;
+    const name = presetName.value.trim();
+    if (!name) {
+      showError(errors, new Error("give the new preset a name"), "save preset");
+      return;
+    }
+    try {
+      const saved = await api.createPreset(name, config);
+      await loadPresets(saved.name || name);
+    } catch (err) {
+      showApiError(err, "save preset");
+    }
+  }
+
+  async function loadPresets(selectName) {
+    const list = await api.presets();
+    presets = list.data || [];
+    fill(presetSel, presets.map((p) => h("option", { value: p.name }, `${p.name}${p.builtin ? " (built-in)" : ""}`)));
+    const name = selectName && presets.some((p) => p.name === selectName) ? selectName : presets[0]?.name;
+    if (name) {
+      presetSel.value = name;
+      selectPreset(name);
+    }
+  }
+
+  (async () => {
+    try {
+      if (from) {
+        const run = await api.run(from);
+        await loadPresets(run.preset);
+        const preset = presets.find((p) => p.name === run.preset);
+        if (!preset) showError(errors, new Error(`preset "${run.preset}" no longer exists; pick one, the run's config is loaded`), "re-run");
+        load(preset ? preset.config : run.config, run.config);
+        nameInput.value = `${run.name || `run ${run.id}`} (re-run)`;
+      } else {
+        await loadPresets(params.get("preset"));
+      }
+    } catch (err) {
+      showError(errors, err, "loading presets");
+    }
+  })();
+
+  return () => {};
+}

@@ -1,0 +1,235 @@
+// Run live view: header (status, step x/y, ETA, error + traceback), the reconnect banner, the
+// live-limits panel, the charts (runcharts.js) and the samples gallery.
+// Stored records are drawn first (history.js); the stream then resumes after the last of them.
+
+import { FINISHED, api } from "../api.js";
+import { loadHistory } from "../history.js";
+import { RunCharts } from "../runcharts.js";
+import { RunStream, StreamState } from "../stream.js";
+import { fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
+import { LimitsPanel } from "./limits.js";
+
+export function mount(root, { parts }) {
+  const runId = parts[1];
+  let run = null;
+  let stream = null;
+  let stopped = false;
+  const live = { step: null, maxSteps: null, stepTimes: [], stage: null, samples: new Set() };
+
+  const errors = h("div", { class: "page-errors" });
+  const header = h("section", { class: "card run-header", id: "run-header" }, "loading run…");
+  const banner = h("div", { id: "stream-banner", class: "banner", hidden: true, role: "status" });
+  const failure = h("section", { id: "run-error", class: "card failure", hidden: true });
+  const limitsBox = h("section", { class: "card", id: "limits-panel" });
+  const grid = h("div", { class: "chart-grid", id: "charts" });
+  const gallery = h("div", { class: "gallery", id: "samples" });
+  const galleryCard = h("section", { class: "card", hidden: true }, h("h2", {}, "Samples"), gallery);
+  root.append(header, errors, banner, failure, grid, limitsBox, galleryCard);
+
+  let charts = null;
+  let limits = null;
+  // Tests reach the stream and charts through this handle.
+  window.__runView = { get charts() { return charts; }, get stream() { return stream; }, get run() { return run; } };
+
+  function eta() {
+    if (live.step === null || !live.maxSteps || !live.stepTimes.length) return null;
+    const recent = live.stepTimes.slice(-10);
+    const mean = recent.reduce((a, b) => a + b, 0) / recent.length;
+    return ((live.maxSteps - live.step) * mean) / 1000;
+  }
+
+  function renderHeader() {
+    if (!run) return;
+    const s = run.summary || {};
+    const maxSteps = live.maxSteps ?? s.max_steps;
+    const step = live.step ?? s.steps_done ?? 0;
+    const running = run.status === "running";
+    const cancelBtn = running || run.status === "queued"
+      ? h("button", { class: "danger", id: "cancel-run", onclick: async () => {
+        try {
+          await api.cancelRun(run.id);
+        } catch (err) {
+          showError(errors, err, "cancel");
+        }
+      } }, "Stop run")
+      : null;
+    const fact = (label, value, id) => h("div", { class: "fact", id }, h("span", { class: "fact-label" }, label), h("span", { class: "fact-value" }, value));
+    const stageText = live.stage && running && live.stage.stage !== "train"
+      ? `${live.stage.stage} ${live.stage.done ?? ""}/${live.stage.total ?? ""}` : null;
+    fill(header,
+      h("div", { class: "toolbar" },
+        h("h1", {}, run.name || `run ${run.id}`), statusBadge(run.status), h("div", { class: "spacer" }),
+        cancelBtn,
+        h("a", { class: "button", id: "rerun", href: `#/new?from=${run.id}` }, "Re-run with changes")),
+      h("div", { class: "facts" },
+        fact("step", `${step}/${maxSteps ?? "?"}`, "fact-step"),
+        fact("ETA", running ? fmtDuration(eta()) : "–", "fact-eta"),
+        stageText ? fact("stage", stageText, "fact-stage") : null,
+        fact("elapsed", fmtDuration(runDuration(run)), "fact-elapsed"),
+        fact("preset", run.preset, "fact-preset"),
+        fact("final loss", fmtNum(s.final_loss), "fact-loss"),
+        fact("peak VRAM", fmtMB(s.peak_vram_mb), "fact-peak"),
+        fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
+        fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
+        run.exit_code != null ? fact("exit code", String(run.exit_code), "fact-exit") : null));
+  }
+
+  function renderFailure() {
+    const err = run && run.error;
+    if (!err) {
+      failure.hidden = true;
+      return;
+    }
+    failure.hidden = false;
+    fill(failure,
+      h("h2", {}, `${run.status}: ${err.error_type ? `${err.error_type}: ` : ""}`, h("span", { class: "error-message" }, err.message)),
+      err.oom ? h("p", { class: "muted" }, "The device ran out of memory: lower the watermarks or enable activation spill.") : null,
+      err.traceback ? h("details", { open: true }, h("summary", {}, "traceback"), h("pre", { class: "traceback" }, err.traceback)) : null,
+      err.log_tail ? h("details", {}, h("summary", {}, "worker.log (last lines)"), h("pre", { class: "traceback" }, err.log_tail)) : null);
+  }
+
+  function addSample(name, caption) {
+    if (live.samples.has(name)) return;
+    live.samples.add(name);
+    galleryCard.hidden = false;
+    const url = api.artifactUrl(run.id, name);
+    gallery.append(h("figure", {}, h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: caption || name, loading: "lazy" })),
+      h("figcaption", {}, caption || name)));
+  }
+
+  async function loadSamples() {
+    try {
+      const list = await api.artifacts(run.id);
+      for (const item of list.data || []) {
+        const name = typeof item === "string" ? item : item.name;
+        if (name && /\.(png|jpe?g|webp|gif)$/i.test(name)) addSample(name, item.prompt);
+      }
+    } catch (err) {
+      showError(errors, err, "samples");
+    }
+  }
+
+  function onRecords(records) {
+    let headerDirty = false;
+    for (const rec of records) {
+      if (charts) charts.ingest(rec);
+      const key = `${rec.source}/${rec.kind}`;
+      if (key === "trainer/run_started") {
+        live.maxSteps = rec.max_steps ?? live.maxSteps;
+        headerDirty = true;
+      } else if (key === "trainer/step") {
+        live.step = rec.step;
+        if (typeof rec.step_time_ms === "number") live.stepTimes.push(rec.step_time_ms);
+        if (live.stepTimes.length > 50) live.stepTimes.shift();
+        headerDirty = true;
+      } else if (key === "trainer/stage") {
+        live.stage = rec;
+        headerDirty = true;
+      } else if (key === "trainer/sample" && rec.path) {
+        addSample(rec.path.split("/").pop(), rec.prompt);
+      } else if (key === "strategy/limits_applied") {
+        if (limits) limits.applied(rec);
+      } else if (key === "trainer/error" && run && !run.error) {
+        run.error = { message: rec.message, error_type: rec.error_type, traceback: rec.traceback, oom: rec.oom };
+        renderFailure();
+      }
+    }
+    if (headerDirty) renderHeader();
+  }
+
+  async function onRun(fresh) {
+    const wasFinished = run && FINISHED.has(run.status);
+    run = { ...run, ...fresh };
+    renderHeader();
+    renderFailure();
+    if (limits) limits.setStatus(run.status);
+    if (FINISHED.has(run.status) && charts) charts.finished();
+    if (FINISHED.has(run.status) && !wasFinished) {
+      // The summary is computed by the backend: read the final one.
+      try {
+        run = await api.run(run.id);
+        renderHeader();
+        renderFailure();
+      } catch (err) {
+        showError(errors, err, "refresh run");
+      }
+      loadSamples();
+    }
+  }
+
+  function onState(state, detail) {
+    if (state === StreamState.RECONNECTING) {
+      banner.hidden = false;
+      banner.className = "banner warn";
+      banner.textContent = `Connection lost (${detail.reason}). Reconnecting in ${(detail.delayMs / 1000).toFixed(1)} s (attempt ${detail.attempt}); charts are behind, drawn up to record ${detail.lastSeq}.`;
+      banner.dataset.lastWarning = banner.textContent;
+    } else if (state === StreamState.CATCHING_UP) {
+      banner.hidden = false;
+      banner.className = "banner info";
+      banner.textContent = `Reconnecting… will resume after record ${detail.lastSeq}.`;
+    } else if (detail.error) {
+      banner.hidden = false;
+      banner.className = "banner warn";
+      banner.textContent = detail.error;
+    } else {
+      banner.hidden = true;
+    }
+    banner.dataset.state = state;
+  }
+
+  const opened = performance.now();
+  (async () => {
+    try {
+      run = await api.run(runId);
+    } catch (err) {
+      fill(header);
+      showError(header, err, `run ${runId}`);
+      return;
+    }
+    renderHeader();
+    renderFailure();
+    charts = new RunCharts(grid, run.config);
+    limits = new LimitsPanel(limitsBox, run, errors);
+    // Limits only matter while a run can still take them.
+    limitsBox.hidden = FINISHED.has(run.status);
+    let lastSeq = -1;
+    try {
+      const history = await loadHistory(run);
+      if (stopped) return;
+      grid.dataset.fetchedMs = String(Math.round(performance.now() - opened));
+      onRecords(history.records);
+      charts.flush();
+      lastSeq = history.lastSeq;
+      grid.dataset.historyRecords = String(history.records.length);
+      grid.dataset.downsampled = String(history.downsampled);
+      grid.dataset.drawnMs = String(Math.round(performance.now() - opened));
+      if (history.later) {
+        grid.dataset.vramPending = "true";
+        history.later.then((buckets) => {
+          if (stopped) return;
+          charts.ingestBuckets(buckets);
+          charts.flush();
+          grid.dataset.vramPending = "false";
+          grid.dataset.vramDrawnMs = String(Math.round(performance.now() - opened));
+        }).catch((err) => showError(errors, err, "loading the VRAM timeline"));
+      }
+    } catch (err) {
+      showError(errors, err, "loading telemetry");
+    }
+    if (stopped) return;
+    loadSamples();
+    stream = new RunStream(run.id, { onRecords, onRun, onState }, lastSeq, (r) => FINISHED.has((r || run).status));
+    stream.start();
+    const tick = setInterval(() => { if (run && run.status === "running") renderHeader(); }, 1000);
+    cleanup.push(() => clearInterval(tick));
+  })();
+
+  const cleanup = [];
+  return () => {
+    stopped = true;
+    if (stream) stream.stop();
+    for (const fn of cleanup) fn();
+    if (charts) charts.purge();
+    delete window.__runView;
+  };
+}

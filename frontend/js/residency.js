@@ -1,0 +1,180 @@
+// Block residency chart: which blocks are on the device over time (stagehand/block records).
+
+/* global Plotly */
+
+import {
+  BASE_LAYOUT, FLUSH_MS, PLOT_CONFIG, WAITING, emptyNote, legendFit, markerShapes,
+} from "./charts.js";
+
+/**
+ * Block residency over time: a heatmap of blocks (rows) x time (columns), 0 = off the device,
+ * 1 = resident, 2 = executing (between enter and exit), with scatter overlays for prefetch
+ * loads, on-demand loads and stalls. Columns are merged pairwise (max) when they pass
+ * `maxColumns`, so memory stays bounded and a block that was resident for one event in a
+ * merged column still shows.
+ */
+export class ResidencyMap {
+  constructor(el, { title, maxColumns = 600, maxMarks = 3000, emptyText = WAITING }) {
+    this.el = el;
+    this.emptyText = emptyText;
+    this.maxColumns = maxColumns;
+    this.maxMarks = maxMarks;
+    this.state = new Map(); // block -> 0/1/2 right now
+    this.names = new Map(); // block -> block_name
+    this.columns = []; // {t, z: Map(block -> value)}
+    this.perColumn = 1; // events folded into one column
+    this.inColumn = 0;
+    this.marks = { prefetch: { x: [], y: [] }, demand: { x: [], y: [] }, stall: { x: [], y: [] } };
+    this.dirty = false;
+    this.timer = null;
+    this.markers = [];
+    this.layout = {
+      ...BASE_LAYOUT,
+      ...legendFit(el, 3),
+      hovermode: "closest",
+      title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" },
+      xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "time since start (s)" } },
+      yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "block" }, rangemode: "normal" },
+      shapes: [],
+      annotations: [emptyNote(emptyText)],
+    };
+    Plotly.newPlot(el, this._traces(), this.layout, PLOT_CONFIG);
+  }
+
+  /** One stagehand/block record with its elapsed time `t` (s). */
+  add(t, rec) {
+    const block = rec.block;
+    if (typeof block !== "number") return;
+    if (rec.block_name) this.names.set(block, rec.block_name);
+    const current = this.state.get(block) ?? 0;
+    switch (rec.event) {
+      case "load":
+      case "prefetch":
+        this.state.set(block, Math.max(current, 1));
+        this._mark(rec.event === "prefetch" || rec.prefetch ? "prefetch" : "demand", t, block);
+        break;
+      case "enter":
+        this.state.set(block, 2);
+        break;
+      case "exit":
+        this.state.set(block, 1);
+        break;
+      case "evict":
+        this.state.set(block, 0);
+        break;
+      case "stall":
+        this._mark("stall", t, block);
+        break;
+      default:
+        if (!this.state.has(block)) this.state.set(block, 0);
+    }
+    this._snapshot(t);
+    this._schedule();
+  }
+
+  _mark(kind, t, block) {
+    const m = this.marks[kind];
+    m.x.push(t);
+    m.y.push(block);
+    if (m.x.length > this.maxMarks) {
+      // Thin the oldest half; recent marks keep full resolution.
+      const half = Math.floor(m.x.length / 2);
+      m.x = m.x.slice(0, half).filter((_, i) => i % 2 === 0).concat(m.x.slice(half));
+      m.y = m.y.slice(0, half).filter((_, i) => i % 2 === 0).concat(m.y.slice(half));
+    }
+  }
+
+  _snapshot(t) {
+    const last = this.columns[this.columns.length - 1];
+    if (last && this.inColumn < this.perColumn) {
+      for (const [b, v] of this.state) last.z.set(b, Math.max(last.z.get(b) ?? 0, v));
+      this.inColumn += 1;
+      return;
+    }
+    this.columns.push({ t, z: new Map(this.state) });
+    this.inColumn = 1;
+    if (this.columns.length > this.maxColumns) {
+      const merged = [];
+      for (let i = 0; i < this.columns.length; i += 2) {
+        const a = this.columns[i];
+        const b = this.columns[i + 1];
+        if (b) for (const [k, v] of b.z) a.z.set(k, Math.max(a.z.get(k) ?? 0, v));
+        merged.push(a);
+      }
+      this.columns = merged;
+      this.perColumn *= 2;
+      this.inColumn = this.perColumn; // the merged last column is full
+    }
+  }
+
+  _traces() {
+    const blocks = [...this.state.keys()].sort((a, b) => a - b);
+    const z = blocks.map((b) => this.columns.map((c) => c.z.get(b) ?? 0));
+    const text = blocks.map((b) => this.columns.map(() => this.names.get(b) ?? `block ${b}`));
+    const scatter = (name, m, symbol, color, size) => ({
+      type: "scatter", mode: "markers", name, x: m.x, y: m.y,
+      marker: { symbol, color, size, opacity: 0.85, line: { width: 0.5, color: "#ffffff" } },
+    });
+    return [
+      {
+        type: "heatmap", name: "on device", x: this.columns.map((c) => c.t), y: blocks, z, text,
+        zmin: 0, zmax: 2, showscale: false, hoverongaps: false,
+        colorscale: [[0, "#eef1f5"], [0.5, "#7fb3e6"], [1, "#1f5fa8"]],
+        hovertemplate: "%{text}<br>t=%{x:.2f} s<br>state %{z} (0 off, 1 resident, 2 executing)<extra></extra>",
+      },
+      scatter("prefetch load", this.marks.prefetch, "triangle-up", "#2e9e5b", 5),
+      scatter("on-demand load", this.marks.demand, "circle", "#e08a1e", 5),
+      scatter("stall", this.marks.stall, "x", "#d3262f", 7),
+    ];
+  }
+
+  _schedule() {
+    this.dirty = true;
+    if (this.timer === null) this.timer = setTimeout(() => this.flush(), FLUSH_MS * 2);
+  }
+
+  flush() {
+    clearTimeout(this.timer);
+    this.timer = null;
+    if (!this.dirty) return;
+    this.dirty = false;
+    if (this.columns.length && this.layout.annotations.some((a) => a.name === "empty-note")) this._notes();
+    this.revision = (this.revision || 0) + 1;
+    Plotly.react(this.el, this._traces(), { ...this.layout, datarevision: this.revision }, PLOT_CONFIG);
+  }
+
+  addMarker(x, label, color = "#b4235a") {
+    this.markers.push({ x, label, color });
+    this._notes();
+    this.dirty = true;
+    this.flush();
+  }
+
+  setTitle(title) {
+    if (this.layout.title.text === title) return;
+    this.layout.title = { ...this.layout.title, text: title };
+    this.dirty = true;
+    this._schedule();
+  }
+
+  get empty() {
+    return this.columns.length === 0;
+  }
+
+  setEmptyText(text) {
+    this.emptyText = text;
+    this._notes();
+    this.dirty = true;
+    this._schedule();
+  }
+
+  _notes() {
+    this.layout.shapes = markerShapes(this.markers);
+    this.layout.annotations = !this.columns.length && this.emptyText ? [emptyNote(this.emptyText)] : [];
+  }
+
+  purge() {
+    clearTimeout(this.timer);
+    Plotly.purge(this.el);
+  }
+}

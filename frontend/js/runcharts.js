@@ -1,0 +1,305 @@
+// The live view's charts and how each telemetry record (docs/contracts.md) feeds them.
+//
+// Time-based charts (VRAM at block resolution, block residency) use seconds since the run's
+// first record on x; per-step charts use the step number. A `strategy/limits_applied` record
+// becomes a marker on every chart, at its time or its step.
+
+import { LiveChart, WAITING } from "./charts.js";
+import { ResidencyMap } from "./residency.js";
+import { h } from "./ui.js";
+
+const EMA = 0.9; // loss smoothing, as TensorBoard's default slider
+
+const COLORS = {
+  allocated: "#1f5fa8", reserved: "#7fb3e6", high: "#d3262f", low: "#e08a1e",
+  rss: "#6b4fbb", pinned: "#2e9e5b", pool: "#a3d9b8",
+  forward: "#1f5fa8", backward: "#e08a1e", optimizer: "#2e9e5b", step: "#1d2733",
+  loss: "#a9b8c9", smooth: "#1f5fa8", grad: "#b4235a",
+};
+
+// Short names of LiveLimits fields for chart markers (the limits panel logs the full ones).
+const SHORT = {
+  vram_high_watermark_mb: "high",
+  vram_low_watermark_mb: "low",
+  activation_vram_high_watermark_mb: "spill high",
+  activation_vram_low_watermark_mb: "spill low",
+  prefetch_window_blocks: "window",
+  max_inflight_transfers: "in-flight",
+  max_inflight_d2h: "D2H",
+  max_inflight_h2d: "H2D",
+};
+
+/** Chart ids, in page order (the tests read `document.getElementById(id).data`). */
+export const CHART_IDS = ["vram", "residency", "host", "spill", "spill-pool", "phases", "loss", "conductor"];
+
+function stepAxis() {
+  return { title: { text: "step" } };
+}
+
+export class RunCharts {
+  /**
+   * @param {HTMLElement} container grid the chart panels are appended to
+   * @param {object} [config] the run's config: says which sources will stay silent, and why
+   */
+  constructor(container, config = {}) {
+    const panel = (id) => {
+      const div = h("div", { id, class: "chart" });
+      container.append(h("div", { class: "chart-panel" }, div));
+      return div;
+    };
+    this.t0 = null;
+    this.vramSource = null;
+    this.blockRecords = 0;
+    this.stagehandSteps = 0;
+    this.smoothed = null;
+    this.charts = {
+      vram: new LiveChart(panel("vram"), {
+        title: "VRAM (MB)",
+        traces: [
+          { name: "allocated", line: { color: COLORS.allocated, width: 1.5 } },
+          { name: "reserved", line: { color: COLORS.reserved, width: 1.5 } },
+          { name: "high watermark", line: { color: COLORS.high, dash: "dot", width: 1, shape: "hv" } },
+          { name: "low watermark", line: { color: COLORS.low, dash: "dot", width: 1, shape: "hv" } },
+        ],
+        layout: { xaxis: { title: { text: "time since start (s)" } }, yaxis: { title: { text: "MB" } } },
+      }),
+      residency: new ResidencyMap(panel("residency"), { title: "Block residency (on device over time)" }),
+      host: new LiveChart(panel("host"), {
+        title: "Host memory (MB)",
+        traces: [
+          { name: "process RSS", line: { color: COLORS.rss } },
+          { name: "pinned (trainer)", line: { color: COLORS.pinned } },
+          { name: "weight pool used", line: { color: COLORS.pool, dash: "dash" } },
+          { name: "weight pool total", line: { color: "#9aa5b1", dash: "dot", width: 1 } },
+        ],
+        layout: { xaxis: stepAxis(), yaxis: { title: { text: "MB" } } },
+      }),
+      spill: new LiveChart(panel("spill"), {
+        title: "Activation spill per step",
+        traces: [
+          { name: "kept (count)", type: "bar", marker: { color: "#7fb3e6" } },
+          { name: "spilled (count)", type: "bar", marker: { color: "#e08a1e" } },
+          { name: "spill MB", yaxis: "y2", mode: "lines+markers", line: { color: "#b4235a" } },
+          { name: "restore MB", yaxis: "y2", mode: "lines+markers", line: { color: "#2e9e5b", dash: "dash" } },
+        ],
+        layout: { barmode: "relative", xaxis: stepAxis(), yaxis: { title: { text: "saved tensors" } }, yaxis2: { title: { text: "MB" } } },
+      }),
+      "spill-pool": new LiveChart(panel("spill-pool"), {
+        title: "Spill pool hit rate and stalls",
+        traces: [
+          { name: "pool hit rate (%)", mode: "lines+markers", line: { color: "#2e9e5b" } },
+          { name: "stall (ms)", yaxis: "y2", type: "bar", marker: { color: "#d3262f", opacity: 0.6 } },
+          { name: "weight stall (ms)", yaxis: "y2", mode: "lines", line: { color: "#6b4fbb", dash: "dot" } },
+        ],
+        layout: { xaxis: stepAxis(), yaxis: { title: { text: "%" }, range: [0, 105] }, yaxis2: { title: { text: "ms" }, rangemode: "tozero" } },
+      }),
+      phases: new LiveChart(panel("phases"), {
+        title: "Phase timings per step (ms)",
+        traces: [
+          { name: "forward", type: "bar", marker: { color: COLORS.forward } },
+          { name: "backward", type: "bar", marker: { color: COLORS.backward } },
+          { name: "optimizer", type: "bar", marker: { color: COLORS.optimizer } },
+          { name: "step time", mode: "lines+markers", line: { color: COLORS.step, width: 1.5 }, marker: { size: 4 } },
+        ],
+        layout: { barmode: "stack", xaxis: stepAxis(), yaxis: { title: { text: "ms" } } },
+      }),
+      loss: new LiveChart(panel("loss"), {
+        title: "Loss and grad norm",
+        traces: [
+          { name: "loss", mode: "lines+markers", line: { color: COLORS.loss, width: 1 }, marker: { size: 3 } },
+          { name: `loss (EMA ${EMA})`, line: { color: COLORS.smooth, width: 2 } },
+          { name: "grad norm", yaxis: "y2", line: { color: COLORS.grad, width: 1.5 } },
+        ],
+        layout: { xaxis: stepAxis(), yaxis: { title: { text: "loss" } }, yaxis2: { title: { text: "grad norm" } } },
+      }),
+      conductor: new LiveChart(panel("conductor"), {
+        title: "Conductor grants and transfers per step",
+        traces: [
+          { name: "grants", line: { color: "#2e9e5b" } },
+          { name: "partials", line: { color: "#e08a1e" } },
+          { name: "denials", line: { color: "#d3262f" } },
+          { name: "H2D in flight", yaxis: "y2", line: { color: "#1f5fa8", dash: "dot" } },
+          { name: "D2H in flight", yaxis: "y2", line: { color: "#6b4fbb", dash: "dot" } },
+        ],
+        layout: { xaxis: stepAxis(), yaxis: { title: { text: "count" } }, yaxis2: { title: { text: "transfers in flight" } } },
+      }),
+    };
+    this._explainSilence(config || {});
+  }
+
+  /** Empty-chart notes that say why a source will not report in this run. */
+  _explainSilence(config) {
+    const memory = config.memory || {};
+    const sh = memory.stagehand || null;
+    const streaming = memory.strategy === "stagehand";
+    if (memory.strategy && !streaming) {
+      this.charts.residency.setEmptyText(`no block records: memory.strategy is "${memory.strategy}" (no weight streaming)`);
+    } else if (sh && sh.block_events === false) {
+      this.charts.residency.setEmptyText("no block records: memory.stagehand.block_events is off");
+    }
+    const act = sh && sh.activation_stagehand;
+    if (!streaming || !act || act.enabled === false) {
+      const why = "no activation_stagehand records: activation spill is off in this run";
+      this.charts.spill.setEmptyText(why);
+      this.charts["spill-pool"].setEmptyText(why);
+    }
+    const cond = sh && sh.conductor_config;
+    if (!streaming || !cond || !cond.enabled) {
+      this.charts.conductor.setEmptyText("no conductor records: the Conductor is off in this run");
+    }
+  }
+
+  _t(rec) {
+    if (this.t0 === null) this.t0 = rec.time;
+    return Math.round((rec.time - this.t0) * 1000) / 1000;
+  }
+
+  _setSource(source) {
+    if (!source || source === this.vramSource) return;
+    this.vramSource = source;
+    this._vramTitle();
+  }
+
+  _vramTitle() {
+    const what = this.blockRecords ? "VRAM at block resolution (MB)" : "VRAM (MB)";
+    this.charts.vram.setTitle(`${what} — source: ${this.vramSource || "?"}`);
+  }
+
+  /** Feeds one record to the charts it belongs to. */
+  ingest(rec) {
+    const t = this._t(rec);
+    const step = rec.step ?? rec.step_id;
+    const c = this.charts;
+    const key = `${rec.source}/${rec.kind}`;
+    switch (key) {
+      case "trainer/run_started":
+        this._setSource(rec.vram_source);
+        break;
+      case "stagehand/block":
+        if (rec.residencyOnly) {
+          c.residency.setTitle("Block residency (newest block records of this long run)");
+          c.residency.add(t, rec);
+          break;
+        }
+        this.blockRecords += 1;
+        if (this.blockRecords === 1) this._vramTitle();
+        this._setSource(rec.vram_source);
+        if (rec.vram_allocated_mb !== undefined) c.vram.push(0, t, rec.vram_allocated_mb);
+        if (rec.vram_reserved_mb !== undefined) c.vram.push(1, t, rec.vram_reserved_mb);
+        c.residency.add(t, rec);
+        break;
+      case "stagehand/step":
+        this.stagehandSteps += 1;
+        this._setSource(rec.vram_source);
+        if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
+        if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
+        if (this.blockRecords === 0) this._vramAtStep(t, rec);
+        c.host.push(2, step, rec.pool_used_mb);
+        c.host.push(3, step, rec.pool_total_mb);
+        c["spill-pool"].push(2, step, rec.stall_time_ms);
+        break;
+      case "trainer/step": {
+        this._setSource(rec.vram_source);
+        // Without block records (block_events off, or no weight streaming) the step figures
+        // are the best VRAM timeline there is.
+        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramAtStep(t, rec);
+        const ph = rec.phase_ms || {};
+        c.phases.push(0, step, ph.forward);
+        c.phases.push(1, step, ph.backward);
+        c.phases.push(2, step, ph.optimizer);
+        c.phases.push(3, step, rec.step_time_ms);
+        if (typeof rec.loss === "number") {
+          this.smoothed = this.smoothed === null ? rec.loss : EMA * this.smoothed + (1 - EMA) * rec.loss;
+          c.loss.push(0, step, rec.loss);
+          c.loss.push(1, step, this.smoothed);
+        }
+        c.loss.push(2, step, rec.grad_norm);
+        c.host.push(0, step, rec.rss_mb);
+        c.host.push(1, step, rec.pinned_mb);
+        break;
+      }
+      case "activation_stagehand/step": {
+        c.spill.push(0, step, rec.activations_kept);
+        c.spill.push(1, step, rec.activations_spilled);
+        c.spill.push(2, step, (rec.spill_bytes ?? 0) / 2 ** 20);
+        c.spill.push(3, step, (rec.restore_bytes ?? 0) / 2 ** 20);
+        const lookups = (rec.pool_hits ?? 0) + (rec.pool_misses ?? 0);
+        c["spill-pool"].push(0, step, lookups ? (100 * rec.pool_hits) / lookups : null);
+        c["spill-pool"].push(1, step, rec.stall_time_ms);
+        break;
+      }
+      case "conductor/step":
+        c.conductor.push(0, step, rec.grant_count);
+        c.conductor.push(1, step, rec.partial_count);
+        c.conductor.push(2, step, rec.deny_count);
+        c.conductor.push(3, step, rec.h2d_inflight);
+        c.conductor.push(4, step, rec.d2h_inflight);
+        break;
+      case "strategy/limits_applied":
+        this.markLimits(t, step, rec);
+        break;
+      default:
+        break;
+    }
+  }
+
+  /**
+   * Downsampled block records (`buckets=` answer: {time, min, max} per bucket) drawn under
+   * whatever the stream already added: each bucket's min and max, so the post-eviction valleys
+   * and the block-loaded peaks both stay on the chart.
+   */
+  ingestBuckets(buckets) {
+    if (!buckets.length) return;
+    this.blockRecords += buckets.length;
+    this._vramTitle();
+    const x = [];
+    const alloc = [];
+    const reserved = [];
+    buckets.forEach((b, i) => {
+      const t = this._t(b);
+      const next = buckets[i + 1] ? this._t(buckets[i + 1]) : t;
+      const mid = t + (next - t) / 2; // the bucket's max drawn inside its own span
+      x.push(t, mid);
+      alloc.push(b.min?.vram_allocated_mb, b.max?.vram_allocated_mb);
+      reserved.push(b.min?.vram_reserved_mb, b.max?.vram_reserved_mb);
+    });
+    this.charts.vram.prependSeries(0, x, alloc);
+    this.charts.vram.prependSeries(1, x, reserved);
+  }
+
+  _vramAtStep(t, rec) {
+    if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb);
+    if (rec.vram_reserved_mb !== undefined) this.charts.vram.push(1, t, rec.vram_reserved_mb);
+  }
+
+  /** Vertical marker on every chart where limits took effect. */
+  markLimits(t, step, rec) {
+    const changed = Object.entries(rec.changed || {})
+      .map(([field, [, now]]) => `${SHORT[field] || field}=${now}`)
+      .join(", ");
+    const label = `limits: ${changed || "no change"}`;
+    for (const [id, chart] of Object.entries(this.charts)) {
+      const timeBased = id === "vram" || id === "residency";
+      if (timeBased) chart.addMarker(t, label);
+      else if (step !== null && step !== undefined) chart.addMarker(step, label);
+    }
+    const wm = rec.changed || {};
+    if (wm.vram_high_watermark_mb) this.charts.vram.push(2, t, wm.vram_high_watermark_mb[1]);
+    if (wm.vram_low_watermark_mb) this.charts.vram.push(3, t, wm.vram_low_watermark_mb[1]);
+  }
+
+  /** The run is over: charts still waiting will not get records. */
+  finished() {
+    for (const chart of Object.values(this.charts)) {
+      if (chart.empty && chart.emptyText === WAITING) chart.setEmptyText("no records of this kind in this run");
+    }
+  }
+
+  flush() {
+    for (const chart of Object.values(this.charts)) chart.flush();
+  }
+
+  purge() {
+    for (const chart of Object.values(this.charts)) chart.purge();
+  }
+}

@@ -1,0 +1,203 @@
+"""Browser tests of the dashboard: a real backend process, Debian chromium driven by Playwright.
+
+``backend_server`` starts ``python -m backend.cli serve`` on a free port with a temp data dir;
+``synthetic_server`` does the same with ``tests.frontend.synthetic_worker`` as the worker (rich
+telemetry without torch). Screenshots go under the test's tmp folder and are copied to
+``/tmp/dashboard-shots/`` (override with ``DASHBOARD_SHOTS``) for people to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+REPO = Path(__file__).resolve().parents[2]
+SHOTS = Path(os.environ.get("DASHBOARD_SHOTS", "/tmp/dashboard-shots"))
+DESKTOP = {"width": 1400, "height": 1000}
+PHONE = {"width": 390, "height": 844}
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = not Path(CHROMIUM).exists()
+    for item in items:
+        if "browser" in item.keywords and missing:
+            item.add_marker(pytest.mark.skip(reason=f"{CHROMIUM} is not installed"))
+
+
+class Api:
+    """Tiny JSON client for setting up runs the tests then look at in the browser."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def call(self, method: str, path: str, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                text = resp.read()
+                return json.loads(text) if text else None
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{method} {path} -> {exc.code}: {exc.read()[:500]!r}") from None
+
+    def wait_run(self, run_id: int, statuses: set[str], timeout: float = 180) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.call("GET", f"/api/runs/{run_id}")
+            if run["status"] in statuses:
+                return run
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} still {run['status']} after {timeout} s")
+            time.sleep(0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(data_dir: Path, extra_env: dict[str, str] | None = None):
+    port = _free_port()
+    env = dict(os.environ, **(extra_env or {}))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log = (data_dir.parent / f"server-{port}.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "backend.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--no-browser",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(base + "/api/system", timeout=2).read()
+            break
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"backend did not start; see {log.name}") from None
+            time.sleep(0.2)
+    return proc, base
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def backend_server(tmp_path_factory):
+    """Base URL of a real backend whose runs are real ``workbench train`` workers."""
+    root = tmp_path_factory.mktemp("backend")
+    proc, base = _start_server(root / "data")
+    yield base
+    _stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def synthetic_server(tmp_path_factory):
+    """Base URL of a backend whose worker is ``tests.frontend.synthetic_worker``."""
+    root = tmp_path_factory.mktemp("synthetic")
+    proc, base = _start_server(
+        root / "data",
+        {
+            "STAGEHAND_WORKBENCH_WORKER_MODULE": "tests.frontend.synthetic_worker",
+            "SYNTH_STEP_S": "0.25",
+        },
+    )
+    yield base
+    _stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A desktop-sized page that fails the test on any uncaught page error."""
+    context = browser.new_context(viewport=DESKTOP)
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    pg.page_errors = errors
+    yield pg
+    context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def shoot(browser, tmp_path):
+    """``shoot(url, name)``: full-page screenshots at desktop and 390 px phone width."""
+
+    def take(url: str, name: str, ready: str = "body", settle_s: float = 1.0) -> list[Path]:
+        out = []
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        for label, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+            context = browser.new_context(viewport=viewport)
+            pg = context.new_page()
+            pg.goto(url)
+            pg.wait_for_selector(ready)
+            time.sleep(settle_s)  # let the chart flush timers draw
+            path = tmp_path / f"{name}-{label}.png"
+            pg.screenshot(path=str(path), full_page=True)
+            shutil.copy(path, SHOTS / path.name)
+            context.close()
+            out.append(path)
+        return out
+
+    return take
+
+
+def api_of(base: str) -> Api:
+    return Api(base)

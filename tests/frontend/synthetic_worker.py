@@ -1,0 +1,300 @@
+"""A stand-in worker that writes the full telemetry of a weight-streaming run, without torch.
+
+The dashboard tests point a second backend at it (``STAGEHAND_WORKBENCH_WORKER_MODULE=
+tests.frontend.synthetic_worker``) for what a CPU-only tiny-ci run cannot show: block records
+oscillating between post-eviction valleys and block-loaded peaks (the LTX-2 seed's dashboard),
+activation spill, Conductor grants, samples, and a 100k-record run. It follows
+docs/contracts.md: the record envelope, ``DIR/control/`` requests (stop, limits ->
+``strategy/limits_applied``), exit 0 with ``run_finished``.
+
+Knobs (environment): ``SYNTH_BLOCKS`` blocks (12), ``SYNTH_STEP_S`` seconds per step (0.3),
+``SYNTH_BLOCK_MB`` MB per block (900); a preset whose ``description`` holds ``step_s=X`` sets the
+seconds per step of its runs (``step_s=0`` writes a 100k-record run in seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from runtime.trainer.control import ControlDir
+
+
+class Writer:
+    def __init__(self, path: Path) -> None:
+        self.f = path.open("a", encoding="utf-8")
+        self.seq = 0
+
+    def emit(self, source: str, kind: str, step=None, phase=None, **fields) -> None:
+        rec = {
+            "seq": self.seq,
+            "time": time.time(),
+            "source": source,
+            "kind": kind,
+            "step": step,
+            "phase": phase,
+            **fields,
+        }
+        self.seq += 1
+        self.f.write(json.dumps(rec) + "\n")
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_sample(path: Path, step: int) -> None:
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64))
+    img.putdata(
+        [((x * 4 + step * 20) % 256, (y * 4) % 256, 160) for y in range(64) for x in range(64)]
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[0] != "train" or argv[2] != "--run-dir":
+        print("usage: synthetic_worker train CONFIG --run-dir DIR", file=sys.stderr)
+        return 2
+    config = json.loads(Path(argv[1]).read_text())
+    run_dir = Path(argv[3])
+    blocks = int(os.environ.get("SYNTH_BLOCKS", "12"))
+    step_s = float(os.environ.get("SYNTH_STEP_S", "0.3"))
+    found = re.search(r"step_s=([0-9.]+)", str(config.get("description", "")))
+    if found:
+        step_s = float(found.group(1))
+    block_mb = float(os.environ.get("SYNTH_BLOCK_MB", "900"))
+    sh = (config.get("memory") or {}).get("stagehand") or {}
+    limits = {
+        "vram_high_watermark_mb": float(sh.get("vram_high_watermark_mb", 20000)),
+        "vram_low_watermark_mb": float(sh.get("vram_low_watermark_mb", 16000)),
+        "prefetch_window_blocks": int(sh.get("prefetch_window_blocks", 2)),
+        "max_inflight_transfers": int(sh.get("max_inflight_transfers", 2)),
+    }
+    max_steps = int(config.get("max_steps", 50))
+    w = Writer(run_dir / "telemetry.jsonl")
+    control = ControlDir(run_dir)
+    w.emit(
+        "trainer",
+        "run_started",
+        run_name=run_dir.name,
+        preset=config.get("name"),
+        max_steps=max_steps,
+        device="cuda",
+        vram_source="cuda",
+        model="synthetic",
+        strategy="stagehand",
+    )
+    for done in range(0, 11, 5):
+        w.emit("trainer", "stage", stage="cache", done=done, total=10, message="text embeddings")
+    w.emit("trainer", "stage", stage="train", done=0, total=max_steps, message="training")
+    w.flush()
+
+    base_mb = 5000.0  # non-block overhead: norms, LoRA, optimizer state
+    resident: set[int] = set()
+    reserved = base_mb
+    loss = 4.5
+    for step in range(1, max_steps + 1):
+        for req in control.poll():
+            if req.command == "stop":
+                w.emit(
+                    "trainer",
+                    "run_finished",
+                    step=step - 1,
+                    status="cancelled",
+                    lora_path="lora/pytorch_lora_weights.safetensors",
+                    steps_done=step - 1,
+                )
+                w.flush()
+                return 0
+            if req.command == "limits":
+                changed = {}
+                for key, value in (req.body.get("limits") or {}).items():
+                    if key in limits and limits[key] != value:
+                        changed[key] = [limits[key], value]
+                        limits[key] = value
+                w.emit(
+                    "strategy",
+                    "limits_applied",
+                    step=step,
+                    phase="step_begin",
+                    request_id=req.request_id,
+                    changed=changed,
+                )
+        t_step = time.time()
+        stalls = 0
+        order = list(range(blocks)) + list(reversed(range(blocks)))
+        for i, b in enumerate(order):
+            # Spread the step over its blocks, as a real step spends its time in them.
+            if step_s:
+                time.sleep(step_s / len(order))
+            phase = "forward" if i < blocks else "backward"
+            alloc = base_mb + len(resident) * block_mb
+            if b not in resident:
+                prefetched = (i + step) % 5 != 0
+                if not prefetched:
+                    stalls += 1
+                    w.emit(
+                        "stagehand",
+                        "block",
+                        step=step,
+                        phase=phase,
+                        event="stall",
+                        block=b,
+                        block_name=f"transformer_blocks.{b}",
+                        vram_allocated_mb=alloc,
+                        vram_reserved_mb=reserved,
+                        vram_source="cuda",
+                    )
+                resident.add(b)
+                alloc = base_mb + len(resident) * block_mb
+                reserved = max(reserved, alloc + 400)
+                w.emit(
+                    "stagehand",
+                    "block",
+                    step=step,
+                    phase=phase,
+                    event="load",
+                    block=b,
+                    block_name=f"transformer_blocks.{b}",
+                    prefetch=prefetched,
+                    vram_allocated_mb=alloc,
+                    vram_reserved_mb=reserved,
+                    vram_source="cuda",
+                )
+            for event in ("enter", "exit"):
+                w.emit(
+                    "stagehand",
+                    "block",
+                    step=step,
+                    phase=phase,
+                    event=event,
+                    block=b,
+                    block_name=f"transformer_blocks.{b}",
+                    vram_allocated_mb=alloc,
+                    vram_reserved_mb=reserved,
+                    vram_source="cuda",
+                )
+            if alloc > limits["vram_high_watermark_mb"]:
+                while (
+                    resident
+                    and base_mb + len(resident) * block_mb > limits["vram_low_watermark_mb"]
+                ):
+                    victim = min(resident, key=lambda r: abs(r - b) * -1)
+                    resident.discard(victim)
+                    w.emit(
+                        "stagehand",
+                        "block",
+                        step=step,
+                        phase=phase,
+                        event="evict",
+                        block=victim,
+                        block_name=f"transformer_blocks.{victim}",
+                        vram_allocated_mb=base_mb + len(resident) * block_mb,
+                        vram_reserved_mb=reserved,
+                        vram_source="cuda",
+                    )
+        step_ms = (time.time() - t_step) * 1000 + 9300
+        loss = 1.08 + 3.4 * math.exp(-step / 4) + 0.05 * math.sin(step * 1.7)
+        peak = base_mb + blocks * block_mb
+        w.emit(
+            "trainer",
+            "step",
+            step=step,
+            phase="step_end",
+            loss=loss,
+            grad_norm=0.1 + 0.6 * math.exp(-step / 6) + 0.05 * abs(math.sin(step)),
+            lr=1e-4,
+            step_time_ms=step_ms,
+            samples_per_s=1000 / step_ms,
+            vram_allocated_mb=base_mb + len(resident) * block_mb,
+            vram_reserved_mb=reserved,
+            vram_peak_mb=min(peak, limits["vram_high_watermark_mb"] + block_mb),
+            vram_source="cuda",
+            rss_mb=12000 + 300 * math.sin(step / 3),
+            pinned_mb=8192,
+            phase_ms={
+                "forward": step_ms * 0.3,
+                "backward": step_ms * 0.6,
+                "optimizer": step_ms * 0.1,
+            },
+        )
+        w.emit(
+            "stagehand",
+            "step",
+            step=step,
+            blocks_loaded=blocks,
+            blocks_evicted=blocks,
+            prefetch_hits=blocks * 2 - stalls,
+            prefetch_misses=stalls,
+            stall_time_ms=stalls * 40.0,
+            h2d_bytes=int(blocks * 2 * block_mb * 2**20),
+            vram_allocated_mb=base_mb + len(resident) * block_mb,
+            vram_reserved_mb=reserved,
+            vram_peak_mb=peak,
+            vram_source="cuda",
+            pool_used_mb=6144 + 256 * (step % 4),
+            pool_total_mb=8192,
+            vram_high_watermark_mb=limits["vram_high_watermark_mb"],
+            vram_low_watermark_mb=limits["vram_low_watermark_mb"],
+            prefetch_window_blocks=limits["prefetch_window_blocks"],
+        )
+        spilled = 40 + (step % 7) * 3
+        w.emit(
+            "activation_stagehand",
+            "step",
+            step=step,
+            activations_saved=200,
+            activations_kept=200 - spilled,
+            activations_spilled=spilled,
+            activations_restored=spilled,
+            spill_bytes=spilled * 24 * 2**20,
+            restore_bytes=spilled * 24 * 2**20,
+            stall_time_ms=5.0 + step % 3,
+            stall_count=step % 3,
+            pool_hits=spilled - step % 4,
+            pool_misses=step % 4,
+            vram_peak_mb=peak,
+            prefetch_hits=spilled - 2,
+            restore_ms=30.0,
+        )
+        w.emit(
+            "conductor",
+            "step",
+            step=step,
+            step_id=step,
+            vram_allocated_mb=base_mb,
+            vram_headroom_mb=24000 - peak,
+            pinned_granted_mb=8192,
+            h2d_inflight=step % 3,
+            d2h_inflight=(step + 1) % 2,
+            grant_count=blocks * 2,
+            deny_count=stalls,
+            partial_count=step % 2,
+            phase_durations={},
+            runtime_snapshots={},
+        )
+        w.flush()
+    sample = run_dir / "samples" / f"step-{max_steps:05d}-0.png"
+    write_sample(sample, max_steps)
+    w.emit("trainer", "sample", step=max_steps, path=f"samples/{sample.name}", prompt="a digit")
+    w.emit(
+        "trainer",
+        "run_finished",
+        step=max_steps,
+        status="succeeded",
+        lora_path="lora/pytorch_lora_weights.safetensors",
+        steps_done=max_steps,
+    )
+    w.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""Charts against rich telemetry: the point cap keeps peaks, a 100k-record run opens downsampled,
+and every live chart of a weight-streaming run fills (synthetic worker, real backend)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from tests.frontend.conftest import Api
+
+pytestmark = [pytest.mark.browser]
+
+
+def make_preset(api: Api, name: str, steps: int, step_s: float) -> None:
+    config = copy.deepcopy(api.call("GET", "/api/presets/tiny-ci")["config"])
+    config.update(name=name, max_steps=steps, description=f"synthetic step_s={step_s}")
+    sh = config["memory"]["stagehand"]
+    sh.update(vram_high_watermark_mb=12000, vram_low_watermark_mb=8000)
+    api.call("POST", "/api/presets", {"name": name, "config": config})
+
+
+def test_min_max_downsample_and_point_cap_keep_peaks(synthetic_server, page):
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    result = page.evaluate("""async () => {
+        const m = await import('/static/js/charts.js');
+        const n = 100000;
+        const x = Array.from({length: n}, (_, i) => i);
+        const y = x.map((i) => Math.sin(i / 50));
+        y[77777] = 42; y[33333] = -42; y[500] = null;
+        const ds = m.minMaxDownsample(x, y, 500);
+        // A live chart fed in small batches, as the stream does, past its cap several times.
+        const div = document.createElement('div');
+        document.body.append(div);
+        const chart = new m.LiveChart(div, {title: 't', traces: [{name: 'a'}], cap: 1000});
+        for (let i = 0; i < 20000; i++) {
+            chart.push(0, i, i === 12345 ? 999 : (i % 7));
+            if (i % 50 === 49) chart.flush();
+        }
+        chart.flush();
+        const t = div.data[0];
+        return {
+            len: ds.x.length, max: Math.max(...ds.y), min: Math.min(...ds.y),
+            increasing: ds.x.every((v, i) => i === 0 || v > ds.x[i - 1]),
+            peakAt: ds.x[ds.y.indexOf(42)],
+            liveLen: t.x.length, liveMax: Math.max(...t.y), liveMin: Math.min(...t.y),
+            liveLast: t.x[t.x.length - 1], livePeakAt: t.x[Array.from(t.y).indexOf(999)],
+        };
+    }""")
+    assert result["len"] <= 1000
+    assert (result["max"], result["min"], result["peakAt"]) == (42, -42, 77777)
+    assert result["increasing"]
+    assert result["liveLen"] <= 1000
+    assert (result["liveMax"], result["liveMin"]) == (999, 0)
+    assert (result["liveLast"], result["livePeakAt"]) == (19999, 12345)
+
+
+def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
+    api = Api(synthetic_server)
+    make_preset(api, "synth-live", steps=30, step_s=0.4)
+    run = api.call("POST", "/api/runs", {"preset": "synth-live", "name": "synthetic-live"})
+    page.goto(synthetic_server + f"/#/runs/{run['id']}")
+    vram_len = "(document.getElementById('vram')?.data?.[0]?.x?.length ?? 0)"
+    page.wait_for_function(f"{vram_len} > 0", timeout=60_000)
+    first = page.evaluate(vram_len)
+    page.wait_for_function(f"{vram_len} > {first}", timeout=30_000)
+    assert "source: cuda" in page.evaluate("document.getElementById('vram').layout.title.text")
+
+    page.fill("#limit-vram_high_watermark_mb", "10000")
+    page.click("#apply-limits")
+    page.wait_for_selector("#limits-log li.applied", timeout=30_000)
+    page.wait_for_selector(".run-header .badge[data-status='succeeded']", timeout=60_000)
+    page.wait_for_selector("#samples img")
+    charts = page.evaluate("""() => Object.fromEntries(
+        ['vram', 'host', 'spill', 'spill-pool', 'phases', 'loss', 'conductor'].map((id) => [id,
+            document.getElementById(id).data.map((t) => t.x.length)]))""")
+    assert charts["phases"] == [30] * 4 and charts["loss"] == [30] * 3
+    assert charts["spill"] == [30] * 4 and charts["conductor"] == [30] * 5
+    assert all(n > 0 for n in charts["vram"]) and all(n == 30 for n in charts["host"])
+    high = page.evaluate("Array.from(document.getElementById('vram').data[2].y)")
+    assert high[0] == 12000 and high[-1] == 10000
+    residency = page.evaluate("document.getElementById('residency').data")
+    assert len(residency[0]["z"]) == 12  # one row per block
+    assert {v for row in residency[0]["z"] for v in row} == {0, 1, 2}
+    assert len(residency[3]["x"]) > 0  # stall marks
+    assert len(page.evaluate("document.getElementById('vram').layout.shapes")) == 1
+    shoot(
+        synthetic_server + f"/#/runs/{run['id']}", "run-synthetic", ready="#samples img", settle_s=2
+    )
+
+
+def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoot):
+    api = Api(synthetic_server)
+    make_preset(api, "synth-100k", steps=1350, step_s=0)
+    run = api.call("POST", "/api/runs", {"preset": "synth-100k", "name": "long"})
+    api.wait_run(run["id"], {"succeeded"}, timeout=120)
+    deadline = time.monotonic() + 60
+    while api.call("GET", f"/api/runs/{run['id']}")["last_seq"] < 99_000:
+        assert time.monotonic() < deadline, "the backend did not ingest the run's records"
+        time.sleep(0.5)
+    records = api.call("GET", f"/api/runs/{run['id']}")["last_seq"] + 1
+    whole = api.call(
+        "GET", f"/api/runs/{run['id']}/telemetry?source=stagehand&kind=block&buckets=1"
+    )
+
+    page.goto(synthetic_server + "/#/runs")
+    page.wait_for_selector(f"tr[data-run-id='{run['id']}']")
+    page.goto(synthetic_server + f"/#/runs/{run['id']}")
+    page.wait_for_selector("#charts[data-vram-pending='false']", state="attached", timeout=60_000)
+    grid = page.evaluate("Object.assign({}, document.getElementById('charts').dataset)")
+    assert grid["downsampled"] == "true"
+    assert int(grid["historyRecords"]) < records / 5  # not 100k records through the browser
+    vram = page.evaluate(
+        "(() => { const t = document.getElementById('vram').data[0];"
+        " return {n: t.x.length, max: Math.max(...t.y), min: Math.min(...t.y)}; })()"
+    )
+    assert vram["n"] <= 4000
+    # The buckets keep both the block-loaded peak and the post-eviction valley.
+    assert vram["max"] == whole["data"][0]["max"]["vram_allocated_mb"]
+    assert vram["min"] == whole["data"][0]["min"]["vram_allocated_mb"]
+    assert page.evaluate("document.getElementById('loss').data[0].x.length") == 1350
+    print(
+        f"\n{records} records: per-step charts drawn {grid['drawnMs']} ms after opening "
+        f"(fetch {grid['fetchedMs']} ms), VRAM overview {grid['vramDrawnMs']} ms"
+    )
+    shoot(
+        synthetic_server + f"/#/runs/{run['id']}",
+        "run-100k",
+        ready="#charts[data-vram-pending='false']",
+    )
