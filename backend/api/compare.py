@@ -15,7 +15,7 @@ router = APIRouter(prefix="/api", tags=["compare"])
 METRIC_RE = re.compile(
     r"^(?:(trainer|stagehand|activation_stagehand|conductor|strategy)\.)?([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?)$"
 )
-DEFAULT_METRICS = "loss,vram_allocated_mb,step_time_ms"
+DEFAULT_METRICS = "loss,vram_peak_mb,step_time_ms"
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

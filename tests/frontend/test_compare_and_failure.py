@@ -69,6 +69,9 @@ def test_compare_overlays_and_config_diff(backend_server, compared_runs, page, s
         steps = api.call("GET", f"/api/runs/{run_id}/telemetry?source=trainer&kind=step")["data"]
         assert xs == list(range(1, STEPS + 1))
         assert ys == pytest.approx([r["loss"] for r in steps])
+    # The tighter weight watermarks evict sooner: its peak VRAM line lies below the wider one's.
+    peaks = page.evaluate("document.getElementById('cmp-vram').data.map(t => Math.max(...t.y))")
+    assert peaks[0] > peaks[1] > 0
     spill = page.evaluate("document.getElementById('cmp-spill').data.map(t => t.x.length)")
     assert spill == [STEPS, STEPS]
     summary = page.eval_on_selector_all(

@@ -6,7 +6,7 @@ import { LiveChart } from "../charts.js";
 import { fill, fmtBytes, fmtMB, fmtMs, fmtNum, h, showError, statusBadge } from "../ui.js";
 
 const METRICS = [
-  { id: "vram_allocated_mb", chart: "cmp-vram", title: "VRAM allocated per step (MB)", y: "MB", scale: 1 },
+  { id: "vram_peak_mb", chart: "cmp-vram", title: "Peak VRAM per step (MB)", y: "MB", scale: 1 },
   { id: "step_time_ms", chart: "cmp-step", title: "Step time (ms)", y: "ms", scale: 1 },
   { id: "loss", chart: "cmp-loss", title: "Loss", y: "loss", scale: 1 },
   { id: "spill_bytes", chart: "cmp-spill", title: "Activation spill per step (MB)", y: "MB", scale: 1 / 2 ** 20 },

@@ -232,7 +232,9 @@ export function mount(root, { params }) {
     const list = await api.presets();
     presets = list.data || [];
     fill(presetSel, presets.map((p) => h("option", { value: p.name }, `${p.name}${p.builtin ? " (built-in)" : ""}`)));
-    const name = selectName && presets.some((p) => p.name === selectName) ? selectName : presets[0]?.name;
+    const has = (n) => n && presets.some((p) => p.name === n);
+    // The embedded demo is what a first-time user should start: open on it unless asked otherwise.
+    const name = has(selectName) ? selectName : has("default") ? "default" : presets[0]?.name;
     if (name) {
       presetSel.value = name;
       selectPreset(name);
