@@ -25,6 +25,9 @@ def build_strategy(
     - ``"none"``: ``MemoryStrategy``, the plain model (the baseline).
     - ``"stagehand"``: ``StagehandStrategy`` (weight streaming, activation spill and the
       Conductor, each as ``memory.stagehand`` says).
+    - ``"layer_offload"``: ``LayerOffloadStrategy`` (the first ``(1 - layer_offload_fraction)
+      x N`` blocks resident, the rest loaded before and evicted after each layer, checkpointed
+      layers with activations moved to the host between them; ``runtime/layer_offload``).
 
     ``checkpoint_dir`` is the model's safetensors folder (sharded or not); with it, frozen block
     weights stream from the files (file-backed) instead of being kept in host RAM.
@@ -45,6 +48,17 @@ def build_strategy(
         return StagehandStrategy(
             model,
             memory.stagehand,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=checkpoint_dir,
+            mode=mode,
+        )
+    if memory.strategy == "layer_offload":
+        from runtime.layer_offload import LayerOffloadStrategy
+
+        return LayerOffloadStrategy(
+            model,
+            memory,
             device=device,
             telemetry=telemetry,
             checkpoint_dir=checkpoint_dir,

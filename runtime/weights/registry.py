@@ -103,6 +103,9 @@ class Block:
     grant: object | None = None
     d2h_event: object | None = None
     """The copy back of trainable parameters to their host masters (read only after it)."""
+    resident: bool = False
+    """Kept on the device from ``make_resident`` until close: never evicted after a use or by
+    the watermarks (layer offload's resident set, ``runtime/layer_offload``)."""
 
     def to(self, new: BlockState) -> None:
         """Move to ``new``; raises ``BlockStateError`` naming both states when illegal."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -368,7 +368,7 @@ class StagehandRuntime:
 
     def _done(self, block: Block) -> None:
         self._active.discard(block.index)
-        if block.on_device:
+        if block.on_device and not block.resident:
             soon = self.scheduler.upcoming()
             if block.index not in soon or self.memory.usage_bytes() > self.low_mb * MB:
                 self._evict(block)
@@ -378,21 +378,53 @@ class StagehandRuntime:
                 idle = [
                     b
                     for b in self.blocks
-                    if b.on_device and b.index not in self._active and b.index not in soon
+                    if b.on_device
+                    and not b.resident
+                    and b.index not in self._active
+                    and b.index not in soon
                 ]
                 if not idle:
                     break
                 self._evict(max(idle, key=lambda b: self.scheduler.distance(b.index)))
         self._prefetch()
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, **fields: Any) -> None:
         if block.flat is not None:
             self._by_storage.pop(block.flat.untyped_storage().data_ptr(), None)
         for slot in block.layout:
             self._by_ptr.pop(slot.param.data_ptr(), None)
         self.transfer.evict(block)
         self._counts["blocks_evicted"] += 1
-        self._emit_block("evict", block)
+        self._emit_block("evict", block, **fields)
+
+    # -- policy hooks (layer offload: runtime/layer_offload) ------------------------------------
+    def make_resident(self, indices: Iterable[int]) -> None:
+        """Load blocks ``indices`` now and keep them on the device until ``close``: a resident
+        block is never evicted after a use, by the watermarks or by ``evict_stale``.
+
+        Raises:
+            IndexError: an index is not a block.
+        """
+        for index in indices:
+            block = self.blocks[index]
+            block.resident = True
+            if block.state is BlockState.UNLOADED:
+                self.transfer.load(block, speculative=False)
+                self._emit_block("load", block, prefetch=False, resident=True)
+            if block.state is BlockState.PREFETCHING:
+                self._ready(block)
+
+    def evict_stale(self, keep: Iterable[int]) -> list[int]:
+        """Evict every loaded, non-resident block outside ``keep`` and the prefetch window: a
+        block whose end boundary never fired (a non-reentrant checkpoint recomputation that
+        stopped early, an exception mid-block). Returns the evicted indices; each eviction is a
+        ``stagehand/block`` ``evict`` record with ``reason: "stale"``."""
+        keep = set(keep) | set(self.scheduler.upcoming())
+        stale = [b for b in self.blocks if b.on_device and not b.resident and b.index not in keep]
+        for block in stale:
+            self._active.discard(block.index)
+            self._evict(block, reason="stale")
+        return [b.index for b in stale]
 
     # -- saved weight views ---------------------------------------------------------------------
     def packer(self, tensor: torch.Tensor) -> WeightView | None:

@@ -1,0 +1,258 @@
+"""``LayerOffloadStrategy`` (``memory.strategy: "layer_offload"``): the seed's Flux 2048 run.
+
+Source: ``shared/seeds/case-study-flux-2048-layer-offload.md``. The composed strategy's phases,
+router, Conductor wiring and live limits (``StagehandStrategy``) with two parts swapped in:
+
+- weights: ``LayerOffloadManager`` (the weight runtime driven by the layer-offload policy:
+  resident fraction, load before a layer, evict after, stale-layer eviction, the
+  ``OffloadCheckpointLayer`` wrappers);
+- activations: the activation runtime (``ActivationRuntime``) behind the same router. With
+  ``enable_activation_offloading`` its watermarks are 0, so every checkpoint input (NOTE
+  [ Checkpoint inputs as activations ]) goes to the host when the layer saves it and is restored,
+  in reverse order and ahead of need, for the layer's recomputation: the seed's "activations
+  shuttle CPU<->GPU between blocks" on the runtime that already has the size-class pinned pool,
+  the D2H/H2D streams with events, the Conductor's D2H slots and ``activation_stagehand/step``
+  telemetry, instead of a third copy mechanism. Without it the watermarks are infinite: every
+  saved tensor is kept, and on CPU counted in the tracked figure, so peaks compare honestly.
+
+``memory`` fields used: ``layer_offload_fraction``, ``gradient_checkpointing``,
+``enable_activation_offloading``, ``enable_async_offloading`` (copies issued ahead of need:
+the next layer's weights, ``restore_ahead`` activations; off: each copy when needed). An optional
+``memory.stagehand`` section overrides, field by field, only what it sets: the weight runtime's
+pool, transfer and file-backing fields, ``activation_stagehand`` and ``conductor_config``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.common.telemetry import Telemetry
+from runtime.conductor import (
+    ActStagehandConductorAdapter,
+    ConductorRuntime,
+    StagehandConductorAdapter,
+)
+from runtime.config import (
+    MB,
+    ActivationStagehandConfig,
+    LiveLimits,
+    MemoryConfig,
+    StagehandConfig,
+    StagehandSection,
+)
+from runtime.layer_offload.manager import LayerOffloadManager
+from runtime.strategy.composed import StagehandStrategy
+from runtime.weights.registry import find_blocks
+
+NO_BUDGET_MB = 1e9
+"""Activation watermarks that are never reached (keep every saved tensor)."""
+
+_WEIGHT_FIELDS = (
+    "pinned_pool_mb",
+    "pinned_slab_mb",
+    "max_inflight_transfers",
+    "prefetch_window_blocks",
+    "block_pattern",
+    "file_backed",
+    "slab_acquire_timeout_s",
+    "block_events",
+    "vram_high_watermark_mb",
+)
+
+
+def _block_mb(model: torch.nn.Module, pattern: str | None) -> int:
+    largest = max(
+        sum(p.numel() * p.element_size() for p in module.parameters())
+        for _, module in find_blocks(model, pattern)
+    )
+    return max(1, math.ceil(largest / MB))
+
+
+def _ceiling_mb(model: torch.nn.Module, cuda: bool, device: torch.device) -> float:
+    # The weight runtime's high watermark. The resident count, not a byte budget, decides what
+    # stays (NOTE [ Resident set ]), so this only bounds the async prefetch: the card on CUDA,
+    # on CPU what keeping every block resident would take. Both are finite figures the
+    # dashboard can draw as the "high" line of the VRAM chart (an infinite one would flatten it).
+    if cuda:
+        return torch.cuda.get_device_properties(device).total_memory / MB
+    tensors = [*model.parameters(), *model.buffers()]
+    return max(1.0, math.ceil(sum(t.numel() * t.element_size() for t in tensors) / MB))
+
+
+def layer_offload_section(
+    model: torch.nn.Module, memory: MemoryConfig, *, device: torch.device | str
+) -> StagehandSection:
+    """The weight and activation runtimes' settings for ``memory`` (see the module docstring).
+
+    Weights: one slab holds the largest block, two slabs (one copy in flight while the next is
+    staged), module-backed (the seed's plain layer-level CPU/GPU movement), low watermark 0 (a
+    finished non-resident block is always evicted), high watermark at the ceiling above,
+    prefetch window 1 with async offloading else 0. Activations: the seed's pool; watermarks
+    0 (offloading) or never reached (keep).
+
+    Raises:
+        pydantic.ValidationError: an override makes a setting invalid (names the field).
+        runtime.weights.BlockDiscoveryError: the model has no blocks.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    given = memory.stagehand
+    overrides = {
+        f: getattr(given, f) for f in _WEIGHT_FIELDS if given and f in given.model_fields_set
+    }
+    slab = overrides.get("pinned_slab_mb") or _block_mb(model, overrides.get("block_pattern"))
+    weights: dict[str, Any] = {
+        "pinned_slab_mb": slab,
+        "pinned_pool_mb": 2 * slab,
+        "max_inflight_transfers": 2,
+        "prefetch_window_blocks": 1 if memory.enable_async_offloading else 0,
+        "file_backed": False,
+        "vram_high_watermark_mb": _ceiling_mb(model, cuda, device),
+        **overrides,
+        "vram_low_watermark_mb": 0.0,
+    }
+    offload = memory.enable_activation_offloading
+    act: dict[str, Any] = {
+        "vram_high_watermark_mb": 0.0 if offload else NO_BUDGET_MB,
+        "vram_low_watermark_mb": 0.0 if offload else NO_BUDGET_MB,
+        "predictive_restore": memory.enable_async_offloading,
+        "max_inflight_d2h": 2 if cuda and memory.enable_async_offloading else 1,
+    }
+    if not offload:  # nothing spills: no host pool
+        act.update(pinned_pool_classes_mb=(1,), slabs_per_class=(0,), pinned_growth_budget_mb=0)
+    if given is not None and given.activation_stagehand is not None:
+        a = given.activation_stagehand
+        act.update({f: getattr(a, f) for f in a.model_fields_set})
+    StagehandConfig.model_validate(weights)  # errors name the field before anything is built
+    return StagehandSection(
+        **weights,
+        activation_stagehand=ActivationStagehandConfig(**act),
+        conductor_config=given.conductor_config if given is not None else None,
+    )
+
+
+class LayerOffloadStrategy(StagehandStrategy):
+    """Layer offload behind the ``MemoryStrategy`` phases (see the module docstring).
+
+    Args:
+        model: the model (LoRA attached, on the host); its blocks are wrapped until ``close``.
+        memory: the preset's ``memory`` section (``MemoryConfig`` or its dict).
+        device, telemetry, checkpoint_dir, mode: as ``StagehandStrategy``.
+
+    Raises:
+        pydantic.ValidationError: ``memory`` is invalid (``layer_offload_fraction`` outside
+            [0, 1] names ``layer_offload_fraction``).
+        ValueError: bad ``mode``; pools above the Conductor's ``pinned_budget_mb``.
+        runtime.weights.StagehandSetupError: block discovery or pool set-up failed.
+    """
+
+    name = "layer_offload"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        memory: MemoryConfig | dict,
+        *,
+        device: torch.device | str,
+        telemetry: Telemetry | None = None,
+        checkpoint_dir: str | Path | None = None,
+        mode: str = "training",
+    ) -> None:
+        if not isinstance(memory, MemoryConfig):
+            memory = MemoryConfig.model_validate(memory)
+        self.memory_config = memory
+        self.manager: LayerOffloadManager | None = None
+        section = layer_offload_section(model, memory, device=device)
+        super().__init__(
+            model,
+            section,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=checkpoint_dir,
+            mode=mode,
+        )
+
+    def _build(
+        self,
+        model: torch.nn.Module,
+        section: StagehandSection,
+        checkpoint_dir: str | Path | None,
+        mode: str,
+        stream_weights: bool,
+    ) -> None:
+        from runtime.activations import ActivationRuntime
+        from runtime.common.saved_tensors import SavedTensorRouter
+
+        shared = {"device": self.device, "memory": self.memory, "telemetry": self.telemetry}
+        self.manager = LayerOffloadManager(
+            model,
+            section,
+            fraction=self.memory_config.layer_offload_fraction,
+            checkpointing=self.memory_config.gradient_checkpointing,
+            mode=mode,
+            checkpoint_dir=checkpoint_dir,
+            **shared,
+        )
+        self.weights = self.manager.weights
+        if mode == "training":
+            self.activations = ActivationRuntime(
+                section.activation_stagehand, model=model, **shared
+            )
+        cond = section.conductor_config
+        if cond is not None and cond.enabled:
+            # The composed strategy's wiring: the same adapters, unchanged.
+            self.conductor = ConductorRuntime(cond, memory=self.memory, telemetry=self.telemetry)
+            self._attach("weights", StagehandConductorAdapter(self.weights))
+            self._reserve_pinned("stagehand", self.weights.pool.pool_bytes)
+            if self.activations is not None:
+                self._attach("activations", ActStagehandConductorAdapter(self.activations))
+                self._reserve_pinned("activation_stagehand", self.activations.pool.total_bytes())
+        packers = [lambda t: self.weights.packer(t)]
+        if self.activations is not None:
+            packers.append(lambda t: self.activations.packer(t))
+        self.router = SavedTensorRouter(packers)
+
+    # -- phases -----------------------------------------------------------------------------------
+    def _on_forward_begin(self) -> None:
+        if self.manager is not None:
+            self.manager.forward_begin()
+        super()._on_forward_begin()
+
+    def _on_step_end(self, step: int, ok: bool) -> None:
+        try:
+            super()._on_step_end(step, ok)
+        finally:
+            if self.manager is not None:
+                self.manager.forward_begin()  # drop the step's tensor ids
+
+    def set_limits(
+        self, limits: LiveLimits | dict[str, Any], request_id: str | None = None
+    ) -> None:
+        """As ``StagehandStrategy.set_limits``; weight watermarks are refused.
+
+        Raises:
+            pydantic.ValidationError / ValueError: as the composed strategy; ``ValueError`` for
+                ``vram_high_watermark_mb`` / ``vram_low_watermark_mb``.
+        """
+        if not isinstance(limits, LiveLimits):
+            limits = LiveLimits.model_validate(limits)
+        if limits.vram_high_watermark_mb is not None or limits.vram_low_watermark_mb is not None:
+            raise ValueError(
+                "vram_high_watermark_mb / vram_low_watermark_mb: the layer_offload strategy "
+                "keeps layers by memory.layer_offload_fraction, not by watermarks"
+            )
+        super().set_limits(limits, request_id)
+
+    def close(self) -> None:
+        """Detach the Conductor, close the runtimes, put the original blocks back."""
+        if self._closed:
+            return
+        try:
+            super().close()
+        finally:
+            if self.manager is not None:
+                self.manager.close()
