@@ -1,0 +1,95 @@
+"""Small measurements beside the step times: pinned H2D bandwidth and the KEEP-path cost."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from runtime.strategy.base import MemoryStrategy
+
+
+def pinned_h2d_bandwidth(
+    device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 10
+) -> dict[str, float]:
+    """Measured pinned host -> device copy bandwidth in GB/s (1e9 bytes/s), median of repeats.
+
+    Raises:
+        RuntimeError: ``device`` is not CUDA (there is no H2D link to measure).
+    """
+    if device.type != "cuda":
+        raise RuntimeError(f"H2D bandwidth needs a CUDA device, got {device}")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)  # warm the path
+    torch.cuda.synchronize(device)
+    gbps = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        gbps.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return {"h2d_gbps": statistics.median(gbps), "bytes": float(nbytes), "repeats": repeats}
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor, n_ops: int) -> torch.Tensor:
+    y = x
+    for _ in range(n_ops):
+        y = y * w  # saves y and w: two saved tensors per op
+    return y
+
+
+def keep_path_cost(
+    strategy: MemoryStrategy, *, first_step: int, n_ops: int = 2000, repeats: int = 5
+) -> dict[str, float]:
+    """Cost of the strategy's saved-tensor hooks on the KEEP path, in microseconds per tensor.
+
+    A chain of ``n_ops`` small multiplies (2 saved tensors each, 256 bytes: never spilled) is
+    timed inside ``strategy.forward()`` and without any hooks; the difference of the medians
+    over ``repeats`` divided by the saved tensors is the per-tensor cost: the whole router as
+    autograd calls it (weight packer, then activation packer). ``activation_packer_us_per_tensor``
+    is the activation packer alone, called directly on 16x16 tensors. The strategy must be a
+    KEEP-only one (watermark never reached), else spills would be timed too.
+    """
+    device = strategy.device
+    x = torch.ones(64, device=device, requires_grad=True)
+    w = torch.ones(64, device=device, requires_grad=True)
+    saved = 2 * n_ops
+    plain, hooked = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        _chain(x, w, n_ops)
+        plain.append(time.perf_counter() - t0)
+        with strategy.step(first_step + r):
+            with strategy.forward():
+                t0 = time.perf_counter()
+                _chain(x, w, n_ops)
+                hooked.append(time.perf_counter() - t0)
+    plain_s, hooked_s = statistics.median(plain), statistics.median(hooked)
+    out = {
+        "us_per_tensor": (hooked_s - plain_s) / saved * 1e6,
+        "saved_tensors": float(saved),
+        "plain_ms": plain_s * 1e3,
+        "hooked_ms": hooked_s * 1e3,
+    }
+    packer = getattr(getattr(strategy, "activations", None), "packer", None)
+    if callable(packer):
+        out["activation_packer_us_per_tensor"] = _packer_cost_us(
+            strategy, packer, first_step + repeats, device
+        )
+    return out
+
+
+def _packer_cost_us(strategy: MemoryStrategy, packer, step: int, device, n: int = 20000) -> float:
+    """The activation runtime's packer alone, called directly (no autograd, no router)."""
+    tensors = [torch.randn(16, 16, device=device) for _ in range(n)]
+    with strategy.step(step):
+        with strategy.forward():
+            t0 = time.perf_counter()
+            for t in tensors:
+                packer(t)
+            elapsed = time.perf_counter() - t0
+    return elapsed / n * 1e6

@@ -1,0 +1,210 @@
+"""``workbench bench --model tiny --quick``: the JSON has every field and sane values.
+
+Speed is not asserted here (house rule: figures go in the benchmark's output, not in tests).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.bench.cli import main, parse_args
+from runtime.bench.configs import CPU_PEER_NOTE
+from runtime.bench.report import add_ratios
+
+MAIN_ROWS = [
+    "baseline",
+    "stream_module",
+    "stream_file",
+    "spill_keep",
+    "spill_all",
+    "spill_predictive",
+    "conductor",
+    "layer_offload_0.5",
+    "layer_offload_0.9",
+    "peer_group_offload",
+    "peer_group_offload_stream",
+    "peer_save_on_cpu",
+]
+SCALE = [2, 4, 8, 16]
+STEPS = 2
+OK_FIELDS = [
+    "step_ms_median",
+    "step_ms",
+    "ratio_to_baseline",
+    "phase_ms_median",
+    "loss",
+    "vram_peak_bytes",
+    "vram_source",
+    "vram_method",
+    "rss_after_imports_bytes",
+    "rss_peak_bytes",
+    "rss_growth_bytes",
+    "h2d_bytes_per_step",
+    "d2h_bytes_per_step",
+    "bytes_source",
+    "stall_ms_per_step",
+    "bound_ms",
+    "ratio_to_bound",
+    "telemetry",
+    "steps",
+    "warmup",
+    "summary",
+]
+TOP_FIELDS = [
+    "kind",
+    "format",
+    "created_at",
+    "wall_s",
+    "argv",
+    "quick",
+    "steps",
+    "warmup",
+    "device",
+    "model",
+    "large_model",
+    "keep_path_us_per_tensor",
+    "rows",
+    "scale_rows",
+    "large_rows",
+    "goals",
+]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, asset_cache) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    argv = [
+        "--model",
+        "tiny",
+        "--quick",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(asset_cache),
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+    ]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _check_row(row: dict) -> None:
+    assert row["status"] in ("ok", "n/a", "error")
+    if row["status"] == "n/a":
+        assert row["reason"].startswith(("not built:", "needs CUDA")), row["reason"]
+        return
+    assert row["status"] == "ok", f"{row['name']}: {row['reason']}"
+    missing = [f for f in OK_FIELDS if f not in row]
+    assert not missing, f"{row['name']} lacks {missing}"
+    assert row["step_ms_median"] > 0
+    assert row["ratio_to_baseline"] > 0
+    assert row["vram_peak_bytes"] > 0
+    assert row["rss_peak_bytes"] >= row["rss_after_imports_bytes"] > 0
+    assert row["steps"] == STEPS
+    assert len(row["step_ms"]) == STEPS * row["runs"]
+    assert row["h2d_bytes_per_step"] is None or row["h2d_bytes_per_step"] >= 0
+
+
+def test_top_level_and_main_rows(bench):
+    assert [f for f in TOP_FIELDS if f not in bench] == []
+    assert bench["kind"] == "bench" and bench["device"]["type"] == "cpu"
+    assert bench["model"]["n_blocks"] == 4 and bench["model"]["param_bytes"] > 0
+    assert [r["name"] for r in bench["rows"]] == MAIN_ROWS
+    for row in bench["rows"]:
+        _check_row(row)
+    base = bench["rows"][0]
+    assert base["status"] == "ok" and base["runs"] == 2  # first and last
+    assert base["ratio_to_baseline"] == 1.0
+    assert base["h2d_bytes_per_step"] == 0.0 and base["vram_source"] == "counted"
+    # The counted baseline holds at least every parameter.
+    assert base["vram_peak_bytes"] > bench["model"]["param_bytes"]
+
+
+def test_our_rows_read_the_runtimes_telemetry(bench):
+    ours = [r for r in bench["rows"] if r["group"] == "ours" and r["status"] == "ok"]
+    for row in ours:
+        assert row["vram_source"] == "tracked"
+        assert row["bytes_source"] == "telemetry", row["name"]
+        if row["memory_config"]["strategy"] == "stagehand":
+            # Every block is loaded at least once per step: H2D covers the block bytes.
+            assert row["h2d_bytes_per_step"] >= bench["model"]["block_bytes"]
+            assert row["stall_ms_per_step"] >= 0
+
+
+def test_peers_on_cpu_are_marked(bench):
+    peers = [r for r in bench["rows"] if r["group"] == "peer"]
+    assert len(peers) == 3
+    for row in peers:
+        assert CPU_PEER_NOTE in row["notes"]
+    stream = next(r for r in peers if r["name"] == "peer_group_offload_stream")
+    assert stream["status"] == "n/a" and stream["reason"] == "needs CUDA"
+    save = next(r for r in peers if r["name"] == "peer_save_on_cpu")
+    assert save["status"] == "ok" and save["d2h_bytes_per_step"] > 0
+
+
+def test_scale_rows(bench):
+    scale = bench["scale_rows"]
+    assert sorted({r["blocks"] for r in scale}) == SCALE
+    for row in scale:
+        _check_row(row)
+    base = {r["blocks"]: r for r in scale if r["name"] == "baseline"}
+    assert all(base[n]["ratio_to_baseline"] == 1.0 for n in SCALE)
+    # Resident weights grow with blocks: the all-resident baseline's VRAM must too.
+    peaks = [base[n]["vram_peak_bytes"] for n in SCALE]
+    assert peaks == sorted(peaks) and peaks[-1] > 4 * peaks[0]
+
+
+def test_goals_are_reported(bench):
+    names = [g["name"] for g in bench["goals"]]
+    assert len(names) == 5
+    cuda_goals = [g for g in bench["goals"] if "needs CUDA" in g["note"]]
+    assert len(cuda_goals) == 3 and all(g["met"] is None for g in cuda_goals)
+
+
+def test_ratios_are_exact_for_the_baseline():
+    rows = [
+        {
+            "name": "baseline",
+            "group": "baseline",
+            "status": "ok",
+            "step_ms_median": 3.0,
+            "h2d_bytes_per_step": 0.0,
+        },
+        {
+            "name": "stream_file",
+            "group": "ours",
+            "status": "ok",
+            "step_ms_median": 6.0,
+            "h2d_bytes_per_step": 2e9,
+        },
+        {"name": "conductor", "group": "ours", "status": "n/a"},
+    ]
+    add_ratios(rows, bandwidth_gbps=1.0)
+    assert rows[0]["ratio_to_baseline"] == 1.0
+    assert rows[1]["ratio_to_baseline"] == 2.0
+    assert rows[1]["bound_ms"] == 2000.0  # 2e9 bytes at 1 GB/s beats 3 ms of compute
+    assert rows[1]["ratio_to_bound"] == 6.0 / 2000.0
+    assert rows[2]["ratio_to_baseline"] is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scale-blocks", "2,x"], "--scale-blocks expects integers"),
+        (["--scale-blocks", "1"], "must be >= 2"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+    ],
+)
+def test_bad_arguments_name_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
