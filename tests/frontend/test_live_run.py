@@ -17,7 +17,7 @@ from tests.frontend.conftest import Api
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-STEPS = 20
+STEPS = 120  # long enough that the limits request always lands mid-run, even on an idle machine
 LOSS_X = "(document.getElementById('loss')?.data?.[0]?.x ?? [])"
 
 
