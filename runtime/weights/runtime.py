@@ -339,7 +339,7 @@ class StagehandRuntime:
             block = self.blocks[index]
             if block.state is not BlockState.UNLOADED:
                 continue
-            if self.memory.usage_bytes() + block.nbytes > self.high_mb * MB:
+            if not self._make_room(block):
                 self._counts["prefetch_skipped"] += (
                     1  # can_prefetch: would cross the high watermark
                 )
@@ -361,6 +361,32 @@ class StagehandRuntime:
             self._counts["blocks_loaded"] += 1
             self._emit_block("load", block, prefetch=True)
 
+    def _make_room(self, block: Block) -> bool:
+        """Whether ``block`` fits under the high watermark, after evicting idle blocks the order
+        needs later than it (furthest first): a block kept only because usage was under the low
+        watermark must not stop the prefetch of one needed sooner."""
+        need = self.high_mb * MB - block.nbytes
+        if self.memory.usage_bytes() <= need:
+            return True
+        horizon = self.scheduler.distance(block.index)
+        later = sorted(
+            (
+                b
+                for b in self.blocks
+                if b.on_device
+                and not b.resident
+                and b.index not in self._active
+                and self.scheduler.distance(b.index) > horizon
+            ),
+            key=lambda b: self.scheduler.distance(b.index),
+            reverse=True,
+        )
+        for victim in later:
+            if self.memory.usage_bytes() <= need:
+                break
+            self._evict(victim)
+        return self.memory.usage_bytes() <= need
+
     def _copy_done(self, block: Block) -> None:
         if block.grant is not None:
             block.grant.release()
@@ -370,8 +396,19 @@ class StagehandRuntime:
         self._active.discard(block.index)
         if block.on_device and not block.resident:
             soon = self.scheduler.upcoming()
-            if block.index not in soon or self.memory.usage_bytes() > self.low_mb * MB:
+            if block.index not in soon:
                 self._evict(block)
+            elif self.memory.usage_bytes() > self.low_mb * MB:
+                # Over the low watermark, evict whichever idle block is needed furthest ahead,
+                # this one or another: at the end of backward the block just used is the next
+                # step's first, and evicting it instead of the second makes every step begin
+                # with a stall.
+                idle = [
+                    b
+                    for b in self.blocks
+                    if b.on_device and not b.resident and b.index not in self._active
+                ]
+                self._evict(max(idle, key=lambda b: self.scheduler.distance(b.index)))
             # Evict what the order does not need soon until usage is under the low watermark.
             while self.memory.usage_bytes() > self.low_mb * MB:
                 soon = self.scheduler.upcoming()

@@ -128,3 +128,21 @@ def test_set_watermarks_validates(tiny_flux):
         runtime.set_watermarks(-1, 0)
     runtime.set_watermarks(300, 200)
     assert (runtime.high_mb, runtime.low_mb) == (300, 200)
+
+
+def test_tight_watermarks_keep_the_next_needed_block_no_stalls_after_trace(tiny_flux):
+    # Room for one block and a half: the window (2) never fits, so which block stays decides
+    # whether a use stalls. The block needed next must win over one needed later, both at the
+    # end of backward (the next step's first block) and inside backward (make room for it).
+    resident, block = 420416, 604160  # tiny flux: resident bytes, largest (double) block
+    high = (resident + 1.9 * block) / MB
+    low = (resident + 1.5 * block) / MB
+    runtime, sink = _run(
+        tiny_flux, prefetch_window_blocks=2, vram_high_watermark_mb=high, vram_low_watermark_mb=low
+    )
+    assert runtime.resident_bytes == resident
+    steps = sink.of("stagehand", "step")
+    stalls = [r for r in sink.of("stagehand", "block") if r["event"] == "stall"]
+    assert {r["step"] for r in stalls} == {0}  # only the trace step loads on demand
+    assert all(r["prefetch_hits"] > 0 and r["prefetch_misses"] == 0 for r in steps[1:])
+    assert all(r["vram_peak_mb"] <= high for r in steps)
