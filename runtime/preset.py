@@ -34,7 +34,7 @@ from runtime.config import MemoryConfig
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 """Built-in presets: ``presets/NAME.json`` at the repository root."""
 
-FAMILIES = ("flux", "sd3", "ltx")
+FAMILIES = ("flux", "sd3", "ltx", "unet")
 """Model families the trainer has adapters for (``runtime/trainer/families.py``)."""
 
 MODEL_TYPES: dict[str, str] = {
@@ -46,6 +46,9 @@ MODEL_TYPES: dict[str, str] = {
     "ltx": "ltx",
     "ltxv": "ltx",
     "ltx2": "ltx",
+    "unet": "unet",
+    "sd15": "unet",
+    "sd1": "unet",
 }
 """``model_type`` spellings (the seeds' ``ltx2``, ``flux_dev``...) -> family."""
 
@@ -75,7 +78,7 @@ class ModelSection(_Strict):
     path: str | None = None
     """Diffusers model folder (sharded safetensors), or a pipeline folder with ``transformer/``
     (and ``vae/``) inside. Checked to exist by ``Preset.check_paths`` when training starts."""
-    factory: Literal["flux", "sd3", "ltx"] | None = None
+    factory: Literal["flux", "sd3", "ltx", "unet"] | None = None
     """Build the model with ``runtime.assets.build_model(factory, size)`` instead of ``path``."""
     size: Literal["tiny", "small", "large"] = "small"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -88,7 +91,7 @@ class ModelSection(_Strict):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if self.path is None and self.factory is None:
-            raise ValueError('one of "path" (a model folder) or "factory" (flux|sd3|ltx)')
+            raise ValueError('one of "path" (a model folder) or "factory" (flux|sd3|ltx|unet)')
         if self.path is not None and self.factory is not None:
             raise ValueError('only one of "path" and "factory", not both')
         return self
@@ -147,7 +150,7 @@ class SamplesSection(_Strict):
 
     prompts: list[str] = Field(default_factory=list)
     steps: PosInt = 8
-    """Euler steps of the flow sampler."""
+    """Euler steps of the flow sampler (DDIM steps for the unet family)."""
     seed: int = 0
 
 
@@ -171,6 +174,8 @@ class Preset(_Strict):
     timestep_distribution: Literal["uniform", "logit_normal"] = "logit_normal"
     logit_mean: float = 0.0
     logit_std: PosFloat = 1.0
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    """What a UNet (DDPM) family predicts; flow families always predict the velocity."""
     learning_rate: PosFloat = 1e-4
     resolution: Annotated[int, Field(ge=16)] = 512
     batch_size: PosInt = 1
@@ -212,6 +217,11 @@ class Preset(_Strict):
                 raise ValueError(
                     f"lora_{field} ({top}) and adapter.{field} ({nested}) disagree: set one"
                 )
+        if self.prediction_type != "epsilon" and self.family != "unet":
+            raise ValueError(
+                f"prediction_type {self.prediction_type!r} applies to the unet family only "
+                f"({self.family} trains with flow matching): leave it out or use epsilon"
+            )
         if self.data.path is not None and self.data.factory is not None:
             raise ValueError('data: only one of "path" and "factory", not both')
         return self
@@ -219,7 +229,7 @@ class Preset(_Strict):
     # -- resolved values --------------------------------------------------------------------
     @property
     def family(self) -> str:
-        """``flux`` | ``sd3`` | ``ltx``, from ``model_type`` (or the factory arch)."""
+        """``flux`` | ``sd3`` | ``ltx`` | ``unet``, from ``model_type`` (or the factory arch)."""
         return self.model.factory or MODEL_TYPES[self.model_type]
 
     @property

@@ -31,6 +31,13 @@
   - ``num_frames``, ``height``, ``width``: ints = frames, H, W
   - output ``.sample``         (B, tokens, 4)
 
+* UNet2DConditionModel (SD 1.x style):
+
+  - ``sample``                 (B, 4, H, W)
+  - ``timestep``               (B,) int64 in [0, 1000) (DDPM training timesteps)
+  - ``encoder_hidden_states``  (B, text_len, cross_attention_dim=384)
+  - output ``.sample``         (B, 4, H, W)
+
 * AutoencoderKL: ``sample`` (B, 3, 8H, 8W) in [-1, 1]; output ``.sample`` same shape.
 
 Every tensor has ``requires_grad=False``; LoRA training gets gradients through the
@@ -55,6 +62,7 @@ def _kind(model: torch.nn.Module) -> str:
         ("FluxTransformer2DModel", "flux"),
         ("SD3Transformer2DModel", "sd3"),
         ("LTXVideoTransformer3DModel", "ltx"),
+        ("UNet2DConditionModel", "unet"),
         ("AutoencoderKL", "vae"),
     ):
         if name in names:
@@ -93,6 +101,13 @@ def example_inputs(
 
     if kind == "vae":
         return {"sample": (rand(B, cfg.in_channels, 8 * h, 8 * w) * 2 - 1)}
+
+    if kind == "unet":
+        return {
+            "sample": randn(B, cfg.in_channels, h, w),
+            "timestep": torch.randint(0, 1000, (B,), generator=g).to(device),
+            "encoder_hidden_states": randn(B, text_len, cfg.cross_attention_dim),
+        }
 
     text = randn(B, text_len, getattr(cfg, "joint_attention_dim", None) or cfg.caption_channels)
 

@@ -15,6 +15,9 @@ Latents come from the VAE with ``latent_channels=4`` and an 8x spatial downscale
   defaults to ``in_channels`` so the output is the packed (B, tokens, 16) velocity.
 * ``sd3``: ``in_channels=4``, ``patch_size=2``, latents (B, 4, H, W).
 * ``ltx``: ``in_channels=4``, ``patch_size=1``, video latents flattened to (B, F*H*W, 4).
+* ``unet``: UNet2DConditionModel (SD 1.x layout: cross-attention down/up blocks, a plain
+  last down / first up block), ``in_channels=out_channels=4``, latents (B, 4, H, W) with H, W
+  divisible by 2 ** (len(block_out_channels) - 1); ``cross_attention_dim=384``.
 * ``vae``: AutoencoderKL, 4 down blocks (8x), ``latent_channels=4``.
 """
 
@@ -31,7 +34,7 @@ import torch
 from .cache import AssetError, build_once, cache_root
 
 SEED = 0
-ARCHS = ("flux", "sd3", "ltx", "vae")
+ARCHS = ("flux", "sd3", "ltx", "unet", "vae")
 SIZES = ("tiny", "small", "large")
 #: sizes that :func:`build_all` builds; ``large`` (>= 1 GB fp32) is on demand only.
 DEFAULT_SIZES = ("tiny", "small")
@@ -41,6 +44,7 @@ MODEL_CLASSES: dict[str, str] = {
     "flux": "FluxTransformer2DModel",
     "sd3": "SD3Transformer2DModel",
     "ltx": "LTXVideoTransformer3DModel",
+    "unet": "UNet2DConditionModel",
     "vae": "AutoencoderKL",
 }
 
@@ -99,6 +103,23 @@ def _ltx(dim: int, heads: int, layers: int) -> dict[str, Any]:
     }
 
 
+def _unet(channels: tuple[int, ...], layers_per_block: int, heads: int) -> dict[str, Any]:
+    # SD 1.x layout: cross-attention in every down/up block but the lowest-resolution pair.
+    n = len(channels)
+    return {
+        "sample_size": 8,
+        "in_channels": LATENT_CHANNELS,
+        "out_channels": LATENT_CHANNELS,
+        "down_block_types": ("CrossAttnDownBlock2D",) * (n - 1) + ("DownBlock2D",),
+        "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n - 1),
+        "block_out_channels": channels,
+        "layers_per_block": layers_per_block,
+        "cross_attention_dim": TEXT_DIM,
+        "attention_head_dim": heads,  # diffusers' UNet name for the number of heads
+        "norm_num_groups": 8,
+    }
+
+
 def _vae(channels: tuple[int, ...], layers_per_block: int, groups: int) -> dict[str, Any]:
     return {
         "in_channels": 3,
@@ -124,6 +145,9 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
     ("ltx", "tiny"): _ltx(64, 2, 2),
     ("ltx", "small"): _ltx(384, 6, 12),  # ~30M params, ~119 MB
     ("ltx", "large"): _ltx(1024, 16, 16),  # ~278M params, ~1.11 GB
+    ("unet", "tiny"): _unet((32, 64), 2, 2),
+    ("unet", "small"): _unet((96, 192, 288), 2, 8),  # ~29M params, ~116 MB
+    ("unet", "large"): _unet((192, 384, 768, 768), 2, 8),  # ~308M params, ~1.23 GB
     ("vae", "tiny"): _vae((8, 16, 16, 16), 1, 8),
     ("vae", "small"): _vae((32, 64, 128, 128), 2, 32),
     ("vae", "large"): _vae((128, 256, 512, 512), 2, 32),

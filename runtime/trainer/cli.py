@@ -187,7 +187,7 @@ class Run:
         dtype = loop.DTYPES[preset.train_dtype]
         self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
         model = loop.load_transformer(self.family, model_dir, dtype)
-        check_text_dim(model, data.text["hidden"].shape[-1])
+        check_text_dim(model, data.text["hidden"].shape[-1], self.family)
         trainable = loop.attach_adapter(model, preset)
         self.model = model
         if preset.memory.gradient_checkpointing:
@@ -257,6 +257,7 @@ class Run:
             dtype=dtype,
             out_dir=self.run_dir / "samples",
             names=[f"sample-{i:02d}" for i in range(len(prompts))],
+            prediction_type=preset.prediction_type,
         )
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))
@@ -329,7 +330,7 @@ class Run:
 
 
 def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
-    """``(transformer folder, VAE folder, text encoder folder, data folder)``; factory models and
+    """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models and
     the digits are built into the cache on first use.
 
     Raises:
@@ -343,7 +344,9 @@ def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
         vae_dir = Path(m.vae_path) if m.vae_path else assets.build_model("vae", m.size)
     else:
         root = Path(m.path).expanduser()
-        model_dir = root / "transformer" if (root / "transformer").is_dir() else root
+        # A pipeline folder keeps the denoiser in transformer/ (DiT) or unet/ (SD 1.x).
+        subs = [root / sub for sub in ("transformer", "unet") if (root / sub).is_dir()]
+        model_dir = subs[0] if subs else root
         vae_dir = Path(m.vae_path) if m.vae_path else root / "vae"
         if not vae_dir.is_dir():
             raise FileNotFoundError(
@@ -357,14 +360,19 @@ def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
     return model_dir, vae_dir, encoder, data_dir
 
 
-def check_text_dim(model: torch.nn.Module, dim: int) -> None:
-    """Raise ``ValueError`` when the text encoder's hidden size is not what the model takes."""
-    cfg = model.config
-    want = getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
+def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:
+    """Raise ``ValueError`` when the text encoder's hidden size is not what the model takes
+    (``joint_attention_dim`` / ``caption_channels``; a UNet's ``cross_attention_dim``)."""
+    if fam is not None:
+        want = fam.text_dim(model)
+    else:
+        cfg = model.config
+        want = getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
     if want is not None and int(want) != int(dim):
         raise ValueError(
             f"text_encoder: hidden size {dim} does not match the model's text input {want} "
-            "(joint_attention_dim / caption_channels); use the model's own text encoder"
+            "(joint_attention_dim / caption_channels / cross_attention_dim); use the model's "
+            "own text encoder"
         )
 
 

@@ -1,9 +1,16 @@
-"""Per-family adapters: how latents are packed, how the transformer is called, which LoRA mixin
-saves the weights. All three families train with the same flow-matching objective
-(rectified flow, as Flux / SD3 / LTX were trained)::
+"""Per-family adapters: how latents are packed, how the model is called, which training
+objective it has, which LoRA mixin saves the weights. The flow families (Flux, SD3, LTX) train
+with flow matching (rectified flow, as they were trained)::
 
     x_t    = (1 - s) * x0 + s * noise          s in [0, 1] (the sigma)
     target = noise - x0                        the velocity the transformer predicts
+
+The UNet family (SD 1.x-style ``UNet2DConditionModel``) trains with DDPM noise prediction
+(Ho et al. 2020; diffusers' ``train_text_to_image.py``)::
+
+    t      ~ U{0, ..., 999}
+    x_t    = sqrt(abar_t) * x0 + sqrt(1 - abar_t) * noise     (DDPMScheduler.add_noise)
+    target = noise  (epsilon)  or  sqrt(abar_t) * noise - sqrt(1 - abar_t) * x0  (v_prediction)
 
 Latents are VAE latents times the VAE's ``scaling_factor``: images (B, C, h, w), clips
 (B, C, F, h, w) with each frame encoded by the 2D VAE.
@@ -33,6 +40,28 @@ class Family:
     model_class = ""
     lora_mixin = ""
     video = False
+    objective = "flow"
+    """``flow`` (velocity, sigma in [0, 1]) or ``ddpm`` (noise prediction, integer timesteps)."""
+
+    def training_pair(
+        self, x0: torch.Tensor, noise: torch.Tensor, generator: torch.Generator, preset: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, t, target)`` for one step; ``t`` is what ``predict`` takes (here sigma (B,)
+        in ``x0``'s dtype). Draws from ``generator`` only, so a step is a function of its seed."""
+        sigma = sample_sigmas(
+            x0.shape[0],
+            preset.timestep_distribution,
+            generator,
+            preset.logit_mean,
+            preset.logit_std,
+        ).to(x0.device)
+        x_t, target = flow_pair(x0, noise, sigma)
+        return x_t, sigma.to(x0.dtype), target
+
+    def text_dim(self, model: torch.nn.Module) -> int | None:
+        """The text hidden size the model takes, or None when it does not say."""
+        cfg = model.config
+        return getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
 
     def check_latents(self, shape: tuple[int, ...]) -> None:
         """Raise ``ValueError`` when latents of ``shape`` (C, [F,] h, w) cannot be fed."""
@@ -48,6 +77,9 @@ class Family:
 
         return getattr(diffusers, self.model_class)
 
+    lora_prefix = "transformer"
+    """Key prefix of the saved LoRA (``transformer.`` / ``unet.``): ``load_lora_adapter``'s prefix."""
+
     def save_lora(self, folder: str, state_dict: dict[str, torch.Tensor], metadata: Any) -> None:
         """Write ``pytorch_lora_weights.safetensors`` the way the family's pipeline reads it."""
         import diffusers.loaders as loaders
@@ -55,8 +87,10 @@ class Family:
         mixin = getattr(loaders, self.lora_mixin)
         mixin.save_lora_weights(
             folder,
-            transformer_lora_layers=state_dict,
-            transformer_lora_adapter_metadata=metadata,
+            **{
+                f"{self.lora_prefix}_lora_layers": state_dict,
+                f"{self.lora_prefix}_lora_adapter_metadata": metadata,
+            },
         )
 
 
@@ -145,11 +179,73 @@ class LTXFamily(Family):
         return out.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
 
 
-FAMILIES: dict[str, Family] = {"flux": FluxFamily(), "sd3": SD3Family(), "ltx": LTXFamily()}
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def ddpm_scheduler(prediction_type: str = "epsilon"):
+    """The SD 1.x training noise schedule: 1000 steps, ``scaled_linear`` betas 0.00085..0.012."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type=prediction_type,
+        clip_sample=False,
+    )
+
+
+class UNetFamily(Family):
+    """SD 1.x-style ``UNet2DConditionModel``: DDPM noise prediction, MiniLM last hidden state as
+    ``encoder_hidden_states``. ``timestep_distribution`` does not apply (t is uniform)."""
+
+    name, model_class, lora_mixin = "unet", "UNet2DConditionModel", "StableDiffusionLoraLoaderMixin"
+    lora_prefix = "unet"
+    objective = "ddpm"
+
+    def check_latents(self, shape: tuple[int, ...]) -> None:
+        if len(shape) != 3:
+            raise ValueError(f"unet trains on images: latents (C, h, w) expected, got {shape}")
+
+    def training_pair(self, x0, noise, generator, preset):
+        """``(x_t, t, target)``: t (B,) int64 uniform in [0, 1000), x_t from ``add_noise``, the
+        target ``noise`` (epsilon) or ``get_velocity`` (``preset.prediction_type``)."""
+        prediction = getattr(preset, "prediction_type", "epsilon")
+        sched = ddpm_scheduler(prediction)
+        t = torch.randint(0, NUM_TRAIN_TIMESTEPS, (x0.shape[0],), generator=generator)
+        t = t.to(x0.device)
+        x_t = sched.add_noise(x0, noise, t)  # (B, C, h, w)
+        if prediction == "v_prediction":
+            return x_t, t, sched.get_velocity(x0, noise, t)
+        if prediction != "epsilon":
+            raise ValueError(f"prediction_type {prediction!r}: expected epsilon or v_prediction")
+        return x_t, t, noise
+
+    def text_dim(self, model):
+        return getattr(model.config, "cross_attention_dim", None)
+
+    def predict(self, model, x_t, t, text):
+        """The predicted noise (or velocity), (B, C, h, w); ``t`` is (B,) integer timesteps."""
+        return model(
+            sample=x_t,  # (B, C, h, w)
+            timestep=t,
+            encoder_hidden_states=text.hidden,  # (B, T, 384)
+            return_dict=False,
+        )[0]
+
+
+FAMILIES: dict[str, Family] = {
+    "flux": FluxFamily(),
+    "sd3": SD3Family(),
+    "ltx": LTXFamily(),
+    "unet": UNetFamily(),
+}
 
 
 def family(name: str) -> Family:
-    """The adapter for ``name`` (``flux`` | ``sd3`` | ``ltx``); ``KeyError`` lists the known."""
+    """The adapter for ``name`` (``flux`` | ``sd3`` | ``ltx`` | ``unet``); ``KeyError`` lists
+    the known."""
     if name not in FAMILIES:
         raise KeyError(f"no trainer adapter for family {name!r}; known: {sorted(FAMILIES)}")
     return FAMILIES[name]

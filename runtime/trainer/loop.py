@@ -1,6 +1,6 @@
-"""Stage 2: load the transformer, attach the LoRA, build the memory strategy, train.
+"""Stage 2: load the transformer (or UNet), attach the LoRA, build the memory strategy, train.
 
-Each step draws its batch, noise and sigmas from a ``torch.Generator`` seeded with
+Each step draws its batch, noise and sigmas (or DDPM timesteps) from a ``torch.Generator`` seeded with
 ``(seed, step)``, so a run resumed from ``checkpoints/step-N`` computes the same losses as an
 uninterrupted one (fp32). Between steps the loop reads the control folder (stop, live limits)
 and the SIGTERM flag. The loop itself (``run_steps``) reads like nanoGPT's: flat, one step at a
@@ -20,7 +20,7 @@ import torch
 
 from runtime.config import MB
 from runtime.preset import Preset
-from runtime.trainer.families import Family, Text, flow_pair, sample_sigmas
+from runtime.trainer.families import Family, Text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -178,16 +178,14 @@ def run_steps(
         rows = batch_rows(data, preset.batch_size, g)
         x0 = torch.stack([data.latents[i] for i in rows]).to(device, dtype)  # (B, C, [F,] h, w)
         noise = torch.randn(x0.shape, generator=g).to(device, dtype)
-        sigma = sample_sigmas(
-            len(rows), preset.timestep_distribution, g, preset.logit_mean, preset.logit_std
-        ).to(device)
-        x_t, target = flow_pair(x0, noise, sigma)
+        # flow: t = sigma (B,) in [0, 1]; ddpm: t = (B,) int timesteps (families.py)
+        x_t, t, target = family.training_pair(x0, noise, g, preset)
         text = data.text_rows([data.caption_rows[i] for i in rows], device, dtype)
 
         t0 = time.perf_counter()
         with strategy.step(step):
             with strategy.forward():
-                pred = family.predict(model, x_t, sigma.to(dtype), text)
+                pred = family.predict(model, x_t, t, text)
                 loss = torch.nn.functional.mse_loss(pred.float(), target.float())
             with strategy.backward():
                 loss.backward()

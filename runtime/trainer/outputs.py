@@ -152,8 +152,11 @@ def sample_images(
     dtype: torch.dtype,
     out_dir: Path,
     names: list[str],
+    prediction_type: str = "epsilon",
 ) -> list[Path]:
-    """Euler sampler of the flow ODE from sigma 1 (noise) to 0, VAE decode, one PNG per prompt.
+    """Sample, VAE decode, one PNG per prompt. Flow families: Euler steps of the flow ODE from
+    sigma 1 (noise) to 0. The UNet family (``objective == "ddpm"``): ``steps`` DDIM steps
+    (eta 0) on the training noise schedule, ``prediction_type`` as trained.
 
     ``text`` is a ``families.Text`` with one row per prompt; ``latent_shape`` is (C, h, w) or
     (C, F, h, w) (the first frame of a clip is written).
@@ -164,11 +167,14 @@ def sample_images(
     n = text.hidden.shape[0]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, *latent_shape, generator=g).to(device, dtype)  # (n, C, [F,] h, w)
-    sigmas = torch.linspace(1.0, 0.0, steps + 1)
-    for i in range(steps):
-        s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
-        v = family.predict(model, x, s, text)
-        x = x + (sigmas[i + 1] - sigmas[i]) * v  # dx/ds = noise - x0 = v
+    if family.objective == "ddpm":
+        x = ddim_sample(family, model, x, text, steps, prediction_type)
+    else:
+        sigmas = torch.linspace(1.0, 0.0, steps + 1)
+        for i in range(steps):
+            s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
+            v = family.predict(model, x, s, text)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v  # dx/ds = noise - x0 = v
     vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
     z = x.float()
@@ -183,3 +189,28 @@ def sample_images(
         Image.fromarray(arr.numpy()).save(path)
         paths.append(path)
     return paths
+
+
+def ddim_sample(
+    family: Family,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    text,
+    steps: int,
+    prediction_type: str = "epsilon",
+) -> torch.Tensor:
+    """DDIM (eta 0) from noise ``x`` (n, C, h, w) to latents, on the DDPM training schedule."""
+    from diffusers import DDIMScheduler
+
+    from runtime.trainer.families import ddpm_scheduler
+
+    sched = DDIMScheduler.from_config(
+        ddpm_scheduler(prediction_type).config, set_alpha_to_one=False
+    )
+    sched.set_timesteps(steps)
+    x = x * sched.init_noise_sigma
+    for t in sched.timesteps:
+        ts = torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)
+        pred = family.predict(model, x, ts, text)  # noise (or velocity), (n, C, h, w)
+        x = sched.step(pred, int(t), x).prev_sample
+    return x

@@ -23,6 +23,12 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
+@pytest.fixture(scope="session")
+def tiny_unet(asset_cache) -> Path:
+    """Tiny UNet2DConditionModel folder (arch name ``unet``)."""
+    return build_model("unet", "tiny", asset_cache)
+
+
 def _hashes(folder: Path) -> dict[str, str]:
     return {
         f.name: hashlib.sha256(f.read_bytes()).hexdigest()
@@ -46,6 +52,7 @@ def _load_sharded(arch: str, folder: Path):
         ("flux", "tiny_flux", (1, 16, 16)),  # 8x8 latent -> 4x4 packed tokens of 4*2*2
         ("sd3", "tiny_sd3", (1, 4, 8, 8)),
         ("ltx", "tiny_video", (1, 2 * 8 * 8, 4)),
+        ("unet", "tiny_unet", (1, 4, 8, 8)),
     ],
 )
 def test_tiny_transformer_lora_step(arch, fixture, out_shape, request):
@@ -123,12 +130,13 @@ def test_digits_second_call_is_noop(digits_dir):
 
 
 def test_unknown_arch_and_size(tmp_path):
-    with pytest.raises(AssetError, match="flux.*sd3.*ltx.*vae"):
+    with pytest.raises(AssetError, match="flux.*sd3.*ltx.*unet.*vae"):
         build_model("dalle", "tiny", tmp_path)
     with pytest.raises(AssetError, match="tiny.*small.*large"):
         build_model("flux", "huge", tmp_path)
     assert isinstance(AssetError("x"), ValueError)
     assert MODEL_SPECS[("flux", "tiny")]["joint_attention_dim"] == 384
+    assert MODEL_SPECS[("unet", "tiny")]["cross_attention_dim"] == 384
 
 
 def test_unwritable_cache_dir(tmp_path):
