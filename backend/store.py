@@ -334,34 +334,40 @@ class Store:
         kind: str | None = None,
     ) -> list[tuple[int, str]]:
         """``(seq, line)`` of records with ``seq > since``, in seq order, at most ``limit``."""
-        where, args = ["run_id = ?", "seq > ?"], [run_id, since]
-        if source:
-            where.append("source = ?")
-            args.append(source)
-        if kind:
-            where.append("kind = ?")
-            args.append(kind)
-        sql = f"SELECT seq, data FROM telemetry WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
+        table, where, args = self._filter(run_id, since, source, kind)
+        sql = f"SELECT seq, data FROM {table} WHERE {where} ORDER BY seq LIMIT ?"
         return [(int(s), d) for s, d in self.db.execute(sql, [*args, limit])]
 
-    def _filter(self, run_id: int, since: int, source: str | None, kind: str | None):
+    def _filter(
+        self, run_id: int, since: int, source: str | None, kind: str | None
+    ) -> tuple[str, str, list[Any]]:
+        """``(FROM table, WHERE clause, args)`` for the records of ``run_id`` after ``since``.
+
+        For ``ORDER BY seq`` SQLite's planner prefers the primary key ``(run_id, seq)`` and then
+        reads every record of the run, ``ANALYZE`` or not; with a source or kind filter the
+        matching index is named instead (a 100k-record run: ~30 ms a page -> under 10 ms).
+        """
         where, args = ["run_id = ?", "seq > ?"], [run_id, since]
+        table = "telemetry"
         if source:
             where.append("source = ?")
             args.append(source)
+            table = "telemetry INDEXED BY idx_telemetry_run_id_source_kind_seq"
         if kind:
             where.append("kind = ?")
             args.append(kind)
-        return " AND ".join(where), args
+            if not source:
+                table = "telemetry INDEXED BY idx_telemetry_run_id_kind_seq"
+        return table, " AND ".join(where), args
 
     def sample_lines(
         self, run_id: int, since: int, source: str | None, kind: str | None, n: int = 200
     ) -> list[str]:
         """The first and last ``n`` matching lines (to learn which fields the records carry)."""
-        where, args = self._filter(run_id, since, source, kind)
+        table, where, args = self._filter(run_id, since, source, kind)
         out = []
         for order in ("ASC", "DESC"):
-            sql = f"SELECT data FROM telemetry WHERE {where} ORDER BY seq {order} LIMIT ?"
+            sql = f"SELECT data FROM {table} WHERE {where} ORDER BY seq {order} LIMIT ?"
             out += [d for (d,) in self.db.execute(sql, [*args, n])]
         return out
 
@@ -381,7 +387,7 @@ class Store:
         ``([{bucket, seq, seq_last, step, step_last, time, count, min: {}, max: {}}], last_seq)``.
         ``paths`` must be dotted names of ``[A-Za-z0-9_]`` parts (checked by the caller).
         """
-        where, args = self._filter(run_id, since, source, kind)
+        table, where, args = self._filter(run_id, since, source, kind)
         cols = []
         for p in paths:
             cols.append(f"MIN(json_extract(data, '$.{p}'))")
@@ -389,7 +395,7 @@ class Store:
         extra = (", " + ", ".join(cols)) if cols else ""
         sql = (
             "WITH m AS (SELECT seq, step, time, data, ROW_NUMBER() OVER (ORDER BY seq) - 1 AS rn,"
-            f" COUNT(*) OVER () AS n FROM (SELECT * FROM telemetry WHERE {where}"
+            f" COUNT(*) OVER () AS n FROM (SELECT * FROM {table} WHERE {where}"
             " ORDER BY seq LIMIT ?))"
             " SELECT rn * ? / n AS b, MIN(seq), MAX(seq), MIN(step), MAX(step), MIN(time),"
             f" COUNT(*){extra} FROM m GROUP BY b ORDER BY b"
@@ -415,16 +421,9 @@ class Store:
 
     def last_record(self, run_id: int, source: str | None = None, kind: str | None = None):
         """The newest record (parsed) matching ``source``/``kind``, or None."""
-        where, args = ["run_id = ?"], [run_id]
-        if source:
-            where.append("source = ?")
-            args.append(source)
-        if kind:
-            where.append("kind = ?")
-            args.append(kind)
+        table, where, args = self._filter(run_id, -1, source, kind)
         row = self.db.execute(
-            f"SELECT data FROM telemetry WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT 1",
-            args,
+            f"SELECT data FROM {table} WHERE {where} ORDER BY seq DESC LIMIT 1", args
         ).fetchone()
         return json.loads(row[0]) if row else None
 

@@ -186,6 +186,9 @@ export function mount(root, { parts }) {
       showError(header, err, `run ${runId}`);
       return;
     }
+    // Ask for the stored records first: the charts are built while the requests are in flight.
+    const historyLoad = loadHistory(run);
+    historyLoad.catch(() => {}); // reported where it is awaited below
     renderHeader();
     renderFailure();
     charts = new RunCharts(grid, run.config);
@@ -194,7 +197,7 @@ export function mount(root, { parts }) {
     limitsBox.hidden = FINISHED.has(run.status);
     let lastSeq = -1;
     try {
-      const history = await loadHistory(run);
+      const history = await historyLoad;
       if (stopped) return;
       grid.dataset.fetchedMs = String(Math.round(performance.now() - opened));
       onRecords(history.records);
