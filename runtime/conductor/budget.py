@@ -55,13 +55,13 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.common.phases import Phase
-from runtime.conductor.types import BudgetMode, DenialReason, GrantOutcome, Priority
+from runtime.conductor.types import BudgetMode, DenialReason, GrantOutcome, Priority, Releasable
 from runtime.config import MB, ConductorConfig
 
 RESOURCES = ("vram", "pinned")
 
 
-class Reservation:
+class Reservation(Releasable):
     """One budget request and its answer; ``release()`` (idempotent) gives the MB back.
 
     Usable as a context manager: the reservation is released on leaving the block, errors
@@ -79,8 +79,6 @@ class Reservation:
         "outcome",
         "reason",
         "scope",
-        "_manager",
-        "_released",
     )
 
     def __init__(self, manager: BudgetManager | None, **fields: Any) -> None:
@@ -93,21 +91,6 @@ class Reservation:
     def granted(self) -> bool:
         """True for FULL and PARTIAL grants."""
         return self.outcome is not GrantOutcome.DENIED
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        """Return the reservation to the budget; a second call does nothing."""
-        if not self._released and self._manager is not None:
-            self._manager._release(self)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return (

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from runtime.conductor.types import DenialReason, Priority
+from runtime.conductor.types import DenialReason, Priority, Releasable
 
 DIRECTIONS = ("h2d", "d2h")
 _EXHAUSTED = {"h2d": DenialReason.H2D_SLOTS_EXHAUSTED, "d2h": DenialReason.D2H_SLOTS_EXHAUSTED}
@@ -46,14 +46,14 @@ def parse_direction(direction: str) -> str:
     raise ValueError(f'transfer direction must be "h2d" or "d2h", got {direction!r}')
 
 
-class TransferGrant:
+class TransferGrant(Releasable):
     """The answer to one slot request. ``granted`` is True when a slot is held.
 
     ``reason`` is a ``DenialReason`` when denied, else None. ``release()`` returns the slot and
     is idempotent; as a context manager the slot is returned on every exit path.
     """
 
-    __slots__ = ("id", "direction", "priority", "granted", "reason", "_manager", "_released")
+    __slots__ = ("id", "direction", "priority", "granted", "reason")
 
     def __init__(
         self,
@@ -70,21 +70,6 @@ class TransferGrant:
         self.reason = reason
         self._manager = manager
         self._released = not self.granted or manager is None
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        """Return the slot; a second call (or a call on a denial) does nothing."""
-        if not self._released and self._manager is not None:
-            self._manager._release(self)
-
-    def __enter__(self) -> TransferGrant:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
     def __bool__(self) -> bool:
         return self.granted

@@ -7,6 +7,7 @@ A request the Conductor cannot serve always carries a ``DenialReason``, never a 
 from __future__ import annotations
 
 import enum
+from typing import Any, Self
 
 
 class Priority(enum.IntEnum):
@@ -89,3 +90,27 @@ class DenialReason(enum.Enum):
     """Granted, but less than requested (SOFT/BURST)."""
     CONDUCTOR_SHUT_DOWN = "conductor_shut_down"
     """The Conductor was shut down; nothing is granted any more."""
+
+
+class Releasable:
+    """A budget reservation or a transfer slot: ``release()`` hands it back to its manager
+    (``manager._release(self)``, which sets ``_released``) once; further calls do nothing. As a
+    context manager it is released on every exit path, errors included."""
+
+    __slots__ = ("_manager", "_released")
+    _manager: Any
+    _released: bool
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if not self._released and self._manager is not None:
+            self._manager._release(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
