@@ -73,6 +73,11 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     page.wait_for_selector("#limits-log li.applied", timeout=30_000)
     page.wait_for_selector(".run-header .badge[data-status='succeeded']", timeout=60_000)
     page.wait_for_selector("#samples img")
+    # The last step's records may still sit in the charts' batch (drawn once per flush period).
+    page.wait_for_function(
+        "(window.__runView.charts.flush(), document.getElementById('loss').data[0].x.length >= 30)",
+        timeout=10_000,
+    )
     charts = page.evaluate("""() => Object.fromEntries(
         ['vram', 'host', 'spill', 'spill-pool', 'phases', 'loss', 'conductor'].map((id) => [id,
             document.getElementById(id).data.map((t) => t.x.length)]))""")
