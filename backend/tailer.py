@@ -43,14 +43,22 @@ class Line:
 
 
 def parse_line(raw: str) -> Line | None:
-    """The line's envelope, or None for a line that is not a telemetry record."""
+    """The line's envelope, or None for a line that is not a telemetry record.
+
+    ``raw`` is kept as the record's text (pages and the websocket send it as it is), so a line
+    with ``NaN``/``Infinity`` (Python's json writes them; JSON and browsers reject them) is
+    rewritten with ``null`` in their place.
+    """
+    constants: list[str] = []
     try:
-        rec = json.loads(raw)
+        rec = json.loads(raw, parse_constant=constants.append)  # the constant becomes None
         seq = int(rec["seq"])
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(rec, dict):
         return None
+    if constants:
+        raw = json.dumps(rec, separators=(",", ":"))
     step = rec.get("step")
     return Line(
         seq=seq,

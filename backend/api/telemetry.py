@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Response
 
 from backend.api.deps import StoreDep, run_row
-from backend.downsample import numeric_paths
+from backend.downsample import PATH_RE, numeric_paths
+from backend.errors import Invalid
 from backend.models import TelemetryPage
 
 router = APIRouter(prefix="/api/runs", tags=["telemetry"])
@@ -26,23 +27,46 @@ def telemetry(
     source: Annotated[str | None, Query(max_length=64)] = None,
     kind: Annotated[str | None, Query(max_length=64)] = None,
     buckets: Annotated[int | None, Query(ge=1, le=10_000)] = None,
-) -> dict:
+    fields: Annotated[str | None, Query(max_length=2000)] = None,
+) -> Response:
     """Records with ``seq > since`` in seq order. ``next_since`` is the last seq returned (pass
     it back as ``since`` for the next page); ``count`` is the length of ``data``.
 
     With ``buckets=N`` every matching record after ``since`` is grouped into N buckets and
     ``data`` holds ``{seq, seq_last, step, step_last, time, count, min, max}`` per bucket:
     the min and max of every numeric field (those present in the first and last 200 matching
-    records), so peaks survive.
+    records), so peaks survive; ``fields=a,b.c`` names the fields wanted instead (fewer fields,
+    faster: the cost is parsing each record's JSON once per field).
+
+    Pages are written from the stored lines as they are (no parse and re-serialisation).
+
+    Raises:
+        Invalid: (422, ``field: "fields"``) a name in ``fields`` that is not a dotted path of
+            ``[A-Za-z0-9_]`` parts.
     """
     run_row(store, run_id)
     source, kind = source or None, kind or None
     if buckets:
-        paths = numeric_paths(store.sample_lines(run_id, since, source, kind))
+        if fields:
+            paths = [f.strip() for f in fields.split(",") if f.strip()]
+            bad = [f for f in paths if not PATH_RE.match(f)]
+            if bad:
+                raise Invalid(
+                    f"fields: found {bad[0]!r}, expected dotted names of [A-Za-z0-9_] parts"
+                    " separated by commas (vram_allocated_mb,phase_ms.forward)",
+                    field="fields",
+                )
+        else:
+            paths = numeric_paths(store.sample_lines(run_id, since, source, kind))
         data, next_since = store.bucket_stats(
             run_id, since, source, kind, buckets, paths, MAX_BUCKETED
         )
-        return {"data": data, "count": len(data), "next_since": next_since}
+        return _page([json.dumps(b) for b in data], next_since)
     rows = store.telemetry_lines(run_id, since, limit, source, kind)
-    data = [json.loads(line) for _, line in rows]
-    return {"data": data, "count": len(data), "next_since": rows[-1][0] if rows else since}
+    return _page([line for _, line in rows], rows[-1][0] if rows else since)
+
+
+def _page(items: list[str], next_since: int) -> Response:
+    """A ``TelemetryPage`` body joined from JSON texts (each record is stored as one line)."""
+    body = f'{{"data":[{",".join(items)}],"count":{len(items)},"next_since":{next_since}}}'
+    return Response(body, media_type="application/json")

@@ -117,6 +117,14 @@ def test_artifacts_by_name_only(client, srv):
     conn.close()
 
 
+def test_bucket_fields_must_be_dotted_names(client):
+    run_id = client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"]
+    url = f"/api/runs/{run_id}/telemetry"
+    err = assert_error_body(client.get(url, params={"buckets": 4, "fields": "loss,a'b"}), 422)
+    assert err["field"] == "fields" and "a'b" in err["message"]
+    client.post(f"/api/runs/{run_id}/cancel")
+
+
 def test_huge_bodies_get_413(client, srv):
     big = {"preset": "tiny-ci", "overrides": {"pad": "x" * (2 << 20)}}
     err = assert_error_body(client.post("/api/runs", json=big), 413)

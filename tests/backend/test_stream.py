@@ -81,6 +81,13 @@ def test_follow_to_completion_and_reconnect_with_since(server):
     assert max(b["max"]["loss"] for b in buckets) == max(r["loss"] for r in steps)
     assert min(b["min"]["loss"] for b in buckets) == min(r["loss"] for r in steps)
     assert "phase_ms.forward" in buckets[0]["max"] or "step_time_ms" in buckets[0]["max"]
+    # Only the fields asked for, with the same figures.
+    named = client.get(
+        f"/api/runs/{run_id}/telemetry",
+        params={"source": "trainer", "kind": "step", "buckets": 3, "fields": "loss,nope"},
+    ).json()["data"]
+    assert [b["max"] for b in named] == [{"loss": b["max"]["loss"]} for b in buckets]
+    assert [b["count"] for b in named] == [b["count"] for b in buckets]
 
     # The finished run's files: config written for the worker, log captured, no sample listed.
     run_dir = server.data_dir / "runs" / str(run_id)

@@ -44,6 +44,21 @@ def test_tail_holds_a_torn_line_until_complete(tmp_path):
     assert JsonlTail(path, tail.offset).read() == []
 
 
+def test_nan_and_infinity_become_null_in_the_stored_line():
+    from backend.tailer import parse_line
+
+    line = parse_line('{"seq": 3, "kind": "step", "loss": NaN, "x": {"y": -Infinity}, "z": 1}')
+    assert json.loads(line.raw) == {
+        "seq": 3,
+        "kind": "step",
+        "loss": None,
+        "x": {"y": None},
+        "z": 1,
+    }
+    plain = rec(4, loss=0.5)
+    assert parse_line(plain).raw == plain  # standard JSON is kept byte for byte
+
+
 def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
     store = Store(tmp_path / "db.sqlite")
     assert store.migrate() == []  # already applied by the constructor
