@@ -1,16 +1,17 @@
 // Plotly charts that grow while records arrive, with a point cap that never hides a peak.
 //
-// Points are appended with Plotly.extendTraces in batches (one redraw per FLUSH_MS, however
-// many records came in). When a trace passes its cap it is compressed in place with min/max
-// downsampling: each bucket keeps its lowest and its highest point, so a VRAM spike that
-// lasted one block is still drawn after 100k blocks. Compressing already-compressed data keeps
-// the same guarantee (the max of bucket maxima is the global max).
+// Every change (points, title, markers, the empty note) marks a chart dirty and schedules one
+// redraw per FLUSH_MS, however many records came in; nothing is drawn before the first flush,
+// so a chart filled from history is drawn once, with its data, not empty and then again full.
+// When a trace passes its cap it is compressed in place with min/max downsampling: each bucket
+// keeps its lowest and its highest point, so a VRAM spike that lasted one block is still drawn
+// after 100k blocks. Compressing already-compressed data keeps the same guarantee (the max of
+// bucket maxima is the global max).
 
 /* global Plotly */
 
 export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
-const SMALL_BATCH = 64; // points per flush drawn with extendTraces; more take one react
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
 // ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
 const DENSE_POINTS = 300;
@@ -48,10 +49,10 @@ function denseTrace(trace) {
 
 /**
  * Legend at the bottom of the figure, below the x-axis title, with room for as many rows as
- * the container's width needs (a phone wraps 4 traces onto 2-4 rows).
+ * a chart `width` px wide needs (a phone wraps 4 traces onto 2-4 rows).
  */
-export function legendFit(el, count) {
-  const width = el.clientWidth || 600;
+export function legendFit(width, count) {
+  width = width || 600;
   const perRow = Math.max(1, Math.floor((width - 30) / 135));
   const rows = Math.ceil(count / perRow);
   return {
@@ -121,41 +122,123 @@ export function minMaxDownsample(x, y, buckets) {
   return { x: outX, y: outY };
 }
 
-/** A line/bar chart fed by `extend`, with markers (vertical lines) for events such as limits. */
-export class LiveChart {
+/**
+ * What every chart panel shares: its layout (title, axes, legend, limit markers, the note of an
+ * empty chart) and one draw path. Subclasses give `_traces()` (the data drawn), `empty`, and
+ * may fold queued points into their model in `_fold()` before a draw.
+ */
+export class ChartPanel {
   /**
    * @param {HTMLElement} el container (its id is what tests read `.data` from)
    * @param {object} opts
    * @param {string} opts.title
-   * @param {Array<object>} opts.traces Plotly trace specs without x/y
+   * @param {number} opts.legendItems entries in the legend (sizes the bottom margin)
    * @param {object} [opts.layout] merged over the base layout (axes titles with units)
-   * @param {number} [opts.cap] most points per trace before compression
+   * @param {number} [opts.width] px; read from `el` when not given (a forced layout per chart)
+   * @param {string} [opts.emptyText] note shown while the chart has no data
+   * @param {number} [opts.flushMs] delay between a change and its redraw
    */
-  constructor(el, { title, traces, layout = {}, cap = DEFAULT_CAP, emptyText = WAITING }) {
+  constructor(el, { title, legendItems, layout = {}, width, emptyText = WAITING, flushMs = FLUSH_MS }) {
     this.el = el;
-    this.cap = cap;
-    this.emptyText = emptyText;
-    this.empty = true;
-    this.revision = 0;
-    this.pending = new Map();
-    this.timer = null;
-    this.markers = [];
     this.title = title;
-    const data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, x: [], y: [] }));
+    this.emptyText = emptyText;
+    this.flushMs = flushMs;
+    this.markers = [];
+    this.dirty = true;
+    this.timer = null;
+    this.revision = 0;
     this.layout = {
       ...BASE_LAYOUT,
-      ...legendFit(el, traces.length),
+      ...legendFit(width ?? el.clientWidth, legendItems),
       ...layout,
       title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" },
       xaxis: { ...BASE_LAYOUT.xaxis, ...(layout.xaxis || {}) },
       yaxis: { ...BASE_LAYOUT.yaxis, ...(layout.yaxis || {}) },
-      shapes: [],
-      annotations: emptyText ? [emptyNote(emptyText)] : [],
     };
     if (layout.yaxis2) {
       this.layout.yaxis2 = { gridcolor: "#f3f5f8", zeroline: false, overlaying: "y", side: "right", automargin: true, ...layout.yaxis2 };
     }
-    Plotly.newPlot(el, data, this.layout, PLOT_CONFIG);
+  }
+
+  /** True while there is nothing to draw but the empty note. */
+  get empty() {
+    return true;
+  }
+
+  _traces() {
+    return [];
+  }
+
+  _fold() {}
+
+  /** Schedules a redraw (at most one per `flushMs`). */
+  invalidate() {
+    this.dirty = true;
+    if (this.timer === null) this.timer = setTimeout(() => this.flush(), this.flushMs);
+  }
+
+  /** Draws now whatever changed (tests and history loads call it to avoid waiting). */
+  flush() {
+    clearTimeout(this.timer);
+    this.timer = null;
+    this._fold();
+    if (!this.dirty) return;
+    this.dirty = false;
+    this.revision += 1;
+    const notes = this.empty && this.emptyText ? [emptyNote(this.emptyText)] : [];
+    this.layout = { ...this.layout, shapes: markerShapes(this.markers), annotations: notes, datarevision: this.revision };
+    Plotly.react(this.el, this._traces(), this.layout, PLOT_CONFIG);
+  }
+
+  setTitle(title) {
+    if (title === this.title) return;
+    this.title = title;
+    this.layout = { ...this.layout, title: { ...this.layout.title, text: title } };
+    this.invalidate();
+  }
+
+  /** Changes the note shown while the chart has no points (e.g. why a source is silent). */
+  setEmptyText(text) {
+    this.emptyText = text;
+    if (this.empty) this.invalidate();
+  }
+
+  /** Vertical dashed line at `x` with a short label (e.g. "limits applied"). */
+  addMarker(x, label, color = "#b4235a") {
+    this.markers.push({ x, label, color });
+    this.invalidate();
+  }
+
+  purge() {
+    clearTimeout(this.timer);
+    this.timer = null;
+    Plotly.purge(this.el);
+  }
+}
+
+/** A line/bar chart fed point by point (`push`) or whole series at a time (`setSeries`). */
+export class LiveChart extends ChartPanel {
+  /**
+   * @param {HTMLElement} el
+   * @param {object} opts as ChartPanel's, plus:
+   * @param {Array<object>} opts.traces Plotly trace specs without x/y
+   * @param {number} [opts.cap] most points per trace before compression
+   */
+  constructor(el, { traces, cap = DEFAULT_CAP, ...opts }) {
+    super(el, { ...opts, legendItems: traces.length });
+    this.cap = cap;
+    this.pending = new Map();
+    this.hasPoints = false;
+    this.data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, x: [], y: [] }));
+  }
+
+  get empty() {
+    return !this.hasPoints;
+  }
+
+  _traces() {
+    if (this.data.some((t) => t.x.length > DENSE_POINTS)) this.data = this.data.map(denseTrace);
+    return this.data;
   }
 
   /** Queues points for trace `index`; drawn at the next flush. */
@@ -167,99 +250,38 @@ export class LiveChart {
     }
     entry.x.push(x);
     entry.y.push(y);
-    this._schedule();
+    this.invalidate();
   }
 
   /** Replaces all points of trace `index` (history load); compressed when over the cap. */
   setSeries(index, x, y) {
     this.pending.delete(index);
     const ds = minMaxDownsample(x, y, Math.floor(this.cap / 2));
-    if (ds.x.length) this.empty = false;
-    this._react(this.el.data.map((trace, i) => (i === index ? { ...trace, x: ds.x, y: ds.y } : trace)));
+    this._set(index, ds.x, ds.y);
+    this.invalidate();
   }
 
   /** Puts `x`/`y` before the points trace `index` already has (history arriving late). */
   prependSeries(index, x, y) {
-    this.flush();
-    const trace = this.el.data[index];
-    this.setSeries(index, x.concat(Array.from(trace.x)), y.concat(Array.from(trace.y)));
+    this._fold();
+    const trace = this.data[index];
+    this.setSeries(index, x.concat(trace.x), y.concat(trace.y));
   }
 
-  /** Changes the note shown while the chart has no points (e.g. why a source is silent). */
-  setEmptyText(text) {
-    this.emptyText = text;
-    if (this.empty) this._react();
+  _set(index, x, y) {
+    this.data[index] = { ...this.data[index], x, y };
+    if (!this.hasPoints && y.some((v) => v !== undefined && v !== null)) this.hasPoints = true;
   }
 
-  /**
-   * Draws everything queued now (tests and history loads call it to avoid waiting).
-   *
-   * A few live points go through Plotly.extendTraces. A big batch (history), a trace passing
-   * its cap, or the first points of an empty chart take one Plotly.react instead: a single
-   * redraw rather than extend + restyle + relayout.
-   */
-  flush() {
-    clearTimeout(this.timer);
-    this.timer = null;
+  /** Appends the queued points; a trace over its cap keeps half of it (min/max per bucket). */
+  _fold() {
     if (!this.pending.size) return;
-    const pending = this.pending;
-    this.pending = new Map();
-    const data = this.el.data;
-    let total = 0;
-    let overflow = false;
-    let fills = false;
-    for (const [i, p] of pending) {
-      total += p.x.length;
-      if (data[i].x.length + p.x.length > this.cap) overflow = true;
-      if (p.y.some((v) => v !== undefined && v !== null)) fills = true;
-    }
-    if (total <= SMALL_BATCH && !overflow && !(this.empty && fills)) {
-      const indices = [...pending.keys()];
-      Plotly.extendTraces(this.el, { x: indices.map((i) => pending.get(i).x), y: indices.map((i) => pending.get(i).y) }, indices);
-      return;
-    }
-    const next = data.map((trace, i) => {
-      const p = pending.get(i);
-      if (!p) return trace;
-      let x = Array.from(trace.x).concat(p.x);
-      let y = Array.from(trace.y).concat(p.y);
+    for (const [i, p] of this.pending) {
+      let x = this.data[i].x.concat(p.x);
+      let y = this.data[i].y.concat(p.y);
       if (x.length > this.cap) ({ x, y } = minMaxDownsample(x, y, Math.floor(this.cap / 4)));
-      return { ...trace, x, y };
-    });
-    if (next.some((t) => t.x.length > DENSE_POINTS)) {
-      for (let i = 0; i < next.length; i++) next[i] = denseTrace(next[i]);
+      this._set(i, x, y);
     }
-    if (fills) this.empty = false;
-    this._react(next);
-  }
-
-  _react(data) {
-    this.revision += 1;
-    const notes = this.empty && this.emptyText ? [emptyNote(this.emptyText)] : [];
-    this.layout = { ...this.layout, shapes: markerShapes(this.markers), annotations: notes, datarevision: this.revision };
-    Plotly.react(this.el, data || this.el.data, this.layout, PLOT_CONFIG);
-  }
-
-  _schedule() {
-    if (this.timer === null) this.timer = setTimeout(() => this.flush(), FLUSH_MS);
-  }
-
-  setTitle(title) {
-    if (title === this.title) return;
-    this.title = title;
-    this.layout = { ...this.layout, title: { ...this.layout.title, text: title } };
-    this._react();
-  }
-
-  /** Vertical dashed line at `x` with a short label (e.g. "limits applied"). */
-  addMarker(x, label, color = "#b4235a") {
-    this.markers.push({ x, label, color });
-    this.flush();
-    this._react();
-  }
-
-  purge() {
-    clearTimeout(this.timer);
-    Plotly.purge(this.el);
+    this.pending = new Map();
   }
 }

@@ -1,10 +1,6 @@
 // Block residency chart: which blocks are on the device over time (stagehand/block records).
 
-/* global Plotly */
-
-import {
-  BASE_LAYOUT, FLUSH_MS, PLOT_CONFIG, WAITING, emptyNote, legendFit, markerShapes,
-} from "./charts.js";
+import { ChartPanel, FLUSH_MS } from "./charts.js";
 
 /**
  * Block residency over time: a heatmap of blocks (rows) x time (columns), 0 = off the device,
@@ -13,10 +9,24 @@ import {
  * `maxColumns`, so memory stays bounded and a block that was resident for one event in a
  * merged column still shows.
  */
-export class ResidencyMap {
-  constructor(el, { title, maxColumns = 600, maxMarks = 3000, emptyText = WAITING }) {
-    this.el = el;
-    this.emptyText = emptyText;
+export class ResidencyMap extends ChartPanel {
+  /**
+   * @param {HTMLElement} el
+   * @param {object} opts as ChartPanel's (without `legendItems`), plus:
+   * @param {number} [opts.maxColumns] time columns kept before merging pairs
+   * @param {number} [opts.maxMarks] load/stall marks kept per kind before thinning the oldest
+   */
+  constructor(el, { maxColumns = 600, maxMarks = 3000, ...opts }) {
+    super(el, {
+      flushMs: FLUSH_MS * 2,
+      ...opts,
+      legendItems: 3,
+      layout: {
+        hovermode: "closest",
+        xaxis: { title: { text: "time since start (s)" } },
+        yaxis: { title: { text: "block" }, rangemode: "normal" },
+      },
+    });
     this.maxColumns = maxColumns;
     this.maxMarks = maxMarks;
     this.state = new Map(); // block -> 0/1/2 right now
@@ -25,20 +35,10 @@ export class ResidencyMap {
     this.perColumn = 1; // events folded into one column
     this.inColumn = 0;
     this.marks = { prefetch: { x: [], y: [] }, demand: { x: [], y: [] }, stall: { x: [], y: [] } };
-    this.dirty = false;
-    this.timer = null;
-    this.markers = [];
-    this.layout = {
-      ...BASE_LAYOUT,
-      ...legendFit(el, 3),
-      hovermode: "closest",
-      title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" },
-      xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "time since start (s)" } },
-      yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "block" }, rangemode: "normal" },
-      shapes: [],
-      annotations: [emptyNote(emptyText)],
-    };
-    Plotly.newPlot(el, this._traces(), this.layout, PLOT_CONFIG);
+  }
+
+  get empty() {
+    return this.columns.length === 0;
   }
 
   /** One stagehand/block record with its elapsed time `t` (s). */
@@ -69,7 +69,7 @@ export class ResidencyMap {
         if (!this.state.has(block)) this.state.set(block, 0);
     }
     this._snapshot(t);
-    this._schedule();
+    this.invalidate();
   }
 
   _mark(kind, t, block) {
@@ -126,55 +126,5 @@ export class ResidencyMap {
       scatter("on-demand load", this.marks.demand, "circle", "#e08a1e", 5),
       scatter("stall", this.marks.stall, "x", "#d3262f", 7),
     ];
-  }
-
-  _schedule() {
-    this.dirty = true;
-    if (this.timer === null) this.timer = setTimeout(() => this.flush(), FLUSH_MS * 2);
-  }
-
-  flush() {
-    clearTimeout(this.timer);
-    this.timer = null;
-    if (!this.dirty) return;
-    this.dirty = false;
-    if (this.columns.length && this.layout.annotations.some((a) => a.name === "empty-note")) this._notes();
-    this.revision = (this.revision || 0) + 1;
-    Plotly.react(this.el, this._traces(), { ...this.layout, datarevision: this.revision }, PLOT_CONFIG);
-  }
-
-  addMarker(x, label, color = "#b4235a") {
-    this.markers.push({ x, label, color });
-    this._notes();
-    this.dirty = true;
-    this.flush();
-  }
-
-  setTitle(title) {
-    if (this.layout.title.text === title) return;
-    this.layout.title = { ...this.layout.title, text: title };
-    this.dirty = true;
-    this._schedule();
-  }
-
-  get empty() {
-    return this.columns.length === 0;
-  }
-
-  setEmptyText(text) {
-    this.emptyText = text;
-    this._notes();
-    this.dirty = true;
-    this._schedule();
-  }
-
-  _notes() {
-    this.layout.shapes = markerShapes(this.markers);
-    this.layout.annotations = !this.columns.length && this.emptyText ? [emptyNote(this.emptyText)] : [];
-  }
-
-  purge() {
-    clearTimeout(this.timer);
-    Plotly.purge(this.el);
   }
 }

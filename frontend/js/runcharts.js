@@ -42,19 +42,20 @@ export class RunCharts {
    * @param {object} [config] the run's config: says which sources will stay silent, and why
    */
   constructor(container, config = {}) {
-    const panel = (id) => {
-      const div = h("div", { id, class: "chart" });
-      container.append(h("div", { class: "chart-panel" }, div));
-      return div;
-    };
+    const divs = Object.fromEntries(CHART_IDS.map((id) => [id, h("div", { id, class: "chart" })]));
+    container.append(...CHART_IDS.map((id) => h("div", { class: "chart-panel" }, divs[id])));
+    const width = divs.vram.clientWidth; // the grid's panels are all as wide: one layout read
+    const panel = (id) => divs[id];
     this.t0 = null;
     this.vramSource = null;
     this.blockRecords = 0;
+    this.blockBuckets = false; // block records will come downsampled (ingestBuckets), not one by one
     this.stagehandSteps = 0;
     this.smoothed = null;
     this.charts = {
       vram: new LiveChart(panel("vram"), {
         title: "VRAM (MB)",
+        width,
         traces: [
           { name: "allocated", line: { color: COLORS.allocated, width: 1.5 } },
           { name: "reserved", line: { color: COLORS.reserved, width: 1.5 } },
@@ -63,9 +64,10 @@ export class RunCharts {
         ],
         layout: { xaxis: { title: { text: "time since start (s)" } }, yaxis: { title: { text: "MB" } } },
       }),
-      residency: new ResidencyMap(panel("residency"), { title: "Block residency (on device over time)" }),
+      residency: new ResidencyMap(panel("residency"), { title: "Block residency (on device over time)", width }),
       host: new LiveChart(panel("host"), {
         title: "Host memory (MB)",
+        width,
         traces: [
           { name: "process RSS", line: { color: COLORS.rss } },
           { name: "pinned (trainer)", line: { color: COLORS.pinned } },
@@ -76,6 +78,7 @@ export class RunCharts {
       }),
       spill: new LiveChart(panel("spill"), {
         title: "Activation spill per step",
+        width,
         traces: [
           { name: "kept (count)", type: "bar", marker: { color: "#7fb3e6" } },
           { name: "spilled (count)", type: "bar", marker: { color: "#e08a1e" } },
@@ -86,6 +89,7 @@ export class RunCharts {
       }),
       "spill-pool": new LiveChart(panel("spill-pool"), {
         title: "Spill pool hit rate and stalls",
+        width,
         traces: [
           { name: "pool hit rate (%)", mode: "lines+markers", line: { color: "#2e9e5b" } },
           { name: "stall (ms)", yaxis: "y2", type: "bar", marker: { color: "#d3262f", opacity: 0.6 } },
@@ -95,6 +99,7 @@ export class RunCharts {
       }),
       phases: new LiveChart(panel("phases"), {
         title: "Phase timings per step (ms)",
+        width,
         traces: [
           { name: "forward", type: "bar", marker: { color: COLORS.forward } },
           { name: "backward", type: "bar", marker: { color: COLORS.backward } },
@@ -105,6 +110,7 @@ export class RunCharts {
       }),
       loss: new LiveChart(panel("loss"), {
         title: "Loss and grad norm",
+        width,
         traces: [
           { name: "loss", mode: "lines+markers", line: { color: COLORS.loss, width: 1 }, marker: { size: 3 } },
           { name: `loss (EMA ${EMA})`, line: { color: COLORS.smooth, width: 2 } },
@@ -114,6 +120,7 @@ export class RunCharts {
       }),
       conductor: new LiveChart(panel("conductor"), {
         title: "Conductor grants and transfers per step",
+        width,
         traces: [
           { name: "grants", line: { color: "#2e9e5b" } },
           { name: "partials", line: { color: "#e08a1e" } },
@@ -160,8 +167,18 @@ export class RunCharts {
     this._vramTitle();
   }
 
+  /** The block records of a long run will arrive as buckets: per-step VRAM stays off the chart. */
+  expectBlockBuckets() {
+    this.blockBuckets = true;
+    this._vramTitle();
+  }
+
+  get _blockResolution() {
+    return this.blockRecords > 0 || this.blockBuckets;
+  }
+
   _vramTitle() {
-    const what = this.blockRecords ? "VRAM at block resolution (MB)" : "VRAM (MB)";
+    const what = this._blockResolution ? "VRAM at block resolution (MB)" : "VRAM (MB)";
     this.charts.vram.setTitle(`${what} — source: ${this.vramSource || "?"}`);
   }
 
@@ -193,7 +210,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
         if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
-        if (this.blockRecords === 0) this._vramAtStep(t, rec);
+        if (!this._blockResolution) this._vramAtStep(t, rec);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);
@@ -202,7 +219,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         // Without block records (block_events off, or no weight streaming) the step figures
         // are the best VRAM timeline there is.
-        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramAtStep(t, rec);
+        if (!this._blockResolution && this.stagehandSteps === 0) this._vramAtStep(t, rec);
         const ph = rec.phase_ms || {};
         c.phases.push(0, step, ph.forward);
         c.phases.push(1, step, ph.backward);

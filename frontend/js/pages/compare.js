@@ -67,6 +67,7 @@ export function mount(root, { params }) {
         const points = series[id] || [];
         chart.setSeries(i, points.map((p) => p[0]), points.map((p) => p[1] * metric.scale));
       });
+      chart.flush();
       charts.push(chart);
     }
 

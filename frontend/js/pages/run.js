@@ -200,6 +200,7 @@ export function mount(root, { parts }) {
       const history = await historyLoad;
       if (stopped) return;
       grid.dataset.fetchedMs = String(Math.round(performance.now() - opened));
+      if (history.later) charts.expectBlockBuckets();
       onRecords(history.records);
       charts.flush();
       lastSeq = history.lastSeq;
@@ -218,6 +219,7 @@ export function mount(root, { parts }) {
       }
     } catch (err) {
       showError(errors, err, "loading telemetry");
+      charts.flush(); // the charts' notes, at least
     }
     if (stopped) return;
     loadSamples();
