@@ -29,6 +29,11 @@ export const BASE_LAYOUT = {
   uirevision: "keep", // user zoom survives updates
 };
 
+/** Calls `fn` once the frame holding what was just drawn has been painted. */
+export function afterPaint(fn) {
+  requestAnimationFrame(() => setTimeout(fn, 0));
+}
+
 /** The note of an empty chart until something says why it is empty. */
 export const WAITING = "waiting for records…";
 
@@ -177,10 +182,15 @@ export class ChartPanel {
     if (this.timer === null) this.timer = setTimeout(() => this.flush(), this.flushMs);
   }
 
-  /** Draws now whatever changed (tests and history loads call it to avoid waiting). */
-  flush() {
+  /** Drops the scheduled redraw: the owner calls flush() itself. */
+  unschedule() {
     clearTimeout(this.timer);
     this.timer = null;
+  }
+
+  /** Draws now whatever changed (tests and history loads call it to avoid waiting). */
+  flush() {
+    this.unschedule();
     this._fold();
     if (!this.dirty) return;
     this.dirty = false;
@@ -210,8 +220,7 @@ export class ChartPanel {
   }
 
   purge() {
-    clearTimeout(this.timer);
-    this.timer = null;
+    this.unschedule();
     Plotly.purge(this.el);
   }
 }

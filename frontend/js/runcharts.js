@@ -4,7 +4,7 @@
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
 // becomes a marker on every chart, at its time or its step.
 
-import { LiveChart, WAITING } from "./charts.js";
+import { LiveChart, WAITING, afterPaint } from "./charts.js";
 import { ResidencyMap } from "./residency.js";
 import { h } from "./ui.js";
 
@@ -194,7 +194,7 @@ export class RunCharts {
         break;
       case "stagehand/block":
         if (rec.residencyOnly) {
-          c.residency.setTitle("Block residency (newest block records of this long run)");
+          c.residency.setTitle("Block residency (the newest records)");
           c.residency.add(t, rec);
           break;
         }
@@ -263,7 +263,7 @@ export class RunCharts {
   /**
    * Downsampled block records (`buckets=` answer: {time, min, max} per bucket) drawn under
    * whatever the stream already added: each bucket's min and max, so the post-eviction valleys
-   * and the block-loaded peaks both stay on the chart.
+   * and the block-loaded peaks both stay on the chart. The VRAM chart is drawn at once.
    */
   ingestBuckets(buckets) {
     if (!buckets.length) return;
@@ -282,6 +282,7 @@ export class RunCharts {
     });
     this.charts.vram.prependSeries(0, x, alloc);
     this.charts.vram.prependSeries(1, x, reserved);
+    this.charts.vram.flush();
   }
 
   _vramAtStep(t, rec) {
@@ -314,6 +315,32 @@ export class RunCharts {
 
   flush() {
     for (const chart of Object.values(this.charts)) chart.flush();
+  }
+
+  /**
+   * Draws what is queued, charts in the window first: those are drawn now and the others one
+   * per task once that frame has been painted (a long run's history takes ~30-150 ms a chart).
+   * @param {function} [onVisiblePainted] called when the window's charts have been painted
+   * @returns {Promise<void>} resolved when every chart is drawn
+   */
+  drawVisibleFirst(onVisiblePainted) {
+    const charts = Object.values(this.charts);
+    const rects = charts.map((c) => c.el.getBoundingClientRect()); // one layout, before any draw
+    const later = charts.filter((c, i) => rects[i].top >= window.innerHeight || rects[i].bottom <= 0);
+    for (const c of later) c.unschedule();
+    for (const c of charts) if (!later.includes(c)) c.flush();
+    return new Promise((resolve) => {
+      const next = () => {
+        const c = later.shift();
+        if (!c) return resolve();
+        c.flush();
+        return setTimeout(next, 0);
+      };
+      afterPaint(() => {
+        if (onVisiblePainted) onVisiblePainted();
+        next();
+      });
+    });
   }
 
   purge() {

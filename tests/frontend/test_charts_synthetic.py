@@ -110,11 +110,18 @@ def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoo
         "GET", f"/api/runs/{run['id']}/telemetry?source=stagehand&kind=block&buckets=1"
     )
 
-    page.goto(synthetic_server + "/#/runs")
-    page.wait_for_selector(f"tr[data-run-id='{run['id']}']")
-    page.goto(synthetic_server + f"/#/runs/{run['id']}")
-    page.wait_for_selector("#charts[data-vram-pending='false']", state="attached", timeout=60_000)
-    grid = page.evaluate("Object.assign({}, document.getElementById('charts').dataset)")
+    timings = []
+    for _ in range(3):  # the first open compiles the page's code; later ones are warm
+        page.goto(synthetic_server + "/#/runs")
+        page.wait_for_selector(f"tr[data-run-id='{run['id']}']")
+        page.goto(synthetic_server + f"/#/runs/{run['id']}")
+        page.wait_for_selector(
+            "#charts[data-vram-pending='false'][data-all-drawn-ms]",
+            state="attached",
+            timeout=60_000,
+        )
+        grid = page.evaluate("Object.assign({}, document.getElementById('charts').dataset)")
+        timings.append(grid)
     assert grid["downsampled"] == "true"
     assert int(grid["historyRecords"]) < records / 5  # not 100k records through the browser
     vram = page.evaluate(
@@ -126,10 +133,15 @@ def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoo
     assert vram["max"] == whole["data"][0]["max"]["vram_allocated_mb"]
     assert vram["min"] == whole["data"][0]["min"]["vram_allocated_mb"]
     assert page.evaluate("document.getElementById('loss').data[0].x.length") == 1350
-    print(
-        f"\n{records} records: per-step charts drawn {grid['drawnMs']} ms after opening "
-        f"(fetch {grid['fetchedMs']} ms), VRAM overview {grid['vramDrawnMs']} ms"
-    )
+    # Per-step VRAM points stay off a chart drawn from block buckets (they would run backwards).
+    xs = page.evaluate("Array.from(document.getElementById('vram').data[0].x)")
+    assert all(a <= b for a, b in zip(xs, xs[1:]))
+    print(f"\n{records} records, opened 3 times (painted, ms after opening):")
+    for t in timings:
+        print(
+            f"  fetched {t['fetchedMs']}, charts in the window {t['drawnMs']}, "
+            f"VRAM overview {t['vramDrawnMs']}, every chart {t['allDrawnMs']}"
+        )
     shoot(
         synthetic_server + f"/#/runs/{run['id']}",
         "run-100k",

@@ -4,6 +4,7 @@
 
 import { FINISHED, api } from "../api.js";
 import { loadHistory } from "../history.js";
+import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
 import { RunStream, StreamState } from "../stream.js";
 import { fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
@@ -178,6 +179,7 @@ export function mount(root, { parts }) {
   }
 
   const opened = performance.now();
+  const ms = () => String(Math.round(performance.now() - opened)); // dataset timings of the open
   (async () => {
     try {
       run = await api.run(runId);
@@ -199,22 +201,24 @@ export function mount(root, { parts }) {
     try {
       const history = await historyLoad;
       if (stopped) return;
-      grid.dataset.fetchedMs = String(Math.round(performance.now() - opened));
+      grid.dataset.fetchedMs = ms();
       if (history.later) charts.expectBlockBuckets();
       onRecords(history.records);
-      charts.flush();
+      // The charts in the window are drawn now, the rest right after that frame is painted.
+      const drawn = charts.drawVisibleFirst(() => { grid.dataset.drawnMs = ms(); });
+      drawn.then(() => afterPaint(() => { grid.dataset.allDrawnMs = ms(); }));
       lastSeq = history.lastSeq;
       grid.dataset.historyRecords = String(history.records.length);
       grid.dataset.downsampled = String(history.downsampled);
-      grid.dataset.drawnMs = String(Math.round(performance.now() - opened));
       if (history.later) {
         grid.dataset.vramPending = "true";
         history.later.then((buckets) => {
           if (stopped) return;
           charts.ingestBuckets(buckets);
-          charts.flush();
-          grid.dataset.vramPending = "false";
-          grid.dataset.vramDrawnMs = String(Math.round(performance.now() - opened));
+          afterPaint(() => {
+            grid.dataset.vramDrawnMs = ms();
+            grid.dataset.vramPending = "false";
+          });
         }).catch((err) => showError(errors, err, "loading the VRAM timeline"));
       }
     } catch (err) {
