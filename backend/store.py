@@ -21,6 +21,8 @@ from typing import Any
 
 import sqlite_utils
 
+from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
+
 ACTIVE = ("running", "stalled")
 """Statuses of a run whose worker process is (believed to be) alive."""
 TERMINAL = ("succeeded", "failed", "cancelled", "killed", "crashed")
@@ -92,9 +94,51 @@ def _m002_telemetry_kind_index(db: sqlite_utils.Database) -> None:
     db["telemetry"].create_index(["run_id", "kind", "seq"])
 
 
+def _m003_telemetry_rollup(db: sqlite_utils.Database) -> None:
+    # Min/max rollups (backend.downsample.Chunk), filled at ingest; runs stored before this
+    # migration are folded here once.
+    db.execute(
+        "CREATE TABLE telemetry_rollup (run_id INTEGER NOT NULL, source TEXT NOT NULL,"
+        " kind TEXT NOT NULL, chunk INTEGER NOT NULL, seq_first INTEGER, seq_last INTEGER,"
+        " step_min INTEGER, step_max INTEGER, time_min REAL, count INTEGER, lo TEXT, hi TEXT,"
+        " PRIMARY KEY (run_id, source, kind, chunk))"
+    )
+    keys = db.execute(
+        "SELECT DISTINCT run_id, source, kind FROM telemetry"
+        " WHERE source IS NOT NULL AND kind IS NOT NULL"
+    ).fetchall()
+    for run_id, source, kind in keys:
+        lines = db.execute(
+            "SELECT data FROM telemetry WHERE run_id = ? AND source = ? AND kind = ? ORDER BY seq",
+            [run_id, source, kind],
+        )
+        _write_chunks(db, run_id, source, kind, fold(None, [json.loads(d) for (d,) in lines]))
+
+
+def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
+    db.conn.executemany(
+        "INSERT OR REPLACE INTO telemetry_rollup (run_id, source, kind, chunk, seq_first,"
+        " seq_last, step_min, step_max, time_min, count, lo, hi)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (run_id, source, kind, c.index, c.seq_first, c.seq_last, c.step_min, c.step_max)
+            + (c.time_min, c.count, json.dumps(c.lo), json.dumps(c.hi))
+            for c in chunks
+        ],
+    )
+
+
+def _chunk(row: tuple) -> Chunk:
+    """A ``telemetry_rollup`` row from ``chunk`` on (see ``ROLLUP_COLUMNS``)."""
+    return Chunk(*row[:7], json.loads(row[7]), json.loads(row[8]))
+
+
+ROLLUP_COLUMNS = "chunk, seq_first, seq_last, step_min, step_max, time_min, count, lo, hi"
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_telemetry_kind_index", _m002_telemetry_kind_index),
+    ("003_telemetry_rollup", _m003_telemetry_rollup),
 ]
 """Append new ``(name, function)`` pairs; never edit or reorder applied ones."""
 
@@ -268,6 +312,7 @@ class Store:
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
             db.execute("DELETE FROM telemetry WHERE run_id = ?", [run_id])
+            db.execute("DELETE FROM telemetry_rollup WHERE run_id = ?", [run_id])
             db.execute("DELETE FROM run_tags WHERE run_id = ?", [run_id])
             db.execute("DELETE FROM runs WHERE id = ?", [run_id])
 
@@ -300,23 +345,44 @@ class Store:
         return out
 
     # -- telemetry -----------------------------------------------------------------------
-    def ingest(self, run_id: int, rows: list[tuple], offset: int) -> int:
+    def ingest(
+        self, run_id: int, rows: list[tuple], offset: int, records: list[dict] | None = None
+    ) -> int:
         """Insert parsed lines and advance the run's tail offset in one transaction.
 
-        ``rows`` are ``(seq, time, source, kind, step, phase, line)``; ``offset`` is the byte
-        offset just past the last complete line. Returns how many rows were new (a line seen
-        before a restart is ignored by its ``(run_id, seq)`` key).
+        ``rows`` are ``(seq, time, source, kind, step, phase, line)`` in seq order; ``offset``
+        is the byte offset just past the last complete line. Returns how many rows were new (a
+        line seen before a restart is ignored by its ``(run_id, seq)`` key). New rows with a
+        source and a kind are folded into the rollups in the same transaction; ``records`` are
+        the lines already parsed, when the caller has them (the tailer does).
         """
         db = self.db
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
+            seqs = [r[0] for r in rows]
+            stored = set()
+            if seqs:
+                stored = {
+                    s
+                    for (s,) in db.execute(
+                        "SELECT seq FROM telemetry WHERE run_id = ? AND seq BETWEEN ? AND ?",
+                        [run_id, min(seqs), max(seqs)],
+                    )
+                }
+            if records is None:
+                records = [json.loads(r[6]) for r in rows]
+            fresh = [r for r in rows if r[0] not in stored]
+            fresh_records = [
+                rec for r, rec in zip(rows, records, strict=True) if r[0] not in stored
+            ]
             before = db.conn.total_changes
             db.conn.executemany(
                 "INSERT OR IGNORE INTO telemetry (run_id, seq, time, source, kind, step, phase,"
                 " data) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(run_id, *r) for r in rows],
+                [(run_id, *r) for r in fresh],
             )
             new = db.conn.total_changes - before
+            self._roll_up(run_id, fresh, fresh_records)
             last_seq = max((r[0] for r in rows), default=-1)
             db.execute(
                 "UPDATE runs SET tail_offset = ?, last_seq = MAX(last_seq, ?),"
@@ -324,6 +390,21 @@ class Store:
                 [offset, last_seq, time.time(), run_id],
             )
         return new
+
+    def _roll_up(self, run_id: int, rows: list[tuple], records: list[dict]) -> None:
+        """Folds new telemetry rows into their (source, kind)'s newest chunk and new ones."""
+        by_key: dict[tuple[str, str], list[dict]] = {}
+        for (_seq, _t, source, kind, *_), rec in zip(rows, records, strict=True):
+            if source is not None and kind is not None:
+                by_key.setdefault((source, kind), []).append(rec)
+        for (source, kind), records in by_key.items():
+            row = self.db.execute(
+                f"SELECT {ROLLUP_COLUMNS} FROM telemetry_rollup WHERE run_id = ? AND source = ?"
+                " AND kind = ? ORDER BY chunk DESC LIMIT 1",
+                [run_id, source, kind],
+            ).fetchone()
+            last = _chunk(row) if row else None
+            _write_chunks(self.db, run_id, source, kind, fold(last, records))
 
     def telemetry_lines(
         self,
@@ -385,7 +466,9 @@ class Store:
 
         Record ``i`` (0-based, seq order) of ``n`` goes to bucket ``i * buckets // n``. Returns
         ``([{bucket, seq, seq_last, step, step_last, time, count, min: {}, max: {}}], last_seq)``.
-        ``paths`` must be dotted names of ``[A-Za-z0-9_]`` parts (checked by the caller).
+        ``paths`` must be dotted names of ``[A-Za-z0-9_]`` parts (checked by the caller). Over
+        ``ROLLUP_MIN_RECORDS`` records of one source and kind from the start (``since < 0``),
+        the buckets are merged from the rollups instead (``backend.downsample``).
         """
         table, where, args = self._filter(run_id, since, source, kind)
         # Count first (an index-only read) so that the bucket of a row is known from its row
@@ -395,6 +478,14 @@ class Store:
         ).fetchone()
         if not n:
             return [], since
+        if since < 0 and source and kind and n > ROLLUP_MIN_RECORDS:
+            rows = self.db.execute(
+                f"SELECT {ROLLUP_COLUMNS} FROM telemetry_rollup WHERE run_id = ? AND source = ?"
+                " AND kind = ? ORDER BY chunk",
+                [run_id, source, kind],
+            )
+            out = merge_chunks([_chunk(r) for r in rows], buckets, paths)
+            return out, out[-1]["seq_last"] if out else since
         values = "".join(f", json_extract(data, '$.{p}') AS v{i}" for i, p in enumerate(paths))
         extra = "".join(f", MIN(v{i}), MAX(v{i})" for i in range(len(paths)))
         sql = (

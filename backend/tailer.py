@@ -37,6 +37,7 @@ class Line:
     step: int | None
     phase: str | None
     raw: str
+    record: dict = field(repr=False, default_factory=dict)
 
     def row(self) -> tuple:
         return (self.seq, self.time, self.source, self.kind, self.step, self.phase, self.raw)
@@ -68,6 +69,7 @@ def parse_line(raw: str) -> Line | None:
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         phase=rec.get("phase") if isinstance(rec.get("phase"), str) else None,
         raw=raw,
+        record=rec,
     )
 
 
@@ -155,7 +157,9 @@ class Tailer:
         if tail.offset == before:
             return 0
         try:
-            self.store.ingest(run_id, [ln.row() for ln in lines], tail.offset)
+            self.store.ingest(
+                run_id, [ln.row() for ln in lines], tail.offset, [ln.record for ln in lines]
+            )
         except Exception:
             tail.offset = before  # retry the same bytes next poll: nothing is lost
             raise

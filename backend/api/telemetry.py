@@ -35,8 +35,10 @@ def telemetry(
     With ``buckets=N`` every matching record after ``since`` is grouped into N buckets and
     ``data`` holds ``{seq, seq_last, step, step_last, time, count, min, max}`` per bucket:
     the min and max of every numeric field (those present in the first and last 200 matching
-    records), so peaks survive; ``fields=a,b.c`` names the fields wanted instead (fewer fields,
-    faster: the cost is parsing each record's JSON once per field).
+    records), so peaks survive; ``fields=a,b.c`` names the fields wanted instead. Over
+    ``ROLLUP_MIN_RECORDS`` (20,000) records of one source and kind from the start, buckets are
+    merged from the rollups written at ingest (``CHUNK`` = 32 records each; ~30 ms instead of
+    ~0.5 s for 100k records): each bucket then holds whole chunks, at most ``n / 32`` of them.
 
     Pages are written from the stored lines as they are (no parse and re-serialisation).
 

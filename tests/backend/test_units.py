@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from backend.api.compare import config_diff
@@ -196,4 +197,69 @@ def test_sql_buckets_equal_the_python_reference(tmp_path):
             buckets,
         )
         assert got == ref and last == ref[-1]["seq_last"]
+    store.close()
+
+
+def test_rollups_folded_at_ingest_give_the_extremes_of_long_runs(tmp_path):
+    import random
+
+    from backend.downsample import CHUNK, ROLLUP_MIN_RECORDS, fold, merge_chunks
+    from backend.store import _m003_telemetry_rollup
+
+    rng = random.Random(1)
+    records, kinds = [], []
+    for i in range(ROLLUP_MIN_RECORDS + 3000):
+        kind = "block" if rng.random() < 0.93 else "step"
+        kinds.append(kind)
+        records.append(
+            json.loads(rec(i, kind=kind, vram=rng.random() * 100, blk=i % 7, ok=True, x={"y": i}))
+        )
+    records[12_345]["vram"] = 1000.0  # one spike
+    rows = [
+        (r["seq"], r["time"], "trainer", k, r["step"], None, json.dumps(r))
+        for r, k in zip(records, kinds, strict=True)
+    ]
+    path = tmp_path / "db.sqlite"
+    store = Store(path)
+    run_id = store.create_run("r", "p", {}, "default")
+    for i in range(0, 12_000, 997):  # odd batches, one ingested twice
+        store.ingest(run_id, rows[i : i + 997], 1)
+    store.ingest(run_id, rows[2 * 997 : 3 * 997], 1)
+    store.close()
+    store = Store(path)  # a restarted backend continues the open chunk from the database
+    store.ingest(run_id, rows[11_000:], 1, records[11_000:])
+
+    blocks = [r for r, k in zip(records, kinds, strict=True) if k == "block"]
+    assert len(blocks) > ROLLUP_MIN_RECORDS
+    got, last = store.bucket_stats(run_id, -1, "trainer", "block", 300, ["vram", "x.y"], 10**6)
+    # Folding batch by batch across two Store instances equals folding everything at once.
+    assert got == merge_chunks(fold(None, blocks), 300, ["vram", "x.y"])
+    assert len(got) == 300 and last == blocks[-1]["seq"]
+    assert sum(b["count"] for b in got) == len(blocks)
+    assert all(b["count"] % CHUNK == 0 for b in got[:-1])
+    by_seq = {r["seq"]: r for r in blocks}
+    for a, b in itertools.pairwise(got):
+        assert a["seq_last"] < b["seq"]
+    for b in got:
+        inside = [r for s, r in by_seq.items() if b["seq"] <= s <= b["seq_last"]]
+        assert len(inside) == b["count"]
+        assert b["max"] == {"vram": max(r["vram"] for r in inside), "x.y": inside[-1]["seq"]}
+        assert b["min"]["vram"] == min(r["vram"] for r in inside)
+        assert b["step"] == min(r["step"] for r in inside)
+    assert max(b["max"]["vram"] for b in got) == 1000.0
+    # Fewer records than the rollup threshold (the step kind) are still bucketed exactly.
+    exact, _ = store.bucket_stats(run_id, -1, "trainer", "step", 50, ["vram"], 10**6)
+    steps = [r for r, k in zip(records, kinds, strict=True) if k == "step"]
+    assert exact == [
+        {**b, "min": {"vram": b["min"]["vram"]}, "max": {"vram": b["max"]["vram"]}}
+        for b in bucketize(steps, 50)
+    ]
+    # The migration's backfill of runs stored before rollups existed gives the same rows.
+    table = "SELECT * FROM telemetry_rollup ORDER BY run_id, source, kind, chunk"
+    ingested = store.db.execute(table).fetchall()
+    store.db.execute("DROP TABLE telemetry_rollup")
+    _m003_telemetry_rollup(store.db)
+    assert store.db.execute(table).fetchall() == ingested
+    store.delete_run(run_id)
+    assert store.db.execute("SELECT COUNT(*) FROM telemetry_rollup").fetchone()[0] == 0
     store.close()
