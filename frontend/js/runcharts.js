@@ -49,7 +49,6 @@ export class RunCharts {
     this.t0 = null;
     this.vramSource = null;
     this.blockRecords = 0;
-    this.blockBuckets = false; // block records will come downsampled (ingestBuckets), not one by one
     this.stagehandSteps = 0;
     this.smoothed = null;
     this.charts = {
@@ -167,18 +166,8 @@ export class RunCharts {
     this._vramTitle();
   }
 
-  /** The block records of a long run will arrive as buckets: per-step VRAM stays off the chart. */
-  expectBlockBuckets() {
-    this.blockBuckets = true;
-    this._vramTitle();
-  }
-
-  get _blockResolution() {
-    return this.blockRecords > 0 || this.blockBuckets;
-  }
-
   _vramTitle() {
-    const what = this._blockResolution ? "VRAM at block resolution (MB)" : "VRAM (MB)";
+    const what = this.blockRecords ? "VRAM at block resolution (MB)" : "VRAM (MB)";
     this.charts.vram.setTitle(`${what} — source: ${this.vramSource || "?"}`);
   }
 
@@ -210,7 +199,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
         if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
-        if (!this._blockResolution) this._vramAtStep(t, rec);
+        if (this.blockRecords === 0) this._vramAtStep(t, rec);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);
@@ -219,7 +208,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         // Without block records (block_events off, or no weight streaming) the step figures
         // are the best VRAM timeline there is.
-        if (!this._blockResolution && this.stagehandSteps === 0) this._vramAtStep(t, rec);
+        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramAtStep(t, rec);
         const ph = rec.phase_ms || {};
         c.phases.push(0, step, ph.forward);
         c.phases.push(1, step, ph.backward);
@@ -263,7 +252,7 @@ export class RunCharts {
   /**
    * Downsampled block records (`buckets=` answer: {time, min, max} per bucket) drawn under
    * whatever the stream already added: each bucket's min and max, so the post-eviction valleys
-   * and the block-loaded peaks both stay on the chart. The VRAM chart is drawn at once.
+   * and the block-loaded peaks both stay on the chart.
    */
   ingestBuckets(buckets) {
     if (!buckets.length) return;
@@ -282,7 +271,6 @@ export class RunCharts {
     });
     this.charts.vram.prependSeries(0, x, alloc);
     this.charts.vram.prependSeries(1, x, reserved);
-    this.charts.vram.flush();
   }
 
   _vramAtStep(t, rec) {

@@ -202,7 +202,7 @@ export function mount(root, { parts }) {
       const history = await historyLoad;
       if (stopped) return;
       grid.dataset.fetchedMs = ms();
-      if (history.later) charts.expectBlockBuckets();
+      charts.ingestBuckets(history.buckets); // first: a long run's VRAM is drawn from them
       onRecords(history.records);
       // The charts in the window are drawn now, the rest right after that frame is painted.
       const drawn = charts.drawVisibleFirst(() => { grid.dataset.drawnMs = ms(); });
@@ -210,17 +210,6 @@ export function mount(root, { parts }) {
       lastSeq = history.lastSeq;
       grid.dataset.historyRecords = String(history.records.length);
       grid.dataset.downsampled = String(history.downsampled);
-      if (history.later) {
-        grid.dataset.vramPending = "true";
-        history.later.then((buckets) => {
-          if (stopped) return;
-          charts.ingestBuckets(buckets);
-          afterPaint(() => {
-            grid.dataset.vramDrawnMs = ms();
-            grid.dataset.vramPending = "false";
-          });
-        }).catch((err) => showError(errors, err, "loading the VRAM timeline"));
-      }
     } catch (err) {
       showError(errors, err, "loading telemetry");
       charts.flush(); // the charts' notes, at least
