@@ -88,6 +88,7 @@ class ActivationStagehandConfig(_Strict):
     """CRC32 on spill and restore; a mismatch raises with the record id."""
     telemetry_enabled: bool = True
     telemetry_file: str = "activation_telemetry.jsonl"
+    """JSONL of a runtime built without the run's ``Telemetry`` (working directory)."""
     recompute_threshold_bytes: Annotated[int, Field(ge=0)] = 0
     """Tensors below this are never spilled (cheaper to keep or recompute)."""
     min_spill_bytes: Annotated[int, Field(ge=0)] = 4096
@@ -139,6 +140,7 @@ class ConductorConfig(_Strict):
     """Rule 3: consecutive all-slots-full checks after which the prefetch window shrinks."""
     telemetry_interval_steps: PosInt = 1
     telemetry_file: str = "conductor_telemetry.jsonl"
+    """JSONL of a Conductor built without the run's ``Telemetry`` (working directory)."""
     debug_event_trace: bool = False
 
     @model_validator(mode="after")

@@ -44,7 +44,7 @@ from runtime.activations.restore import CATEGORY, RestoreMixin
 from runtime.activations.telemetry import SOURCE, ActivationStepMetrics
 from runtime.activations.transfer import ActivationTransferEngine
 from runtime.common.memory import DeviceMemory
-from runtime.common.telemetry import Telemetry
+from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, ActivationStagehandConfig
 
 PUBLISH_BYTES = 64 * 1024
@@ -63,7 +63,8 @@ class ActivationRuntime(RestoreMixin):
         device: the compute device.
         memory: the strategy's shared ``DeviceMemory`` (a new one when None).
         telemetry: the run's ``Telemetry``; step records go there as
-            ``activation_stagehand/step`` when ``config.telemetry_enabled``.
+            ``activation_stagehand/step`` when ``config.telemetry_enabled``. None: JSONL to
+            ``config.telemetry_file`` (the seed's default), closed with the runtime.
         model: its parameters and buffers (and views of them) are never spilled.
 
     Raises:
@@ -87,7 +88,12 @@ class ActivationRuntime(RestoreMixin):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.memory = memory if memory is not None else DeviceMemory(self.device)
-        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self._owns_telemetry = telemetry is None
+        self.telemetry = (
+            telemetry
+            if telemetry is not None
+            else default_telemetry(config.telemetry_file if config.telemetry_enabled else None)
+        )
         self.model = model
         self.conductor: object | None = None
         """Set by the Conductor adapter: each spill then asks it for a D2H slot first."""
@@ -210,6 +216,8 @@ class ActivationRuntime(RestoreMixin):
         self.step_end()
         self.pool.close()
         self._weights = {}
+        if self._owns_telemetry:
+            self.telemetry.close()
         self._closed = True
         self.packer = _keep
 

@@ -124,6 +124,13 @@ def _last_seq(path: Path) -> int:
     return -1
 
 
+def default_telemetry(path: str | os.PathLike[str] | None) -> Telemetry:
+    """The stream of a runtime built without one: JSONL appended to ``path`` (relative to the
+    working directory, as the seeds' ``activation_telemetry.jsonl``), or nowhere for None.
+    The runtime owns it and closes it with itself."""
+    return Telemetry(JsonlSink(path)) if path else Telemetry()
+
+
 class Telemetry:
     """Stamps records with the run's envelope and hands them to one sink.
 

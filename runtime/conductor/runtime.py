@@ -41,7 +41,8 @@ class ConductorRuntime:
     Args:
         config: ``ConductorConfig``; None means the defaults (disabled).
         memory: the strategy's shared ``DeviceMemory`` (VRAM figure for the budget and Rule 1).
-        telemetry: the run's one stream; None writes nowhere.
+        telemetry: the run's one stream; None writes ``config.telemetry_file`` (JSONL), closed by
+            ``shutdown``. A disabled Conductor writes nothing.
     """
 
     def __init__(
@@ -257,4 +258,5 @@ class ConductorRuntime:
         for adapter in list(self.adapters):
             self.unregister_adapter(adapter)
         self.budget.release_all()
+        self.hub.close()
         self._shut = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.common.telemetry import Telemetry
+from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import ConductorConfig
 
 SOURCE = "conductor"
@@ -32,10 +32,14 @@ STEP_FIELDS = (
 
 
 class ConductorTelemetry:
-    """Writes conductor records to ``telemetry`` (a null stream when None)."""
+    """Writes conductor records to ``telemetry``; None: JSONL to ``config.telemetry_file`` (the
+    seed's ``conductor_telemetry.jsonl``), closed by ``close``."""
 
     def __init__(self, config: ConductorConfig, telemetry: Telemetry | None = None) -> None:
-        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self._owned = telemetry is None
+        self.telemetry = (
+            telemetry if telemetry is not None else default_telemetry(config.telemetry_file)
+        )
         self.interval = config.telemetry_interval_steps
         self.trace = config.debug_event_trace
 
@@ -43,6 +47,11 @@ class ConductorTelemetry:
         """One debug event; nothing when ``debug_event_trace`` is off."""
         if self.trace:
             self.telemetry.emit(SOURCE, "event", event=event, **fields)
+
+    def close(self) -> None:
+        """Closes the stream if it is this hub's own (not the run's)."""
+        if self._owned:
+            self.telemetry.close()
 
     def due(self, step_id: int) -> bool:
         """Whether step ``step_id`` gets a step record (every ``telemetry_interval_steps``)."""

@@ -36,7 +36,7 @@ from torch import nn
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
-from runtime.common.telemetry import Telemetry
+from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.hooks import WeightView, wrap_inputs, wrap_outputs
@@ -57,6 +57,11 @@ _COUNTERS = (
 )
 
 
+TELEMETRY_FILE = "stagehand_telemetry.jsonl"
+"""Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
+to write nowhere)."""
+
+
 def _in_backward() -> bool:
     # Inside the autograd engine: a gradient-checkpoint recomputation, not a new forward.
     return torch._C._current_graph_task_id() != -1
@@ -64,6 +69,8 @@ def _in_backward() -> bool:
 
 class StagehandRuntime:
     """Weight streaming for one model (see the module docstring).
+
+    ``telemetry``: the run's stream; None writes ``TELEMETRY_FILE`` (closed with the runtime).
 
     Raises (at set-up): ``BlockDiscoveryError``, ``UnmatchedParameterError``,
     ``ParameterMismatchError``, ``BlockTooLargeError``, ``PoolConfigError``, ``ValueError``
@@ -88,7 +95,7 @@ class StagehandRuntime:
         self._owns_memory = memory is None
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self._owns_telemetry = telemetry is None
-        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.telemetry = telemetry if telemetry is not None else default_telemetry(TELEMETRY_FILE)
         self.conductor: Any | None = None
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
         cuda = uses_cuda(self.device)
@@ -517,4 +524,6 @@ class StagehandRuntime:
         self.memory.untrack(self.resident_bytes, "weights")
         self._by_storage.clear()
         self._by_ptr.clear()
+        if self._owns_telemetry:
+            self.telemetry.close()
         self._closed = True

@@ -134,3 +134,49 @@ def test_close_restores_an_ordinary_model(tiny_flux):
     with torch.no_grad():
         assert torch.equal(output_tensor(model(**inputs)), output_tensor(reference(**inputs)))
     assert not model.transformer_blocks[0]._forward_pre_hooks
+
+
+def test_runtimes_without_a_stream_write_the_seeds_jsonl_files(tiny_flux, tmp_path):
+    """Issue 3: "the default writes JSONL"; the activation and Conductor seeds name their files.
+    (The runtime tests run in their temp folder: tests/runtime/conftest.py.)"""
+    import json
+    from pathlib import Path
+
+    from runtime.activations import ActivationRuntime
+    from runtime.activations.bench import lora_model, train_steps
+    from runtime.conductor import ConductorRuntime
+    from runtime.config import ActivationStagehandConfig, ConductorConfig
+    from runtime.weights.runtime import TELEMETRY_FILE
+
+    assert Path.cwd() == tmp_path
+
+    def lines(name):
+        return [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+
+    model = make_model("flux", tiny_flux)
+    runtime = StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
+    train(model, runtime, steps=2)
+    runtime.close()
+    records = lines(TELEMETRY_FILE)
+    assert {r["kind"] for r in records} >= {"block", "step"}
+    assert [r["seq"] for r in records] == list(range(len(records)))
+
+    spill_all = ActivationStagehandConfig(
+        vram_high_watermark_mb=0,
+        vram_low_watermark_mb=0,
+        pinned_pool_classes_mb=(0.0625, 0.25, 1),
+        slabs_per_class=(64, 16, 4),
+    )
+    acts = ActivationRuntime(spill_all, device="cpu")
+    train_steps(lora_model("flux", tiny_flux), 2, acts)
+    acts.close()
+    steps = [r for r in lines("activation_telemetry.jsonl") if r["kind"] == "step"]
+    assert len(steps) == 2 and all(r["activations_spilled"] > 0 for r in steps)
+
+    for enabled in (False, True):
+        conductor = ConductorRuntime(ConductorConfig(enabled=enabled))
+        conductor.begin_step(0)
+        conductor.enter_forward()
+        conductor.end_step()
+        conductor.shutdown()
+    assert [r["step_id"] for r in lines("conductor_telemetry.jsonl")] == [0]  # enabled only
