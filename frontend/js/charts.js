@@ -75,12 +75,18 @@ export function emptyNote(text) {
 }
 
 // Markers are shapes with their own label: an annotation in data coordinates would widen the
-// autorange by the width of its text.
-export function markerShapes(markers) {
+// autorange by the width of its text. A marker in the right third of `xRange` ([lo, hi], the
+// data's x extent) puts its label on its left, where it is not cut by the plot's edge.
+export function markerShapes(markers, xRange = null) {
+  const [lo, hi] = xRange || [0, 0];
   return markers.map((m) => ({
     type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
     line: { color: m.color, width: 1.5, dash: "dash" },
-    label: { text: m.label, textangle: 0, textposition: "end", xanchor: "left", font: { size: 10, color: m.color } },
+    label: {
+      text: m.label, textangle: 0, textposition: "end",
+      xanchor: hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left",
+      font: { size: 10, color: m.color },
+    },
   }));
 }
 
@@ -161,7 +167,10 @@ export class ChartPanel {
       yaxis: { ...BASE_LAYOUT.yaxis, ...(layout.yaxis || {}) },
     };
     if (layout.yaxis2) {
-      this.layout.yaxis2 = { gridcolor: "#f3f5f8", zeroline: false, overlaying: "y", side: "right", automargin: true, ...layout.yaxis2 };
+      this.layout.yaxis2 = {
+        gridcolor: "#f3f5f8", zeroline: false, overlaying: "y", side: "right", automargin: true, rangemode: "tozero",
+        ...layout.yaxis2,
+      };
     }
   }
 
@@ -175,6 +184,11 @@ export class ChartPanel {
   }
 
   _fold() {}
+
+  /** [lowest, highest] x of the data, or null (places marker labels). */
+  _xRange() {
+    return null;
+  }
 
   /** Schedules a redraw (at most one per `flushMs`). */
   invalidate() {
@@ -196,8 +210,10 @@ export class ChartPanel {
     this.dirty = false;
     this.revision += 1;
     const notes = this.empty && this.emptyText ? [emptyNote(this.emptyText)] : [];
-    this.layout = { ...this.layout, shapes: markerShapes(this.markers), annotations: notes, datarevision: this.revision };
-    Plotly.react(this.el, this._traces(), this.layout, PLOT_CONFIG);
+    const data = this._traces();
+    const shapes = markerShapes(this.markers, this.markers.length ? this._xRange() : null);
+    this.layout = { ...this.layout, shapes, annotations: notes, datarevision: this.revision };
+    Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
   }
 
   setTitle(title) {
@@ -248,6 +264,11 @@ export class LiveChart extends ChartPanel {
   _traces() {
     if (this.data.some((t) => t.x.length > DENSE_POINTS)) this.data = this.data.map(denseTrace);
     return this.data;
+  }
+
+  _xRange() {
+    const xs = this.data.filter((t) => t.x.length).flatMap((t) => [t.x[0], t.x[t.x.length - 1]]);
+    return xs.length ? [Math.min(...xs), Math.max(...xs)] : null;
   }
 
   /** Queues points for trace `index`; drawn at the next flush. */

@@ -45,6 +45,11 @@ export class ResidencyMap extends ChartPanel {
     return this.columns.length === 0;
   }
 
+  _xRange() {
+    const cols = this.columns;
+    return cols.length ? [cols[0].t, cols[cols.length - 1].t] : null;
+  }
+
   /** One stagehand/block record with its elapsed time `t` (s). */
   add(t, rec) {
     const block = rec.block;

@@ -57,7 +57,7 @@ export class RunCharts {
         width,
         traces: [
           { name: "allocated", line: { color: COLORS.allocated, width: 1.5 } },
-          { name: "reserved", line: { color: COLORS.reserved, width: 1.5 } },
+          { name: "reserved (CUDA)", line: { color: COLORS.reserved, width: 1.5 } },
           { name: "high watermark", line: { color: COLORS.high, dash: "dot", width: 1, shape: "hv" } },
           { name: "low watermark", line: { color: COLORS.low, dash: "dot", width: 1, shape: "hv" } },
         ],
@@ -190,8 +190,7 @@ export class RunCharts {
         this.blockRecords += 1;
         if (this.blockRecords === 1) this._vramTitle();
         this._setSource(rec.vram_source);
-        if (rec.vram_allocated_mb !== undefined) c.vram.push(0, t, rec.vram_allocated_mb);
-        if (rec.vram_reserved_mb !== undefined) c.vram.push(1, t, rec.vram_reserved_mb);
+        this._vramPoint(t, rec);
         c.residency.add(t, rec);
         break;
       case "stagehand/step":
@@ -199,7 +198,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
         if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
-        if (this.blockRecords === 0) this._vramAtStep(t, rec);
+        if (this.blockRecords === 0) this._vramPoint(t, rec);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);
@@ -208,7 +207,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         // Without block records (block_events off, or no weight streaming) the step figures
         // are the best VRAM timeline there is.
-        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramAtStep(t, rec);
+        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramPoint(t, rec);
         const ph = rec.phase_ms || {};
         c.phases.push(0, step, ph.forward);
         c.phases.push(1, step, ph.backward);
@@ -270,12 +269,19 @@ export class RunCharts {
       reserved.push(b.min?.vram_reserved_mb, b.max?.vram_reserved_mb);
     });
     this.charts.vram.prependSeries(0, x, alloc);
-    this.charts.vram.prependSeries(1, x, reserved);
+    // Tracked memory reports reserved = allocated (see _vramPoint).
+    if (reserved.some((v, i) => v !== alloc[i])) this.charts.vram.prependSeries(1, x, reserved);
   }
 
-  _vramAtStep(t, rec) {
+  /**
+   * Allocated and reserved VRAM of one record. Tracked memory (no CUDA) has no allocator cache:
+   * its reserved figure is the allocated one, and drawing it would only hide that line.
+   */
+  _vramPoint(t, rec) {
     if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb);
-    if (rec.vram_reserved_mb !== undefined) this.charts.vram.push(1, t, rec.vram_reserved_mb);
+    if (rec.vram_reserved_mb !== undefined && rec.vram_source !== "tracked") {
+      this.charts.vram.push(1, t, rec.vram_reserved_mb);
+    }
   }
 
   /** Vertical marker on every chart where limits took effect. */
