@@ -150,7 +150,13 @@ class TransferEngine:
         module-backed ones point back at their host masters, trainable ones after their data and
         gradients were copied back (EVICTING -> HOST_STAGED; the seed's bug 2)."""
         if block.state is BlockState.PREFETCHING:
-            block.load_event.wait()  # the buffer may be freed only after its copy
+            # A prefetch evicted before its use: its buffer and staging may be freed only after
+            # its copy, and its in-flight entry (staging slab, Conductor grant) must go now: a
+            # reload would otherwise replace the block's staging and event while the old entry
+            # is queued, and the first slab and grant would never be released. Copies finish in
+            # order, so retiring after this one's host wait takes it off the queue.
+            block.load_event.synchronize()
+            self.retire()
         trainable = [s for s in block.layout if s.trainable]
         if trainable and block.state is BlockState.GPU_READY:
             block.to(BlockState.EVICTING)

@@ -180,3 +180,40 @@ def test_runtimes_without_a_stream_write_the_seeds_jsonl_files(tiny_flux, tmp_pa
         conductor.end_step()
         conductor.shutdown()
     assert [r["step_id"] for r in lines("conductor_telemetry.jsonl")] == [0]  # enabled only
+
+
+class _LateEvent:
+    """A copy still running (as on a CUDA stream) until a host wait: query() is False before."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def wait(self, stream=None):  # a device-side wait: the host goes on at once
+        pass
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_evicting_a_prefetch_in_flight_releases_its_slab_before_a_reload(tiny_flux):
+    """Copies that outlive the call (CUDA): a prefetch evicted before its use, then loaded again,
+    must give its slab back (it was kept, and the pool shrank by a slab each time)."""
+    model = make_model("flux", tiny_flux)
+    runtime = StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
+    engine = runtime.transfer
+    engine.stream.record = _LateEvent
+    block = runtime.blocks[2]
+    for _ in range(3):
+        assert engine.load(block, speculative=True)
+        assert runtime.pool.used_bytes > 0  # the copy holds its slab
+        engine.evict(block)
+    assert runtime.pool.used_bytes == 0 and not engine.inflight
+    engine.load(block, speculative=False)
+    engine.ready(block)
+    block.load_event.synchronize()
+    engine.retire()
+    assert runtime.pool.used_bytes == 0
+    runtime.close()
