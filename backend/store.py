@@ -394,8 +394,10 @@ class Store:
     def _roll_up(self, run_id: int, rows: list[tuple], records: list[dict]) -> None:
         """Folds new telemetry rows into their (source, kind)'s newest chunk and new ones."""
         by_key: dict[tuple[str, str], list[dict]] = {}
-        for (_seq, _t, source, kind, *_), rec in zip(rows, records, strict=True):
+        for (seq, _t, source, kind, *_), rec in zip(rows, records, strict=True):
             if source is not None and kind is not None:
+                if type(rec.get("seq")) is not int:  # a foreign writer's "7" (the row has 7)
+                    rec = {**rec, "seq": seq}
                 by_key.setdefault((source, kind), []).append(rec)
         for (source, kind), records in by_key.items():
             row = self.db.execute(

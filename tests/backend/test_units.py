@@ -45,7 +45,7 @@ def test_tail_holds_a_torn_line_until_complete(tmp_path):
     assert JsonlTail(path, tail.offset).read() == []
 
 
-def test_nan_and_infinity_become_null_in_the_stored_line():
+def test_nan_and_infinity_become_null_in_the_stored_line(tmp_path):
     from backend.tailer import parse_line
 
     line = parse_line('{"seq": 3, "kind": "step", "loss": NaN, "x": {"y": -Infinity}, "z": 1}')
@@ -58,6 +58,16 @@ def test_nan_and_infinity_become_null_in_the_stored_line():
     }
     plain = rec(4, loss=0.5)
     assert parse_line(plain).raw == plain  # standard JSON is kept byte for byte
+    # A seq written as a string is still a record, and is rolled up under its number.
+    odd = parse_line('{"seq": "7", "source": "s", "kind": "k", "v": 2}')
+    store = Store(tmp_path / "db.sqlite")
+    run_id = store.create_run("r", "p", {}, "default")
+    assert store.ingest(run_id, [odd.row()], 1, [odd.record]) == 1
+    got, last = store.bucket_stats(run_id, -1, "s", "k", 4, ["v"], 10)
+    assert last == 7 and got[0]["max"] == {"v": 2}
+    rollup = "SELECT seq_first, seq_last, count FROM telemetry_rollup"
+    assert store.db.execute(rollup).fetchall() == [(7, 7, 1)]
+    store.close()
 
 
 def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
