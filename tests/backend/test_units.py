@@ -59,14 +59,17 @@ def test_nan_and_infinity_become_null_in_the_stored_line(tmp_path):
     plain = rec(4, loss=0.5)
     assert parse_line(plain).raw == plain  # standard JSON is kept byte for byte
     # A seq written as a string is still a record, and is rolled up under its number.
-    odd = parse_line('{"seq": "7", "source": "s", "kind": "k", "v": 2}')
+    lines = [
+        parse_line('{"seq": "7", "source": "s", "kind": "k", "v": 2}'),
+        parse_line('{"seq": 8, "source": "s", "kind": "k", "v": 1}'),
+    ]
     store = Store(tmp_path / "db.sqlite")
     run_id = store.create_run("r", "p", {}, "default")
-    assert store.ingest(run_id, [odd.row()], 1, [odd.record]) == 1
+    assert store.ingest(run_id, [ln.row() for ln in lines], 1, [ln.record for ln in lines]) == 2
     got, last = store.bucket_stats(run_id, -1, "s", "k", 4, ["v"], 10)
-    assert last == 7 and got[0]["max"] == {"v": 2}
+    assert last == 8 and [b["max"] for b in got] == [{"v": 2}, {"v": 1}]
     rollup = "SELECT seq_first, seq_last, count FROM telemetry_rollup"
-    assert store.db.execute(rollup).fetchall() == [(7, 7, 1)]
+    assert store.db.execute(rollup).fetchall() == [(7, 8, 2)]
     store.close()
 
 
