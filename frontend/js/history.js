@@ -11,7 +11,7 @@ import { api } from "./api.js";
 export const RAW_LIMIT = 20000;
 export const PAGE = 5000;
 export const BUCKETS = 1500;
-const TAIL_SEQS = 3000;
+const TAIL_SEQS = 1500;
 const SOURCES = ["trainer", "strategy", "activation_stagehand", "conductor"];
 const VRAM_FIELDS = "vram_allocated_mb,vram_reserved_mb"; // what the VRAM chart draws of a bucket
 
