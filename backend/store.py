@@ -95,24 +95,15 @@ def _m002_telemetry_kind_index(db: sqlite_utils.Database) -> None:
 
 
 def _m003_telemetry_rollup(db: sqlite_utils.Database) -> None:
-    # Min/max rollups (backend.downsample.Chunk), filled at ingest; runs stored before this
-    # migration are folded here once.
+    # Min/max rollups (backend.downsample.Chunk), filled at ingest. Runs stored before this
+    # migration get theirs on their first bucketed read (Store._rollups), not at start-up
+    # (~2 s per 100k records).
     db.execute(
         "CREATE TABLE telemetry_rollup (run_id INTEGER NOT NULL, source TEXT NOT NULL,"
         " kind TEXT NOT NULL, chunk INTEGER NOT NULL, seq_first INTEGER, seq_last INTEGER,"
         " step_min INTEGER, step_max INTEGER, time_min REAL, count INTEGER, lo TEXT, hi TEXT,"
         " PRIMARY KEY (run_id, source, kind, chunk))"
     )
-    keys = db.execute(
-        "SELECT DISTINCT run_id, source, kind FROM telemetry"
-        " WHERE source IS NOT NULL AND kind IS NOT NULL"
-    ).fetchall()
-    for run_id, source, kind in keys:
-        lines = db.execute(
-            "SELECT data FROM telemetry WHERE run_id = ? AND source = ? AND kind = ? ORDER BY seq",
-            [run_id, source, kind],
-        )
-        _write_chunks(db, run_id, source, kind, fold(None, [json.loads(d) for (d,) in lines]))
 
 
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
@@ -481,12 +472,7 @@ class Store:
         if not n:
             return [], since
         if since < 0 and source and kind and n > ROLLUP_MIN_RECORDS:
-            rows = self.db.execute(
-                f"SELECT {ROLLUP_COLUMNS} FROM telemetry_rollup WHERE run_id = ? AND source = ?"
-                " AND kind = ? ORDER BY chunk",
-                [run_id, source, kind],
-            )
-            out = merge_chunks([_chunk(r) for r in rows], buckets, paths)
+            out = merge_chunks(self._rollups(run_id, source, kind, n), buckets, paths)
             return out, out[-1]["seq_last"] if out else since
         values = "".join(f", json_extract(data, '$.{p}') AS v{i}" for i, p in enumerate(paths))
         extra = "".join(f", MIN(v{i}), MAX(v{i})" for i in range(len(paths)))
@@ -514,6 +500,27 @@ class Store:
             )
             last = row[2]
         return out, last
+
+    def _rollups(self, run_id: int, source: str, kind: str, n: int) -> list[Chunk]:
+        """The chunks of (run, source, kind), in order. When they hold fewer than the ``n``
+        records counted (a run stored before rollups existed) they are first rebuilt from the
+        records, in one transaction; more (records ingested since ``n`` was read) is fine."""
+        key = [run_id, source, kind]
+        where = "run_id = ? AND source = ? AND kind = ?"
+        rows = self.db.execute(
+            f"SELECT {ROLLUP_COLUMNS} FROM telemetry_rollup WHERE {where} ORDER BY chunk", key
+        ).fetchall()
+        chunks = [_chunk(r) for r in rows]
+        if sum(c.count for c in chunks) >= n:
+            return chunks
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(f"DELETE FROM telemetry_rollup WHERE {where}", key)
+            lines = db.execute(f"SELECT seq, data FROM telemetry WHERE {where} ORDER BY seq", key)
+            chunks = fold(None, [{**json.loads(d), "seq": s} for s, d in lines])
+            _write_chunks(db, run_id, source, kind, chunks)
+        return chunks
 
     def last_record(self, run_id: int, source: str | None = None, kind: str | None = None):
         """The newest record (parsed) matching ``source``/``kind``, or None."""
