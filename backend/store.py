@@ -351,21 +351,22 @@ class Store:
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
             seqs = [r[0] for r in rows]
-            stored = set()
+            seen = set()
             if seqs:
-                stored = {
+                seen = {
                     s
                     for (s,) in db.execute(
                         "SELECT seq FROM telemetry WHERE run_id = ? AND seq BETWEEN ? AND ?",
                         [run_id, min(seqs), max(seqs)],
                     )
                 }
-            if records is None:
-                records = [json.loads(r[6]) for r in rows]
-            fresh = [r for r in rows if r[0] not in stored]
-            fresh_records = [
-                rec for r, rec in zip(rows, records, strict=True) if r[0] not in stored
-            ]
+            # New rows only (stored before, or twice in this batch): each is rolled up once.
+            fresh, fresh_records = [], []
+            for i, row in enumerate(rows):
+                if row[0] not in seen:
+                    seen.add(row[0])
+                    fresh.append(row)
+                    fresh_records.append(json.loads(row[6]) if records is None else records[i])
             before = db.conn.total_changes
             db.conn.executemany(
                 "INSERT OR IGNORE INTO telemetry (run_id, seq, time, source, kind, step, phase,"

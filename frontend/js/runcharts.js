@@ -45,14 +45,13 @@ export class RunCharts {
     const divs = Object.fromEntries(CHART_IDS.map((id) => [id, h("div", { id, class: "chart" })]));
     container.append(...CHART_IDS.map((id) => h("div", { class: "chart-panel" }, divs[id])));
     const width = divs.vram.clientWidth; // the grid's panels are all as wide: one layout read
-    const panel = (id) => divs[id];
     this.t0 = null;
     this.vramSource = null;
     this.blockRecords = 0;
     this.stagehandSteps = 0;
     this.smoothed = null;
     this.charts = {
-      vram: new LiveChart(panel("vram"), {
+      vram: new LiveChart(divs.vram, {
         title: "VRAM (MB)",
         width,
         traces: [
@@ -63,8 +62,8 @@ export class RunCharts {
         ],
         layout: { xaxis: { title: { text: "time since start (s)" } }, yaxis: { title: { text: "MB" } } },
       }),
-      residency: new ResidencyMap(panel("residency"), { title: "Block residency (on device over time)", width }),
-      host: new LiveChart(panel("host"), {
+      residency: new ResidencyMap(divs.residency, { title: "Block residency (on device over time)", width }),
+      host: new LiveChart(divs.host, {
         title: "Host memory (MB)",
         width,
         traces: [
@@ -75,7 +74,7 @@ export class RunCharts {
         ],
         layout: { xaxis: stepAxis(), yaxis: { title: { text: "MB" } } },
       }),
-      spill: new LiveChart(panel("spill"), {
+      spill: new LiveChart(divs.spill, {
         title: "Activation spill per step",
         width,
         traces: [
@@ -86,7 +85,7 @@ export class RunCharts {
         ],
         layout: { barmode: "relative", xaxis: stepAxis(), yaxis: { title: { text: "saved tensors" } }, yaxis2: { title: { text: "MB" } } },
       }),
-      "spill-pool": new LiveChart(panel("spill-pool"), {
+      "spill-pool": new LiveChart(divs["spill-pool"], {
         title: "Spill pool hit rate and stalls",
         width,
         traces: [
@@ -96,7 +95,7 @@ export class RunCharts {
         ],
         layout: { xaxis: stepAxis(), yaxis: { title: { text: "%" }, range: [0, 105] }, yaxis2: { title: { text: "ms" }, rangemode: "tozero" } },
       }),
-      phases: new LiveChart(panel("phases"), {
+      phases: new LiveChart(divs.phases, {
         title: "Phase timings per step (ms)",
         width,
         traces: [
@@ -107,7 +106,7 @@ export class RunCharts {
         ],
         layout: { barmode: "stack", xaxis: stepAxis(), yaxis: { title: { text: "ms" } } },
       }),
-      loss: new LiveChart(panel("loss"), {
+      loss: new LiveChart(divs.loss, {
         title: "Loss and grad norm",
         width,
         traces: [
@@ -117,7 +116,7 @@ export class RunCharts {
         ],
         layout: { xaxis: stepAxis(), yaxis: { title: { text: "loss" } }, yaxis2: { title: { text: "grad norm" } } },
       }),
-      conductor: new LiveChart(panel("conductor"), {
+      conductor: new LiveChart(divs.conductor, {
         title: "Conductor grants and transfers per step",
         width,
         traces: [
@@ -326,7 +325,7 @@ export class RunCharts {
     return new Promise((resolve) => {
       const next = () => {
         const c = later.shift();
-        if (!c) return resolve();
+        if (!c || this.purged) return resolve();
         c.flush();
         return setTimeout(next, 0);
       };
@@ -338,6 +337,7 @@ export class RunCharts {
   }
 
   purge() {
+    this.purged = true; // stops drawVisibleFirst's queue
     for (const chart of Object.values(this.charts)) chart.purge();
   }
 }

@@ -86,6 +86,10 @@ def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
     run = store.get_run(run_id)
     assert run["tail_offset"] == 50 and run["last_seq"] == 4
     assert store.summary(run_id)["final_loss"] == 4.0
+    extra = (5, 1.0, "trainer", "step", 5, None, rec(5, loss=5.0))
+    assert store.ingest(run_id, [extra, extra], 60) == 1  # twice in one batch: stored once
+    rolled = "SELECT SUM(count) FROM telemetry_rollup WHERE run_id = ?"
+    assert store.db.execute(rolled, [run_id]).fetchone()[0] == 6  # and rolled up once
     store.close()
 
 
