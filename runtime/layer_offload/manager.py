@@ -10,8 +10,8 @@ with the layer-offload policy instead of traced streaming:
 - before each offloaded layer it is loaded (the runtime's forward pre-hook, in forward and in a
   checkpoint recomputation, and ``_BackwardBegin`` before the layer's backward);
 - after each layer it is evicted at once: the low watermark is 0 and the prefetch window 0, so
-  the runtime's ``_done`` (forward hook in forward, ``_BackwardEnd`` after the layer's backward)
-  always evicts. With ``enable_async_offloading`` the window is 1: the next layer in layer
+  the runtime's ``_done`` (forward hook in forward; in backward when the next layer's backward
+  begins, NOTE [ Backward block boundaries ]) always evicts. With ``enable_async_offloading`` the window is 1: the next layer in layer
   order (``LayerOrderScheduler``, no trace) is copied while this one computes, at the cost of
   one more layer on the device;
 - stale-layer eviction in ``before_layer`` (below).
@@ -20,8 +20,8 @@ with the layer-offload policy instead of traced streaming:
 The seed evicted in ``after_layer``; a non-reentrant checkpoint recomputation that stops early
 (``_StopRecomputationError`` once every saved tensor was recomputed: the default) never reaches
 ``after_layer``, so the recomputed layer stayed on the device. Here eviction after a layer's
-backward is tied to the autograd boundary (``_BackwardEnd``), which early stop does not skip,
-so that path leaves nothing behind; ``before_layer`` still evicts every loaded non-resident
+backward is tied to the autograd boundaries (the next layer's ``_BackwardBegin``, or the end of
+the backward phase), which early stop does not skip, so that path leaves nothing behind; ``before_layer`` still evicts every loaded non-resident
 block other than the one about to run and the prefetched next one (``evict_stale``), so a use
 whose end never came (an exception mid-block, a partial backward) cannot accumulate layers.
 """

@@ -2,14 +2,27 @@
 
 # NOTE [ Backward block boundaries ]
 Forward hooks alone do not see backward. As in DeepSpeed ZeRO-3, the forward hook passes a
-block's outputs through ``_BackwardBegin`` (an identity whose backward runs once every output
-gradient arrived, i.e. *before* the block's own backward: ensure the block is loaded, prefetch
-the next blocks in backward order), and the forward pre-hook passes its inputs (positional and
-keyword: diffusers blocks take ``encoder_hidden_states``, ``temb``, ``image_rotary_emb`` as
-kwargs and return tuples) through ``_BackwardEnd`` (runs *after* the block's backward: the block
-is done and may be evicted). When no input requires grad (block 0 of a LoRA model), the first
-floating input is routed through ``_BackwardEnd`` together with a 0-d leaf that requires grad, so
-the boundary still fires; gradients of parameters are unchanged by it.
+block's outputs through ``_BackwardBegin``: an identity whose backward runs once every output
+gradient arrived, i.e. *before* the block's own backward (load the block, prefetch the next ones
+in backward order). The end of a block's backward is the begin of the next block's (or the end
+of the backward phase): autograd runs ready nodes newest first, and every node of block k was
+created after block k-1's ``_BackwardBegin``, so block k's backward has finished when block
+k-1's begins. Under reentrant checkpointing the block's outputs are wrapped again in the
+recomputation, whose nested backward (a graph task of its own) starts there; the next block's
+recomputation runs in the outer graph task once that nested backward returned, so it ends
+every block whose backward began in another graph task. In a non-reentrant checkpoint the
+recomputation shares the outer graph task and its wrapped outputs are never run.
+
+Nothing is put on the block's *inputs*, on purpose: an identity there changes the numbers. A
+tensor given to several blocks and used more than once in each (the text context of
+cross-attention ``k``/``v``, a timestep embedding) would have its gradient summed per block
+first, then across blocks, where the plain model sums every contribution in arrival order:
+floating-point addition is not associative, and the producer's gradient differs in the last bit.
+
+``_BackwardBegin`` does not materialise gradients: an output the loss does not use (the last
+text-stream output of a dual-stream block) passes None on, as in the plain model. A zero there
+would give the parameters feeding only that output a ``.grad`` of zeros instead of None, which
+AdamW decays and keeps state for, and run the dead branch's backward for nothing.
 
 # NOTE [ Saved weight views ]
 Autograd saves views of weights (``weight.t()`` in ``F.linear``). Kept as is, such a view would
@@ -33,26 +46,14 @@ class _BackwardBegin(torch.autograd.Function):
         ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
+        ctx.set_materialize_grads(False)  # None stays None: see the NOTE
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if any(g is not None for g in grads):  # else the block has no backward to run
+            ctx.callback()
         return (None, *grads)
-
-
-class _BackwardEnd(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, callback: Callable[[], None], anchor: torch.Tensor | None, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, None, *grads)
 
 
 def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
@@ -91,28 +92,6 @@ def wrap_outputs(output: Any, callback: Callable[[], None]) -> Any:
         return output
     new = _BackwardBegin.apply(callback, *tensors)
     return _replace(output, {id(t): n for t, n in zip(tensors, new, strict=True)})
-
-
-def wrap_inputs(
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    callback: Callable[[], None],
-    anchor: torch.Tensor,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` with grad-requiring tensors routed through ``_BackwardEnd``; see the
-    NOTE for the anchor used when none requires grad."""
-    leaves: list[torch.Tensor] = []
-    _leaves((args, kwargs), leaves)
-    tensors = [t for t in leaves if t.requires_grad]
-    use_anchor = None
-    if not tensors:
-        floats = [t for t in leaves if t.is_floating_point()]
-        if not floats:
-            return args, kwargs
-        tensors, use_anchor = floats[:1], anchor
-    new = _BackwardEnd.apply(callback, use_anchor, *tensors)
-    mapping = {id(t): n for t, n in zip(tensors, new, strict=True)}
-    return _replace(args, mapping), _replace(kwargs, mapping)
 
 
 class WeightView:

@@ -39,7 +39,7 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
-from runtime.weights.hooks import WeightView, wrap_inputs, wrap_outputs
+from runtime.weights.hooks import WeightView, wrap_outputs
 from runtime.weights.optimizer import trainable_on_device
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
@@ -124,10 +124,10 @@ class StagehandRuntime:
         )
         self.transfer.on_copy_done = self._copy_done
         self.router = SavedTensorRouter([self.packer])
-        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._by_storage: dict[int, Block] = {}
         self._by_ptr: dict[int, ParamSlot] = {}
         self._active: set[int] = set()
+        self._began: dict[int, int] = {}  # block index -> graph task its backward began in
         self._handles = []
         for block in self.blocks:
             self._handles.append(
@@ -144,7 +144,7 @@ class StagehandRuntime:
         self._open = self._explicit = self._saw_backward = False
         self._first_block: int | None = None
         self._counts: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
-        self._h2d_at_begin = 0
+        self._h2d_at_begin = self._reads_at_begin = 0
         self._last: dict[str, Any] = {}
         self._closed = False
 
@@ -182,6 +182,7 @@ class StagehandRuntime:
         self._saw_backward, self._first_block = False, None
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._h2d_at_begin = self.transfer.h2d_bytes
+        self._reads_at_begin = self._file_reads()
         self._t_step = time.perf_counter()
         if self._owns_memory:
             self.memory.reset_peak()
@@ -198,14 +199,16 @@ class StagehandRuntime:
         self._open = False
         mem = self.memory.snapshot()
         c = self._counts
+        counters = self.counters()
         self._last = {
-            "blocks_loaded": int(c["blocks_loaded"]),
-            "blocks_evicted": int(c["blocks_evicted"]),
-            "prefetch_hits": int(c["prefetch_hits"]),
-            "prefetch_misses": int(c["prefetch_misses"]),
+            "blocks_loaded": counters["blocks_loaded"],
+            "blocks_evicted": counters["blocks_evicted"],
+            "prefetch_hits": counters["prefetch_hits"],
+            "prefetch_misses": counters["prefetch_misses"],
             "prefetch_skipped": int(c["prefetch_skipped"]),
             "stall_time_ms": c["stall_time_ms"],
-            "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
+            "h2d_bytes": counters["h2d_bytes"],
+            "file_reads": counters["file_reads"],
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
@@ -218,6 +221,23 @@ class StagehandRuntime:
         }
         self.telemetry.emit("stagehand", "step", **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
+
+    def counters(self) -> dict[str, int]:
+        """Work of the open step (the last one between steps): ``blocks_loaded``,
+        ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
+        from the safetensors files) and ``h2d_bytes`` (bytes copied to the device)."""
+        c = self._counts
+        return {
+            "blocks_loaded": int(c["blocks_loaded"]),
+            "blocks_evicted": int(c["blocks_evicted"]),
+            "prefetch_hits": int(c["prefetch_hits"]),
+            "prefetch_misses": int(c["prefetch_misses"]),
+            "file_reads": self._file_reads() - self._reads_at_begin,
+            "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
+        }
+
+    def _file_reads(self) -> int:
+        return self.source.reads if self.source is not None else 0
 
     def step_metrics(self) -> dict[str, Any]:
         """The last closed step's ``stagehand/step`` fields (docs/contracts.md)."""
@@ -267,39 +287,52 @@ class StagehandRuntime:
         return trainable_on_device(self.blocks, self.device, self.memory, optimizer)
 
     # -- hooks ----------------------------------------------------------------------------------
-    def _pre_hook(self, block: Block, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        recompute = _in_backward()
-        if not recompute:
+    def _pre_hook(self, block: Block, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _in_backward():
+            self._end_nested(block)
+            self._use(block, "recompute")
+        else:
             self._forward_started(block)
-        self._use(block, "recompute" if recompute else "forward")
-        if self.mode != "training" or not torch.is_grad_enabled():
-            return None
-        # Wrapped in a recomputation too: the anchor decides what autograd saves, and a
-        # checkpoint's recomputation must save exactly what the original forward saved.
-        return wrap_inputs(args, kwargs, partial(self._backward_end, block), self._anchor)
+            self._use(block, "forward")
 
     def _post_hook(
         self, block: Block, module: nn.Module, args: tuple, kwargs: dict, output: Any
     ) -> Any:
-        if _in_backward():
-            return None  # recomputation: the block's backward follows
-        self._emit_block("exit", block, direction="forward")
-        self._done(block)
+        if not _in_backward():
+            self._emit_block("exit", block, direction="forward")
+            self._done(block)
         if self.mode != "training" or not torch.is_grad_enabled():
             return None
+        # In a recomputation too: a reentrant checkpoint's nested backward starts at these
+        # outputs (NOTE [ Backward block boundaries ]); a non-reentrant one never runs them.
         return wrap_outputs(output, partial(self._backward_begin, block))
 
     def _backward_begin(self, block: Block) -> None:
+        # The begin of one block's backward is the end of every other block's (see the NOTE).
         self._saw_backward = True
+        for index in sorted(self._active - {block.index}, reverse=True):
+            self._backward_end(self.blocks[index])
+        self._began[block.index] = torch._C._current_graph_task_id()
         self._use(block, "backward")
 
+    def _end_nested(self, block: Block) -> None:
+        # A reentrant checkpoint's recomputation runs in the outer backward, after the nested
+        # backward of the block before it returned: a block whose backward began in another
+        # graph task is done (see the NOTE). A non-reentrant one shares the outer graph task.
+        task = torch._C._current_graph_task_id()
+        for index in sorted(self._active - {block.index}, reverse=True):
+            began = self._began.get(index)
+            if began is not None and began != task:
+                self._backward_end(self.blocks[index])
+
     def _backward_end(self, block: Block) -> None:
-        self._emit_block("exit", block, direction="backward")
+        self._emit_block("exit", block, direction="backward" if self._saw_backward else "forward")
         self._done(block)
 
     def _finish_backward(self) -> None:
+        # The last block of backward (no next begin ends it), or blocks an error left in use.
         for index in sorted(self._active, reverse=True):
-            self._done(self.blocks[index])
+            self._backward_end(self.blocks[index])
 
     # -- scheduling -----------------------------------------------------------------------------
     def _use(self, block: Block, direction: str) -> None:
@@ -401,6 +434,7 @@ class StagehandRuntime:
 
     def _done(self, block: Block) -> None:
         self._active.discard(block.index)
+        self._began.pop(block.index, None)
         if block.on_device and not block.resident:
             soon = self.scheduler.upcoming()
             if block.index not in soon:

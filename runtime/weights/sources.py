@@ -100,6 +100,9 @@ class SafetensorsCheckpoint:
                     end - begin,
                 )
         self._fds: dict[Path, int] = {}
+        self.reads = 0
+        """Tensors read from the files so far (``read_into`` calls)."""
+        self.read_bytes = 0
 
     def resolve(self, name: str) -> str:
         """The checkpoint key of model parameter ``name``.
@@ -135,6 +138,8 @@ class SafetensorsCheckpoint:
                     f"short read of {key!r} from {entry.path} at byte {entry.start + done}"
                 )
             done += n
+        self.reads += 1
+        self.read_bytes += entry.nbytes
 
     def load(self, key: str) -> torch.Tensor:
         """A fresh CPU tensor holding checkpoint tensor ``key`` (resident parameters)."""

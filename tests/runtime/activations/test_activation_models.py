@@ -15,6 +15,8 @@ from runtime.common.memory import DeviceMemory
 from runtime.common.telemetry import ListSink, Telemetry
 from runtime.config import MB, ActivationStagehandConfig
 
+pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
+
 STEPS = 3
 POOL = {"pinned_pool_classes_mb": (0.0625, 0.25, 1), "slabs_per_class": (64, 16, 4)}
 MODELS = [("flux", "tiny_flux"), ("sd3", "tiny_sd3"), ("ltx", "tiny_video")]

@@ -12,6 +12,8 @@ from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.config import ActivationStagehandConfig, StagehandConfig
 
+pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
+
 weights_runtime = pytest.importorskip("runtime.weights")
 
 

@@ -7,24 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig
 
-from runtime.assets import example_inputs, model_class, output_tensor
-
-LORA_TARGETS = ["to_q", "to_k", "to_v"]
+from runtime.assets import example_inputs, output_tensor
+from tests.runtime import exact
 
 
 def make_model(arch: str, path: Path) -> torch.nn.Module:
-    """Frozen base + peft LoRA with non-zero ``lora_B`` (every LoRA gradient non-trivial)."""
-    model = model_class(arch).from_pretrained(path)
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model.train()
+    """Frozen base + peft LoRA with non-zero ``lora_B``, weights in ordinary storage
+    (``exact.make_model``)."""
+    return exact.make_model(arch, path, "lora", ordinary=True)
 
 
 def layer_offload(fraction: float, offload: bool, **extra: Any) -> dict[str, Any]:

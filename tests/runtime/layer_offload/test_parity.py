@@ -11,6 +11,8 @@ from runtime.strategy import build_strategy
 
 from ._helpers import assert_same_training, layer_offload, make_model, train
 
+pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
+
 
 @pytest.fixture(scope="module")
 def folders(tiny_flux, tiny_sd3):

@@ -4,16 +4,15 @@ import itertools
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
-from peft import LoraConfig
 
 from runtime.assets import example_inputs, output_tensor
 from runtime.common.telemetry import ListSink, Telemetry
 from runtime.config import MemoryConfig
 from runtime.strategy import build_strategy
+from runtime.strategy.base import COUNTERS
 from runtime.strategy.composed import StagehandStrategy
+from tests.runtime import exact
 
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 # Sized to the tiny Flux (8 blocks of ~0.43 MB, ~0.4 MB resident): prefetch happens (high
 # watermark 2 MB), activations spill (0.1 MB), the Conductor's caps are never the limit.
 MEMORY = {
@@ -42,16 +41,8 @@ MEMORY = {
 
 
 def lora_flux(path):
-    model = FluxTransformer2DModel.from_pretrained(path)
-    model.requires_grad_(False)
-    torch.manual_seed(0)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "lora_B" in name:  # peft starts B at 0: make every LoRA gradient non-zero
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.train()
+    """Tiny Flux + LoRA with non-zero ``lora_B``, weights in ordinary storage."""
+    return exact.make_model("flux", path, "lora", ordinary=True)
 
 
 def run(model, strategy, steps=3, limits=None):
@@ -95,6 +86,7 @@ def assert_same_grads(expected, got):
     assert all(g.abs().sum() > 0 for g in expected[-1].values())
 
 
+@pytest.mark.parity
 def test_three_runtimes_match_plain_gradients_and_share_one_stream(tiny_flux, baseline):
     memory = MemoryConfig.model_validate(MEMORY)
     memory.stagehand.conductor_config.debug_event_trace = True
@@ -214,11 +206,13 @@ def test_an_error_mid_forward_leaves_the_strategy_usable(tiny_flux, baseline):
 COMBOS = [c for c in itertools.product([True, False], repeat=3) if c != (True, True, True)]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(("weights", "activations", "conductor"), COMBOS)
 def test_each_runtime_on_or_off(tiny_flux, baseline, weights, activations, conductor):
     memory = MemoryConfig.model_validate(MEMORY).stagehand
     memory.activation_stagehand.enabled = activations
     memory.conductor_config.enabled = conductor
+    memory.weight_streaming = weights
     model, sink = lora_flux(tiny_flux), ListSink()
     strategy = StagehandStrategy(
         model,
@@ -226,7 +220,6 @@ def test_each_runtime_on_or_off(tiny_flux, baseline, weights, activations, condu
         device="cpu",
         telemetry=Telemetry(sink),
         checkpoint_dir=tiny_flux,
-        stream_weights=weights,
     )
     grads, _ = run(model, strategy, steps=2)
     strategy.close()
@@ -275,6 +268,41 @@ def test_pinned_budget_too_small_for_the_pools_is_refused_at_build(tiny_flux):
     memory.stagehand.conductor_config.pinned_budget_mb = 10  # weight pool alone is 8 MB
     with pytest.raises(ValueError, match="pinned_budget_mb"):
         build_strategy(lora_flux(tiny_flux), memory, device="cpu", checkpoint_dir=tiny_flux)
+
+
+def test_optimizer_phase_without_the_optimizer_is_refused_when_streaming(tiny_flux):
+    """Trainable parameters of streamed blocks move to the device with their optimizer state:
+    ``strategy.optimizer()`` without the optimizer says so, before the phase begins. The plain
+    model and activation spill alone need none."""
+    model = lora_flux(tiny_flux)
+    strategy = build_strategy(model, MEMORY, device="cpu", checkpoint_dir=tiny_flux)
+    with strategy.step(0):
+        with pytest.raises(TypeError, match=r"strategy.optimizer\(optimizer\) needs the optimizer"):
+            strategy.optimizer()
+        assert strategy.phase.value == "step_begin"  # nothing was entered
+    strategy.close()
+    spill_only = {"stagehand": {"weight_streaming": False, "activation_stagehand": {}}}
+    for memory in ({"strategy": "none"}, spill_only):
+        strategy = build_strategy(lora_flux(tiny_flux), memory, device="cpu")
+        with strategy.step(0):
+            with strategy.forward():
+                pass
+            with strategy.backward():
+                pass
+            with strategy.optimizer():
+                pass
+        assert strategy.counters() == dict.fromkeys(COUNTERS, 0)
+        strategy.close()
+
+
+def test_layer_offload_refuses_weight_streaming_off(tiny_flux):
+    memory = {
+        "strategy": "layer_offload",
+        "layer_offload_fraction": 0.5,
+        "stagehand": {"weight_streaming": False},
+    }
+    with pytest.raises(ValueError, match="memory.stagehand.weight_streaming is false"):
+        build_strategy(lora_flux(tiny_flux), memory, device="cpu")
 
 
 @pytest.mark.gpu

@@ -5,32 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
 
-from runtime.assets import example_inputs, model_class, output_tensor
+from runtime.assets import output_tensor
 from runtime.config import StagehandConfig
-
-LORA_TARGETS = ["to_q", "to_k", "to_v"]
+from tests.runtime import exact
 
 
 def make_model(
     arch: str, path: Path, method: str = "lora", checkpointing: bool = False
 ) -> torch.nn.Module:
-    """A factory model in train mode: frozen base + peft LoRA, or full fine-tuning of block 1."""
-    model = model_class(arch).from_pretrained(path)
-    model.requires_grad_(False)
-    if method == "lora":
-        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():  # lora_B starts at zero: make every LoRA gradient non-trivial
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    else:
-        model.transformer_blocks[1].requires_grad_(True)
-    if checkpointing:
-        model.enable_gradient_checkpointing()
-    return model.train()
+    """``exact.make_model`` (LoRA, or every parameter trainable with ``"full"``) with its
+    weights in ordinary storage: the models here are compared with plain models, and a plain
+    model's weights must not be views into the mmap'd file (NOTE [ Exact numbers ])."""
+    gc = "non-reentrant" if checkpointing else None
+    return exact.make_model(arch, path, method, gc, ordinary=True)
 
 
 def config(**overrides) -> StagehandConfig:
@@ -51,7 +39,7 @@ def train(model: torch.nn.Module, runtime=None, steps: int = 3, begin_step: bool
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, grads = [], []
     for step in range(steps):
-        inputs = example_inputs(model, seed=step)
+        inputs = exact.inputs_for(model, step)
         if runtime is not None and begin_step:
             runtime.begin_step(step)
         with runtime.managed_forward() if runtime is not None else torch.enable_grad():

@@ -5,6 +5,7 @@ import pytest
 from runtime.common import ListSink, Telemetry
 from runtime.config import MB
 from runtime.weights import StagehandRuntime
+from tests.runtime import exact
 
 from ._train import config, make_model, train
 
@@ -146,3 +147,28 @@ def test_tight_watermarks_keep_the_next_needed_block_no_stalls_after_trace(tiny_
     assert {r["step"] for r in stalls} == {0}  # only the trace step loads on demand
     assert all(r["prefetch_hits"] > 0 and r["prefetch_misses"] == 0 for r in steps[1:])
     assert all(r["vram_peak_mb"] <= high for r in steps)
+
+
+@pytest.mark.parametrize("checkpointing", exact.CHECKPOINTING, ids=str)
+def test_backward_holds_one_block_under_every_checkpointing(tmp_path, checkpointing):
+    """NOTE [ Backward block boundaries ]: a block's backward ends when the next one begins, also
+    under a reentrant checkpoint (each recomputation after a nested backward). Watermarks 0 and
+    no prefetch: one block on the device at a time, in the order 2, 1, 0, each evicted before
+    the next loads."""
+    folder = exact.build_toy("shared", tmp_path / "shared")
+    model = exact.make_model("shared", folder, "full", checkpointing)
+    sink = ListSink()
+    runtime = StagehandRuntime(
+        model,
+        config(prefetch_window_blocks=0, vram_high_watermark_mb=0, vram_low_watermark_mb=0),
+        device="cpu",
+        telemetry=Telemetry(sink),
+    )
+    train(model, runtime, steps=2)
+    runtime.close()
+    moves = [
+        (r["event"], r["block"])
+        for r in sink.of("stagehand", "block")
+        if r["step"] == 1 and r["event"] in ("load", "evict")
+    ]
+    assert moves == [(e, b) for b in (0, 1, 2, 2, 1, 0) for e in ("load", "evict")]
