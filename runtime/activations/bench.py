@@ -34,13 +34,15 @@ OUT_OF_REACH_MB = 1e9
 def lora_model(
     arch: str, folder: str | Path, rank: int = 4, checkpointing: bool = False, seed: int = 0
 ) -> torch.nn.Module:
-    """The diffusers model in ``folder`` (fp32) with a LoRA adapter on its attention
-    projections, frozen base, train mode. Deterministic in ``seed``."""
+    """The diffusers model in ``folder`` (fp32, weights in ordinary storage: ``own_storage``)
+    with a LoRA adapter on its attention projections, frozen base, train mode. Deterministic in
+    ``seed``."""
     from peft import LoraConfig
 
     from runtime.assets import model_class
+    from runtime.common.device import own_storage
 
-    model = model_class(arch).from_pretrained(folder)
+    model = own_storage(model_class(arch).from_pretrained(folder))
     model.requires_grad_(False)
     torch.manual_seed(seed)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS))

@@ -1,7 +1,13 @@
 """Mechanisms shared by the memory runtimes: telemetry, device memory figures, copy streams and
 the saved-tensor hook router."""
 
-from runtime.common.device import TransferEvent, TransferStream, host_buffer, uses_cuda
+from runtime.common.device import (
+    TransferEvent,
+    TransferStream,
+    host_buffer,
+    own_storage,
+    uses_cuda,
+)
 from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import JsonlSink, ListSink, NullSink, Telemetry
@@ -16,5 +22,6 @@ __all__ = [
     "TransferEvent",
     "TransferStream",
     "host_buffer",
+    "own_storage",
     "uses_cuda",
 ]

@@ -18,6 +18,42 @@ def uses_cuda(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+CPU_ALIGN = 64
+"""Byte alignment of PyTorch's CPU allocator (c10's ``gAlignment``): an ordinary CPU tensor's data
+starts at a multiple of it."""
+
+
+def own_storage(
+    module: torch.nn.Module, device: torch.device | str | None = None
+) -> torch.nn.Module:
+    """``module`` moved to ``device`` (None: where it is) with every parameter and buffer in an
+    ordinary allocation: values, shapes and strides unchanged, data aligned as the device's
+    allocator aligns it. Returns ``module``.
+
+    ``from_pretrained`` leaves CPU weights as views into the mmap'd safetensors file at the
+    file's byte offsets (most of them not 64-byte aligned), and ``.to("cpu")`` keeps them there;
+    on some CPUs a GEMM's rounding depends on its inputs' alignment. A model on a GPU has its
+    weights in ordinary allocations; this gives a CPU model the same. NOTE [ Exact numbers ] in
+    ``runtime/__init__.py``.
+    """
+    if device is not None:
+        module.to(device)
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for tensor in table.values():
+                if tensor is not None:
+                    tensor.data = ordinary(tensor.data)
+    return module
+
+
+def ordinary(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it in its own aligned allocation when it is a CPU tensor whose
+    data is not ``CPU_ALIGN``-aligned (a view into an mmap'd file); see ``own_storage``."""
+    if tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() % CPU_ALIGN:
+        return tensor.clone()
+    return tensor
+
+
 def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """A host buffer of ``nbytes`` bytes (1-D, ``dtype``), page-locked when ``pin``.
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.common.device import own_storage
 from runtime.common.telemetry import Telemetry
 from runtime.config import MemoryConfig
 from runtime.strategy.base import MemoryStrategy
@@ -22,9 +23,11 @@ def build_strategy(
 ) -> MemoryStrategy:
     """The strategy named by ``memory.strategy`` for ``model``.
 
-    - ``"none"``: ``MemoryStrategy``, the plain model (the baseline).
+    - ``"none"``: ``MemoryStrategy``, the plain model (the baseline), moved to ``device`` with
+      its weights in ordinary allocations (``own_storage``).
     - ``"stagehand"``: ``StagehandStrategy`` (weight streaming, activation spill and the
-      Conductor, each as ``memory.stagehand`` says).
+      Conductor, each as ``memory.stagehand`` says: ``weight_streaming: false`` gives activation
+      spill alone).
     - ``"layer_offload"``: ``LayerOffloadStrategy`` (the first ``(1 - layer_offload_fraction)
       x N`` blocks resident, the rest loaded before and evicted after each layer, checkpointed
       layers with activations moved to the host between them; ``runtime/layer_offload``).
@@ -41,6 +44,7 @@ def build_strategy(
     if not isinstance(memory, MemoryConfig):
         memory = MemoryConfig.model_validate(memory)
     if memory.strategy == "none":
+        own_storage(model, device)  # NOTE [ Exact numbers ] in runtime/__init__.py
         return MemoryStrategy(model, device=device, telemetry=telemetry)
     if memory.strategy == "stagehand":
         from runtime.strategy.composed import StagehandStrategy

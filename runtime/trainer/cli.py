@@ -193,8 +193,6 @@ class Run:
         if preset.memory.gradient_checkpointing:
             loop.enable_checkpointing(model)
         model.train()
-        if preset.memory.strategy == "none":
-            model.to(self.device)
         self.strategy = build_strategy(
             model,
             preset.memory,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.common.device import ordinary
 from runtime.config import MB
 from runtime.weights.errors import (
     BlockTooLargeError,
@@ -144,7 +145,8 @@ def place_resident(
     source: SafetensorsCheckpoint | None,
     device: torch.device,
 ) -> int:
-    """Move everything outside the blocks (and every buffer) to ``device``; returns its bytes.
+    """Move everything outside the blocks (and every buffer) to ``device`` in ordinary
+    allocations (``own_storage``: no view into an mmap'd file); returns its bytes.
 
     Raises:
         UnmatchedParameterError / ParameterMismatchError: a ``meta`` tensor cannot be read.
@@ -162,7 +164,7 @@ def place_resident(
             key = _checked_key(source, name, param.shape, param.dtype)
             param = _replace_param(model, name, source.load(key).to(device), param.requires_grad)
         else:
-            param.data = param.data.to(device)
+            param.data = ordinary(param.data.to(device))
         nbytes += param.numel() * param.element_size()
     for module_name, module in model.named_modules():
         for leaf, buf in list(module._buffers.items()):
@@ -175,7 +177,7 @@ def place_resident(
                         f"buffer {name!r} is on the meta device and no checkpoint_dir was given"
                     )
                 buf = source.load(_checked_key(source, name, buf.shape, buf.dtype))
-            module._buffers[leaf] = buf = buf.to(device)
+            module._buffers[leaf] = buf = ordinary(buf.to(device))
             nbytes += buf.numel() * buf.element_size()
     return nbytes
 

@@ -20,8 +20,10 @@ from torch import nn
 
 from runtime.weights.errors import BlockDiscoveryError, BlockStateError
 
-ALIGN = 64
-"""Byte alignment of each parameter inside a block buffer (any dtype's view stays aligned)."""
+ALIGN = 512
+"""Byte alignment of each parameter inside a block buffer: as CUDA's caching allocator aligns an
+ordinary tensor (and a multiple of the CPU allocator's 64), so a weight view gets the GEMM
+kernels an ordinary tensor gets (NOTE [ Exact numbers ] in ``runtime/__init__.py``)."""
 
 MIN_SHARE = 0.1
 """A repeated ModuleList holding less than this share of the largest one's bytes stays resident:

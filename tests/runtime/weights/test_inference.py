@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from runtime.assets import load_text_encoder
-from runtime.common import ListSink, Telemetry
+from runtime.common import ListSink, Telemetry, own_storage
 from runtime.weights import BlockDiscoveryError, StagehandRuntime, find_blocks
 
 from ._train import config
@@ -16,6 +16,7 @@ TEXTS = ["a handwritten digit seven", "the number three, drawn in ink"]
 @pytest.fixture(scope="module")
 def encoder():
     tokenizer, plain = load_text_encoder()
+    own_storage(plain)  # the plain model in ordinary tensors (NOTE [ Exact numbers ])
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
     with torch.no_grad():
         expected = plain(**batch).last_hidden_state  # (B, tokens, 384)
