@@ -156,6 +156,10 @@ class ConductorConfig(_Strict):
 class StagehandSection(StagehandConfig):
     """The preset's ``memory.stagehand`` block: the weight runtime's fields plus what nests in it."""
 
+    weight_streaming: bool = True
+    """Stream the blocks' weights; false keeps every weight resident on the device (activation
+    spill and/or the Conductor alone)."""
+
     two_stage: bool = True
     """Stage 1 caches text embeddings (and latents), stage 2 trains: the seed's two-stage run."""
     text_encoder_block_swap: bool = True

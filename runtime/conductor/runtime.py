@@ -222,10 +222,16 @@ class ConductorRuntime:
         )
 
     # -- figures --------------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """This step's answers: ``grants`` and ``denials`` of budget reservations and transfer
+        slots together (a partial reservation counts in neither)."""
+        b, t = self.budget.counts, self.transfer.counts
+        return {"grants": b["grant"] + t["grant"], "denials": b["deny"] + t["deny"]}
+
     def step_record(self) -> dict[str, Any]:
         """The seed's per-step record (MB, seconds in ``phase_durations``), plus ``hints`` and
         ``rules_fired``. Counts are this step's budget and transfer answers together."""
-        b, t = self.budget.counts, self.transfer.counts
+        counters = self.counters()
         allocated = (
             self.memory.allocated_bytes() / MB
             if self.memory is not None
@@ -238,9 +244,9 @@ class ConductorRuntime:
             "pinned_granted_mb": self.budget.held_mb("pinned"),
             "h2d_inflight": self.transfer.inflight("h2d"),
             "d2h_inflight": self.transfer.inflight("d2h"),
-            "grant_count": b["grant"] + t["grant"],
-            "deny_count": b["deny"] + t["deny"],
-            "partial_count": b["partial"],
+            "grant_count": counters["grants"],
+            "deny_count": counters["denials"],
+            "partial_count": self.budget.counts["partial"],
             "phase_durations": {
                 k: v
                 for k, v in self.coordinator.durations.items()

@@ -101,6 +101,11 @@ def layer_offload_section(
     device = torch.device(device)
     cuda = device.type == "cuda"
     given = memory.stagehand
+    if given is not None and not given.weight_streaming:
+        raise ValueError(
+            "memory.stagehand.weight_streaming is false, but layer_offload streams the offloaded "
+            'blocks\' weights: use strategy "stagehand" for activation spill alone'
+        )
     overrides = {
         f: getattr(given, f) for f in _WEIGHT_FIELDS if given and f in given.model_fields_set
     }
@@ -182,7 +187,6 @@ class LayerOffloadStrategy(StagehandStrategy):
         section: StagehandSection,
         checkpoint_dir: str | Path | None,
         mode: str,
-        stream_weights: bool,
     ) -> None:
         from runtime.activations import ActivationRuntime
         from runtime.common.saved_tensors import SavedTensorRouter

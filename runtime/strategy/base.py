@@ -1,22 +1,13 @@
 """The one object a training loop drives: a memory strategy with step and phase contexts.
 
-Usage (the trainer's loop)::
-
-    strategy = build_strategy(model, memory_config, device=device, telemetry=telemetry)
-    for step in range(max_steps):
-        with strategy.step(step):
-            with strategy.forward():
-                loss = loss_fn(model(**inputs))
-            with strategy.backward():
-                loss.backward()
-            with strategy.optimizer(optimizer):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    strategy.close()
+The call order and a complete example are in the ``runtime`` package docstring
+(``runtime/__init__.py``); each step of the loop is ``with strategy.step(i):`` around
+``strategy.forward()``, ``strategy.backward()`` and ``strategy.optimizer(optimizer)``.
 
 ``forward``/``backward``/``optimizer`` outside ``step`` raise ``PhaseError``, so a step boundary
 cannot be forgotten. Limits given to ``set_limits`` between steps apply at the next STEP_BEGIN and
-are acknowledged by a ``strategy/limits_applied`` telemetry record.
+are acknowledged by a ``strategy/limits_applied`` telemetry record. Gradients are readable once
+the backward phase has ended.
 """
 
 from __future__ import annotations
@@ -32,6 +23,21 @@ from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase, PhaseError, check_transition
 from runtime.common.telemetry import Telemetry
 from runtime.config import LiveLimits
+
+COUNTERS = (
+    "blocks_loaded",
+    "blocks_evicted",
+    "prefetch_hits",
+    "prefetch_misses",
+    "file_reads",
+    "h2d_bytes",
+    "tensors_spilled",
+    "tensors_restored",
+    "spill_bytes",
+    "grants",
+    "denials",
+)
+"""The keys of ``MemoryStrategy.counters()``, the same for every strategy."""
 
 
 class MemoryStrategy:
@@ -123,8 +129,32 @@ class MemoryStrategy:
     ) -> contextlib.AbstractContextManager[None]:
         """OPTIMIZER phase; subclasses bring trainable parameters and optimizer state to the
         compute device for ``optimizer.step()`` (the seed's bug 6) and back after."""
+        if optimizer is None and self._needs_optimizer():
+            raise TypeError(
+                "strategy.optimizer(optimizer) needs the optimizer: trainable parameters of "
+                "streamed blocks live on the host between steps, and their optimizer state must "
+                "be moved to the device with them for optimizer.step()"
+            )
         self._optimizer = optimizer
         return self._timed(Phase.OPTIMIZER)
+
+    def _needs_optimizer(self) -> bool:
+        """Whether ``optimizer()`` must be given the optimizer (its state moves with the
+        parameters). None do here."""
+        return False
+
+    def counters(self) -> dict[str, int]:
+        """The work the runtimes did in the open step (the last one between steps), so a caller
+        can prove they did something: every key of ``COUNTERS``, all 0 for the plain model.
+
+        ``blocks_loaded``/``blocks_evicted``: block H2D loads and evictions; ``prefetch_hits``/
+        ``prefetch_misses``: uses that found the block loaded / had to wait for a demand load;
+        ``file_reads``: tensors read from safetensors files; ``h2d_bytes``: bytes of block
+        weights copied to the device; ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
+        saved activations moved to the host and back; ``grants``/``denials``: the Conductor's
+        answers to budget and transfer-slot requests.
+        """
+        return dict.fromkeys(COUNTERS, 0)
 
     # -- live limits ----------------------------------------------------------------------------
     def set_limits(

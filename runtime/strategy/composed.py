@@ -4,8 +4,8 @@ Source: ``shared/seeds/activation-stagehand.md`` ("Integration": the activation 
 nests inside the weight runtime's) and ``shared/seeds/conductor.md`` ("Integration Point").
 Each part is on or off independently:
 
-- weight runtime (``StagehandRuntime``): on when built from a ``memory.stagehand`` section
-  (``stream_weights=False`` turns it off);
+- weight runtime (``StagehandRuntime``): ``memory.stagehand.weight_streaming`` (off: every
+  weight stays resident on the device, for activation spill and/or the Conductor alone);
 - activation runtime (``ActivationRuntime``): ``memory.stagehand.activation_stagehand.enabled``,
   training mode only (inference saves nothing for backward);
 - Conductor: ``memory.stagehand.conductor_config.enabled``.
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from runtime.common.device import own_storage
 from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry
@@ -72,7 +73,6 @@ class StagehandStrategy(MemoryStrategy):
         telemetry: the run's one stream (None writes nowhere).
         checkpoint_dir: the model's safetensors folder: frozen block weights stream from it.
         mode: ``"training"`` or ``"inference"`` (stage-1 text encoders: no activation runtime).
-        stream_weights: False leaves the weights resident (activations/Conductor only).
 
     Raises:
         ValueError: bad ``mode``; the pools need more pinned memory than the Conductor's
@@ -90,7 +90,6 @@ class StagehandStrategy(MemoryStrategy):
         telemetry: Telemetry | None = None,
         checkpoint_dir: str | Path | None = None,
         mode: str = "training",
-        stream_weights: bool = True,
     ) -> None:
         if mode not in ("training", "inference"):
             raise ValueError(f'mode must be "training" or "inference", got {mode!r}')
@@ -101,7 +100,7 @@ class StagehandStrategy(MemoryStrategy):
         self._adapters: dict[str, Any] = {}
         self._stack: contextlib.ExitStack | None = None
         try:
-            self._build(model, section, checkpoint_dir, mode, stream_weights)
+            self._build(model, section, checkpoint_dir, mode)
         except BaseException:
             self.close()
             raise
@@ -112,18 +111,17 @@ class StagehandStrategy(MemoryStrategy):
         section: StagehandSection,
         checkpoint_dir: str | Path | None,
         mode: str,
-        stream_weights: bool,
     ) -> None:
         from runtime.activations import ActivationRuntime
         from runtime.weights import StagehandRuntime
 
         shared = {"device": self.device, "memory": self.memory, "telemetry": self.telemetry}
-        if stream_weights:
+        if section.weight_streaming:
             self.weights = StagehandRuntime(
                 model, section, mode=mode, checkpoint_dir=checkpoint_dir, **shared
             )
         else:
-            model.to(self.device)
+            own_storage(model, self.device)
         act = section.activation_stagehand
         if act is not None and act.enabled and mode == "training":
             self.activations = ActivationRuntime(act, model=model, **shared)
@@ -324,6 +322,27 @@ class StagehandStrategy(MemoryStrategy):
         setattr(owner, knob, value)
 
     # -- figures and teardown -------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """``MemoryStrategy.counters`` from the runtimes that are on."""
+        out = super().counters()
+        if self.weights is not None:
+            out.update(self.weights.counters())
+        if self.activations is not None:
+            m = self.activations.metrics
+            out.update(
+                tensors_spilled=m.activations_spilled,
+                tensors_restored=m.activations_restored,
+                spill_bytes=m.spill_bytes,
+            )
+        if self.conductor is not None:
+            out.update(self.conductor.counters())
+        return out
+
+    def _needs_optimizer(self) -> bool:
+        return self.weights is not None and any(
+            slot.trainable for block in self.weights.blocks for slot in block.layout
+        )
+
     def pinned_bytes(self) -> int:
         """Host bytes held by the pools (pinned on CUDA), for the trainer's ``pinned_mb``."""
         total = 0
