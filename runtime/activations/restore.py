@@ -87,7 +87,7 @@ class RestoreMixin:
             self._publish()  # a restore is big and rare: report exactly, with what is pending
             self.memory.track(record.nbytes, CATEGORY)
             record.tracked = record.nbytes
-        if self.is_cuda:
+        if self.transfer.asynchronous:
             self.transfer.h2d_inflight.append(record)
         else:
             self._restored(record)

@@ -322,7 +322,7 @@ class ActivationRuntime(RestoreMixin):
         self._spilled.append(record)
         if self.planner.active:
             self.planner.active = False  # a new forward after a backward: plan again
-        if not self.is_cuda:
+        if not self.transfer.asynchronous:
             self._finalize([record])  # the copy was synchronous
         return SpilledTensor(record, self)
 

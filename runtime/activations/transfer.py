@@ -46,6 +46,11 @@ class ActivationTransferEngine:
         """Records whose H2D copy was issued and whose host buffer is not yet returned."""
 
     @property
+    def asynchronous(self) -> bool:
+        """Whether copies may still run after they were issued (``TransferStream``)."""
+        return self.d2h.asynchronous
+
+    @property
     def max_d2h(self) -> int:
         return self._max_d2h
 
@@ -71,7 +76,7 @@ class ActivationTransferEngine:
         ``buffer`` on the D2H stream. The caller must keep ``source`` alive until the returned
         event completes (``finalize``)."""
         with self.d2h.use():
-            buffer.copy_(source, non_blocking=self.d2h.non_blocking)
+            self.d2h.copy_(buffer, source)
             return self.d2h.record()
 
     def finalize(self, records: list[Any]) -> list[Any]:
@@ -105,7 +110,7 @@ class ActivationTransferEngine:
         """
         target = torch.empty(buffer.shape, dtype=torch.uint8, device=self.device)
         with self.h2d.use():
-            target.copy_(buffer, non_blocking=self.h2d.non_blocking)
+            self.h2d.copy_(target, buffer)
             return target, self.h2d.record()
 
     def completed_restores(self, block: bool = False) -> list[Any]:

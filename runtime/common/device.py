@@ -68,19 +68,24 @@ def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> tor
 class TransferEvent:
     """Completion of one copy. On CPU the copy was synchronous, so it is already complete."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "_device")
 
-    def __init__(self, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None, device: torch.device | None = None) -> None:
         self._event = event
+        self._device = device
 
     def query(self) -> bool:
         """True when the copy finished (never blocks)."""
         return self._event is None or self._event.query()
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one) wait for the copy, on the device."""
+        """Make ``stream`` (default: the current stream *of the copy's device*, not of the
+        current device: on ``cuda:1`` without ``set_device`` the compute would not wait) wait for
+        the copy, on the device."""
         if self._event is not None:
-            self._event.wait(stream if stream is not None else torch.cuda.current_stream())
+            self._event.wait(
+                stream if stream is not None else torch.cuda.current_stream(self._device)
+            )
 
     def synchronize(self) -> None:
         """Block the host until the copy finished (for D2H results the host reads)."""
@@ -89,7 +94,20 @@ class TransferEvent:
 
 
 class TransferStream:
-    """A dedicated copy stream on CUDA; a synchronous stand-in with the same calls on CPU."""
+    """A dedicated copy stream on CUDA; a synchronous stand-in with the same calls on CPU.
+
+    Copies go through ``copy_`` inside ``use()``; completion through ``record()``'s event.
+    ``TransferStream.double`` is the seam for a test double of the device layer (a device that
+    lags the host, ``tests/runtime/lagging.py``): when set, a CPU stream is built from it.
+    """
+
+    double: type[TransferStream] | None = None
+
+    def __new__(cls, device: torch.device | str, priority: int = 0) -> TransferStream:
+        double = TransferStream.double
+        if cls is TransferStream and double is not None and not uses_cuda(device):
+            return double.__new__(double, device, priority)
+        return super().__new__(cls)
 
     def __init__(self, device: torch.device | str, priority: int = 0) -> None:
         self.device = torch.device(device)
@@ -107,15 +125,28 @@ class TransferStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on this stream (inside ``use()``): asynchronous on CUDA, where the
+        caller keeps ``src`` and ``dst`` alive and unchanged until ``record()``'s event
+        completes."""
+        dst.copy_(src, non_blocking=self.non_blocking)
+
     def record(self) -> TransferEvent:
         """An event completing when the copies issued so far on this stream finished."""
         if self.stream is None:
             return TransferEvent(None)
         event = torch.cuda.Event()
         event.record(self.stream)
-        return TransferEvent(event)
+        return TransferEvent(event, self.device)
 
     @property
     def non_blocking(self) -> bool:
         """Whether copies on this stream may be asynchronous (pinned host memory, CUDA)."""
+        return self.stream is not None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a copy may still be running after ``copy_`` returned: then whoever reads its
+        destination, or reuses its source, first waits on ``record()``'s event. False only for
+        the synchronous CPU stand-in."""
         return self.stream is not None

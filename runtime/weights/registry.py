@@ -98,11 +98,9 @@ class Block:
     flat: torch.Tensor | None = None
     """The device buffer (uint8, ``nbytes``) while PREFETCHING or GPU_READY."""
     load_event: object | None = None
-    staging: object | None = None
-    """The slab or temporary host buffer a copy reads from, held until its event completes."""
+    """The event of the copy that filled ``flat`` (the compute stream waits on it)."""
     prefetched: bool = False
     """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
-    grant: object | None = None
     d2h_event: object | None = None
     """The copy back of trainable parameters to their host masters (read only after it)."""
     resident: bool = False

@@ -122,7 +122,6 @@ class StagehandRuntime:
         self.transfer = TransferEngine(
             self.device, self.pool, self.memory, self.source, config.max_inflight_transfers
         )
-        self.transfer.on_copy_done = self._copy_done
         self.router = SavedTensorRouter([self.packer])
         self._by_storage: dict[int, Block] = {}
         self._by_ptr: dict[int, ParamSlot] = {}
@@ -390,9 +389,7 @@ class StagehandRuntime:
                 if not grant.granted:
                     self._counts["prefetch_skipped"] += 1
                     return
-            block.grant = grant
-            if not self.transfer.load(block, speculative=True):
-                block.grant = None
+            if not self.transfer.load(block, speculative=True, grant=grant):
                 if grant is not None:
                     grant.release()
                 self._counts["prefetch_skipped"] += 1
@@ -426,11 +423,6 @@ class StagehandRuntime:
                 break
             self._evict(victim)
         return self.memory.usage_bytes() <= need
-
-    def _copy_done(self, block: Block) -> None:
-        if block.grant is not None:
-            block.grant.release()
-            block.grant = None
 
     def _done(self, block: Block) -> None:
         self._active.discard(block.index)
@@ -549,7 +541,7 @@ class StagehandRuntime:
         for block in self.blocks:
             if block.on_device:
                 self._evict(block)
-        self.transfer.synchronize_d2h()
+        self.transfer.drain()  # no slab may be freed while a copy still reads it
         if restore:
             restore_blocks(self.blocks, self.source, self.device)
         self.pool.close()

@@ -15,7 +15,8 @@ before the copy finished (a defect of the public implementation).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,19 @@ def placeholder(dtype: torch.dtype) -> torch.Tensor:
     """The data of an evicted file-backed parameter: empty, so any use outside the runtime's
     hooks fails loudly instead of computing with stale or zero weights."""
     return torch.empty(0, dtype=dtype)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One issued H2D copy and what it holds until its event completes: the staging it reads
+    (a slab, or the direct path's host buffer) and the Conductor's H2D grant. The entry owns
+    them, not the block: a block evicted and reloaded before ``retire`` ran has two entries,
+    each released with its own copy."""
+
+    block: Block
+    event: TransferEvent
+    staging: Slab | torch.Tensor
+    grant: Any | None = None
 
 
 class TransferEngine:
@@ -49,33 +63,47 @@ class TransferEngine:
         self.memory = memory
         self.source = source
         self.max_inflight = max_inflight
-        self.inflight: deque[Block] = deque()
+        self.inflight: deque[InFlight] = deque()
+        """Issued copies in issue order (a stream completes them in that order)."""
         self.h2d_bytes = 0
         self.d2h_events: list[TransferEvent] = []
-        self.on_copy_done: Callable[[Block], None] | None = None
 
     # -- completion -----------------------------------------------------------------------------
     def retire(self) -> bool:
-        """Release the staging of copies that finished (never blocks); True if any did."""
+        """Release the staging and grant of copies that finished (never blocks); True if any
+        did."""
         freed = False
-        while self.inflight and self.inflight[0].load_event.query():
+        while self.inflight and self.inflight[0].event.query():
             self._release(self.inflight.popleft())
             freed = True
         return freed
 
-    def _release(self, block: Block) -> None:
-        if isinstance(block.staging, Slab):
-            self.pool.release(block.staging)
-        block.staging = None
-        if self.on_copy_done is not None:
-            self.on_copy_done(block)
+    def _release(self, entry: InFlight) -> None:
+        if isinstance(entry.staging, Slab):
+            self.pool.release(entry.staging)
+        if entry.grant is not None:
+            entry.grant.release()
 
     def _wait_oldest(self) -> bool:
         # Only reached when the pool or the in-flight limit is exhausted by a demand load.
         if not self.inflight:
             return False
-        self.inflight[0].load_event.synchronize()
+        self.inflight[0].event.synchronize()
         return self.retire()
+
+    def wait_block(self, block: Block) -> None:
+        """Block the host until every copy issued for ``block`` finished, and retire it."""
+        for entry in list(self.inflight):
+            if entry.block is block:
+                entry.event.synchronize()
+        self.retire()
+
+    def drain(self) -> None:
+        """Block the host until every copy (H2D and D2H) finished; release every entry."""
+        for entry in self.inflight:
+            entry.event.synchronize()
+        self.retire()
+        self.synchronize_d2h()
 
     def has_capacity(self) -> bool:
         self.retire()
@@ -88,11 +116,13 @@ class TransferEngine:
         self.d2h_events.clear()
 
     # -- load -----------------------------------------------------------------------------------
-    def load(self, block: Block, *, speculative: bool) -> bool:
+    def load(self, block: Block, *, speculative: bool, grant: Any | None = None) -> bool:
         """UNLOADED -> HOST_STAGED -> PREFETCHING: stage ``block`` and issue its H2D copy.
 
         A speculative load gives up (returns False) when no slab or in-flight slot is free;
-        a demand load waits for one (the pool's timeout bounds the wait).
+        a demand load waits for one (the pool's timeout bounds the wait). ``grant`` (the
+        Conductor's H2D slot) is released with the copy's entry once the copy finished; on
+        False it stays the caller's.
         """
         if speculative and not self.has_capacity():
             return False
@@ -123,13 +153,13 @@ class TransferEngine:
         block.to(BlockState.HOST_STAGED)
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         with self.stream.use():
-            flat.copy_(host, non_blocking=self.stream.non_blocking)
+            self.stream.copy_(flat, host)
             event = self.stream.record()
-        block.flat, block.load_event, block.staging = flat, event, staging
+        block.flat, block.load_event = flat, event
         block.to(BlockState.PREFETCHING)
         self.memory.track(block.nbytes, "weights")
         self.h2d_bytes += block.nbytes
-        self.inflight.append(block)
+        self.inflight.append(InFlight(block, event, staging, grant))
         self.retire()
         return True
 
@@ -150,26 +180,23 @@ class TransferEngine:
         module-backed ones point back at their host masters, trainable ones after their data and
         gradients were copied back (EVICTING -> HOST_STAGED; the seed's bug 2)."""
         if block.state is BlockState.PREFETCHING:
-            # A prefetch evicted before its use: its buffer and staging may be freed only after
-            # its copy, and its in-flight entry (staging slab, Conductor grant) must go now: a
-            # reload would otherwise replace the block's staging and event while the old entry
-            # is queued, and the first slab and grant would never be released. Copies finish in
-            # order, so retiring after this one's host wait takes it off the queue.
-            block.load_event.synchronize()
-            self.retire()
+            # A prefetch evicted before its use: nothing on the compute stream waited for its
+            # copy, so its device buffer may be dropped only after the copy (host wait, rare).
+            # Its in-flight entry keeps its own staging and grant either way (``InFlight``).
+            self.wait_block(block)
         trainable = [s for s in block.layout if s.trainable]
         if trainable and block.state is BlockState.GPU_READY:
             block.to(BlockState.EVICTING)
             with self.stream.use():
                 for slot in trainable:
-                    slot.host.copy_(slot.param.data, non_blocking=self.stream.non_blocking)
+                    self.stream.copy_(slot.host, slot.param.data)
                     grad = slot.param.grad
                     if grad is not None:
                         if slot.host_grad is None or slot.host_grad.shape != grad.shape:
                             slot.host_grad = torch.empty(
                                 grad.shape, dtype=grad.dtype, pin_memory=self.stream.non_blocking
                             )
-                        slot.host_grad.copy_(grad, non_blocking=self.stream.non_blocking)
+                        self.stream.copy_(slot.host_grad, grad)
                 block.d2h_event = self.stream.record()
                 self.d2h_events.append(block.d2h_event)
             if self.stream.stream is not None:

@@ -20,6 +20,7 @@ Two small diffusers models built here reproduce the two gradient defects of issu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -199,9 +200,15 @@ class Run:
     final: dict[str, torch.Tensor]
 
 
-def train(model: nn.Module, strategy: MemoryStrategy | None = None, steps: int = STEPS) -> Run:
+def train(
+    model: nn.Module,
+    strategy: MemoryStrategy | None = None,
+    steps: int = STEPS,
+    after_step: Callable[[MemoryStrategy], None] | None = None,
+) -> Run:
     """``steps`` AdamW steps (lr 1e-2, weight decay ``WEIGHT_DECAY``) on ``loss = out.pow(2)
-    .mean()``; driven through ``strategy``'s phases when given, plainly otherwise."""
+    .mean()``; driven through ``strategy``'s phases when given, plainly otherwise.
+    ``after_step(strategy)`` runs after each step (invariant checks)."""
     strategy = strategy if strategy is not None else MemoryStrategy(model, device="cpu")
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
@@ -226,6 +233,8 @@ def train(model: nn.Module, strategy: MemoryStrategy | None = None, steps: int =
             with strategy.optimizer(opt):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(strategy)
     strategy.close()  # the model's weights are ordinary tensors again
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     return Run(losses, grads, final)
