@@ -54,6 +54,9 @@ class StagehandConfig(_Strict):
     """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
     file_backed: bool = True
     """Stream frozen block weights from the model's safetensors files (mmap) when known."""
+    allow_pageable_fallback: bool = False
+    """When page-locking the pool fails at set-up, stage in pageable memory (copies then run
+    synchronously) instead of refusing to start."""
     slab_acquire_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """A slab acquire that waits longer raises, naming what holds the slabs."""
     block_events: bool = True

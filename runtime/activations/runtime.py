@@ -354,7 +354,14 @@ class ActivationRuntime(RestoreMixin):
             return
         for index, misses in sorted((i, n) for i, n in self._misses.items() if i is not None):
             class_mb = self.pool.class_sizes_mb[index]
-            added = self.pool.grow(class_mb, misses)
+            try:
+                added = self.pool.grow(class_mb, misses)
+            except RuntimeError as exc:  # page-locking failed (a pinned-memory cap): no growth
+                self.config.pool_growth_miss_threshold = 0
+                self.telemetry.emit(
+                    SOURCE, "event", event="pool_growth_failed", class_mb=class_mb, error=str(exc)
+                )
+                return
             if added:
                 self.telemetry.emit(
                     SOURCE,

@@ -114,6 +114,9 @@ class TransferStream:
         self.stream = (
             torch.cuda.Stream(self.device, priority=priority) if uses_cuda(device) else None
         )
+        self.pageable_copies = 0
+        """Copies asked to be asynchronous whose host side was pageable: CUDA runs them
+        synchronously (a host stall). None belong in the hot path."""
 
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
@@ -128,7 +131,11 @@ class TransferStream:
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on this stream (inside ``use()``): asynchronous on CUDA, where the
         caller keeps ``src`` and ``dst`` alive and unchanged until ``record()``'s event
-        completes."""
+        completes. A pageable host side makes it synchronous: counted in ``pageable_copies``."""
+        if self.stream is not None:
+            host = src if src.device.type == "cpu" else dst
+            if host.device.type == "cpu" and not host.is_pinned():
+                self.pageable_copies += 1
         dst.copy_(src, non_blocking=self.non_blocking)
 
     def record(self) -> TransferEvent:

@@ -28,6 +28,7 @@ class DeviceMemory:
         self._tracked = 0
         self._tracked_peak = 0
         self._by_category: dict[str, int] = {}
+        self._pending: list[tuple[object, int]] = []
 
     def track(self, nbytes: int, category: str = "other") -> None:
         """Count ``nbytes`` placed on the compute device (tracked on CUDA too, for telemetry)."""
@@ -53,6 +54,21 @@ class DeviceMemory:
             self._by_category[category] = left
             self._tracked -= nbytes
 
+    def release_after(self, event: object, nbytes: int) -> None:
+        """Count ``nbytes`` that were just released (``untrack``, or freed to the CUDA allocator
+        with ``record_stream``) but are still read by a copy on another stream, until ``event``
+        (a ``TransferEvent``) completes. ``memory_allocated`` drops at once, yet the allocator
+        cannot reuse that memory before the copy ends: ``usage_bytes`` counts it, so watermarks
+        see what cannot be reused yet."""
+        with self._lock:
+            self._pending.append((event, nbytes))
+
+    def pending_bytes(self) -> int:
+        """Released bytes still read by a copy in flight (``release_after``)."""
+        with self._lock:
+            self._pending = [(e, n) for e, n in self._pending if not e.query()]
+            return sum(n for _, n in self._pending)
+
     def tracked_bytes(self, category: str | None = None) -> int:
         if category is None:
             return self._tracked
@@ -75,12 +91,15 @@ class DeviceMemory:
 
         Tracked: the tracked bytes. CUDA: allocated plus the allocator's inactive split bytes
         (free fragments inside reserved segments that a new block of weights cannot use), so a
-        fragmented cache counts against the budget instead of being invisible to it.
+        fragmented cache counts against the budget instead of being invisible to it. Both add
+        the bytes released while a copy on another stream still reads them (``pending_bytes``).
         """
         if self.is_cuda:
             stats = torch.cuda.memory_stats(self.device)
-            return self.allocated_bytes() + stats.get("inactive_split_bytes.all.current", 0)
-        return self._tracked
+            used = self.allocated_bytes() + stats.get("inactive_split_bytes.all.current", 0)
+        else:
+            used = self._tracked
+        return used + (self.pending_bytes() if self._pending else 0)
 
     def peak_bytes(self) -> int:
         if self.is_cuda:

@@ -59,6 +59,7 @@ _WEIGHT_FIELDS = (
     "block_pattern",
     "file_backed",
     "slab_acquire_timeout_s",
+    "allow_pageable_fallback",
     "block_events",
     "vram_high_watermark_mb",
 )

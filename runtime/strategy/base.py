@@ -31,6 +31,7 @@ COUNTERS = (
     "prefetch_misses",
     "file_reads",
     "h2d_bytes",
+    "pageable_copies",
     "tensors_spilled",
     "tensors_restored",
     "spill_bytes",
@@ -122,6 +123,9 @@ class MemoryStrategy:
         return self._timed(Phase.FORWARD)
 
     def backward(self) -> contextlib.AbstractContextManager[None]:
+        """BACKWARD around ``loss.backward()``. Gradients are readable once this phase has
+        ended: inside it, the gradient of a parameter whose block was evicted may still be
+        arriving in host memory (an asynchronous D2H copy on a GPU)."""
         return self._timed(Phase.BACKWARD)
 
     def optimizer(
@@ -150,7 +154,8 @@ class MemoryStrategy:
         ``blocks_loaded``/``blocks_evicted``: block H2D loads and evictions; ``prefetch_hits``/
         ``prefetch_misses``: uses that found the block loaded / had to wait for a demand load;
         ``file_reads``: tensors read from safetensors files; ``h2d_bytes``: bytes of block
-        weights copied to the device; ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
+        weights copied to the device; ``pageable_copies``: asynchronous copies that a pageable
+        host buffer made synchronous (CUDA; none belong in a step); ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
         saved activations moved to the host and back; ``grants``/``denials``: the Conductor's
         answers to budget and transfer-slot requests.
         """

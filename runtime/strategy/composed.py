@@ -98,6 +98,7 @@ class StagehandStrategy(MemoryStrategy):
         self.section, self.mode = section, mode
         self.weights = self.activations = self.conductor = None
         self._adapters: dict[str, Any] = {}
+        self._pageable_at_begin = 0
         self._stack: contextlib.ExitStack | None = None
         try:
             self._build(model, section, checkpoint_dir, mode)
@@ -168,6 +169,7 @@ class StagehandStrategy(MemoryStrategy):
             self.weights.begin_step(step)  # prefetches the step's first blocks
         if self.activations is not None:
             self.activations.step_begin(step)
+            self._pageable_at_begin = self._activation_pageable()
         # STEP_BEGIN is timed too: with the first blocks' prefetch it is part of the step, and
         # without it the phases would not add up to ``step_ms``.
         self.phase_ms["step_begin"] = (time.perf_counter() - t0) * 1e3
@@ -329,6 +331,7 @@ class StagehandStrategy(MemoryStrategy):
             out.update(self.weights.counters())
         if self.activations is not None:
             m = self.activations.metrics
+            out["pageable_copies"] += self._activation_pageable() - self._pageable_at_begin
             out.update(
                 tensors_spilled=m.activations_spilled,
                 tensors_restored=m.activations_restored,
@@ -337,6 +340,10 @@ class StagehandStrategy(MemoryStrategy):
         if self.conductor is not None:
             out.update(self.conductor.counters())
         return out
+
+    def _activation_pageable(self) -> int:
+        transfer = self.activations.transfer
+        return transfer.d2h.pageable_copies + transfer.h2d.pageable_copies
 
     def _needs_optimizer(self) -> bool:
         return self.weights is not None and any(

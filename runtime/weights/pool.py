@@ -1,9 +1,16 @@
 """The pinned pool: uniform host slabs that stage block bytes for H2D copies.
 
-Slabs are allocated on first use and then kept until ``close`` (allocated once, never per
-load), page-locked when CUDA is present. A slab is held from staging until its copy's event
-completes. An acquire never waits forever: after ``timeout_s`` it raises ``SlabTimeoutError``
-naming the blocks that hold the slabs (a defect of the public implementation: no timeout).
+Page-locked (CUDA), the whole pool is pinned at set-up in one allocation sliced into slabs:
+PyTorch's caching host allocator rounds every pinned allocation up to a power of two (one
+800 MiB slab would lock 1 GiB), and a pin that fails (Windows/WSL cap pinned memory near half
+of RAM) fails at set-up with a clear error, or falls back to pageable memory when the preset
+allows it (``allow_pageable_fallback``: copies then run synchronously), never mid-step. Not
+pinned (CPU), slabs are allocated on first use (host RSS grows only with what is used). Either
+way slabs are kept until ``close`` (never per load); ``close`` frees them and empties PyTorch's
+host cache, so the memory goes back to the OS (the seed's bug 3: release the stage-1 pool
+before the transformer loads). A slab is held from staging until its copy's event completes.
+An acquire never waits forever: after ``timeout_s`` it raises ``SlabTimeoutError`` naming the
+blocks that hold the slabs (a defect of the public implementation: no timeout).
 """
 
 from __future__ import annotations
@@ -34,7 +41,15 @@ class PinnedPool:
         PoolConfigError: a size is not positive, or the pool would hold zero slabs.
     """
 
-    def __init__(self, pool_bytes: int, slab_bytes: int, *, pin: bool, timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool_bytes: int,
+        slab_bytes: int,
+        *,
+        pin: bool,
+        timeout_s: float,
+        allow_pageable: bool = False,
+    ) -> None:
         if pool_bytes <= 0 or slab_bytes <= 0:
             raise PoolConfigError(
                 f"pinned_pool_mb and pinned_slab_mb must be positive, got {pool_bytes} and {slab_bytes} bytes"
@@ -52,6 +67,28 @@ class PinnedPool:
         self.slabs: list[Slab] = []
         self._free: list[Slab] = []
         self.closed = False
+        self.locked_bytes = 0
+        """Host bytes page-locked for the pool (its size rounded up to a power of two)."""
+        if pin:
+            self._pin_all(allow_pageable)
+
+    def _pin_all(self, allow_pageable: bool) -> None:
+        try:
+            buffer = host_buffer(self.pool_bytes, pin=True)
+            self.locked_bytes = 1 << (self.pool_bytes - 1).bit_length()
+        except RuntimeError as exc:
+            if not allow_pageable:
+                raise PoolConfigError(
+                    f"could not page-lock the pinned pool ({self.pool_bytes / MB:g} MB, "
+                    f"pinned_pool_mb): {exc}. Lower pinned_pool_mb, or set "
+                    "allow_pageable_fallback: true to stage in pageable memory (H2D copies then "
+                    "run synchronously)"
+                ) from exc
+            buffer = host_buffer(self.pool_bytes, pin=False)
+            self.pin = False
+        n = self.slab_bytes
+        self.slabs = [Slab(i, buffer[i * n : (i + 1) * n]) for i in range(self.slab_count)]
+        self._free = self.slabs[::-1]
 
     @property
     def allocated_bytes(self) -> int:
@@ -106,9 +143,13 @@ class PinnedPool:
             self._free.append(slab)
 
     def close(self) -> None:
-        """Free every slab (seed bug 3: the pool is released before the next stage loads)."""
+        """Free every slab and hand pinned memory back to the OS (seed bug 3: the pool is
+        released before the next stage loads)."""
         self.closed = True
         for slab in self.slabs:
             slab.buffer = torch.empty(0, dtype=torch.uint8)
         self.slabs.clear()
         self._free.clear()
+        if self.locked_bytes:
+            self.locked_bytes = 0
+            torch.accelerator.empty_host_cache()  # else it stays in PyTorch's host cache

@@ -104,6 +104,7 @@ class StagehandRuntime:
             int(config.pinned_slab_mb * MB),
             pin=cuda,
             timeout_s=config.slab_acquire_timeout_s,
+            allow_pageable=config.allow_pageable_fallback,
         )
         self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
         found = find_blocks(model, config.block_pattern)
@@ -143,7 +144,7 @@ class StagehandRuntime:
         self._open = self._explicit = self._saw_backward = False
         self._first_block: int | None = None
         self._counts: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
-        self._h2d_at_begin = self._reads_at_begin = 0
+        self._h2d_at_begin = self._reads_at_begin = self._pageable_at_begin = 0
         self._last: dict[str, Any] = {}
         self._closed = False
 
@@ -182,6 +183,7 @@ class StagehandRuntime:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._h2d_at_begin = self.transfer.h2d_bytes
         self._reads_at_begin = self._file_reads()
+        self._pageable_at_begin = self.transfer.stream.pageable_copies
         self._t_step = time.perf_counter()
         if self._owns_memory:
             self.memory.reset_peak()
@@ -208,10 +210,12 @@ class StagehandRuntime:
             "stall_time_ms": c["stall_time_ms"],
             "h2d_bytes": counters["h2d_bytes"],
             "file_reads": counters["file_reads"],
+            "pageable_copies": counters["pageable_copies"],
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
             "pool_allocated_mb": self.pool.allocated_bytes / MB,
+            "pool_locked_mb": self.pool.locked_bytes / MB,
             "vram_high_watermark_mb": self.high_mb,
             "vram_low_watermark_mb": self.low_mb,
             "prefetch_window_blocks": self.scheduler.prefetch_window,
@@ -224,7 +228,8 @@ class StagehandRuntime:
     def counters(self) -> dict[str, int]:
         """Work of the open step (the last one between steps): ``blocks_loaded``,
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
-        from the safetensors files) and ``h2d_bytes`` (bytes copied to the device)."""
+        from the safetensors files), ``h2d_bytes`` (bytes copied to the device) and
+        ``pageable_copies`` (copies a pageable host buffer made synchronous; 0 expected)."""
         c = self._counts
         return {
             "blocks_loaded": int(c["blocks_loaded"]),
@@ -233,6 +238,7 @@ class StagehandRuntime:
             "prefetch_misses": int(c["prefetch_misses"]),
             "file_reads": self._file_reads() - self._reads_at_begin,
             "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
+            "pageable_copies": self.transfer.stream.pageable_copies - self._pageable_at_begin,
         }
 
     def _file_reads(self) -> int:

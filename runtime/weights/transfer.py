@@ -129,8 +129,10 @@ class TransferEngine:
         while len(self.inflight) >= self.max_inflight:
             self._wait_oldest()
         if block.nbytes > self.pool.slab_bytes:
-            # Direct path (seed): one contiguous host staging buffer, one copy.
-            staging: Slab | torch.Tensor = host_buffer(block.nbytes, pin=False)
+            # Direct path (seed): one contiguous host staging buffer, one copy; pinned like the
+            # pool (PyTorch's host cache reuses it from the second load on), else the
+            # "asynchronous" copy would run synchronously.
+            staging: Slab | torch.Tensor = host_buffer(block.nbytes, pin=self.pool.pin)
             host = staging
         else:
             slab = (
@@ -199,11 +201,15 @@ class TransferEngine:
                         self.stream.copy_(slot.host_grad, grad)
                 block.d2h_event = self.stream.record()
                 self.d2h_events.append(block.d2h_event)
-            if self.stream.stream is not None:
+            pending = block.nbytes
+            if self.stream.stream is not None:  # device gradients are real allocations
+                pending += sum(s.param.grad.nbytes for s in trainable if s.param.grad is not None)
                 block.flat.record_stream(self.stream.stream)
                 for slot in trainable:
                     if slot.param.grad is not None:
                         slot.param.grad.record_stream(self.stream.stream)
+            # Freed below, yet read by the D2H copy until its event: not reusable before.
+            self.memory.release_after(block.d2h_event, pending)
             block.to(BlockState.HOST_STAGED)
         block.to(BlockState.GPU_FREEING)
         for slot in block.layout:

@@ -87,6 +87,7 @@ class LaggingStream(TransferStream):
     def __init__(self, device: torch.device | str, priority: int = 0) -> None:
         self.device = torch.device(device)
         self.stream = None
+        self.pageable_copies = 0
         self.queue: deque[tuple] = deque()
         self.clock.streams.append(self)
 

@@ -16,12 +16,16 @@ from functools import partial
 
 import pytest
 
+from runtime.common import DeviceMemory
 from runtime.strategy import build_strategy
+from runtime.weights import StagehandRuntime
 from runtime.weights.pool import Slab
 
 from .exact import assert_exact, build_toy, make_model, train
 from .lagging import LAGS, Clock, lagging_device
 from .test_exactness import STRATEGIES, memory_section
+from .weights._train import config
+from .weights._train import train as train_runtime
 
 MODELS = [("shared", "full"), ("dual", "lora"), ("flux", "lora"), ("flux", "full")]
 
@@ -84,3 +88,29 @@ def test_exact_and_clean_under_a_lagging_device(folders, references, arch, metho
     assert_exact(references(arch, method), got)
     if built.weights is not None:
         assert not built.weights.pool.slabs  # closed: every slab freed
+
+
+def test_an_evicted_block_counts_until_its_copy_back_lands(folders):
+    """Issue 16, defect 2: a trainable block's buffer is released at eviction, but its D2H copy
+    back to the host masters still reads it: the watermarks' figure (``usage_bytes``) keeps
+    counting it until the copy's event completes."""
+    with lagging_device(4) as clock:
+        model = make_model("flux", folders["flux"], "full", None)
+        memory = DeviceMemory("cpu")
+        runtime = StagehandRuntime(
+            model,
+            config(prefetch_window_blocks=0, vram_high_watermark_mb=0, vram_low_watermark_mb=0),
+            device="cpu",
+            memory=memory,
+        )
+        unseen: list[int] = []
+        for block in runtime.blocks:  # after the runtime's hook evicted the block
+            block.module.register_forward_hook(
+                lambda *_: unseen.append(memory.usage_bytes() - memory.tracked_bytes())
+            )
+        train_runtime(model, runtime, steps=1)
+        smallest = min(b.nbytes for b in runtime.blocks)
+        assert min(unseen) >= smallest  # the block just evicted, still being copied back
+        clock.drain()
+        assert memory.pending_bytes() == 0 and memory.usage_bytes() == memory.tracked_bytes()
+        runtime.close()

@@ -46,7 +46,7 @@ def lora_flux(path):
 
 
 def run(model, strategy, steps=3, limits=None):
-    """``steps`` training steps; returns each step's LoRA gradients (cloned in BACKWARD)."""
+    """``steps`` training steps; returns each step's LoRA gradients (read after BACKWARD)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
     grads, phases = [], []
@@ -59,9 +59,10 @@ def run(model, strategy, steps=3, limits=None):
                 loss = output_tensor(model(**inputs)).pow(2).mean()
             with strategy.backward():
                 loss.backward()
-                grads.append(
-                    {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-                )
+            # After the phase: gradients of evicted blocks may still be arriving inside it.
+            grads.append(
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            )
             with strategy.optimizer(optimizer):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

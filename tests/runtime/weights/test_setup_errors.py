@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.config import StagehandConfig
+from runtime.config import MB, StagehandConfig
 from runtime.weights import (
     BlockState,
     BlockStateError,
@@ -124,3 +124,18 @@ def test_illegal_block_transition_names_both_states():
     block = Block(name="transformer_blocks.0", index=0, module=nn.Linear(2, 2))
     with pytest.raises(BlockStateError, match="UNLOADED -> GPU_READY .*expected HOST_STAGED"):
         block.to(BlockState.GPU_READY)
+
+
+def test_a_pool_that_cannot_be_page_locked_fails_at_set_up_or_falls_back():
+    """Issue 16, defect 4: the pinned pool is page-locked at set-up in one allocation. Here
+    (no CUDA) page-locking fails as it does under a pinned-memory cap: a clear error naming
+    pinned_pool_mb and the way out, or pageable slabs, all allocated now, with the fallback."""
+    with pytest.raises(PoolConfigError, match=r"pinned_pool_mb.*allow_pageable_fallback"):
+        PinnedPool(4 * MB, MB, pin=True, timeout_s=1)
+    pool = PinnedPool(4 * MB, MB, pin=True, timeout_s=1, allow_pageable=True)
+    assert not pool.pin and pool.locked_bytes == 0
+    assert pool.allocated_bytes == 4 * MB  # at set-up, not mid-step
+    slab = pool.try_acquire("block 0")
+    assert slab.buffer.numel() == MB
+    pool.close()
+    assert pool.slabs == [] and pool.allocated_bytes == 0
