@@ -1,0 +1,148 @@
+"""Issue 16 on a real GPU (``gpu``: skipped without CUDA): the bookkeeping the lagging-device
+double checks on CPU (``test_lagging_device.py``), now with real streams, events, pinned memory
+and the caching allocator; allocator health, pinned accounting and release, no pageable copy in
+the hot path, and exact gradients under a compute stream slowed down against the copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import MB
+from runtime.strategy import build_strategy
+from runtime.weights import StagehandRuntime
+from runtime.weights.pool import PinnedPool, Slab
+
+from .exact import assert_exact, make_model, train
+from .test_exactness import memory_section
+from .weights._train import config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def check_bookkeeping_cuda(strategy) -> None:
+    """``test_lagging_device.check_bookkeeping`` with the real device catching up."""
+    weights, conductor = strategy.weights, strategy.conductor
+    pool, transfer = weights.pool, weights.transfer
+    held = {id(s) for s in pool.slabs if s.holder is not None}
+    owned = {id(e.staging) for e in transfer.inflight if isinstance(e.staging, Slab)}
+    assert held == owned, "a slab is held without a copy in flight"
+    torch.cuda.synchronize()
+    transfer.retire()
+    assert not transfer.inflight and all(s.holder is None for s in pool.slabs)
+    if conductor is not None:
+        assert conductor.transfer.inflight("h2d") == conductor.transfer.inflight("d2h") == 0
+
+
+@pytest.mark.parametrize("strategy", ["stream-file", "composed", "layer-offload"])
+def test_six_steps_exact_clean_and_healthy_on_cuda(tiny_flux, strategy):
+    reference = make_model("flux", tiny_flux, "lora", "non-reentrant", ordinary=True).cuda()
+    expected = train(reference, build_strategy(reference, {"strategy": "none"}, device="cuda"), 6)
+    model = make_model("flux", tiny_flux, "lora", "non-reentrant")
+    memory = memory_section(strategy, True)
+    if strategy == "stream-file":
+        memory["stagehand"]["conductor_config"] = {"enabled": True}
+    built = build_strategy(model, memory, device="cuda", checkpoint_dir=tiny_flux)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    got = train(model, built, 6, after_step=check_bookkeeping_cuda)
+    assert_exact(expected, got)
+    assert torch.cuda.memory_stats().get("num_alloc_retries", 0) == before  # no cudaFree+retry
+    assert built.counters()["pageable_copies"] == 0
+
+
+def test_pinned_pool_accounting_and_release():
+    """One page-locked allocation for the pool, rounded once to a power of two; after close the
+    host cache is emptied (the OS gets the memory back)."""
+    pool = PinnedPool(96 * MB, 32 * MB, pin=True, timeout_s=1)
+    assert pool.pin and pool.locked_bytes == 128 * MB and pool.allocated_bytes == 96 * MB
+    assert all(s.buffer.is_pinned() for s in pool.slabs)
+    pool.close()
+    assert pool.locked_bytes == 0 and not pool.slabs
+
+
+class _Wide(torch.nn.Module):
+    """4 blocks of 256 MB (4096 x 8192 linears) with trainable biases."""
+
+    def __init__(self, width: int = 4096, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(width, 2 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * width, width),
+            )
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _tight(**overrides):
+    return config(
+        pinned_pool_mb=1024,
+        pinned_slab_mb=512,
+        prefetch_window_blocks=1,
+        vram_high_watermark_mb=0,
+        vram_low_watermark_mb=0,
+        **overrides,
+    )
+
+
+def _grads(model: torch.nn.Module, runtime: StagehandRuntime | None) -> list[torch.Tensor]:
+    x = torch.randn(64, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for step in range(3):
+        if runtime is not None:
+            runtime.begin_step(step)
+        with runtime.managed_forward() if runtime else torch.enable_grad():
+            loss = model(x).square().mean()
+        with runtime.managed_backward() if runtime else torch.enable_grad():
+            loss.backward()
+        if runtime is not None:
+            runtime.end_step()
+    torch.cuda.synchronize()
+    return [p.grad.detach().cpu() for p in model.parameters() if p.requires_grad]
+
+
+def test_race_stress_slow_compute_against_256_mb_copies():
+    """Compute slowed down (``torch.cuda._sleep`` before every block) so copies and evictions
+    race it: LoRA-like trainable biases get bit-identical gradients to a resident run."""
+    torch.manual_seed(0)
+    reference = _Wide().requires_grad_(False).cuda()
+    for block in reference.blocks:
+        block[2].bias.requires_grad_(True)
+    state = {k: v.cpu().clone() for k, v in reference.state_dict().items()}
+    expected = _grads(reference, None)
+    del reference
+    torch.cuda.empty_cache()
+    model = _Wide().requires_grad_(False)
+    model.load_state_dict(state)
+    for block in model.blocks:
+        block[2].bias.requires_grad_(True)
+        block.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000))
+    runtime = StagehandRuntime(model, _tight(), device="cuda")
+    got = _grads(model, runtime)
+    runtime.close()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_second_device_without_set_device(tiny_flux):
+    """Defect 6: the compute stream of ``cuda:1`` (not the current device's) waits for copies."""
+    reference = make_model("flux", tiny_flux, "lora", None, ordinary=True).to("cuda:1")
+    expected = train(reference, build_strategy(reference, {"strategy": "none"}, device="cuda:1"))
+    model = make_model("flux", tiny_flux, "lora", None)
+    built = build_strategy(
+        model, memory_section("stream-file", False), device="cuda:1", checkpoint_dir=tiny_flux
+    )
+    assert torch.cuda.current_device() == 0
+    assert_exact(expected, train(model, built))
