@@ -121,7 +121,9 @@ class LaggingStream(TransferStream):
                 f"a copy's source ({tuple(src.shape)} {src.dtype}) changed before the device "
                 "ran the copy: it was released or reused while the copy was pending"
             )
-        dst.copy_(src)
+        # As issued: a copy into a tensor made under inference mode runs in inference mode.
+        with torch.inference_mode(dst.is_inference()), torch.no_grad():
+            dst.copy_(src)
         self.clock.copies_run += 1
 
     def run_due(self) -> None:
@@ -142,6 +144,20 @@ class LaggingStream(TransferStream):
     def run_all(self) -> None:
         while self.queue:
             self._run_next()
+
+
+def active() -> Clock | None:
+    """The clock of the ``lagging_device`` in force, if any."""
+    double = TransferStream.double
+    return getattr(double, "clock", None) if double is not None else None
+
+
+def settle() -> None:
+    """Let a lagging device catch up (no-op on a synchronous one): for assertions about what is
+    true once every copy finished (grants released, records spilled)."""
+    clock = active()
+    if clock is not None:
+        clock.drain()
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ def stack():
     return nn.Sequential(*[Block() for _ in range(16)])
 
 
+@pytest.mark.sync_device  # the schedule of a device whose copies land at once
 def test_stalls_vanish_after_the_trace_step_on_a_16_block_stack(stack):
     off = ActivationRuntime(_config(predictive_restore=False), device="cpu", model=stack)
     grads_off, reactive = _mlp_steps(off, stack)

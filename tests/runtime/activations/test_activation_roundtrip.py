@@ -75,6 +75,7 @@ def _view(t, kind):
     ),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.sync_device  # a spill is SPILLED when pack returns
 def test_unpack_of_pack_equals_the_tensor(shape, dtype, kind, seed):
     runtime = ActivationRuntime(ActivationStagehandConfig(**SPILL_ALL), device="cpu")
     runtime.step_begin(0)
@@ -130,6 +131,7 @@ def test_small_tensors_stay_below_min_spill_and_recompute_threshold():
     runtime.step_end()
 
 
+@pytest.mark.sync_device  # corrupts the host copy right after the spill
 def test_checksum_mismatch_raises_with_record_id():
     fields = dict(SPILL_ALL, debug_checksums=True)
     runtime = ActivationRuntime(ActivationStagehandConfig(**fields), device="cpu")
@@ -143,6 +145,7 @@ def test_checksum_mismatch_raises_with_record_id():
     runtime.step_end()
 
 
+@pytest.mark.sync_device  # D2H grants released when pack returns
 def test_conductor_denial_keeps_the_tensor_and_grants_are_released():
     manager = TransferManager(h2d_slots=1, d2h_slots=1)
     runtime = ActivationRuntime(ActivationStagehandConfig(**SPILL_ALL), device="cpu")

@@ -188,6 +188,7 @@ def test_live_knobs_survive_the_conductor_and_bad_limits_are_refused(tiny_flux):
     assert activations.transfer.max_d2h == 2
 
 
+@pytest.mark.sync_device  # no copy in flight right after the error
 def test_an_error_mid_forward_leaves_the_strategy_usable(tiny_flux, baseline):
     model = lora_flux(tiny_flux)
     strategy = build_strategy(model, MEMORY, device="cpu", checkpoint_dir=tiny_flux)

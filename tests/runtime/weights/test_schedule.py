@@ -109,6 +109,7 @@ class _AlternatingConductor:
         return _Grant(self, granted=self.requests % 2 == 0)
 
 
+@pytest.mark.sync_device  # grants counted released right after training
 def test_conductor_denials_skip_prefetch_and_grants_are_released(tiny_flux):
     conductor = _AlternatingConductor()
     runtime, sink = _run(tiny_flux, conductor=conductor)
@@ -131,6 +132,7 @@ def test_set_watermarks_validates(tiny_flux):
     assert (runtime.high_mb, runtime.low_mb) == (300, 200)
 
 
+@pytest.mark.sync_device  # the schedule of a device whose copies land at once
 def test_tight_watermarks_keep_the_next_needed_block_no_stalls_after_trace(tiny_flux):
     # Room for one block and a half: the window (2) never fits, so which block stays decides
     # whether a use stalls. The block needed next must win over one needed later, both at the
