@@ -146,20 +146,6 @@ class LaggingStream(TransferStream):
             self._run_next()
 
 
-def active() -> Clock | None:
-    """The clock of the ``lagging_device`` in force, if any."""
-    double = TransferStream.double
-    return getattr(double, "clock", None) if double is not None else None
-
-
-def settle() -> None:
-    """Let a lagging device catch up (no-op on a synchronous one): for assertions about what is
-    true once every copy finished (grants released, records spilled)."""
-    clock = active()
-    if clock is not None:
-        clock.drain()
-
-
 @contextlib.contextmanager
 def lagging_device(lag: int) -> Iterator[Clock]:
     """Every CPU ``TransferStream`` built inside is a ``LaggingStream`` with ``lag``."""
