@@ -103,12 +103,22 @@ class ActivationRuntime(RestoreMixin):
         self.budget = ActivationBudgetManager(
             self.memory, config.vram_high_watermark_mb, config.vram_low_watermark_mb
         )
-        self.pool = CPUSpillBackend(
-            config.pinned_pool_classes_mb,
-            config.slab_counts(),
-            pin=self.is_cuda,
-            growth_budget_mb=config.pinned_growth_budget_mb,
-        )
+        try:
+            self.pool = CPUSpillBackend(
+                config.pinned_pool_classes_mb,
+                config.slab_counts(),
+                pin=self.is_cuda,
+                growth_budget_mb=config.pinned_growth_budget_mb,
+            )
+        except RuntimeError as exc:  # page-locking failed: at set-up, never mid-step
+            total = sum(
+                mb * n
+                for mb, n in zip(config.pinned_pool_classes_mb, config.slab_counts(), strict=True)
+            )
+            raise ValueError(
+                f"could not page-lock the activation pool ({total:g} MB: "
+                f"pinned_pool_classes_mb x slabs_per_class): {exc}. Lower slabs_per_class"
+            ) from exc
         self.registry = ActivationRegistry()
         self.planner = RestorePlanner()
         self.metrics = ActivationStepMetrics()
