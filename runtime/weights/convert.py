@@ -32,7 +32,10 @@ def _checked_key(
 ) -> str:
     key = source.resolve(name)
     entry = source.entries[key]
-    if tuple(shape) != entry.shape or dtype != entry.dtype:
+    # Another floating precision is converted as it is read (a model loaded with torch_dtype=);
+    # anything else would be reinterpreted bytes.
+    castable = dtype.is_floating_point and entry.dtype.is_floating_point
+    if tuple(shape) != entry.shape or (dtype != entry.dtype and not castable):
         raise ParameterMismatchError(
             f"parameter {name!r}: model has shape {tuple(shape)} {dtype}, checkpoint tensor "
             f"{key!r} has shape {entry.shape} {entry.dtype}"
@@ -100,7 +103,7 @@ def register_blocks(
                 slot.key = key
                 data = placeholder(slot.dtype)
             else:
-                host = source.load(key) if meta else slot.param.data
+                host = source.load(key, slot.dtype) if meta else slot.param.data
                 if host.device.type != "cpu":
                     host = host.cpu()
                 if slot.trainable and pin_trainable:
@@ -162,7 +165,8 @@ def place_resident(
                     f"parameter {name!r} is on the meta device and no checkpoint_dir was given"
                 )
             key = _checked_key(source, name, param.shape, param.dtype)
-            param = _replace_param(model, name, source.load(key).to(device), param.requires_grad)
+            data = source.load(key, param.dtype).to(device)
+            param = _replace_param(model, name, data, param.requires_grad)
         else:
             param.data = ordinary(param.data.to(device))
         nbytes += param.numel() * param.element_size()
@@ -176,7 +180,7 @@ def place_resident(
                     raise UnmatchedParameterError(
                         f"buffer {name!r} is on the meta device and no checkpoint_dir was given"
                     )
-                buf = source.load(_checked_key(source, name, buf.shape, buf.dtype))
+                buf = source.load(_checked_key(source, name, buf.shape, buf.dtype), buf.dtype)
             module._buffers[leaf] = buf = ordinary(buf.to(device))
             nbytes += buf.numel() * buf.element_size()
     return nbytes
@@ -189,7 +193,7 @@ def restore_blocks(
     its checkpoint tensor (file-backed) or copied from its host master (module-backed)."""
     for block in blocks:
         for slot in block.layout:
-            data = slot.host if slot.key is None else source.load(slot.key)
+            data = slot.host if slot.key is None else source.load(slot.key, slot.dtype)
             slot.param.data = data.to(device, copy=slot.key is None)
             if slot.param.grad is not None:
                 slot.param.grad = slot.param.grad.to(device)

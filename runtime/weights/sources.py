@@ -123,9 +123,17 @@ class SafetensorsCheckpoint:
             + (f": {hits[:4]}" if hits else "")
         )
 
-    def read_into(self, key: str, dst: torch.Tensor) -> None:
-        """Read tensor ``key``'s bytes into ``dst`` (a contiguous CPU uint8 tensor of its size)."""
+    def read_into(self, key: str, dst: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Read tensor ``key`` into ``dst``: a contiguous CPU uint8 tensor of its size in
+        ``dtype`` (default: the file's dtype). A floating ``dtype`` other than the file's is
+        converted on the way (round to nearest even, as ``Tensor.to``), so a model loaded with
+        ``torch_dtype=`` streams from a checkpoint stored in another precision."""
         entry = self.entries[key]
+        if dtype is not None and dtype != entry.dtype:
+            raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.read_into(key, raw)
+            dst.view(dtype).view(entry.shape).copy_(raw.view(entry.dtype).view(entry.shape))
+            return
         fd = self._fds.get(entry.path)
         if fd is None:
             fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
@@ -141,12 +149,14 @@ class SafetensorsCheckpoint:
         self.reads += 1
         self.read_bytes += entry.nbytes
 
-    def load(self, key: str) -> torch.Tensor:
-        """A fresh CPU tensor holding checkpoint tensor ``key`` (resident parameters)."""
+    def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fresh CPU tensor holding checkpoint tensor ``key`` in ``dtype`` (default: the
+        file's; see ``read_into``)."""
         entry = self.entries[key]
         raw = torch.empty(entry.nbytes, dtype=torch.uint8)
         self.read_into(key, raw)
-        return raw.view(entry.dtype).view(entry.shape)
+        tensor = raw.view(entry.dtype).view(entry.shape)
+        return tensor if dtype is None or dtype == entry.dtype else tensor.to(dtype)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -149,7 +149,7 @@ class TransferEngine:
         for slot in block.layout:
             dst = host[slot.offset : slot.offset + slot.nbytes]
             if slot.key is not None:
-                self.source.read_into(slot.key, dst)
+                self.source.read_into(slot.key, dst, slot.dtype)
             else:
                 dst.view(slot.dtype).view(slot.shape).copy_(slot.host)
         block.to(BlockState.HOST_STAGED)

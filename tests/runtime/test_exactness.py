@@ -156,6 +156,9 @@ def test_diffusers_transformers_train_exactly(
     check(folders, references, arch, method, strategy, checkpointing)
 
 
+@pytest.mark.parametrize("checkpoint", ["flux-bf16", "flux"], ids=["bf16-file", "fp32-file"])
 @pytest.mark.parametrize("strategy", ["stream-file", "composed", "layer-offload"])
-def test_bf16_trains_exactly(folders, references, strategy):
-    check(folders, references, "flux-bf16", "lora", strategy, "non-reentrant", torch.bfloat16)
+def test_bf16_trains_exactly(folders, references, strategy, checkpoint):
+    """bf16 training from a bf16 checkpoint, and from an fp32 one (``torch_dtype=bfloat16``:
+    file-backed weights are converted as they are read, as ``from_pretrained`` converts)."""
+    check(folders, references, checkpoint, "lora", strategy, "non-reentrant", torch.bfloat16)

@@ -56,10 +56,11 @@ def test_shape_and_dtype_mismatch_name_the_parameter(tiny_flux):
         ParameterMismatchError, match=r"single_transformer_blocks\.1\.proj_out\.weight.*\(64, 7\)"
     ):
         StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
-    model = make_model("flux", tiny_flux)
-    model.transformer_blocks[1].norm1.linear.half()
+    model = make_model("flux", tiny_flux)  # another float precision is converted; ints not
+    linear = model.transformer_blocks[1].norm1.linear
+    linear.weight = nn.Parameter(linear.weight.data.to(torch.int8), requires_grad=False)
     with pytest.raises(
-        ParameterMismatchError, match=r"transformer_blocks\.1\.norm1\.linear\.weight.*float16"
+        ParameterMismatchError, match=r"transformer_blocks\.1\.norm1\.linear\.weight.*int8"
     ):
         StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
 
