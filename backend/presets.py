@@ -67,11 +67,7 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
         if not problems:
             raise Invalid(f"{prefix}: {exc}", field=prefix) from None
         details = [
-            {
-                "field": _join(prefix, p.get("path")),
-                "message": f"found {p.get('found')}, expected {p.get('expected')}",
-            }
-            for p in problems
+            {"field": _join(prefix, p.get("path")), "message": p["message"]} for p in problems
         ]
         first = details[0]
         raise Invalid(

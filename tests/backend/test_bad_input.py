@@ -82,6 +82,35 @@ def test_invalid_overrides_name_the_json_path(client):
     assert client.get("/api/runs").json() == {"data": [], "count": 0}
 
 
+def _refused(client, overrides: dict | str) -> dict:
+    if isinstance(overrides, str):  # raw JSON text: NaN and Infinity are not JSON objects' values
+        body = f'{{"preset": "tiny-ci", "overrides": {overrides}}}'.encode()
+        resp = client.post("/api/runs", content=body, headers={"content-type": "application/json"})
+    else:
+        resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": overrides})
+    return assert_error_body(resp, 422)
+
+
+def test_preset_numbers_bounds_and_rules_are_named_at_the_api(client):
+    err = _refused(client, '{"logit_mean": NaN}')
+    assert err["field"] == "overrides.logit_mean" and "finite" in err["message"]
+    err = _refused(client, '{"memory": {"stagehand": {"vram_high_watermark_mb": Infinity}}}')
+    assert err["field"] == "overrides.memory.stagehand.vram_high_watermark_mb"
+    err = _refused(client, {"learning_rate": True})
+    assert err["message"] == "overrides.learning_rate: found true, expected a valid number"
+    err = _refused(client, {"resolution": 100000})
+    assert err["message"].endswith("expected less than or equal to 4096")
+    err = _refused(client, {"memory": {"stagehand": {"vram_high_watermark_mb": 0.1}}})
+    assert err["field"] == "overrides.memory.stagehand.vram_low_watermark_mb"
+    assert err["message"] == (
+        "overrides.memory.stagehand.vram_low_watermark_mb: vram_low_watermark_mb (0.5) must not "
+        "be above vram_high_watermark_mb (0.1)"
+    )
+    err = _refused(client, {"data": {"captions": "../../etc/passwd"}})
+    assert err["field"] == "overrides.data.captions" and "not a path" in err["message"]
+    assert client.get("/api/runs").json()["count"] == 0
+
+
 @pytest.mark.parametrize(
     "name", ["../../etc/passwd", "a/b", "..", "x\\y", "tab\tname", "x" * 101, ""]
 )
