@@ -175,7 +175,11 @@ class SchedulerSection(_Strict):
 
 
 class DataSection(_Strict):
-    """An image folder with ``.txt`` captions (the common trainer layout), or the digits."""
+    """An image folder with ``.txt`` captions (the common trainer layout), or the digits.
+
+    The folder is scanned before stage 1 (``runtime/trainer/scan.py``): files that cannot be
+    used are listed with their reason, and ``on_bad_file`` says whether the run goes on.
+    """
 
     path: FolderPath | None = None
     """Folder of images + captions; for video, sub-folders of frames."""
@@ -183,8 +187,14 @@ class DataSection(_Strict):
     """``digits``: the factory's digits folder (``runtime.assets.build_digits``)."""
     captions: str = "txt"
     """Extension of the caption file beside each image (``00001.png`` -> ``00001.txt``)."""
-    default_caption: Text = ""
-    """Caption for an image without a caption file."""
+    default_caption: Text | None = None
+    """Caption for an image without a caption file; unset, such an image trains with an empty
+    caption and the scan warns about it."""
+    on_bad_file: Literal["skip", "fail"] = "skip"
+    """What a file the scan cannot use (unreadable image, caption without image) does: ``skip``
+    leaves it out (listed in the scan), ``fail`` fails the run before any model loads."""
+    background: str = "white"
+    """Colour transparent pixels are composited onto (a CSS name or ``#rrggbb``)."""
     limit: Annotated[int, Field(gt=0, le=MAX_STEPS)] | None = None
     """Use only the first ``limit`` samples (sorted by name)."""
     bucketing: bool = False
@@ -204,6 +214,12 @@ class DataSection(_Strict):
             )
         return value
 
+    @field_validator("background")
+    @classmethod
+    def _colour(cls, value: str) -> str:
+        background_rgb(value)
+        return value
+
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:
         if self.path is not None and self.factory is not None:
@@ -211,6 +227,22 @@ class DataSection(_Strict):
                 "DataSection", "factory", self.factory, 'only one of "path" and "factory", not both'
             )
         return self
+
+    @property
+    def background_rgb(self) -> tuple[int, int, int]:
+        """``background`` as 8-bit ``(r, g, b)``."""
+        return background_rgb(self.background)
+
+
+def background_rgb(colour: str) -> tuple[int, int, int]:
+    """``(r, g, b)`` of a colour name or ``#rrggbb``; raises ``ValueError`` naming what is taken."""
+    from PIL import ImageColor
+
+    try:
+        rgb = ImageColor.getrgb(colour)
+    except ValueError:
+        raise ValueError("a colour name (white, black) or #rrggbb") from None
+    return rgb[0], rgb[1], rgb[2]
 
 
 class SamplesSection(_Strict):

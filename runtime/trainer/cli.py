@@ -30,7 +30,7 @@ from runtime.config import MB  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
 from runtime.trainer import encode, loop  # noqa: E402
 from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
-from runtime.trainer.data import group_by_shape, scan_folder  # noqa: E402
+from runtime.trainer.data import group_by_shape  # noqa: E402
 from runtime.trainer.families import family  # noqa: E402
 from runtime.trainer.outputs import (  # noqa: E402
     latest_checkpoint,
@@ -39,6 +39,7 @@ from runtime.trainer.outputs import (  # noqa: E402
     save_lora,
 )
 from runtime.trainer.progress import Progress  # noqa: E402
+from runtime.trainer.scan import Sample, scan_folder  # noqa: E402
 
 
 class Run:
@@ -98,7 +99,8 @@ class Run:
                 {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
             )
         )
-        model_dir, vae_dir, encoder_dir, data_dir = resolve_assets(preset)
+        samples = self.scan(preset)  # before any model is built or loaded
+        model_dir, vae_dir, encoder_dir = resolve_models(preset)
         self.family = family(preset.family)
         self.telemetry.emit(
             "trainer",
@@ -113,7 +115,7 @@ class Run:
             resume=self.resume,
         )
         t0 = time.perf_counter()
-        cached = self.stage1(preset, vae_dir, encoder_dir, data_dir)
+        cached = self.stage1(preset, vae_dir, encoder_dir, samples)
         cache_s = time.perf_counter() - t0
         if cached is None:
             return self.finish("cancelled", {"cache_s": cache_s})
@@ -126,17 +128,37 @@ class Run:
             self.samples(preset, vae_dir, cached)
         return self.finish("succeeded", timings)
 
-    def stage1(self, preset: Preset, vae_dir, encoder_dir, data_dir) -> loop.Batchable | None:
-        from runtime.assets import cache_root
-
+    def scan(self, preset: Preset) -> list[Sample]:
+        """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
+        before ``DataError`` ends a run that has no usable sample, or bad files under
+        ``data.on_bad_file: fail``; the error names the files."""
         data = preset.data
-        samples = scan_folder(
-            data_dir,
+        scan = scan_folder(
+            resolve_data(preset),
             captions=data.captions,
             default_caption=data.default_caption,
             limit=data.limit,
             frames=data.frames,
+            on_bad_file=data.on_bad_file,
         )
+        self.telemetry.emit("trainer", "dataset_scan", **scan.record())
+        self.progress.line(
+            f"data: {len(scan.samples)} samples from {scan.folder}, {len(scan.skipped)} files "
+            f"left out ({len(scan.bad)} bad), {len(scan.warnings)} warnings"
+        )
+        for item in scan.skipped:
+            self.progress.line(f"  left out {item.file}: {item.reason}")
+        for item in scan.warnings:
+            self.progress.line(f"  warning {item.file}: {item.message}")
+        scan.check()
+        return scan.samples
+
+    def stage1(
+        self, preset: Preset, vae_dir, encoder_dir, samples: list[Sample]
+    ) -> loop.Batchable | None:
+        from runtime.assets import cache_root
+
+        data = preset.data
         texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))
         total = len(texts) + len(samples)
         cache_dir = cache_root() / "trainer-cache"
@@ -164,6 +186,7 @@ class Run:
             vae_dir,
             resolution=preset.resolution,
             bucketing=data.bucketing,
+            background=data.background_rgb,
             device=self.device,
             cache_dir=cache_dir,
             progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
@@ -329,9 +352,18 @@ class Run:
         self.progress.line(f"failed: {type(exc).__name__}: {exc}")
 
 
-def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
-    """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models and
-    the digits are built into the cache on first use.
+def resolve_data(preset: Preset) -> Path:
+    """The data folder: ``data.path``, or the digits folder (built into the cache on first use)."""
+    from runtime import assets
+
+    if preset.data.factory == "digits":
+        return assets.build_digits(size=preset.resolution)
+    return Path(preset.data.path).expanduser()
+
+
+def resolve_models(preset: Preset) -> tuple[Path, Path, Path]:
+    """``(transformer / unet folder, VAE folder, text encoder folder)``; factory models are built
+    into the cache on first use.
 
     Raises:
         FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
@@ -353,11 +385,7 @@ def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
                 f"model.vae_path: no VAE folder (looked for {vae_dir}); set model.vae_path"
             )
     encoder = Path(preset.text_encoder_path) if preset.text_encoder_path else assets.minilm_path()
-    if preset.data.factory == "digits":
-        data_dir = assets.build_digits(size=preset.resolution)
-    else:
-        data_dir = Path(preset.data.path).expanduser()
-    return model_dir, vae_dir, encoder, data_dir
+    return model_dir, vae_dir, encoder
 
 
 def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:

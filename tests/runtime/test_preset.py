@@ -296,6 +296,17 @@ def test_caption_suffix_is_an_extension_not_a_path():
     assert ok.data.captions == ".caption"
 
 
+def test_data_background_colour_and_bad_file_policy():
+    probs, _ = _problems({**MODEL, "data": {"background": "transparent-ish", "on_bad_file": "x"}})
+    assert probs["data.background"]["expected"] == "a colour name (white, black) or #rrggbb"
+    assert probs["data.on_bad_file"]["expected"] == "'skip' or 'fail'"
+    ok = validate_preset({**MODEL, "data": {"background": "#102030", "on_bad_file": "fail"}})
+    assert (ok.data.background_rgb, ok.data.on_bad_file) == ((16, 32, 48), "fail")
+    default = validate_preset(MODEL).data
+    assert (default.background_rgb, default.on_bad_file) == ((255, 255, 255), "skip")
+    assert default.default_caption is None
+
+
 def test_check_paths_names_a_path_the_system_cannot_take(tmp_path):
     p = validate_preset({**MODEL, "data": {"path": str(tmp_path / ("n" * 300))}})
     with pytest.raises(PresetError) as info:
