@@ -33,6 +33,7 @@ from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
 from runtime.trainer.data import group_by_shape  # noqa: E402
 from runtime.trainer.families import family  # noqa: E402
 from runtime.trainer.outputs import (  # noqa: E402
+    folder_problem,
     latest_checkpoint,
     load_checkpoint,
     sample_images,
@@ -320,10 +321,19 @@ class Run:
         return status
 
     def fail(self, exc: BaseException) -> None:
-        """Save what exists, then write the final ``trainer/error`` record."""
+        """Save what exists, then write the final ``trainer/error`` record. An error that means
+        the run folder cannot be written (gone, read-only, full) says so, naming the folder.
+
+        Raises:
+            OSError: the error record itself cannot be written (the run folder's state).
+        """
+        problem = folder_problem(self.run_dir, exc) if isinstance(exc, OSError) else None
+        message = problem or str(exc)
+        self.progress.line(f"failed: {type(exc).__name__}: {message}")
         save_error = None
         try:
-            self.save()
+            if self.run_dir.is_dir():  # saving into a removed folder would make a new one
+                self.save()
         except Exception as inner:  # the original error is the one to report
             save_error = f"{type(inner).__name__}: {inner}"
         oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
@@ -341,7 +351,7 @@ class Run:
             "trainer",
             "error",
             error_type=type(exc).__name__,
-            message=str(exc),
+            message=message,
             traceback="".join(traceback.format_exception(exc)),
             oom=oom,
             steps_done=self.steps_done,
@@ -349,7 +359,6 @@ class Run:
             save_error=save_error,
             **vram,
         )
-        self.progress.line(f"failed: {type(exc).__name__}: {exc}")
 
 
 def resolve_data(preset: Preset) -> Path:
@@ -434,18 +443,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     quiet_libraries()
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    run = Run(args.preset, args.run_dir, pick_device(args.device), args.resume)
+    try:
+        args.run_dir.mkdir(parents=True, exist_ok=True)
+        run = Run(args.preset, args.run_dir, pick_device(args.device), args.resume)
+    except OSError as exc:
+        print(
+            f"workbench train: {folder_problem(args.run_dir, exc, started=False)}", file=sys.stderr
+        )
+        return 1
+    status = 0
     try:
         run.execute()
-        return 0
     except (Exception, KeyboardInterrupt) as exc:
-        run.fail(exc)
-        return 1
+        status = 1
+        try:
+            run.fail(exc)
+        except OSError as inner:  # fail() printed the error; its record cannot be written
+            problem = folder_problem(args.run_dir, inner) or inner
+            print(f"workbench train: no error record written: {problem}", file=sys.stderr)
     finally:
         run.stop.uninstall()
         run.progress.close()
+    try:
         run.telemetry.close()
+    except OSError as exc:  # the last records could not reach the file
+        if status == 0:
+            problem = folder_problem(args.run_dir, exc) or f"telemetry.jsonl: {exc}"
+            print(f"workbench train: {problem}", file=sys.stderr)
+        return 1
+    return status
 
 
 if __name__ == "__main__":
