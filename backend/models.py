@@ -6,12 +6,19 @@ Field names and shapes are docs/contracts.md's; lists are ``{data, count}``.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from fastapi import Path, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RunStatus = Literal[
     "queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"
+]
+MAX_ID = 2**62
+"""Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
+RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62")]
+Since = Annotated[
+    int, Query(ge=-1, le=MAX_ID, description="records with seq above this (-1: from the start)")
 ]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """Preset names: they double as file names of built-in presets, so no separators or dots first."""

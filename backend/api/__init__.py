@@ -1,11 +1,12 @@
 """HTTP and websocket routes, one router per resource."""
 
-from backend.api import compare, presets, runs, stream, system, telemetry
+from backend.api import artifacts, compare, presets, runs, stream, system, telemetry
 
 ROUTERS = [
     system.router,
     presets.router,
     runs.router,
+    artifacts.router,
     telemetry.router,
     compare.router,
     stream.router,

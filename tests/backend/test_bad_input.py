@@ -146,6 +146,37 @@ def test_artifacts_by_name_only(client, srv):
     conn.close()
 
 
+def test_only_regular_files_inside_the_run_folder_are_artifacts(client, srv):
+    ids = []
+    for _ in range(2):
+        run = client.post("/api/runs", json={"preset": "tiny-ci"}).json()
+        client.post(f"/api/runs/{run['id']}/cancel")
+        ids.append(run["id"])
+    secret = srv.data_dir / "secret.png"  # outside both run folders, same file system
+    secret.write_bytes(b"secret bytes")
+    outside = srv.data_dir / "elsewhere"
+    outside.mkdir()
+    (outside / "leak.png").write_bytes(b"secret bytes")
+    samples = srv.data_dir / "runs" / str(ids[0]) / "samples"
+    samples.mkdir(parents=True)
+    (samples / "ok.png").write_bytes(b"\x89PNG ok")
+    (samples / "link.png").symlink_to(secret)
+    (samples / "passwd.png").symlink_to("/etc/passwd")
+    (samples / "hard.png").hardlink_to(secret)
+    (samples / "loop.png").symlink_to(samples / "loop.png")
+    # A samples/ folder that is itself a symlink out of the run folder.
+    (srv.data_dir / "runs" / str(ids[1]) / "samples").symlink_to(outside)
+
+    listed = client.get(f"/api/runs/{ids[0]}/artifacts").json()
+    assert [a["name"] for a in listed["data"]] == ["ok.png"]
+    assert client.get(f"/api/runs/{ids[0]}/artifacts/ok.png").content == b"\x89PNG ok"
+    for name in ("link.png", "passwd.png", "hard.png", "loop.png"):
+        err = assert_error_body(client.get(f"/api/runs/{ids[0]}/artifacts/{name}"), 404)
+        assert err["field"] == "name", name
+    assert client.get(f"/api/runs/{ids[1]}/artifacts").json() == {"data": [], "count": 0}
+    assert_error_body(client.get(f"/api/runs/{ids[1]}/artifacts/leak.png"), 404)
+
+
 def test_bucket_fields_must_be_dotted_names(client):
     run_id = client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"]
     url = f"/api/runs/{run_id}/telemetry"
