@@ -20,6 +20,18 @@ RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62")]
 Since = Annotated[
     int, Query(ge=-1, le=MAX_ID, description="records with seq above this (-1: from the start)")
 ]
+INTEGER_RE = re.compile(r"^-?[0-9]{1,19}$")
+
+
+def bounded_int(text: str, low: int, high: int) -> int | None:
+    """``text`` as a base-10 integer in ``[low, high]``, or None (ASCII digits only: Python's
+    ``int`` also takes ``"1_0"`` and other scripts' digits)."""
+    if not INTEGER_RE.match(text):
+        return None
+    value = int(text)
+    return value if low <= value <= high else None
+
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """Preset names: they double as file names of built-in presets, so no separators or dots first."""
 MAX_RUN_NAME = 100

@@ -12,6 +12,8 @@ import pytest
 from backend_helpers import Server, assert_error_body, kill_workers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +177,23 @@ def test_only_regular_files_inside_the_run_folder_are_artifacts(client, srv):
         assert err["field"] == "name", name
     assert client.get(f"/api/runs/{ids[1]}/artifacts").json() == {"data": [], "count": 0}
     assert_error_body(client.get(f"/api/runs/{ids[1]}/artifacts/leak.png"), 404)
+
+
+def test_ids_and_since_are_bounded_integers(client, srv):
+    huge = "99999999999999999999"  # above 2**64
+    for ids in (f"{huge},1", "1,1_0", "1,-2", "1,\u0662"):
+        err = assert_error_body(client.get("/api/compare", params={"ids": ids}), 422)
+        assert err["field"] == "ids" and "from 1 to 4611686018427387904" in err["message"], ids
+    assert_error_body(client.get(f"/api/runs/{huge}"), 422)
+    assert_error_body(client.get("/api/runs/1/telemetry", params={"since": 2**63}), 422)
+    for path in (f"{huge}/stream", f"1/stream?since={huge}", "\u0661/stream", "1/stream?since=1_0"):
+        with connect(f"ws://{srv.host}:{srv.port}/api/runs/{path}") as ws:
+            frame = json.loads(ws.recv(timeout=10))
+            assert frame["error"]["code"] == "bad_request", path
+            assert "since from -1 to 4611686018427387904" in frame["error"]["message"]
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+            assert ws.close_code == 4400, path
 
 
 def test_bucket_fields_must_be_dotted_names(client):
