@@ -9,7 +9,10 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from runtime.config import LiveLimits
+from runtime.preset import field_error
 
 RunStatus = Literal[
     "queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"
@@ -183,6 +186,24 @@ class RunPublic(BaseModel):
 class RunsPublic(BaseModel):
     data: list[RunPublic]
     count: int
+
+
+class LimitsUpdate(LiveLimits):
+    """The ``PATCH /api/runs/{id}/limits`` body: ``LiveLimits`` with strict, finite numbers
+    (``true``, ``"5"`` and ``NaN`` are refused), and a low watermark above its high one reported
+    at the low field with a sentence (NOTE [ Cross-field errors ] in runtime/preset.py)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> LimitsUpdate:  # replaces LiveLimits._pairs, which names the model
+        for prefix in ("", "activation_"):
+            high, low = f"{prefix}vram_high_watermark_mb", f"{prefix}vram_low_watermark_mb"
+            top, bottom = getattr(self, high), getattr(self, low)
+            if top is not None and bottom is not None and bottom > top:
+                sentence = f"{low} ({bottom}) must not be above {high} ({top})"
+                raise field_error("LimitsUpdate", low, bottom, sentence)
+        return self
 
 
 class LimitsAccepted(BaseModel):

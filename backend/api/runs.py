@@ -12,6 +12,7 @@ from backend.api.deps import SettingsDep, StoreDep, SupervisorDep, public_run, r
 from backend.errors import Conflict, Invalid, NotFound
 from backend.models import (
     LimitsAccepted,
+    LimitsUpdate,
     RunCreate,
     RunId,
     RunPublic,
@@ -22,7 +23,6 @@ from backend.models import (
 from backend.presets import deep_merge, validate_config
 from backend.store import ACTIVE
 from backend.supervisor import device_of
-from runtime.config import LiveLimits
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -94,7 +94,9 @@ def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settin
 
 
 @router.patch("/{run_id}/limits", response_model=LimitsAccepted, status_code=202)
-def set_limits(run_id: RunId, body: LiveLimits, store: StoreDep, supervisor: SupervisorDep) -> dict:
+def set_limits(
+    run_id: RunId, body: LimitsUpdate, store: StoreDep, supervisor: SupervisorDep
+) -> dict:
     """Forward live limits to the worker's control dir; the worker acknowledges with a
     ``strategy/limits_applied`` record carrying the returned ``request_id``."""
     limits = body.given()

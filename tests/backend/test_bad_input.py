@@ -196,6 +196,33 @@ def test_ids_and_since_are_bounded_integers(client, srv):
             assert ws.close_code == 4400, path
 
 
+def test_limits_are_strict_numbers_and_name_the_field(client):
+    def refused(body) -> dict:
+        if isinstance(body, str):
+            resp = client.patch(
+                "/api/runs/1/limits",
+                content=body.encode(),
+                headers={"content-type": "application/json"},
+            )
+        else:
+            resp = client.patch("/api/runs/1/limits", json=body)
+        return assert_error_body(resp, 422)
+
+    err = refused({"vram_high_watermark_mb": 100, "vram_low_watermark_mb": 200})
+    assert err["field"] == "vram_low_watermark_mb"
+    assert err["message"] == (
+        "vram_low_watermark_mb: vram_low_watermark_mb (200.0) must not be above "
+        "vram_high_watermark_mb (100.0)"
+    )
+    err = refused({"activation_vram_high_watermark_mb": 1, "activation_vram_low_watermark_mb": 2})
+    assert err["field"] == "activation_vram_low_watermark_mb"
+    assert refused({"vram_high_watermark_mb": True})["field"] == "vram_high_watermark_mb"
+    assert refused({"prefetch_window_blocks": "3"})["field"] == "prefetch_window_blocks"
+    err = refused('{"vram_low_watermark_mb": NaN}')
+    assert err["field"] == "vram_low_watermark_mb" and "finite" in err["message"]
+    assert refused({})["message"].startswith("no limits given")
+
+
 def test_bucket_fields_must_be_dotted_names(client):
     run_id = client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"]
     url = f"/api/runs/{run_id}/telemetry"
