@@ -43,7 +43,8 @@ def _preset_module():
 
 
 def validate_config(config: Any, prefix: str) -> dict[str, Any]:
-    """Check ``config`` as the worker will (schema, then that named folders exist).
+    """Check ``config`` as the worker will (schema, then that named folders exist and are
+    absolute paths: the worker runs in the repository folder, not the server's).
 
     Returns the config unchanged (the worker resolves defaults itself and writes the resolved
     config into the run dir). Raises ``Invalid`` whose ``field`` is ``prefix.<JSON path>`` of
@@ -59,7 +60,7 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
     try:
         preset = module.validate_preset(copy.deepcopy(config))
         if hasattr(preset, "check_paths"):
-            preset.check_paths()
+            preset.check_paths(absolute=True)
     except ValidationError as exc:
         raise from_validation(exc, prefix) from None
     except ValueError as exc:

@@ -358,14 +358,26 @@ class Preset(_Strict):
         ]
         return [(path, value) for path, value in named if value is not None]
 
-    def check_paths(self) -> None:
-        """Check that the folders the run reads exist (called when training starts).
+    def check_paths(self, absolute: bool = False) -> None:
+        """Check that the folders the run reads exist (called when training starts, and by the
+        API before a run is queued). With ``absolute`` (the API), a relative path is refused:
+        the worker does not run in the caller's folder, so it would read another one.
 
         Raises:
             PresetError: naming each missing path (``model.path``, ``text_encoder``, ``data.path``).
         """
         problems = []
         for path, value in self.folders():
+            if absolute and not Path(value).expanduser().is_absolute():
+                problems.append(
+                    {
+                        "path": path,
+                        "found": _found(value),
+                        "expected": "an absolute folder path (/... or ~/...): the worker does "
+                        "not run in this folder",
+                    }
+                )
+                continue
             try:
                 folder = Path(value).expanduser()
                 kind = "a folder" if folder.is_dir() else "a file" if folder.exists() else None

@@ -110,6 +110,10 @@ def test_preset_numbers_bounds_and_rules_are_named_at_the_api(client):
     )
     err = _refused(client, {"data": {"captions": "../../etc/passwd"}})
     assert err["field"] == "overrides.data.captions" and "not a path" in err["message"]
+    err = _refused(client, {"data": {"factory": None, "path": "tests"}})  # exists here
+    assert err["field"] == "overrides.data.path" and "absolute folder path" in err["message"]
+    err = _refused(client, {"model": {"factory": None, "path": "/" + "n" * 300}})
+    assert err["field"] == "overrides.model.path" and "File name too long" in err["message"]
     assert client.get("/api/runs").json()["count"] == 0
 
 

@@ -315,6 +315,19 @@ def test_check_paths_names_a_path_the_system_cannot_take(tmp_path):
     assert problem["path"] == "data.path" and "File name too long" in problem["expected"]
 
 
+def test_check_paths_for_the_api_wants_absolute_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "images").mkdir()
+    p = validate_preset({**MODEL, "data": {"path": "images"}})
+    p.check_paths()  # the worker's own command line: relative to where it runs
+    with pytest.raises(PresetError) as info:
+        p.check_paths(absolute=True)
+    (problem,) = info.value.problems
+    assert problem["path"] == "data.path" and problem["found"] == "'images'"
+    assert problem["expected"].startswith("an absolute folder path")
+    validate_preset({**MODEL, "data": {"path": str(tmp_path / "images")}}).check_paths(True)
+
+
 def test_preset_module_does_not_import_torch():
     import subprocess
     import sys
