@@ -9,7 +9,14 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from runtime.config import LiveLimits
 from runtime.preset import field_error
@@ -63,13 +70,31 @@ def check_run_name(value: str) -> str:
     return value
 
 
+PresetConfig = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"allOf": [{"$ref": "#/components/schemas/Preset"}], "description": "a Preset"}),
+]
+"""A preset's config: validated as ``runtime.preset.Preset`` (its schema, with its bounds, is
+published in the OpenAPI document)."""
+Overrides = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "description": "Preset fields to change (a partial Preset: see the Preset schema), "
+            "merged deep into the preset's config and validated as a whole",
+        }
+    ),
+]
+
+
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class PresetCreate(_In):
     name: str = Field(max_length=64)
-    config: dict[str, Any]
+    config: PresetConfig
     description: str = Field(default="", max_length=2000)
 
     @field_validator("name")
@@ -79,7 +104,7 @@ class PresetCreate(_In):
 
 
 class PresetUpdate(_In):
-    config: dict[str, Any]
+    config: PresetConfig
     description: str | None = Field(default=None, max_length=2000)
 
 
@@ -109,7 +134,7 @@ class PresetsPublic(BaseModel):
 class RunCreate(_In):
     preset: str = Field(max_length=64)
     name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
-    overrides: dict[str, Any] = Field(default_factory=dict)
+    overrides: Overrides = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod

@@ -21,6 +21,7 @@ from fastapi.responses import FileResponse
 from backend.api.deps import SettingsDep, StoreDep, run_row
 from backend.errors import Invalid, NotFound
 from backend.models import RunId
+from backend.openapi import errors
 
 router = APIRouter(prefix="/api/runs", tags=["artifacts"])
 ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -49,7 +50,7 @@ def artifact_files(run_dir: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if ARTIFACT_RE.match(p.name) and servable(p, run_dir))
 
 
-@router.get("/{run_id}/artifacts")
+@router.get("/{run_id}/artifacts", responses=errors(404))
 def list_artifacts(run_id: RunId, store: StoreDep, settings: SettingsDep) -> dict:
     """Sample images of a run: ``{data: [{name, size, modified, url}], count}``."""
     run_row(store, run_id)
@@ -61,7 +62,7 @@ def list_artifacts(run_id: RunId, store: StoreDep, settings: SettingsDep) -> dic
     return {"data": data, "count": len(data)}
 
 
-@router.get("/{run_id}/artifacts/{name}")
+@router.get("/{run_id}/artifacts/{name}", responses=errors(404))
 def get_artifact(
     run_id: RunId,
     store: StoreDep,

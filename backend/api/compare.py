@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query
 from backend.api.deps import StoreDep, public_run, run_row
 from backend.errors import Invalid
 from backend.models import MAX_ID, bounded_int
+from backend.openapi import errors
 from backend.presets import normalized
 
 router = APIRouter(prefix="/api", tags=["compare"])
@@ -55,7 +56,7 @@ def _ids(ids: str) -> list[int]:
     return out
 
 
-@router.get("/compare")
+@router.get("/compare", responses=errors(404))
 def compare(
     store: StoreDep,
     ids: Annotated[

@@ -20,6 +20,7 @@ from backend.models import (
     RunStatus,
     RunUpdate,
 )
+from backend.openapi import errors
 from backend.presets import deep_merge, validate_config
 from backend.store import ACTIVE
 from backend.supervisor import device_of
@@ -38,7 +39,9 @@ def list_runs(
     return {"data": data, "count": len(data)}
 
 
-@router.post("", response_model=RunPublic, status_code=status.HTTP_201_CREATED)
+@router.post(
+    "", response_model=RunPublic, status_code=status.HTTP_201_CREATED, responses=errors(404)
+)
 def create_run(
     body: RunCreate, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep
 ) -> dict:
@@ -58,12 +61,12 @@ def create_run(
     return public_run(store, run_row(store, run_id))
 
 
-@router.get("/{run_id}", response_model=RunPublic)
+@router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
 def get_run(run_id: RunId, store: StoreDep) -> dict:
     return public_run(store, run_row(store, run_id))
 
 
-@router.patch("/{run_id}", response_model=RunPublic)
+@router.patch("/{run_id}", response_model=RunPublic, responses=errors(404))
 def update_run(run_id: RunId, body: RunUpdate, store: StoreDep) -> dict:
     run_row(store, run_id)
     if body.notes is not None:
@@ -75,14 +78,14 @@ def update_run(run_id: RunId, body: RunUpdate, store: StoreDep) -> dict:
     return public_run(store, run_row(store, run_id))
 
 
-@router.post("/{run_id}/cancel", response_model=RunPublic)
+@router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
 def cancel_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dict:
     run_row(store, run_id)
     supervisor.cancel(run_id)
     return public_run(store, run_row(store, run_id))
 
 
-@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 409))
 def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep):
     run = run_row(store, run_id)
     if run["status"] in (*ACTIVE, "queued") or supervisor.is_live(run_id):
@@ -93,7 +96,12 @@ def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settin
     store.delete_run(run_id)
 
 
-@router.patch("/{run_id}/limits", response_model=LimitsAccepted, status_code=202)
+@router.patch(
+    "/{run_id}/limits",
+    response_model=LimitsAccepted,
+    status_code=202,
+    responses=errors(404, 409),
+)
 def set_limits(
     run_id: RunId, body: LimitsUpdate, store: StoreDep, supervisor: SupervisorDep
 ) -> dict:

@@ -11,6 +11,7 @@ from backend.api.deps import StoreDep, run_row
 from backend.downsample import PATH_RE, numeric_paths
 from backend.errors import Invalid
 from backend.models import RunId, Since, TelemetryPage
+from backend.openapi import errors
 
 router = APIRouter(prefix="/api/runs", tags=["telemetry"])
 MAX_PAGE = 10_000
@@ -18,7 +19,7 @@ MAX_BUCKETED = 500_000
 """Records considered for one downsampled answer (a 10k-step run with all sources is ~100k)."""
 
 
-@router.get("/{run_id}/telemetry", response_model=TelemetryPage)
+@router.get("/{run_id}/telemetry", response_model=TelemetryPage, responses=errors(404))
 def telemetry(
     store: StoreDep,
     run_id: RunId,

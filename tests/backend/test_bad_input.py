@@ -277,6 +277,61 @@ def test_system_info(client):
     assert info["torch_version"].startswith("2.")
 
 
+def test_openapi_lists_every_error_with_the_one_body_and_the_bounds(client):
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas and "ErrorBody" in schemas
+    assert set(schemas["ErrorInfo"]["required"]) == {"code", "message", "field", "details"}
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            codes = {int(c) for c in op["responses"] if c.startswith(("4", "5"))}
+            expected = {401, 403}
+            if op.get("parameters") or "requestBody" in op:
+                expected.add(422)
+            if "requestBody" in op:
+                expected |= {400, 413}
+            if method in ("post", "put", "patch", "delete"):
+                expected.add(413)
+            if "{" in path or path in ("/api/compare", "/api/runs") and method != "get":
+                expected.add(404)
+            assert expected <= codes, (method, path, codes)
+            for code in codes:
+                assert op["responses"][str(code)]["content"] == error, (method, path, code)
+    runs = doc["paths"]["/api/runs/{run_id}"]
+    assert {"409"} <= set(runs["delete"]["responses"]) and "409" in (
+        doc["paths"]["/api/runs/{run_id}/limits"]["patch"]["responses"]
+    )
+    run_id = runs["get"]["parameters"][0]["schema"]
+    assert (run_id["minimum"], run_id["maximum"]) == (1, 2**62)
+    preset = schemas["Preset"]["properties"]
+    assert preset["resolution"]["maximum"] == 4096 and preset["batch_size"]["maximum"] == 256
+    assert schemas["PresetCreate"]["properties"]["config"]["allOf"] == [
+        {"$ref": "#/components/schemas/Preset"}
+    ]
+    limits = doc["paths"]["/api/runs/{run_id}/limits"]["patch"]["requestBody"]
+    assert limits["content"]["application/json"]["schema"]["$ref"].endswith("/LimitsUpdate")
+
+
+def test_options_says_what_a_path_takes(client):
+    for path, allow in (
+        ("/api/runs", "GET, OPTIONS, POST"),
+        ("/api/runs/1", "DELETE, GET, OPTIONS, PATCH"),
+        ("/api/presets/tiny-ci/duplicate", "OPTIONS, POST"),
+        ("/static/js/app.js", "GET, HEAD, OPTIONS"),
+    ):
+        resp = client.options(path, headers={"Origin": "http://evil.example"})
+        assert resp.status_code == 204 and resp.headers["allow"] == allow, (path, resp.text)
+        assert resp.content == b"" and "access-control-allow-origin" not in resp.headers
+    err = assert_error_body(client.delete("/api/system"), 405)
+    assert err["code"] == "method_not_allowed"
+    assert client.delete("/api/system").headers["allow"] == "GET, OPTIONS"
+    post = client.post("/api/runs/1")  # PATCH and DELETE exist there, POST does not
+    assert post.status_code == 405 and post.headers["allow"] == "DELETE, GET, OPTIONS, PATCH"
+    assert client.post("/").headers["allow"] == client.head("/").headers["allow"] == "GET, OPTIONS"
+    assert_error_body(client.options("/api/nothing-here"), 404)
+
+
 # -- fuzz ----------------------------------------------------------------------------------------
 JSON = st.recursive(
     st.none()
@@ -289,8 +344,11 @@ JSON = st.recursive(
     ),
     max_leaves=12,
 )
+EDGES = [2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), 10**20]
+"""Integers around the bounds of ids and seqs (2**62) and of SQLite's INTEGER."""
 SEGMENT = st.one_of(
     st.integers(-5, 10**20).map(str),
+    st.sampled_from(EDGES).map(str),
     st.text(string.ascii_letters + string.digits + "._-%~", min_size=1, max_size=12),
     st.sampled_from(["tiny-ci", "1", "..", "%2e%2e", "-1", "0"]),
 )
@@ -317,7 +375,9 @@ def test_fuzz_openapi_routes_never_5xx(srv, client):
         body=JSON,
         query=st.dictionaries(
             st.sampled_from(["since", "limit", "buckets", "ids", "metrics", "status", "tag", "x"]),
-            st.text(max_size=12) | st.integers(-(2**64), 2**64).map(str),
+            st.text(max_size=12)
+            | st.integers(-(2**64), 2**64).map(str)
+            | st.sampled_from(EDGES).map(lambda n: f"{n},1"),
             max_size=3,
         ),
         raw=st.booleans(),
@@ -357,3 +417,51 @@ def _split(path: str) -> list[str]:
         else:
             cur += ch
     return [*out, cur]
+
+
+BOUNDED = {
+    "resolution": 4096,
+    "batch_size": 256,
+    "max_steps": 10_000_000,
+    "lora_rank": 1024,
+    "adapter.rank": 1024,
+    "learning_rate": 1,
+    "logit_std": 10,
+    "seed": 2**32 - 1,
+    "checkpoint_every": 10_000_000,
+    "scheduler.warmup_steps": 10_000_000,
+    "samples.steps": 1000,
+    "data.frames": 1024,
+    "data.max_caption_tokens": 4096,
+}
+"""Preset numbers and their upper bounds."""
+
+
+def test_fuzz_preset_numbers_past_their_bounds_are_422_naming_the_field(client):
+    offending = st.one_of(
+        st.sampled_from(sorted(BOUNDED.items())).flatmap(
+            lambda item: st.tuples(
+                st.just(item[0]), st.integers(item[1] + 1, item[1] * 10**12).map(json.dumps)
+            )
+        ),
+        st.tuples(
+            st.sampled_from(sorted(BOUNDED)),
+            st.sampled_from(["true", "false", '"4"', '"1e3"', "NaN", "Infinity", "-Infinity"]),
+        ),
+    )
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=offending)
+    def probe(case):
+        path, value = case
+        overrides = value
+        for key in reversed(path.split(".")):
+            overrides = f'{{"{key}": {overrides}}}'
+        body = f'{{"preset": "tiny-ci", "overrides": {overrides}}}'.encode()
+        resp = client.post("/api/runs", content=body, headers={"content-type": "application/json"})
+        err = assert_error_body(resp, 422)
+        assert f"overrides.{path}" in {d["field"] for d in err["details"]}, (path, value, err)
+
+    before = client.get("/api/runs").json()["count"]
+    probe()
+    assert client.get("/api/runs").json()["count"] == before  # not one run was queued
