@@ -142,6 +142,43 @@ class RunCreate(_In):
         return None if v is None else check_run_name(v)
 
 
+class ScanRequest(_In):
+    """What ``POST /api/data/scan`` scans: the data of a run of ``preset`` with ``overrides``."""
+
+    preset: str = Field(max_length=64)
+    overrides: Overrides = Field(default_factory=dict)
+
+
+class ScanSkipped(BaseModel):
+    file: str
+    """Relative to the data folder; a folder ends with ``/``."""
+    reason: str
+    bad: bool
+    """Counts for ``data.on_bad_file`` (an unreadable image or clip, a caption without image)."""
+
+
+class ScanWarning(BaseModel):
+    file: str
+    message: str
+
+
+class DatasetScan(BaseModel):
+    """The dataset scan (``runtime/trainer/scan.py``; the worker records the same fields as
+    ``trainer/dataset_scan``). ``usable`` is null when the folder is a factory's, built and
+    scanned by the worker (``note`` says so)."""
+
+    folder: str | None
+    usable: int | None
+    skipped: list[ScanSkipped] = []
+    warnings: list[ScanWarning] = []
+    bad: int = 0
+    captions_defaulted: int = 0
+    on_bad_file: Literal["skip", "fail"]
+    problem: str | None = None
+    """Why a run would fail on this data (naming the files), or null."""
+    note: str | None = None
+
+
 class RunUpdate(_In):
     notes: str | None = Field(default=None, max_length=MAX_NOTES_CHARS)
     tags: list[str] | None = Field(default=None, max_length=MAX_TAGS)

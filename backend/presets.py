@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from backend.errors import Invalid, from_validation
+from backend.errors import Invalid, NotFound, from_validation
 from backend.models import NAME_RE
 from backend.store import Store
 
@@ -78,6 +78,21 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
             code="validation_error",
         ) from None
     return config
+
+
+def run_config(store: Store, preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config a run of ``preset`` with ``overrides`` would get, validated (``validate_config``).
+
+    Raises:
+        NotFound: no preset of that name (``field: "preset"``).
+        Invalid: the merged config is not valid (``field``: ``overrides.<path>``, or
+            ``preset.<path>`` without overrides).
+    """
+    stored = store.get_preset(preset)
+    if stored is None:
+        raise NotFound(f"no preset named {preset!r}", field="preset")
+    merged = deep_merge(stored["config"], overrides)
+    return validate_config(merged, "overrides" if overrides else "preset")
 
 
 def normalized(config: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, status
 
 from backend.api.deps import SettingsDep, StoreDep, SupervisorDep, public_run, run_row
-from backend.errors import Conflict, Invalid, NotFound
+from backend.errors import Conflict, Invalid
 from backend.models import (
     LimitsAccepted,
     LimitsUpdate,
@@ -21,7 +21,7 @@ from backend.models import (
     RunUpdate,
 )
 from backend.openapi import errors
-from backend.presets import deep_merge, validate_config
+from backend.presets import run_config
 from backend.store import ACTIVE
 from backend.supervisor import device_of
 
@@ -45,12 +45,7 @@ def list_runs(
 def create_run(
     body: RunCreate, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep
 ) -> dict:
-    preset = store.get_preset(body.preset)
-    if preset is None:
-        raise NotFound(f"no preset named {body.preset!r}", field="preset")
-    merged = deep_merge(preset["config"], body.overrides)
-    prefix = "overrides" if body.overrides else "preset"
-    config = validate_config(merged, prefix)
+    config = run_config(store, body.preset, body.overrides)
     run_id = store.create_run(body.name or body.preset, body.preset, config, device_of(config))
     if body.name is None:
         store.update_run(run_id, name=f"{body.preset}-{run_id}")

@@ -277,6 +277,35 @@ def test_system_info(client):
     assert info["torch_version"].startswith("2.")
 
 
+def test_data_scan_before_start_names_every_file_left_out(client, tmp_path):
+    from tests.runtime.trainer.messy_data import BAD, LEFT_OUT, USABLE, WARNED, build_messy
+
+    folder = build_messy(tmp_path / "messy")
+    runs = client.get("/api/runs").json()["count"]
+    data = {"factory": None, "path": str(folder)}
+    scan = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": {"data": data}})
+    assert scan.status_code == 200, scan.text
+    found = scan.json()
+    assert (found["folder"], found["usable"], found["bad"]) == (str(folder), len(USABLE), len(BAD))
+    assert {s["file"] for s in found["skipped"] if s["bad"]} == set(BAD)
+    assert {s["file"] for s in found["skipped"] if not s["bad"]} == set(LEFT_OUT)
+    assert {w["file"] for w in found["warnings"]} == set(WARNED)
+    assert found["problem"] is None and found["on_bad_file"] == "skip"
+    strict = {"data": {**data, "on_bad_file": "fail"}}
+    found = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": strict}).json()
+    assert found["problem"].startswith("data.on_bad_file is fail and 4 file(s) cannot be used:")
+    digits = client.post("/api/data/scan", json={"preset": "tiny-ci"}).json()
+    assert digits["usable"] is None and "built and scanned by the worker" in digits["note"]
+    err = assert_error_body(client.post("/api/data/scan", json={"preset": "nope"}), 404)
+    assert err["field"] == "preset"
+    relative = {"data": {"factory": None, "path": "tests"}}
+    err = assert_error_body(
+        client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": relative}), 422
+    )
+    assert err["field"] == "overrides.data.path"
+    assert client.get("/api/runs").json()["count"] == runs  # scanning queues nothing
+
+
 def test_openapi_lists_every_error_with_the_one_body_and_the_bounds(client):
     doc = client.get("/openapi.json").json()
     schemas = doc["components"]["schemas"]
