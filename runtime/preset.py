@@ -71,8 +71,6 @@ MODEL_TYPES: dict[str, str] = {
 DEFAULT_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 """LoRA targets when the preset names none: the attention projections (diffusers' scripts)."""
 
-PosInt = Annotated[int, Field(gt=0)]
-PosFloat = Annotated[float, Field(gt=0)]
 MAX_STEPS = 10_000_000
 """Steps of any kind (training, warmup, between checkpoints): ~4 months at 1 step/s."""
 MAX_RANK = 1024
