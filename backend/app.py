@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from backend import errors
+from backend import errors, openapi
 from backend.api import ROUTERS
 from backend.api.deps import public_run
 from backend.errors import NotFound
@@ -83,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     errors.install(app)
+    openapi.install(app)
     for router in ROUTERS:
         app.include_router(router)
 

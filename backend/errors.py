@@ -13,11 +13,33 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import WebSocketRoute
 
 log = logging.getLogger("backend.errors")
+
+
+class ErrorDetail(BaseModel):
+    """One problem of a 422: the field (JSON path) and what is wrong with it."""
+
+    field: str | None
+    message: str
+    type: str | None = None
+
+
+class ErrorInfo(BaseModel):
+    code: str = Field(description="stable machine-readable code: validation_error, not_found...")
+    message: str = Field(description="one sentence for people, naming the field when there is one")
+    field: str | None = Field(description="JSON path of the input at fault, or null")
+    details: list[ErrorDetail] = Field(description="every problem of a 422; empty otherwise")
+
+
+class ErrorBody(BaseModel):
+    """The one body of every error response (and the last websocket frame before a close)."""
+
+    error: ErrorInfo
 
 
 class ApiError(Exception):
@@ -149,14 +171,35 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+def allowed_methods(request: Request) -> list[str]:
+    """The methods this app takes at ``request``'s path (OPTIONS included), sorted: those of
+    every route whose path matches (the API's routers, the dashboard's routes and static files;
+    websockets are not HTTP methods)."""
+    from backend.api import ROUTERS  # the routers import this module
+
+    path = request.url.path
+    methods = {"OPTIONS"}
+    for route in [*(r for router in ROUTERS for r in router.routes), *request.app.routes]:
+        regex = getattr(route, "path_regex", None)
+        if isinstance(route, WebSocketRoute) or regex is None or not regex.match(path):
+            continue
+        methods |= getattr(route, "methods", None) or {"GET", "HEAD"}  # a Mount: static files
+    return sorted(methods)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     code = _STATUS_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+    headers = dict(exc.headers or {})
     if exc.status_code == 404 and message == "Not Found":
         message = f"no route or file at {request.url.path}"
     if exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path}"
-    return JSONResponse(error_body(code, message), status_code=exc.status_code, headers=exc.headers)
+        allow = ", ".join(allowed_methods(request))
+        if request.method == "OPTIONS":  # what this path takes; no CORS: other origins get none
+            return Response(status_code=204, headers={"Allow": allow})
+        headers["Allow"] = allow
+        message = f"{request.method} is not allowed on {request.url.path} (allowed: {allow})"
+    return JSONResponse(error_body(code, message), status_code=exc.status_code, headers=headers)
 
 
 async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

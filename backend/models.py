@@ -6,13 +6,42 @@ Field names and shapes are docs/contracts.md's; lists are ``{data, count}``.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import Path, Query
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from runtime.config import LiveLimits
+from runtime.preset import field_error
 
 RunStatus = Literal[
     "queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"
 ]
+MAX_ID = 2**62
+"""Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
+RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62")]
+Since = Annotated[
+    int, Query(ge=-1, le=MAX_ID, description="records with seq above this (-1: from the start)")
+]
+INTEGER_RE = re.compile(r"^-?[0-9]{1,19}$")
+
+
+def bounded_int(text: str, low: int, high: int) -> int | None:
+    """``text`` as a base-10 integer in ``[low, high]``, or None (ASCII digits only: Python's
+    ``int`` also takes ``"1_0"`` and other scripts' digits)."""
+    if not INTEGER_RE.match(text):
+        return None
+    value = int(text)
+    return value if low <= value <= high else None
+
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """Preset names: they double as file names of built-in presets, so no separators or dots first."""
 MAX_RUN_NAME = 100
@@ -41,13 +70,31 @@ def check_run_name(value: str) -> str:
     return value
 
 
+PresetConfig = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"allOf": [{"$ref": "#/components/schemas/Preset"}], "description": "a Preset"}),
+]
+"""A preset's config: validated as ``runtime.preset.Preset`` (its schema, with its bounds, is
+published in the OpenAPI document)."""
+Overrides = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "description": "Preset fields to change (a partial Preset: see the Preset schema), "
+            "merged deep into the preset's config and validated as a whole",
+        }
+    ),
+]
+
+
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class PresetCreate(_In):
     name: str = Field(max_length=64)
-    config: dict[str, Any]
+    config: PresetConfig
     description: str = Field(default="", max_length=2000)
 
     @field_validator("name")
@@ -57,7 +104,7 @@ class PresetCreate(_In):
 
 
 class PresetUpdate(_In):
-    config: dict[str, Any]
+    config: PresetConfig
     description: str | None = Field(default=None, max_length=2000)
 
 
@@ -87,12 +134,49 @@ class PresetsPublic(BaseModel):
 class RunCreate(_In):
     preset: str = Field(max_length=64)
     name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
-    overrides: dict[str, Any] = Field(default_factory=dict)
+    overrides: Overrides = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
         return None if v is None else check_run_name(v)
+
+
+class ScanRequest(_In):
+    """What ``POST /api/data/scan`` scans: the data of a run of ``preset`` with ``overrides``."""
+
+    preset: str = Field(max_length=64)
+    overrides: Overrides = Field(default_factory=dict)
+
+
+class ScanSkipped(BaseModel):
+    file: str
+    """Relative to the data folder; a folder ends with ``/``."""
+    reason: str
+    bad: bool
+    """Counts for ``data.on_bad_file`` (an unreadable image or clip, a caption without image)."""
+
+
+class ScanWarning(BaseModel):
+    file: str
+    message: str
+
+
+class DatasetScan(BaseModel):
+    """The dataset scan (``runtime/trainer/scan.py``; the worker records the same fields as
+    ``trainer/dataset_scan``). ``usable`` is null when the folder is a factory's, built and
+    scanned by the worker (``note`` says so)."""
+
+    folder: str | None
+    usable: int | None
+    skipped: list[ScanSkipped] = []
+    warnings: list[ScanWarning] = []
+    bad: int = 0
+    captions_defaulted: int = 0
+    on_bad_file: Literal["skip", "fail"]
+    problem: str | None = None
+    """Why a run would fail on this data (naming the files), or null."""
+    note: str | None = None
 
 
 class RunUpdate(_In):
@@ -164,6 +248,24 @@ class RunPublic(BaseModel):
 class RunsPublic(BaseModel):
     data: list[RunPublic]
     count: int
+
+
+class LimitsUpdate(LiveLimits):
+    """The ``PATCH /api/runs/{id}/limits`` body: ``LiveLimits`` with strict, finite numbers
+    (``true``, ``"5"`` and ``NaN`` are refused), and a low watermark above its high one reported
+    at the low field with a sentence (NOTE [ Cross-field errors ] in runtime/preset.py)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> LimitsUpdate:  # replaces LiveLimits._pairs, which names the model
+        for prefix in ("", "activation_"):
+            high, low = f"{prefix}vram_high_watermark_mb", f"{prefix}vram_low_watermark_mb"
+            top, bottom = getattr(self, high), getattr(self, low)
+            if top is not None and bottom is not None and bottom > top:
+                sentence = f"{low} ({bottom}) must not be above {high} ({top})"
+                raise field_error("LimitsUpdate", low, bottom, sentence)
+        return self
 
 
 class LimitsAccepted(BaseModel):

@@ -7,6 +7,9 @@
 - gone with an unknown exit and no final record: ``crashed``, saying what telemetry last said;
 - any other non-zero exit: ``failed``, with the tail of ``worker.log`` (a launch that died
   before writing telemetry still shows why).
+
+A run folder that was removed while its worker ran takes the worker's last records and its log
+with it: the error then starts by saying so, naming the folder.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ def classify(
     tail: str | None,
     pid: int | None,
     gone_at_start: bool = False,
+    missing_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The run's ``status, exit_code, signal, error`` fields.
 
     ``rc`` is the exit code (negative: killed by that signal; None: unknown, the worker was not
-    our child); ``finished`` the last ``trainer/run_finished`` record; ``last`` the last record.
+    our child); ``finished`` the last ``trainer/run_finished`` record; ``last`` the last record;
+    ``missing_dir`` the run folder when it no longer exists.
     """
     out: dict[str, Any] = {"exit_code": rc, "signal": None, "error": None}
     if rc is not None and rc < 0:
@@ -100,4 +105,7 @@ def classify(
             "log_tail": tail,
             "last_record": last,
         }
+    if missing_dir is not None and out["error"] is not None:
+        gone = f"the run folder {missing_dir} no longer exists (removed while the run was going?)"
+        out["error"]["message"] = f"{gone}; {out['error']['message']}"
     return out

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from backend.errors import Invalid, from_validation
+from backend.errors import Invalid, NotFound, from_validation
 from backend.models import NAME_RE
 from backend.store import Store
 
@@ -43,7 +43,8 @@ def _preset_module():
 
 
 def validate_config(config: Any, prefix: str) -> dict[str, Any]:
-    """Check ``config`` as the worker will (schema, then that named folders exist).
+    """Check ``config`` as the worker will (schema, then that named folders exist and are
+    absolute paths: the worker runs in the repository folder, not the server's).
 
     Returns the config unchanged (the worker resolves defaults itself and writes the resolved
     config into the run dir). Raises ``Invalid`` whose ``field`` is ``prefix.<JSON path>`` of
@@ -59,7 +60,7 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
     try:
         preset = module.validate_preset(copy.deepcopy(config))
         if hasattr(preset, "check_paths"):
-            preset.check_paths()
+            preset.check_paths(absolute=True)
     except ValidationError as exc:
         raise from_validation(exc, prefix) from None
     except ValueError as exc:
@@ -67,11 +68,7 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
         if not problems:
             raise Invalid(f"{prefix}: {exc}", field=prefix) from None
         details = [
-            {
-                "field": _join(prefix, p.get("path")),
-                "message": f"found {p.get('found')}, expected {p.get('expected')}",
-            }
-            for p in problems
+            {"field": _join(prefix, p.get("path")), "message": p["message"]} for p in problems
         ]
         first = details[0]
         raise Invalid(
@@ -81,6 +78,21 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
             code="validation_error",
         ) from None
     return config
+
+
+def run_config(store: Store, preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config a run of ``preset`` with ``overrides`` would get, validated (``validate_config``).
+
+    Raises:
+        NotFound: no preset of that name (``field: "preset"``).
+        Invalid: the merged config is not valid (``field``: ``overrides.<path>``, or
+            ``preset.<path>`` without overrides).
+    """
+    stored = store.get_preset(preset)
+    if stored is None:
+        raise NotFound(f"no preset named {preset!r}", field="preset")
+    merged = deep_merge(stored["config"], overrides)
+    return validate_config(merged, "overrides" if overrides else "preset")
 
 
 def normalized(config: dict[str, Any]) -> dict[str, Any]:

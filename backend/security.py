@@ -3,20 +3,28 @@
 With a token configured, every HTTP request and websocket needs it, as
 ``Authorization: Bearer TOKEN`` or the ``workbench_token`` cookie (browsers send cookies on
 websockets, not headers). Opening ``/?token=TOKEN`` once sets the cookie (HttpOnly,
-SameSite=Strict) and redirects to ``/``, so the dashboard works from a link.
+SameSite=Strict) and redirects to ``/``, so the dashboard works from a link and the token does
+not stay in the address bar; ``RedactToken`` keeps it out of the access log.
 Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length.
 
-Browsers are the other threat to a tokenless loopback server: any web page can send requests
-to 127.0.0.1 or open a websocket to it. So without a token the ``Host`` must be a loopback
-name (a DNS-rebinding page arrives with its own host name), and a request that carries an
-``Origin`` (browsers send one on websockets and cross-site writes) must come from this server's
-own origin; both get 403 otherwise.
+Browsers are the other threat: any web page can send requests to 127.0.0.1 or open a websocket
+to it, and ids are sequential. So without a token the ``Host`` must be a loopback name (a
+DNS-rebinding page arrives with its own host name), and a websocket or a state-changing request
+(POST, PUT, PATCH, DELETE) is refused (403) when the browser says it comes from elsewhere: an
+``Origin`` that is not this server's own, ``Origin: null`` (a sandboxed frame, a file, a
+redirect) or ``Sec-Fetch-Site: cross-site``. The cookie does not help such a page: another port
+on 127.0.0.1 is the same *site*, so SameSite lets the cookie through. Only a request carrying
+the token in its ``Authorization`` header (which a page cannot add to a cross-site request) is
+let through whatever its Origin says. Same-origin pages and clients that send no Origin (curl,
+scripts) keep working.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
+import re
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qs, urlsplit
 
@@ -43,11 +51,19 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def presented_token(scope: Scope) -> str | None:
-    """The token a request carries (bearer header first, then cookie), or None."""
+def bearer_token(scope: Scope) -> str | None:
+    """The token of an ``Authorization: Bearer`` header, or None."""
     auth = _header(scope, b"authorization")
     if auth and auth.lower().startswith("bearer "):
         return auth[7:].strip()
+    return None
+
+
+def presented_token(scope: Scope) -> str | None:
+    """The token a request carries (bearer header first, then cookie), or None."""
+    bearer = bearer_token(scope)
+    if bearer is not None:
+        return bearer
     cookie = _header(scope, b"cookie")
     if cookie:
         jar = SimpleCookie()
@@ -94,8 +110,14 @@ class SecurityMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         if not self.token:
             return True
-        given = presented_token(scope)
-        return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+        return self._matches(presented_token(scope))
+
+    def _matches(self, given: str | None) -> bool:
+        return (
+            bool(self.token)
+            and given is not None
+            and hmac.compare_digest(given.encode(), self.token.encode())
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -103,15 +125,15 @@ class SecurityMiddleware:
             return
         if self.token and scope["type"] == "http" and scope["path"] == "/":
             given = parse_qs(scope.get("query_string", b"").decode()).get("token", [None])[0]
-            if given is not None and hmac.compare_digest(given.encode(), self.token.encode()):
+            if self._matches(given):
                 cookie = f"{COOKIE}={given}; HttpOnly; SameSite=Strict; Path=/"
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 303,
-                        "headers": [(b"location", b"/"), (b"set-cookie", cookie.encode())],
-                    }
-                )
+                headers = [
+                    (b"location", b"/"),
+                    (b"set-cookie", cookie.encode()),
+                    (b"cache-control", b"no-store"),
+                    (b"referrer-policy", b"no-referrer"),
+                ]
+                await send({"type": "http.response.start", "status": 303, "headers": headers})
                 await send({"type": "http.response.body", "body": b""})
                 return
         refused = self._refused_origin(scope)
@@ -139,23 +161,28 @@ class SecurityMiddleware:
         await self.app(scope, receive, send)
 
     def _refused_origin(self, scope: Scope) -> str | None:
-        """Why a browser-borne request is refused (wrong Host or foreign Origin), or None."""
+        """Why a browser-borne request is refused (wrong Host, or a websocket or write from
+        another origin or site), or None."""
         host = _header(scope, b"host") or ""
         if not self.token and _hostname(host) not in LOOPBACK_NAMES:
             return (
                 f"Host {host!r} is not a loopback name; without a token this server only "
                 "answers to 127.0.0.1, localhost or [::1]"
             )
+        writes = scope["type"] == "websocket" or scope["method"] in UNSAFE
+        if not writes or self._matches(bearer_token(scope)):
+            return None
         origin = _header(scope, b"origin")
-        if (
-            origin
-            and origin != "null"
-            and (scope["type"] == "websocket" or scope["method"] in UNSAFE)
-        ):
-            if urlsplit(origin).netloc.lower() != host.lower():
-                return f"cross-origin request from {origin!r} refused"
-        elif origin == "null" and scope["type"] == "websocket":
-            return "websocket from an opaque origin refused"
+        site = _header(scope, b"sec-fetch-site")
+        if origin == "null":
+            return (
+                "request from an opaque origin (Origin: null: a sandboxed frame, a file or a "
+                "redirect) refused; send the token in an Authorization: Bearer header"
+            )
+        if origin and urlsplit(origin).netloc.lower() != host.lower():
+            return f"cross-origin request from {origin!r} refused"
+        if site == "cross-site":
+            return "cross-site request (Sec-Fetch-Site: cross-site) refused"
         return None
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -192,3 +219,19 @@ class SecurityMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s]*")
+
+
+class RedactToken(logging.Filter):
+    """Replaces ``token=...`` in access-log lines with ``token=[redacted]`` (``/?token=`` is how
+    a link hands the token over; the log must not keep it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                TOKEN_IN_QUERY.sub(r"\1[redacted]", a) if isinstance(a, str) else a
+                for a in record.args
+            )
+        return True

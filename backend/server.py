@@ -7,6 +7,7 @@ Binding anything but 127.0.0.1 / localhost / ::1 needs a token (``--token`` or
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -40,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def log_config(base: dict) -> dict:
+    """uvicorn's logging config with ``RedactToken`` on the access log."""
+    config = copy.deepcopy(base)
+    config.setdefault("filters", {})["redact_token"] = {"()": "backend.security.RedactToken"}
+    config["handlers"]["access"].setdefault("filters", []).append("redact_token")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -55,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workbench serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn  # imported here so `workbench --help` stays instant
+    from uvicorn.config import LOGGING_CONFIG
 
     from backend.app import create_app
 
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        log_config=log_config(LOGGING_CONFIG),
         timeout_graceful_shutdown=5,
         # Telemetry frames are small and mostly local: deflating ~30 MB/s for 20 clients at
         # 10k records/s costs more CPU than it saves.

@@ -310,6 +310,7 @@ class Supervisor:
             tail=log_tail(run_dir / "worker.log"),
             pid=pid,
             gone_at_start=gone_at_start,
+            missing_dir=None if run_dir.is_dir() else run_dir,
         )
         fields["finished_at"] = time.time()
         fields["summary"] = self.store.summary(run_id)

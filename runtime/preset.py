@@ -17,17 +17,33 @@ Accepted verbatim (apart from model paths), the blocks printed in the seeds:
 The seeds spell the LoRA size two ways (``adapter.rank`` and top-level ``lora_rank``); both are
 accepted and resolved into ``Preset.rank`` / ``Preset.alpha``; both set to different values is an
 error. ``validate_preset`` raises ``PresetError`` listing every problem as
-``JSON.path: found <value>, expected <what>``.
+``JSON.path: found <value>, expected <what>`` (or, for a rule between fields, the field at fault
+and a sentence).
+
+Numbers are strict (JSON numbers only: ``true`` or ``"4"`` is not a number) and finite (no
+``NaN``/``Infinity``), and every size has an upper bound that is named in its error.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from runtime.config import MemoryConfig
 
@@ -55,17 +71,45 @@ MODEL_TYPES: dict[str, str] = {
 DEFAULT_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 """LoRA targets when the preset names none: the attention projections (diffusers' scripts)."""
 
-PosInt = Annotated[int, Field(gt=0)]
-PosFloat = Annotated[float, Field(gt=0)]
+MAX_STEPS = 10_000_000
+"""Steps of any kind (training, warmup, between checkpoints): ~4 months at 1 step/s."""
+MAX_RANK = 1024
+"""LoRA rank: past this a LoRA of a 12-19B model is as large as a full fine-tune."""
+Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
+Rank = Annotated[int, Field(gt=0, le=MAX_RANK)]
+Alpha = Annotated[float, Field(gt=0, le=4 * MAX_RANK)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+"""Seeds every generator takes (numpy's are 32-bit)."""
+FolderPath = Annotated[str, Field(min_length=1, max_length=4096)]
+"""A folder on the worker's machine (4096: Linux's PATH_MAX)."""
+Text = Annotated[str, Field(max_length=2000)]
+CAPTION_SUFFIX = re.compile(r"^\.?[A-Za-z0-9][A-Za-z0-9_-]{0,15}$")
+"""``data.captions``: a file extension (``txt``, ``.caption``), never a path."""
 
 
 class PresetError(ValueError):
-    """A preset is invalid; ``problems`` holds ``{path, found, expected}`` per problem."""
+    """A preset is invalid; ``problems`` holds ``{path, found, expected, message}`` per problem
+    (``message``: ``found <value>, expected <what>``, or the sentence of a rule between fields)."""
 
     def __init__(self, problems: list[dict[str, Any]]) -> None:
+        for p in problems:
+            p.setdefault("message", f"found {p['found']}, expected {p['expected']}")
         self.problems = problems
-        lines = [f"{p['path']}: found {p['found']}, expected {p['expected']}" for p in problems]
+        lines = [f"{p['path']}: {p['message']}" for p in problems]
         super().__init__("invalid preset:\n  " + "\n  ".join(lines))
+
+
+def field_error(model: str, field: str, value: Any, sentence: str) -> ValidationError:
+    """A ``ValidationError`` located at ``field`` for a rule between fields.
+
+    Raised from a model validator, it is reported at ``<model's path>.<field>`` with ``sentence``
+    as its message (a plain ``ValueError`` there is reported at the model; see
+    NOTE [ Cross-field errors ]).
+    """
+    error = PydanticCustomError("cross_field", "{sentence}", {"sentence": sentence})
+    return ValidationError.from_exception_data(
+        model, [InitErrorDetails(type=error, loc=(field,), input=value)]
+    )
 
 
 class _Strict(BaseModel):
@@ -75,7 +119,7 @@ class _Strict(BaseModel):
 class ModelSection(_Strict):
     """Which transformer to train: a diffusers folder (``path``) or a factory model."""
 
-    path: str | None = None
+    path: FolderPath | None = None
     """Diffusers model folder (sharded safetensors), or a pipeline folder with ``transformer/``
     (and ``vae/``) inside. Checked to exist by ``Preset.check_paths`` when training starts."""
     factory: Literal["flux", "sd3", "ltx", "unet"] | None = None
@@ -83,9 +127,9 @@ class ModelSection(_Strict):
     size: Literal["tiny", "small", "large"] = "small"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the frozen weights are loaded in."""
-    text_encoder_model_name: str | None = None
+    text_encoder_model_name: FolderPath | None = None
     """Text encoder: ``"minilm"`` (or unset) is the bundled all-MiniLM-L6-v2; else a folder."""
-    vae_path: str | None = None
+    vae_path: FolderPath | None = None
     """VAE folder; default ``path/vae`` for a pipeline folder, the factory VAE otherwise."""
 
     @model_validator(mode="after")
@@ -100,130 +144,181 @@ class ModelSection(_Strict):
 class AdapterSection(_Strict):
     """The LTX-2 seed's ``adapter`` block."""
 
-    rank: PosInt | None = None
-    alpha: PosFloat | None = None
+    rank: Rank | None = None
+    alpha: Alpha | None = None
 
 
 class LoraSection(_Strict):
     """Which modules get LoRA layers (peft ``target_modules``: name suffixes)."""
 
-    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    target_modules: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=256)
+    ] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
 
 
 class OptimizerSection(_Strict):
     optimizer: Literal["adamw"] = "adamw"
-    weight_decay: Annotated[float, Field(ge=0)] = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: PosFloat = 1e-8
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.01
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
+    eps: Annotated[float, Field(gt=0, le=1)] = 1e-8
 
 
 class SchedulerSection(_Strict):
     scheduler: Literal["constant", "cosine"] = "constant"
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0
 
 
 class DataSection(_Strict):
-    """An image folder with ``.txt`` captions (the common trainer layout), or the digits."""
+    """An image folder with ``.txt`` captions (the common trainer layout), or the digits.
 
-    path: str | None = None
+    The folder is scanned before stage 1 (``runtime/trainer/scan.py``): files that cannot be
+    used are listed with their reason, and ``on_bad_file`` says whether the run goes on.
+    """
+
+    path: FolderPath | None = None
     """Folder of images + captions; for video, sub-folders of frames."""
     factory: Literal["digits"] | None = None
     """``digits``: the factory's digits folder (``runtime.assets.build_digits``)."""
     captions: str = "txt"
     """Extension of the caption file beside each image (``00001.png`` -> ``00001.txt``)."""
-    default_caption: str = ""
-    """Caption for an image without a caption file."""
-    limit: PosInt | None = None
+    default_caption: Text | None = None
+    """Caption for an image without a caption file; unset, such an image trains with an empty
+    caption and the scan warns about it."""
+    on_bad_file: Literal["skip", "fail"] = "skip"
+    """What a file the scan cannot use (unreadable image, caption without image) does: ``skip``
+    leaves it out (listed in the scan), ``fail`` fails the run before any model loads."""
+    background: str = "white"
+    """Colour transparent pixels are composited onto (a CSS name or ``#rrggbb``)."""
+    limit: Annotated[int, Field(gt=0, le=MAX_STEPS)] | None = None
     """Use only the first ``limit`` samples (sorted by name)."""
     bucketing: bool = False
     """Group images by aspect ratio into buckets of about ``resolution**2`` pixels instead of
     resizing + center-cropping to a square."""
-    frames: PosInt | None = None
+    frames: Annotated[int, Field(gt=0, le=1024)] | None = None
     """Video models: frames per sample (frame stacks)."""
-    max_caption_tokens: PosInt = 32
+    max_caption_tokens: Annotated[int, Field(gt=0, le=4096)] = 32
     """Captions are padded / truncated to this many tokens."""
+
+    @field_validator("captions")
+    @classmethod
+    def _suffix(cls, value: str) -> str:
+        if not CAPTION_SUFFIX.match(value):
+            raise ValueError(
+                "a file extension of 1-16 letters, digits, '_' or '-' (txt, .caption), not a path"
+            )
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _colour(cls, value: str) -> str:
+        background_rgb(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSection:
+        if self.path is not None and self.factory is not None:
+            raise field_error(
+                "DataSection", "factory", self.factory, 'only one of "path" and "factory", not both'
+            )
+        return self
+
+    @property
+    def background_rgb(self) -> tuple[int, int, int]:
+        """``background`` as 8-bit ``(r, g, b)``."""
+        return background_rgb(self.background)
+
+
+def background_rgb(colour: str) -> tuple[int, int, int]:
+    """``(r, g, b)`` of a colour name or ``#rrggbb``; raises ``ValueError`` naming what is taken."""
+    from PIL import ImageColor
+
+    try:
+        rgb = ImageColor.getrgb(colour)
+    except ValueError:
+        raise ValueError("a colour name (white, black) or #rrggbb") from None
+    return rgb[0], rgb[1], rgb[2]
 
 
 class SamplesSection(_Strict):
     """Images drawn from fixed prompts at the end of the run (none when ``prompts`` is empty)."""
 
-    prompts: list[str] = Field(default_factory=list)
-    steps: PosInt = 8
+    prompts: Annotated[list[Text], Field(max_length=64)] = Field(default_factory=list)
+    steps: Annotated[int, Field(gt=0, le=1000)] = 8
     """Euler steps of the flow sampler (DDIM steps for the unet family)."""
-    seed: int = 0
+    seed: Seed = 0
 
 
 class Preset(_Strict):
     """A training run's configuration. Field names follow the seeds (see the module doc)."""
 
-    name: str | None = None
-    description: str = ""
+    name: Annotated[str, Field(max_length=100)] | None = None
+    description: Text = ""
     model_type: str = "flux"
     training_method: Literal["lora", "full"] = "lora"
-    lora_rank: PosInt | None = None
-    lora_alpha: PosFloat | None = None
+    lora_rank: Rank | None = None
+    lora_alpha: Alpha | None = None
     adapter: AdapterSection | None = None
     lora: LoraSection = Field(default_factory=LoraSection)
     model: ModelSection
-    text_encoder: str | None = None
+    text_encoder: FolderPath | None = None
     """Text encoder folder; overrides ``model.text_encoder_model_name``."""
     memory: MemoryConfig = Field(default_factory=lambda: MemoryConfig(strategy="none"))
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     timestep_distribution: Literal["uniform", "logit_normal"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: PosFloat = 1.0
+    logit_mean: Annotated[float, Field(ge=-10, le=10)] = 0.0
+    """Mean of the logit-normal timestep density (SD3 uses 0; |mean| > 10 is all one end)."""
+    logit_std: Annotated[float, Field(gt=0, le=10)] = 1.0
     prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
     """What a UNet (DDPM) family predicts; flow families always predict the velocity."""
-    learning_rate: PosFloat = 1e-4
-    resolution: Annotated[int, Field(ge=16)] = 512
-    batch_size: PosInt = 1
-    max_steps: PosInt = 50
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    resolution: Annotated[int, Field(ge=16, le=4096)] = 512
+    """Pixels per side (the Flux 2048 seed trains at 2048)."""
+    batch_size: Annotated[int, Field(gt=0, le=256)] = 1
+    max_steps: Steps = 50
     train_dtype: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 0
-    grad_clip: PosFloat | None = 1.0
+    seed: Seed = 0
+    grad_clip: Annotated[float, Field(gt=0, le=1e6)] | None = 1.0
     """Max global grad norm; null disables clipping."""
-    checkpoint_every: PosInt | None = None
+    checkpoint_every: Steps | None = None
     """Steps between checkpoints (``DIR/checkpoints/step-N``); null: none."""
     samples: SamplesSection = Field(default_factory=SamplesSection)
-    log_every: PosInt = 1
+    log_every: Steps = 1
     """Steps between plain progress lines (no terminal)."""
     data: DataSection = Field(default_factory=DataSection)
 
-    @model_validator(mode="before")
+    @field_validator("model_type")
     @classmethod
-    def _infer_strategy(cls, data: Any) -> Any:
-        # The Flux 2048 seed sets layer-offload fields without naming the strategy.
-        if isinstance(data, dict) and isinstance(data.get("memory"), dict):
-            mem = data["memory"]
-            if "strategy" not in mem:
-                lo = ("layer_offload_fraction", "enable_activation_offloading")
-                strategy = "layer_offload" if any(k in mem for k in lo) else None
-                if strategy is None:
-                    strategy = "stagehand" if "stagehand" in mem else "none"
-                data = {**data, "memory": {**mem, "strategy": strategy}}
-        return data
+    def _model_type(cls, value: str) -> str:
+        if value not in MODEL_TYPES:
+            raise ValueError(f"one of {', '.join(MODEL_TYPES)}")
+        return value
 
     @model_validator(mode="after")
     def _resolve(self) -> Preset:
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r}: expected one of {list(MODEL_TYPES)}")
         for field, top, nested in (
             ("rank", self.lora_rank, self.adapter.rank if self.adapter else None),
             ("alpha", self.lora_alpha, self.adapter.alpha if self.adapter else None),
         ):
             if top is not None and nested is not None and float(top) != float(nested):
-                raise ValueError(
-                    f"lora_{field} ({top}) and adapter.{field} ({nested}) disagree: set one"
+                raise field_error(
+                    "Preset",
+                    f"lora_{field}",
+                    top,
+                    f"lora_{field} ({top}) and adapter.{field} ({nested}) disagree: set one",
                 )
         if self.prediction_type != "epsilon" and self.family != "unet":
-            raise ValueError(
+            raise field_error(
+                "Preset",
+                "prediction_type",
+                self.prediction_type,
                 f"prediction_type {self.prediction_type!r} applies to the unet family only "
-                f"({self.family} trains with flow matching): leave it out or use epsilon"
+                f"({self.family} trains with flow matching): leave it out or use epsilon",
             )
-        if self.data.path is not None and self.data.factory is not None:
-            raise ValueError('data: only one of "path" and "factory", not both')
         return self
 
     # -- resolved values --------------------------------------------------------------------
@@ -250,27 +345,52 @@ class Preset(_Strict):
         name = self.text_encoder or self.model.text_encoder_model_name
         return None if name in (None, "", "minilm") else name
 
-    def check_paths(self) -> None:
-        """Check that the folders the run reads exist (called when training starts).
+    def folders(self) -> list[tuple[str, str]]:
+        """``(JSON path, value)`` of every folder the run reads that the preset names."""
+        encoder = "text_encoder" if self.text_encoder else "model.text_encoder_model_name"
+        named = [
+            ("model.path", self.model.path),
+            ("model.vae_path", self.model.vae_path),
+            ("data.path", self.data.path),
+            (encoder, self.text_encoder_path),
+        ]
+        return [(path, value) for path, value in named if value is not None]
+
+    def check_paths(self, absolute: bool = False) -> None:
+        """Check that the folders the run reads exist (called when training starts, and by the
+        API before a run is queued). With ``absolute`` (the API), a relative path is refused:
+        the worker does not run in the caller's folder, so it would read another one.
 
         Raises:
             PresetError: naming each missing path (``model.path``, ``text_encoder``, ``data.path``).
         """
         problems = []
-        checks = [
-            ("model.path", self.model.path),
-            ("model.vae_path", self.model.vae_path),
-            ("data.path", self.data.path),
-            (
-                "text_encoder" if self.text_encoder else "model.text_encoder_model_name",
-                self.text_encoder_path,
-            ),
-        ]
-        for path, value in checks:
-            if value is not None and not Path(value).expanduser().is_dir():
-                kind = "a file" if Path(value).expanduser().exists() else "nothing"
+        for path, value in self.folders():
+            if absolute and not Path(value).expanduser().is_absolute():
                 problems.append(
-                    {"path": path, "found": f"{value!r} ({kind})", "expected": "an existing folder"}
+                    {
+                        "path": path,
+                        "found": _found(value),
+                        "expected": "an absolute folder path (/... or ~/...): the worker does "
+                        "not run in this folder",
+                    }
+                )
+                continue
+            try:
+                folder = Path(value).expanduser()
+                kind = "a folder" if folder.is_dir() else "a file" if folder.exists() else None
+            except (OSError, ValueError) as exc:  # NUL byte, name too long
+                problems.append(
+                    {"path": path, "found": _found(value), "expected": f"a folder path ({exc})"}
+                )
+                continue
+            if kind != "a folder":
+                problems.append(
+                    {
+                        "path": path,
+                        "found": f"{value!r} ({kind or 'nothing'})",
+                        "expected": "an existing folder",
+                    }
                 )
         if self.data.path is None and self.data.factory is None:
             problems.append(
@@ -313,37 +433,125 @@ def _expected(error: dict[str, Any]) -> str:
         return "no such field (unknown field)"
     if kind == "missing":
         return "this required field"
-    for prefix in ("Input should be ", "Value error, ", "Assertion failed, "):
+    prefixes = ("Input should be ", "Value error, ", "Assertion failed, ")
+    prefixes += ("String should have ", "List should have ", "Tuple should have ")
+    for prefix in prefixes:
         if msg.startswith(prefix):
             return msg[len(prefix) :]
     return msg
 
 
+# NOTE [ Cross-field errors ]
+# pydantic reports a ValueError raised in a model validator at the model, so a rule between two
+# fields (low watermark above high) would name the section, not the field. Our validators raise
+# ``field_error``, located at the field. runtime/config.py's validators raise plain ValueErrors
+# whose sentence starts with the field at fault ("vram_low_watermark_mb (16000) must not be
+# above ..."): ``_cross_field`` locates those at that field when it is one of the model's.
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model validated at ``loc`` under ``Preset`` (None if not a model)."""
+    model: type[BaseModel] = Preset
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        found = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if not found:
+            return None
+        model = found[0]
+    return model
+
+
+def _cross_field(err: dict[str, Any]) -> tuple[tuple[Any, ...], Any] | None:
+    """``(loc, value)`` of the field a model-level rule's sentence names first, or None."""
+    data = err.get("input")
+    if err["type"] != "value_error" or not isinstance(data, dict):
+        return None
+    model = _model_at(tuple(err["loc"]))
+    first = re.match(r"[A-Za-z_]\w*", _expected(err))
+    if model is None or first is None or first.group() not in model.model_fields:
+        return None
+    field = first.group()
+    return (*err["loc"], field), data.get(field, model.model_fields[field].default)
+
+
 def problems_of(exc: ValidationError) -> list[dict[str, Any]]:
-    """``[{path, found, expected}]`` for each error of a pydantic ``ValidationError``."""
+    """``[{path, found, expected, message}]`` for each error of a pydantic ``ValidationError``.
+
+    A rule between fields is reported at the field at fault, with its sentence as ``message``
+    (NOTE [ Cross-field errors ]).
+    """
     seen, out = set(), []
     for err in exc.errors():
-        path = _json_path(tuple(err["loc"]))
-        found = "nothing" if err["type"] == "missing" else _found(err.get("input"))
+        loc, value, sentence = tuple(err["loc"]), err.get("input"), None
+        located = _cross_field(err)
+        if located is not None:
+            loc, value = located
+        if located is not None or err["type"] == "cross_field":
+            sentence = _expected(err)
+        path = _json_path(loc)
+        found = "nothing" if err["type"] == "missing" else _found(value)
         item = (path, found, _expected(err))
         if item not in seen:
             seen.add(item)
-            out.append({"path": path, "found": found, "expected": item[2]})
+            problem = {"path": path, "found": found, "expected": item[2]}
+            out.append({**problem, "message": sentence} if sentence else problem)
     return out
 
 
+def _non_finite(value: Any, loc: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], float]]:
+    """``(loc, number)`` of each ``NaN`` or infinity in ``value`` (parsed JSON: Python's json
+    reads both)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield loc, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, (*loc, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, (*loc, i))
+
+
+def _with_strategy(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``memory.strategy`` filled in when the seed leaves it out: the Flux 2048
+    seed sets layer-offload fields without naming the strategy."""
+    mem = data.get("memory")
+    if not isinstance(mem, dict) or "strategy" in mem:
+        return data
+    offload = ("layer_offload_fraction", "enable_activation_offloading")
+    strategy = "layer_offload" if any(k in mem for k in offload) else None
+    if strategy is None:
+        strategy = "stagehand" if "stagehand" in mem else "none"
+    return {**data, "memory": {**mem, "strategy": strategy}}
+
+
 def validate_preset(data: Any) -> Preset:
-    """Validate a preset's JSON object.
+    """Validate a preset's JSON object, strictly: numbers must be finite JSON numbers (not
+    ``true``, not ``"4"``); an integer field takes no fraction.
 
     Raises:
         PresetError: listing each problem as ``JSON.path: found <value>, expected <what>``.
     """
     if not isinstance(data, dict):
         raise PresetError([{"path": "(top level)", "found": _found(data), "expected": "an object"}])
+    problems = [
+        {"path": _json_path(loc), "found": _found(number), "expected": "a finite number"}
+        for loc, number in _non_finite(data)
+    ]
+    # JSON mode: strict numbers, while JSON arrays still fill tuples (Python's strict mode
+    # would refuse a list for ``betas``). No model validator may run "before": it would hand
+    # the rest of the validation a Python dict (hence ``_with_strategy`` here).
+    text = json.dumps(_with_strategy(data), default=str)
     try:
-        return Preset.model_validate(data)
+        preset = Preset.model_validate_json(text, strict=True)
     except ValidationError as exc:
-        raise PresetError(problems_of(exc)) from None
+        named = {p["path"] for p in problems}
+        problems += [p for p in problems_of(exc) if p["path"] not in named]
+    if problems:
+        raise PresetError(problems)
+    return preset
 
 
 def list_presets() -> list[str]:

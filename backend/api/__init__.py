@@ -1,11 +1,13 @@
 """HTTP and websocket routes, one router per resource."""
 
-from backend.api import compare, presets, runs, stream, system, telemetry
+from backend.api import artifacts, compare, data, presets, runs, stream, system, telemetry
 
 ROUTERS = [
     system.router,
     presets.router,
     runs.router,
+    artifacts.router,
+    data.router,
     telemetry.router,
     compare.router,
     stream.router,

@@ -9,6 +9,8 @@ from fastapi import APIRouter, Query
 
 from backend.api.deps import StoreDep, public_run, run_row
 from backend.errors import Invalid
+from backend.models import MAX_ID, bounded_int
+from backend.openapi import errors
 from backend.presets import normalized
 
 router = APIRouter(prefix="/api", tags=["compare"])
@@ -40,20 +42,30 @@ def config_diff(configs: dict[int, dict]) -> list[dict[str, Any]]:
 
 
 def _ids(ids: str) -> list[int]:
-    try:
-        out = [int(part) for part in ids.split(",") if part.strip()]
-    except ValueError:
-        raise Invalid(f"ids: expected comma-separated run ids, got {ids!r}", field="ids") from None
+    parts = [part.strip() for part in ids.split(",") if part.strip()]
+    out = [bounded_int(part, 1, MAX_ID) for part in parts]
+    if None in out:
+        bad = parts[out.index(None)]
+        raise Invalid(
+            f"ids: expected comma-separated run ids from 1 to {MAX_ID}, got {bad[:40]!r}",
+            field="ids",
+        )
     out = list(dict.fromkeys(out))
     if not 2 <= len(out) <= 6:
         raise Invalid(f"ids: expected 2 to 6 distinct run ids, got {len(out)}", field="ids")
     return out
 
 
-@router.get("/compare")
+@router.get("/compare", responses=errors(404))
 def compare(
     store: StoreDep,
-    ids: Annotated[str, Query(max_length=200)],
+    ids: Annotated[
+        str,
+        Query(
+            max_length=200,
+            description=f"2 to 6 distinct run ids (1 to {MAX_ID}), comma-separated",
+        ),
+    ],
     metrics: Annotated[str, Query(max_length=500)] = DEFAULT_METRICS,
 ) -> dict:
     """``{runs, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path, values}],

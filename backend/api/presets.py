@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, status
 from backend.api.deps import StoreDep
 from backend.errors import Conflict, NotFound, ReadOnly
 from backend.models import PresetCreate, PresetDuplicate, PresetPublic, PresetsPublic, PresetUpdate
+from backend.openapi import errors
 from backend.presets import validate_config
 
 router = APIRouter(prefix="/api/presets", tags=["presets"])
@@ -28,7 +29,9 @@ def list_presets(store: StoreDep) -> dict:
     return {"data": data, "count": len(data)}
 
 
-@router.post("", response_model=PresetPublic, status_code=status.HTTP_201_CREATED)
+@router.post(
+    "", response_model=PresetPublic, status_code=status.HTTP_201_CREATED, responses=errors(409)
+)
 def create_preset(body: PresetCreate, store: StoreDep) -> dict:
     config = validate_config(body.config, "config")
     try:
@@ -38,12 +41,12 @@ def create_preset(body: PresetCreate, store: StoreDep) -> dict:
     return _get(store, body.name)
 
 
-@router.get("/{name}", response_model=PresetPublic)
+@router.get("/{name}", response_model=PresetPublic, responses=errors(404))
 def get_preset(store: StoreDep, name: str = PresetName) -> dict:
     return _get(store, name)
 
 
-@router.put("/{name}", response_model=PresetPublic)
+@router.put("/{name}", response_model=PresetPublic, responses=errors(404))
 def update_preset(body: PresetUpdate, store: StoreDep, name: str = PresetName) -> dict:
     preset = _get(store, name)
     if preset["builtin"]:
@@ -54,14 +57,16 @@ def update_preset(body: PresetUpdate, store: StoreDep, name: str = PresetName) -
     return _get(store, name)
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))
 def delete_preset(store: StoreDep, name: str = PresetName) -> None:
     if _get(store, name)["builtin"]:
         raise ReadOnly(f"preset {name!r} is built in and cannot be deleted", field="name")
     store.delete_preset(name)
 
 
-@router.post("/{name}/duplicate", response_model=PresetPublic, status_code=201)
+@router.post(
+    "/{name}/duplicate", response_model=PresetPublic, status_code=201, responses=errors(404, 409)
+)
 def duplicate_preset(body: PresetDuplicate, store: StoreDep, name: str = PresetName) -> dict:
     source = _get(store, name)
     try:

@@ -1,28 +1,31 @@
-"""Runs: create from a preset with overrides, list, get, notes/tags, cancel, delete, limits,
-artifacts."""
+"""Runs: create from a preset with overrides, list, get, notes/tags, cancel, delete, limits."""
 
 from __future__ import annotations
 
 import json
-import mimetypes
-import re
 import shutil
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, status
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Query, status
 
 from backend.api.deps import SettingsDep, StoreDep, SupervisorDep, public_run, run_row
-from backend.errors import Conflict, Invalid, NotFound
-from backend.models import LimitsAccepted, RunCreate, RunPublic, RunsPublic, RunStatus, RunUpdate
-from backend.presets import deep_merge, validate_config
+from backend.errors import Conflict, Invalid
+from backend.models import (
+    LimitsAccepted,
+    LimitsUpdate,
+    RunCreate,
+    RunId,
+    RunPublic,
+    RunsPublic,
+    RunStatus,
+    RunUpdate,
+)
+from backend.openapi import errors
+from backend.presets import run_config
 from backend.store import ACTIVE
 from backend.supervisor import device_of
-from runtime.config import LiveLimits
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
-RunId = Annotated[int, Path(ge=1, le=2**62)]
-ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 @router.get("", response_model=RunsPublic)
@@ -36,16 +39,13 @@ def list_runs(
     return {"data": data, "count": len(data)}
 
 
-@router.post("", response_model=RunPublic, status_code=status.HTTP_201_CREATED)
+@router.post(
+    "", response_model=RunPublic, status_code=status.HTTP_201_CREATED, responses=errors(404)
+)
 def create_run(
     body: RunCreate, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep
 ) -> dict:
-    preset = store.get_preset(body.preset)
-    if preset is None:
-        raise NotFound(f"no preset named {body.preset!r}", field="preset")
-    merged = deep_merge(preset["config"], body.overrides)
-    prefix = "overrides" if body.overrides else "preset"
-    config = validate_config(merged, prefix)
+    config = run_config(store, body.preset, body.overrides)
     run_id = store.create_run(body.name or body.preset, body.preset, config, device_of(config))
     if body.name is None:
         store.update_run(run_id, name=f"{body.preset}-{run_id}")
@@ -56,12 +56,12 @@ def create_run(
     return public_run(store, run_row(store, run_id))
 
 
-@router.get("/{run_id}", response_model=RunPublic)
+@router.get("/{run_id}", response_model=RunPublic, responses=errors(404))
 def get_run(run_id: RunId, store: StoreDep) -> dict:
     return public_run(store, run_row(store, run_id))
 
 
-@router.patch("/{run_id}", response_model=RunPublic)
+@router.patch("/{run_id}", response_model=RunPublic, responses=errors(404))
 def update_run(run_id: RunId, body: RunUpdate, store: StoreDep) -> dict:
     run_row(store, run_id)
     if body.notes is not None:
@@ -73,14 +73,14 @@ def update_run(run_id: RunId, body: RunUpdate, store: StoreDep) -> dict:
     return public_run(store, run_row(store, run_id))
 
 
-@router.post("/{run_id}/cancel", response_model=RunPublic)
+@router.post("/{run_id}/cancel", response_model=RunPublic, responses=errors(404, 409))
 def cancel_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dict:
     run_row(store, run_id)
     supervisor.cancel(run_id)
     return public_run(store, run_row(store, run_id))
 
 
-@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 409))
 def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep):
     run = run_row(store, run_id)
     if run["status"] in (*ACTIVE, "queued") or supervisor.is_live(run_id):
@@ -91,8 +91,15 @@ def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settin
     store.delete_run(run_id)
 
 
-@router.patch("/{run_id}/limits", response_model=LimitsAccepted, status_code=202)
-def set_limits(run_id: RunId, body: LiveLimits, store: StoreDep, supervisor: SupervisorDep) -> dict:
+@router.patch(
+    "/{run_id}/limits",
+    response_model=LimitsAccepted,
+    status_code=202,
+    responses=errors(404, 409),
+)
+def set_limits(
+    run_id: RunId, body: LimitsUpdate, store: StoreDep, supervisor: SupervisorDep
+) -> dict:
     """Forward live limits to the worker's control dir; the worker acknowledges with a
     ``strategy/limits_applied`` record carrying the returned ``request_id``."""
     limits = body.given()
@@ -103,48 +110,3 @@ def set_limits(run_id: RunId, body: LiveLimits, store: StoreDep, supervisor: Sup
         raise Conflict(f"run {run_id} is {run['status']}; limits apply to running runs", field="id")
     request_id = supervisor.send_control(run_id, {"command": "limits", "limits": limits})
     return {"request_id": request_id}
-
-
-def _samples_dir(settings, run_id: int):
-    return (settings.runs_dir / str(run_id) / "samples").resolve()
-
-
-@router.get("/{run_id}/artifacts")
-def list_artifacts(run_id: RunId, store: StoreDep, settings: SettingsDep) -> dict:
-    """Sample images of a run: ``{data: [{name, size, modified, url}], count}``."""
-    run_row(store, run_id)
-    folder = _samples_dir(settings, run_id)
-    files = (
-        sorted(p for p in folder.glob("*") if p.is_file() and ARTIFACT_RE.match(p.name))
-        if folder.is_dir()
-        else []
-    )
-    data = [
-        {
-            "name": p.name,
-            "size": p.stat().st_size,
-            "modified": p.stat().st_mtime,
-            "url": f"/api/runs/{run_id}/artifacts/{p.name}",
-        }
-        for p in files
-    ]
-    return {"data": data, "count": len(data)}
-
-
-@router.get("/{run_id}/artifacts/{name}")
-def get_artifact(
-    run_id: RunId,
-    store: StoreDep,
-    settings: SettingsDep,
-    name: Annotated[str, Path(max_length=200)],
-):
-    """One file of the run's ``samples/`` folder, by name only (no paths, no dot-files)."""
-    run_row(store, run_id)
-    if not ARTIFACT_RE.match(name) or ".." in name:
-        raise Invalid(f"artifact names are plain file names, got {name!r}", field="name")
-    folder = _samples_dir(settings, run_id)
-    path = (folder / name).resolve()
-    if path.parent != folder or not path.is_file():
-        raise NotFound(f"run {run_id} has no artifact {name!r}", field="name")
-    media = mimetypes.guess_type(name)[0] or "application/octet-stream"
-    return FileResponse(path, media_type=media, headers={"cache-control": "max-age=60"})

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from backend.api.deps import HubDep, StoreDep, public_run
 from backend.errors import error_body
 from backend.hub import Batch, SubscriberState, records_frame
+from backend.models import MAX_ID, bounded_int
 
 router = APIRouter(tags=["stream"])
 REPLAY_CHUNK = 5000
@@ -60,13 +61,15 @@ def _merge(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 @router.websocket("/api/runs/{run_id}/stream")
 async def stream(ws: WebSocket, run_id: str, store: StoreDep, hub: HubDep) -> None:
     await ws.accept()
-    try:
-        rid = int(run_id)
-        since = int(ws.query_params.get("since", "-1"))
-        if rid < 1 or since < -1:
-            raise ValueError
-    except ValueError:
-        await _close_with(ws, 4400, "bad_request", "expected an integer run id and since >= -1")
+    rid = bounded_int(run_id, 1, MAX_ID)
+    since = bounded_int(ws.query_params.get("since", "-1"), -1, MAX_ID)
+    if rid is None or since is None:
+        await _close_with(
+            ws,
+            4400,
+            "bad_request",
+            f"expected a run id from 1 to {MAX_ID} and since from -1 to {MAX_ID}",
+        )
         return
     row = await run_in_threadpool(store.get_run, rid)
     if row is None:

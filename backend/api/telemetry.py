@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Query, Response
 
 from backend.api.deps import StoreDep, run_row
 from backend.downsample import PATH_RE, numeric_paths
 from backend.errors import Invalid
-from backend.models import TelemetryPage
+from backend.models import RunId, Since, TelemetryPage
+from backend.openapi import errors
 
 router = APIRouter(prefix="/api/runs", tags=["telemetry"])
 MAX_PAGE = 10_000
@@ -18,11 +19,11 @@ MAX_BUCKETED = 500_000
 """Records considered for one downsampled answer (a 10k-step run with all sources is ~100k)."""
 
 
-@router.get("/{run_id}/telemetry", response_model=TelemetryPage)
+@router.get("/{run_id}/telemetry", response_model=TelemetryPage, responses=errors(404))
 def telemetry(
     store: StoreDep,
-    run_id: Annotated[int, Path(ge=1, le=2**62)],
-    since: Annotated[int, Query(ge=-1, le=2**62)] = -1,
+    run_id: RunId,
+    since: Since = -1,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1000,
     source: Annotated[str | None, Query(max_length=64)] = None,
     kind: Annotated[str | None, Query(max_length=64)] = None,

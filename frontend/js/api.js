@@ -117,6 +117,8 @@ export const api = {
   /** @param {{notes?: string, tags?: string[]}} body */
   updateRun: (id, body) => request("PATCH", `/api/runs/${enc(id)}`, body),
   cancelRun: (id) => request("POST", `/api/runs/${enc(id)}/cancel`),
+  /** The dataset scan a run would start with. @param {{preset: string, overrides?: object}} body */
+  scanData: (body) => request("POST", "/api/data/scan", body),
   deleteRun: (id) => request("DELETE", `/api/runs/${enc(id)}`),
 
   /**

@@ -10,6 +10,17 @@
 
 /* global Plotly */
 
+/**
+ * `text` as Plotly shows it literally. Plotly reads titles, legend names, hover text and
+ * shape labels as pseudo-HTML (`<a href>` becomes a link, `<b>` bold) and decodes entities
+ * after the tags: escaping &, < and > keeps run names, block names and record fields as text.
+ * Every string given to Plotly goes through here (ChartPanel does it for titles, trace names
+ * and marker labels).
+ */
+export function plotText(text) {
+  return String(text ?? "").replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+}
+
 export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
@@ -83,7 +94,7 @@ export function markerShapes(markers, xRange = null) {
     type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
     line: { color: m.color, width: 1.5, dash: "dash" },
     label: {
-      text: m.label, textangle: 0, textposition: "end",
+      text: plotText(m.label), textangle: 0, textposition: "end",
       xanchor: hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left",
       font: { size: 10, color: m.color },
     },
@@ -162,7 +173,7 @@ export class ChartPanel {
       ...BASE_LAYOUT,
       ...legendFit(width ?? el.clientWidth, legendItems),
       ...layout,
-      title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" },
+      title: { text: plotText(title), font: { size: 14 }, x: 0.01, xanchor: "left" },
       xaxis: { ...BASE_LAYOUT.xaxis, ...(layout.xaxis || {}) },
       yaxis: { ...BASE_LAYOUT.yaxis, ...(layout.yaxis || {}) },
     };
@@ -219,7 +230,7 @@ export class ChartPanel {
   setTitle(title) {
     if (title === this.title) return;
     this.title = title;
-    this.layout = { ...this.layout, title: { ...this.layout.title, text: title } };
+    this.layout = { ...this.layout, title: { ...this.layout.title, text: plotText(title) } };
     this.invalidate();
   }
 
@@ -254,7 +265,7 @@ export class LiveChart extends ChartPanel {
     this.cap = cap;
     this.pending = new Map();
     this.hasPoints = false;
-    this.data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, x: [], y: [] }));
+    this.data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, name: plotText(t.name), x: [], y: [] }));
   }
 
   get empty() {

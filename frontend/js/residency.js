@@ -1,6 +1,6 @@
 // Block residency chart: which blocks are on the device over time (stagehand/block records).
 
-import { ChartPanel, FLUSH_MS } from "./charts.js";
+import { ChartPanel, FLUSH_MS, plotText } from "./charts.js";
 
 /**
  * Block residency over time: a heatmap of blocks (rows) x time (columns), 0 = off the device,
@@ -54,7 +54,7 @@ export class ResidencyMap extends ChartPanel {
   add(t, rec) {
     const block = rec.block;
     if (typeof block !== "number") return;
-    if (rec.block_name) this.names.set(block, rec.block_name);
+    if (rec.block_name) this.names.set(block, plotText(rec.block_name));
     const current = this.state.get(block) ?? 0;
     switch (rec.event) {
       case "load":

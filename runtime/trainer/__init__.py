@@ -1,6 +1,7 @@
 """The training worker (``workbench train``): two-stage diffusers + peft LoRA trainer.
 
-Modules: ``cli`` (entry point, run orchestration), ``data`` (image folders, frame stacks),
+Modules: ``cli`` (entry point, run orchestration), ``scan`` (which files of the data folder make
+samples, and why the others do not), ``data`` (images and frame stacks to tensors, buckets),
 ``families`` (flux / sd3 / ltx adapters, flow matching), ``encode`` (stage 1 caching), ``loop``
 (stage 2), ``control`` (control folder, SIGTERM), ``outputs`` (LoRA, checkpoints, samples),
 ``progress`` (terminal bar or plain lines).

@@ -30,15 +30,17 @@ from runtime.config import MB  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
 from runtime.trainer import encode, loop  # noqa: E402
 from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
-from runtime.trainer.data import group_by_shape, scan_folder  # noqa: E402
+from runtime.trainer.data import group_by_shape  # noqa: E402
 from runtime.trainer.families import family  # noqa: E402
 from runtime.trainer.outputs import (  # noqa: E402
+    folder_problem,
     latest_checkpoint,
     load_checkpoint,
     sample_images,
     save_lora,
 )
 from runtime.trainer.progress import Progress  # noqa: E402
+from runtime.trainer.scan import Sample, scan_folder  # noqa: E402
 
 
 class Run:
@@ -98,7 +100,8 @@ class Run:
                 {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
             )
         )
-        model_dir, vae_dir, encoder_dir, data_dir = resolve_assets(preset)
+        samples = self.scan(preset)  # before any model is built or loaded
+        model_dir, vae_dir, encoder_dir = resolve_models(preset)
         self.family = family(preset.family)
         self.telemetry.emit(
             "trainer",
@@ -113,7 +116,7 @@ class Run:
             resume=self.resume,
         )
         t0 = time.perf_counter()
-        cached = self.stage1(preset, vae_dir, encoder_dir, data_dir)
+        cached = self.stage1(preset, vae_dir, encoder_dir, samples)
         cache_s = time.perf_counter() - t0
         if cached is None:
             return self.finish("cancelled", {"cache_s": cache_s})
@@ -126,17 +129,37 @@ class Run:
             self.samples(preset, vae_dir, cached)
         return self.finish("succeeded", timings)
 
-    def stage1(self, preset: Preset, vae_dir, encoder_dir, data_dir) -> loop.Batchable | None:
-        from runtime.assets import cache_root
-
+    def scan(self, preset: Preset) -> list[Sample]:
+        """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
+        before ``DataError`` ends a run that has no usable sample, or bad files under
+        ``data.on_bad_file: fail``; the error names the files."""
         data = preset.data
-        samples = scan_folder(
-            data_dir,
+        scan = scan_folder(
+            resolve_data(preset),
             captions=data.captions,
             default_caption=data.default_caption,
             limit=data.limit,
             frames=data.frames,
+            on_bad_file=data.on_bad_file,
         )
+        self.telemetry.emit("trainer", "dataset_scan", **scan.record())
+        self.progress.line(
+            f"data: {len(scan.samples)} samples from {scan.folder}, {len(scan.skipped)} files "
+            f"left out ({len(scan.bad)} bad), {len(scan.warnings)} warnings"
+        )
+        for item in scan.skipped:
+            self.progress.line(f"  left out {item.file}: {item.reason}")
+        for item in scan.warnings:
+            self.progress.line(f"  warning {item.file}: {item.message}")
+        scan.check()
+        return scan.samples
+
+    def stage1(
+        self, preset: Preset, vae_dir, encoder_dir, samples: list[Sample]
+    ) -> loop.Batchable | None:
+        from runtime.assets import cache_root
+
+        data = preset.data
         texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))
         total = len(texts) + len(samples)
         cache_dir = cache_root() / "trainer-cache"
@@ -164,6 +187,7 @@ class Run:
             vae_dir,
             resolution=preset.resolution,
             bucketing=data.bucketing,
+            background=data.background_rgb,
             device=self.device,
             cache_dir=cache_dir,
             progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
@@ -295,10 +319,19 @@ class Run:
         return status
 
     def fail(self, exc: BaseException) -> None:
-        """Save what exists, then write the final ``trainer/error`` record."""
+        """Save what exists, then write the final ``trainer/error`` record. An error that means
+        the run folder cannot be written (gone, read-only, full) says so, naming the folder.
+
+        Raises:
+            OSError: the error record itself cannot be written (the run folder's state).
+        """
+        problem = folder_problem(self.run_dir, exc) if isinstance(exc, OSError) else None
+        message = problem or str(exc)
+        self.progress.line(f"failed: {type(exc).__name__}: {message}")
         save_error = None
         try:
-            self.save()
+            if self.run_dir.is_dir():  # saving into a removed folder would make a new one
+                self.save()
         except Exception as inner:  # the original error is the one to report
             save_error = f"{type(inner).__name__}: {inner}"
         oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
@@ -316,7 +349,7 @@ class Run:
             "trainer",
             "error",
             error_type=type(exc).__name__,
-            message=str(exc),
+            message=message,
             traceback="".join(traceback.format_exception(exc)),
             oom=oom,
             steps_done=self.steps_done,
@@ -324,12 +357,20 @@ class Run:
             save_error=save_error,
             **vram,
         )
-        self.progress.line(f"failed: {type(exc).__name__}: {exc}")
 
 
-def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
-    """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models and
-    the digits are built into the cache on first use.
+def resolve_data(preset: Preset) -> Path:
+    """The data folder: ``data.path``, or the digits folder (built into the cache on first use)."""
+    from runtime import assets
+
+    if preset.data.factory == "digits":
+        return assets.build_digits(size=preset.resolution)
+    return Path(preset.data.path).expanduser()
+
+
+def resolve_models(preset: Preset) -> tuple[Path, Path, Path]:
+    """``(transformer / unet folder, VAE folder, text encoder folder)``; factory models are built
+    into the cache on first use.
 
     Raises:
         FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
@@ -351,11 +392,7 @@ def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
                 f"model.vae_path: no VAE folder (looked for {vae_dir}); set model.vae_path"
             )
     encoder = Path(preset.text_encoder_path) if preset.text_encoder_path else assets.minilm_path()
-    if preset.data.factory == "digits":
-        data_dir = assets.build_digits(size=preset.resolution)
-    else:
-        data_dir = Path(preset.data.path).expanduser()
-    return model_dir, vae_dir, encoder, data_dir
+    return model_dir, vae_dir, encoder
 
 
 def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:
@@ -404,18 +441,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     quiet_libraries()
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    run = Run(args.preset, args.run_dir, pick_device(args.device), args.resume)
+    try:
+        args.run_dir.mkdir(parents=True, exist_ok=True)
+        run = Run(args.preset, args.run_dir, pick_device(args.device), args.resume)
+    except OSError as exc:
+        print(
+            f"workbench train: {folder_problem(args.run_dir, exc, started=False)}", file=sys.stderr
+        )
+        return 1
+    status = 0
     try:
         run.execute()
-        return 0
     except (Exception, KeyboardInterrupt) as exc:
-        run.fail(exc)
-        return 1
+        status = 1
+        try:
+            run.fail(exc)
+        except OSError as inner:  # fail() printed the error; its record cannot be written
+            problem = folder_problem(args.run_dir, inner) or inner
+            print(f"workbench train: no error record written: {problem}", file=sys.stderr)
     finally:
         run.stop.uninstall()
         run.progress.close()
+    try:
         run.telemetry.close()
+    except OSError as exc:  # the last records could not reach the file
+        if status == 0:
+            problem = folder_problem(args.run_dir, exc) or f"telemetry.jsonl: {exc}"
+            print(f"workbench train: {problem}", file=sys.stderr)
+        return 1
+    return status
 
 
 if __name__ == "__main__":

@@ -1,81 +1,26 @@
-"""Training data: an image folder with caption files (the common trainer layout), or frame stacks.
+"""Training data: images (or frame stacks) brought to the training size, aspect buckets, batches.
 
-Layout::
-
-    DIR/0001.png   DIR/0001.txt        one image sample + its caption
-    DIR/clip7/     DIR/clip7.txt       a video sample: a folder of frames (sorted by name)
-
-Images are resized (shorter side to the target) and center-cropped to ``resolution`` x
-``resolution``, or, with bucketing, to the aspect bucket nearest their own aspect ratio
-(``resolution**2`` pixels, sides multiples of 64 so every family's latent patching divides).
+Which files make samples is the dataset scan's business (``scan.py``). Images are converted to
+8-bit RGB without damage (``to_rgb``), resized (shorter side to the target) and center-cropped
+to ``resolution`` x ``resolution``, or, with bucketing, to the aspect bucket nearest their own
+aspect ratio (``resolution**2`` pixels, sides multiples of 64 so every family's latent patching
+divides).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+from runtime.trainer.scan import Sample
+
 BUCKET_MULTIPLE = 64
 """Bucket sides are multiples of this (VAE 8x times a 2x2 patch, with room to spare)."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One training sample: an image (or the frames of a clip) and its caption."""
-
-    files: tuple[Path, ...]
-    caption: str
-
-
-class DataError(ValueError):
-    """The data folder is missing, empty or holds unreadable samples."""
-
-
-def _caption(path: Path, ext: str, default: str) -> str:
-    cap = path.with_suffix("." + ext.lstrip("."))
-    return cap.read_text(encoding="utf-8").strip() if cap.is_file() else default
-
-
-def scan_folder(
-    folder: str | Path,
-    *,
-    captions: str = "txt",
-    default_caption: str = "",
-    limit: int | None = None,
-    frames: int | None = None,
-) -> list[Sample]:
-    """The samples of ``folder``, sorted by name; with ``frames``, sub-folders are clips.
-
-    Raises:
-        DataError: the folder does not exist or holds no sample, or a clip has fewer than
-            ``frames`` frames.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DataError(f"data.path: {str(folder)!r} is not a folder")
-    samples: list[Sample] = []
-    for entry in sorted(folder.iterdir()):
-        if frames is not None and entry.is_dir():
-            stack = sorted(p for p in entry.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-            if len(stack) < frames:
-                raise DataError(
-                    f"data.frames: clip {entry.name!r} has {len(stack)} frames, expected >= {frames}"
-                )
-            samples.append(
-                Sample(tuple(stack[:frames]), _caption(entry, captions, default_caption))
-            )
-        elif entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES:
-            files = (entry,) * (frames or 1)  # a still image as a clip of identical frames
-            samples.append(Sample(files, _caption(entry, captions, default_caption)))
-        if limit is not None and len(samples) >= limit:
-            break
-    if not samples:
-        raise DataError(f"data.path: no images ({', '.join(IMAGE_SUFFIXES)}) in {str(folder)!r}")
-    return samples
+WHITE = (255, 255, 255)
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+"""Modes Pillow opens 16-bit grayscale PNGs in (``I``: 32-bit ints holding 0..65535)."""
 
 
 def buckets(resolution: int) -> list[tuple[int, int]]:
@@ -97,12 +42,32 @@ def target_size(size_hw: tuple[int, int], resolution: int, bucketing: bool) -> t
     return min(buckets(resolution), key=lambda b: abs(np.log(b[0] / b[1]) - np.log(aspect)))
 
 
-def load_image(path: Path, hw: tuple[int, int]) -> torch.Tensor:
-    """(3, H, W) float32 in [-1, 1]: resized so it covers ``hw``, then center-cropped."""
+def to_rgb(img, background: tuple[int, int, int] = WHITE):
+    """8-bit RGB of a Pillow image of any mode, without the damage ``img.convert("RGB")`` does:
+    16-bit samples are scaled to 8 bits (``convert`` clips them: a 16-bit PNG came out with 61%
+    of its pixels at 255), and transparent pixels are composited onto ``background`` (``convert``
+    drops the alpha and keeps whatever colour lies under it)."""
+    from PIL import Image
+
+    if img.mode in _SIXTEEN_BIT:
+        levels = np.asarray(img, dtype=np.float64) / 257.0  # 65535 -> 255
+        img = Image.fromarray(np.clip(np.rint(levels), 0, 255).astype(np.uint8), mode="L")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        under = Image.new("RGBA", rgba.size, (*background, 255))
+        return Image.alpha_composite(under, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def load_image(
+    path: Path, hw: tuple[int, int], background: tuple[int, int, int] = WHITE
+) -> torch.Tensor:
+    """(3, H, W) float32 in [-1, 1]: resized so it covers ``hw``, then center-cropped.
+    Transparent pixels show ``background``."""
     from PIL import Image
 
     with Image.open(path) as img:
-        img = img.convert("RGB")
+        img = to_rgb(img, background)
         h, w = hw
         scale = max(h / img.height, w / img.width)
         new = (max(w, round(img.width * scale)), max(h, round(img.height * scale)))
@@ -113,13 +78,15 @@ def load_image(path: Path, hw: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
-def load_sample(sample: Sample, resolution: int, bucketing: bool) -> torch.Tensor:
+def load_sample(
+    sample: Sample, resolution: int, bucketing: bool, background: tuple[int, int, int] = WHITE
+) -> torch.Tensor:
     """(3, H, W) for an image, (F, 3, H, W) for a clip of ``F`` frames."""
     from PIL import Image
 
     with Image.open(sample.files[0]) as first:
         hw = target_size((first.height, first.width), resolution, bucketing)
-    frames = [load_image(f, hw) for f in sample.files]
+    frames = [load_image(f, hw, background) for f in sample.files]
     return frames[0] if len(frames) == 1 else torch.stack(frames)
 
 

@@ -29,9 +29,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.config import MemoryConfig
-from runtime.trainer.data import Sample, load_sample
+from runtime.trainer.data import load_sample
+from runtime.trainer.scan import Sample
 
-FORMAT = 1
+FORMAT = 2
+"""Bumped when what a cache file holds changes for the same inputs (2: 16-bit and transparent
+images are converted without damage)."""
 ENCODE_BATCH = 16
 """Captions / images per encoder forward: big enough to amortise, small enough for 2 cores."""
 
@@ -132,18 +135,25 @@ def encode_latents(
     *,
     resolution: int,
     bucketing: bool,
+    background: tuple[int, int, int],
     device: torch.device,
     cache_dir: Path,
     progress: Callable[[int, int, str], None],
     should_stop: Callable[[], bool],
 ) -> tuple[list[torch.Tensor], float] | None:
-    """Latents per sample ((C, h, w) or (C, F, h, w), scaled) and the VAE's scaling factor.
+    """Latents per sample ((C, h, w) or (C, F, h, w), scaled) and the VAE's scaling factor;
+    transparent pixels are composited onto ``background`` (8-bit RGB).
 
     Returns None when ``should_stop()`` turned true mid-way.
     """
     files = [[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in s.files] for s in samples]
     key = cache_key(
-        kind="latents", files=files, vae=_folder_id(vae_path), res=resolution, bucket=bucketing
+        kind="latents",
+        files=files,
+        vae=_folder_id(vae_path),
+        res=resolution,
+        bucket=bucketing,
+        background=background,
     )
     path = cache_dir / f"latents-{key}.safetensors"
     from diffusers import AutoencoderKL
@@ -167,7 +177,7 @@ def encode_latents(
             for i, sample in enumerate(samples):
                 if should_stop():
                     return None
-                pixels = load_sample(sample, resolution, bucketing)  # (3,H,W) or (F,3,H,W)
+                pixels = load_sample(sample, resolution, bucketing, background)  # (3,H,W)/(F,3,H,W)
                 frames = pixels if pixels.dim() == 4 else pixels[None]
                 pending.append(frames)
                 last = i == len(samples) - 1

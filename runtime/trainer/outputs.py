@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -25,6 +26,29 @@ from safetensors.torch import load_file, save_file
 from runtime.trainer.families import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+_UNWRITABLE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
+"""errnos that say a folder cannot be written (read-only, full, over quota, not ours)."""
+
+
+def folder_problem(run_dir: Path, exc: OSError, *, started: bool = True) -> str | None:
+    """Why ``exc`` means the run folder cannot take the run's output, naming the folder (it is
+    gone, read-only, full or not ours to write); None when ``exc`` is about something else.
+    Before the run ``started`` (creating the folder, opening telemetry.jsonl) every ``exc`` is
+    about the folder."""
+    if started and not run_dir.is_dir():
+        return (
+            f"the run folder {run_dir} no longer exists (removed while the run was going?): "
+            f"{exc.strerror or exc}"
+        )
+    name = exc.filename
+    inside = name is None or Path(os.path.abspath(name)).is_relative_to(run_dir.absolute())
+    if started and (exc.errno not in _UNWRITABLE or not inside):
+        return None
+    text = f"cannot write the run folder {run_dir}: {exc.strerror or exc}"
+    text += f" ({name})" if name and name != str(run_dir) else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and run_dir.is_dir():
+        text += f"; {shutil.disk_usage(run_dir).free / 2**20:.0f} MB free there"
+    return text
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

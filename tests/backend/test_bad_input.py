@@ -12,6 +12,8 @@ import pytest
 from backend_helpers import Server, assert_error_body, kill_workers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,39 @@ def test_invalid_overrides_name_the_json_path(client):
     assert client.get("/api/runs").json() == {"data": [], "count": 0}
 
 
+def _refused(client, overrides: dict | str) -> dict:
+    if isinstance(overrides, str):  # raw JSON text: NaN and Infinity are not JSON objects' values
+        body = f'{{"preset": "tiny-ci", "overrides": {overrides}}}'.encode()
+        resp = client.post("/api/runs", content=body, headers={"content-type": "application/json"})
+    else:
+        resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": overrides})
+    return assert_error_body(resp, 422)
+
+
+def test_preset_numbers_bounds_and_rules_are_named_at_the_api(client):
+    err = _refused(client, '{"logit_mean": NaN}')
+    assert err["field"] == "overrides.logit_mean" and "finite" in err["message"]
+    err = _refused(client, '{"memory": {"stagehand": {"vram_high_watermark_mb": Infinity}}}')
+    assert err["field"] == "overrides.memory.stagehand.vram_high_watermark_mb"
+    err = _refused(client, {"learning_rate": True})
+    assert err["message"] == "overrides.learning_rate: found true, expected a valid number"
+    err = _refused(client, {"resolution": 100000})
+    assert err["message"].endswith("expected less than or equal to 4096")
+    err = _refused(client, {"memory": {"stagehand": {"vram_high_watermark_mb": 0.1}}})
+    assert err["field"] == "overrides.memory.stagehand.vram_low_watermark_mb"
+    assert err["message"] == (
+        "overrides.memory.stagehand.vram_low_watermark_mb: vram_low_watermark_mb (0.5) must not "
+        "be above vram_high_watermark_mb (0.1)"
+    )
+    err = _refused(client, {"data": {"captions": "../../etc/passwd"}})
+    assert err["field"] == "overrides.data.captions" and "not a path" in err["message"]
+    err = _refused(client, {"data": {"factory": None, "path": "tests"}})  # exists here
+    assert err["field"] == "overrides.data.path" and "absolute folder path" in err["message"]
+    err = _refused(client, {"model": {"factory": None, "path": "/" + "n" * 300}})
+    assert err["field"] == "overrides.model.path" and "File name too long" in err["message"]
+    assert client.get("/api/runs").json()["count"] == 0
+
+
 @pytest.mark.parametrize(
     "name", ["../../etc/passwd", "a/b", "..", "x\\y", "tab\tname", "x" * 101, ""]
 )
@@ -115,6 +150,81 @@ def test_artifacts_by_name_only(client, srv):
         body = resp.read()
         assert 400 <= resp.status < 500 and b'"error"' in body, (path, resp.status, body)
     conn.close()
+
+
+def test_only_regular_files_inside_the_run_folder_are_artifacts(client, srv):
+    ids = []
+    for _ in range(2):
+        run = client.post("/api/runs", json={"preset": "tiny-ci"}).json()
+        client.post(f"/api/runs/{run['id']}/cancel")
+        ids.append(run["id"])
+    secret = srv.data_dir / "secret.png"  # outside both run folders, same file system
+    secret.write_bytes(b"secret bytes")
+    outside = srv.data_dir / "elsewhere"
+    outside.mkdir()
+    (outside / "leak.png").write_bytes(b"secret bytes")
+    samples = srv.data_dir / "runs" / str(ids[0]) / "samples"
+    samples.mkdir(parents=True)
+    (samples / "ok.png").write_bytes(b"\x89PNG ok")
+    (samples / "link.png").symlink_to(secret)
+    (samples / "passwd.png").symlink_to("/etc/passwd")
+    (samples / "hard.png").hardlink_to(secret)
+    (samples / "loop.png").symlink_to(samples / "loop.png")
+    # A samples/ folder that is itself a symlink out of the run folder.
+    (srv.data_dir / "runs" / str(ids[1]) / "samples").symlink_to(outside)
+
+    listed = client.get(f"/api/runs/{ids[0]}/artifacts").json()
+    assert [a["name"] for a in listed["data"]] == ["ok.png"]
+    assert client.get(f"/api/runs/{ids[0]}/artifacts/ok.png").content == b"\x89PNG ok"
+    for name in ("link.png", "passwd.png", "hard.png", "loop.png"):
+        err = assert_error_body(client.get(f"/api/runs/{ids[0]}/artifacts/{name}"), 404)
+        assert err["field"] == "name", name
+    assert client.get(f"/api/runs/{ids[1]}/artifacts").json() == {"data": [], "count": 0}
+    assert_error_body(client.get(f"/api/runs/{ids[1]}/artifacts/leak.png"), 404)
+
+
+def test_ids_and_since_are_bounded_integers(client, srv):
+    huge = "99999999999999999999"  # above 2**64
+    for ids in (f"{huge},1", "1,1_0", "1,-2", "1,\u0662"):
+        err = assert_error_body(client.get("/api/compare", params={"ids": ids}), 422)
+        assert err["field"] == "ids" and "from 1 to 4611686018427387904" in err["message"], ids
+    assert_error_body(client.get(f"/api/runs/{huge}"), 422)
+    assert_error_body(client.get("/api/runs/1/telemetry", params={"since": 2**63}), 422)
+    for path in (f"{huge}/stream", f"1/stream?since={huge}", "\u0661/stream", "1/stream?since=1_0"):
+        with connect(f"ws://{srv.host}:{srv.port}/api/runs/{path}") as ws:
+            frame = json.loads(ws.recv(timeout=10))
+            assert frame["error"]["code"] == "bad_request", path
+            assert "since from -1 to 4611686018427387904" in frame["error"]["message"]
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+            assert ws.close_code == 4400, path
+
+
+def test_limits_are_strict_numbers_and_name_the_field(client):
+    def refused(body) -> dict:
+        if isinstance(body, str):
+            resp = client.patch(
+                "/api/runs/1/limits",
+                content=body.encode(),
+                headers={"content-type": "application/json"},
+            )
+        else:
+            resp = client.patch("/api/runs/1/limits", json=body)
+        return assert_error_body(resp, 422)
+
+    err = refused({"vram_high_watermark_mb": 100, "vram_low_watermark_mb": 200})
+    assert err["field"] == "vram_low_watermark_mb"
+    assert err["message"] == (
+        "vram_low_watermark_mb: vram_low_watermark_mb (200.0) must not be above "
+        "vram_high_watermark_mb (100.0)"
+    )
+    err = refused({"activation_vram_high_watermark_mb": 1, "activation_vram_low_watermark_mb": 2})
+    assert err["field"] == "activation_vram_low_watermark_mb"
+    assert refused({"vram_high_watermark_mb": True})["field"] == "vram_high_watermark_mb"
+    assert refused({"prefetch_window_blocks": "3"})["field"] == "prefetch_window_blocks"
+    err = refused('{"vram_low_watermark_mb": NaN}')
+    assert err["field"] == "vram_low_watermark_mb" and "finite" in err["message"]
+    assert refused({})["message"].startswith("no limits given")
 
 
 def test_bucket_fields_must_be_dotted_names(client):
@@ -167,6 +277,90 @@ def test_system_info(client):
     assert info["torch_version"].startswith("2.")
 
 
+def test_data_scan_before_start_names_every_file_left_out(client, tmp_path):
+    from tests.runtime.trainer.messy_data import BAD, LEFT_OUT, USABLE, WARNED, build_messy
+
+    folder = build_messy(tmp_path / "messy")
+    runs = client.get("/api/runs").json()["count"]
+    data = {"factory": None, "path": str(folder)}
+    scan = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": {"data": data}})
+    assert scan.status_code == 200, scan.text
+    found = scan.json()
+    assert (found["folder"], found["usable"], found["bad"]) == (str(folder), len(USABLE), len(BAD))
+    assert {s["file"] for s in found["skipped"] if s["bad"]} == set(BAD)
+    assert {s["file"] for s in found["skipped"] if not s["bad"]} == set(LEFT_OUT)
+    assert {w["file"] for w in found["warnings"]} == set(WARNED)
+    assert found["problem"] is None and found["on_bad_file"] == "skip"
+    strict = {"data": {**data, "on_bad_file": "fail"}}
+    found = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": strict}).json()
+    assert found["problem"].startswith("data.on_bad_file is fail and 4 file(s) cannot be used:")
+    digits = client.post("/api/data/scan", json={"preset": "tiny-ci"}).json()
+    assert digits["usable"] is None and "built and scanned by the worker" in digits["note"]
+    err = assert_error_body(client.post("/api/data/scan", json={"preset": "nope"}), 404)
+    assert err["field"] == "preset"
+    relative = {"data": {"factory": None, "path": "tests"}}
+    err = assert_error_body(
+        client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": relative}), 422
+    )
+    assert err["field"] == "overrides.data.path"
+    assert client.get("/api/runs").json()["count"] == runs  # scanning queues nothing
+
+
+def test_openapi_lists_every_error_with_the_one_body_and_the_bounds(client):
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas and "ErrorBody" in schemas
+    assert set(schemas["ErrorInfo"]["required"]) == {"code", "message", "field", "details"}
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            codes = {int(c) for c in op["responses"] if c.startswith(("4", "5"))}
+            expected = {401, 403}
+            if op.get("parameters") or "requestBody" in op:
+                expected.add(422)
+            if "requestBody" in op:
+                expected |= {400, 413}
+            if method in ("post", "put", "patch", "delete"):
+                expected.add(413)
+            if "{" in path or path in ("/api/compare", "/api/runs") and method != "get":
+                expected.add(404)
+            assert expected <= codes, (method, path, codes)
+            for code in codes:
+                assert op["responses"][str(code)]["content"] == error, (method, path, code)
+    runs = doc["paths"]["/api/runs/{run_id}"]
+    assert {"409"} <= set(runs["delete"]["responses"]) and "409" in (
+        doc["paths"]["/api/runs/{run_id}/limits"]["patch"]["responses"]
+    )
+    run_id = runs["get"]["parameters"][0]["schema"]
+    assert (run_id["minimum"], run_id["maximum"]) == (1, 2**62)
+    preset = schemas["Preset"]["properties"]
+    assert preset["resolution"]["maximum"] == 4096 and preset["batch_size"]["maximum"] == 256
+    assert schemas["PresetCreate"]["properties"]["config"]["allOf"] == [
+        {"$ref": "#/components/schemas/Preset"}
+    ]
+    limits = doc["paths"]["/api/runs/{run_id}/limits"]["patch"]["requestBody"]
+    assert limits["content"]["application/json"]["schema"]["$ref"].endswith("/LimitsUpdate")
+
+
+def test_options_says_what_a_path_takes(client):
+    for path, allow in (
+        ("/api/runs", "GET, OPTIONS, POST"),
+        ("/api/runs/1", "DELETE, GET, OPTIONS, PATCH"),
+        ("/api/presets/tiny-ci/duplicate", "OPTIONS, POST"),
+        ("/static/js/app.js", "GET, HEAD, OPTIONS"),
+    ):
+        resp = client.options(path, headers={"Origin": "http://evil.example"})
+        assert resp.status_code == 204 and resp.headers["allow"] == allow, (path, resp.text)
+        assert resp.content == b"" and "access-control-allow-origin" not in resp.headers
+    err = assert_error_body(client.delete("/api/system"), 405)
+    assert err["code"] == "method_not_allowed"
+    assert client.delete("/api/system").headers["allow"] == "GET, OPTIONS"
+    post = client.post("/api/runs/1")  # PATCH and DELETE exist there, POST does not
+    assert post.status_code == 405 and post.headers["allow"] == "DELETE, GET, OPTIONS, PATCH"
+    assert client.post("/").headers["allow"] == client.head("/").headers["allow"] == "GET, OPTIONS"
+    assert_error_body(client.options("/api/nothing-here"), 404)
+
+
 # -- fuzz ----------------------------------------------------------------------------------------
 JSON = st.recursive(
     st.none()
@@ -179,8 +373,11 @@ JSON = st.recursive(
     ),
     max_leaves=12,
 )
+EDGES = [2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), 10**20]
+"""Integers around the bounds of ids and seqs (2**62) and of SQLite's INTEGER."""
 SEGMENT = st.one_of(
     st.integers(-5, 10**20).map(str),
+    st.sampled_from(EDGES).map(str),
     st.text(string.ascii_letters + string.digits + "._-%~", min_size=1, max_size=12),
     st.sampled_from(["tiny-ci", "1", "..", "%2e%2e", "-1", "0"]),
 )
@@ -207,7 +404,9 @@ def test_fuzz_openapi_routes_never_5xx(srv, client):
         body=JSON,
         query=st.dictionaries(
             st.sampled_from(["since", "limit", "buckets", "ids", "metrics", "status", "tag", "x"]),
-            st.text(max_size=12) | st.integers(-(2**64), 2**64).map(str),
+            st.text(max_size=12)
+            | st.integers(-(2**64), 2**64).map(str)
+            | st.sampled_from(EDGES).map(lambda n: f"{n},1"),
             max_size=3,
         ),
         raw=st.booleans(),
@@ -247,3 +446,51 @@ def _split(path: str) -> list[str]:
         else:
             cur += ch
     return [*out, cur]
+
+
+BOUNDED = {
+    "resolution": 4096,
+    "batch_size": 256,
+    "max_steps": 10_000_000,
+    "lora_rank": 1024,
+    "adapter.rank": 1024,
+    "learning_rate": 1,
+    "logit_std": 10,
+    "seed": 2**32 - 1,
+    "checkpoint_every": 10_000_000,
+    "scheduler.warmup_steps": 10_000_000,
+    "samples.steps": 1000,
+    "data.frames": 1024,
+    "data.max_caption_tokens": 4096,
+}
+"""Preset numbers and their upper bounds."""
+
+
+def test_fuzz_preset_numbers_past_their_bounds_are_422_naming_the_field(client):
+    offending = st.one_of(
+        st.sampled_from(sorted(BOUNDED.items())).flatmap(
+            lambda item: st.tuples(
+                st.just(item[0]), st.integers(item[1] + 1, item[1] * 10**12).map(json.dumps)
+            )
+        ),
+        st.tuples(
+            st.sampled_from(sorted(BOUNDED)),
+            st.sampled_from(["true", "false", '"4"', '"1e3"', "NaN", "Infinity", "-Infinity"]),
+        ),
+    )
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=offending)
+    def probe(case):
+        path, value = case
+        overrides = value
+        for key in reversed(path.split(".")):
+            overrides = f'{{"{key}": {overrides}}}'
+        body = f'{{"preset": "tiny-ci", "overrides": {overrides}}}'.encode()
+        resp = client.post("/api/runs", content=body, headers={"content-type": "application/json"})
+        err = assert_error_body(resp, 422)
+        assert f"overrides.{path}" in {d["field"] for d in err["details"]}, (path, value, err)
+
+    before = client.get("/api/runs").json()["count"]
+    probe()
+    assert client.get("/api/runs").json()["count"] == before  # not one run was queued

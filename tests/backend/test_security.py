@@ -45,7 +45,9 @@ def test_other_address_without_token_refuses_to_start(tmp_path):
 
 @pytest.fixture
 def guarded(server_factory):
-    srv = server_factory(host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN})
+    srv = server_factory(
+        host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN}, args=("--log-level", "info")
+    )
     return srv.start()
 
 
@@ -63,7 +65,7 @@ def test_token_required_everywhere(guarded):
     # /?token= sets the cookie once, so the dashboard works from a link.
     resp = httpx.get(url + "/", params={"token": TOKEN})
     assert resp.status_code == 303 and "workbench_token" in resp.headers["set-cookie"]
-    assert "HttpOnly" in resp.headers["set-cookie"]
+    assert "HttpOnly" in resp.headers["set-cookie"] and resp.headers["location"] == "/"
 
     with connect(f"ws://127.0.0.2:{guarded.port}/api/runs/1/stream") as ws:
         frame = json.loads(ws.recv(timeout=10))
@@ -118,3 +120,60 @@ def test_browser_borne_requests_from_other_sites_are_refused(server):
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
         assert ws.close_code == 4403
+
+
+def test_token_in_a_link_stays_out_of_the_access_log(guarded):
+    assert httpx.get(guarded.url + "/", params={"token": TOKEN}).status_code == 303
+    httpx.get(guarded.url + "/api/runs", params={"x": "1", "token": TOKEN})  # 401, also logged
+    guarded.stop()  # flushes the log
+    log = guarded.log.read_text()
+    assert '"GET /?token=[redacted] HTTP/1.1" 303' in log  # the access log is on, and redacted
+    assert "/api/runs?x=1&token=[redacted]" in log
+    assert TOKEN not in log
+
+
+def test_writes_from_opaque_or_cross_site_origins_need_the_bearer_token(server, guarded):
+    url = server.url
+    for headers in (
+        {"Origin": "null"},  # a sandboxed iframe on any page
+        {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "cross-site"},  # no Origin, but the browser says cross-site
+        {"Origin": "http://127.0.0.1:1"},  # another port of the same host is another origin
+    ):
+        resp = httpx.post(
+            url + "/api/presets/tiny-ci/duplicate", json={"name": "x"}, headers=headers
+        )
+        err = assert_error_body(resp, 403)
+        assert err["code"] == "forbidden", headers
+        assert_error_body(httpx.delete(url + "/api/runs/1", headers=headers), 403)
+    assert (
+        "opaque origin"
+        in assert_error_body(
+            httpx.post(url + "/api/runs/1/cancel", headers={"Origin": "null"}), 403
+        )["message"]
+    )
+    # Same-origin pages and clients without an Origin keep working; reads are not refused.
+    same = {"Origin": url, "Sec-Fetch-Site": "same-origin"}
+    assert (
+        httpx.post(
+            url + "/api/presets/tiny-ci/duplicate", json={"name": "a"}, headers=same
+        ).status_code
+        == 201
+    )
+    assert httpx.post(url + "/api/presets/tiny-ci/duplicate", json={"name": "b"}).status_code == 201
+    assert httpx.get(url + "/api/presets", headers={"Origin": "null"}).status_code == 200
+
+    # With a token: the cookie (ambient, sent by the browser) does not let an opaque origin
+    # write; the Authorization header (which a page cannot add cross-site) does.
+    g = guarded.url
+    null = {"Origin": "null", "Sec-Fetch-Site": "cross-site"}
+    cookie = {"workbench_token": TOKEN}
+    body = {"name": "c"}
+    resp = httpx.post(g + "/api/presets/tiny-ci/duplicate", json=body, headers=null, cookies=cookie)
+    assert_error_body(resp, 403)
+    bearer = {**null, "Authorization": f"Bearer {TOKEN}"}
+    resp = httpx.post(g + "/api/presets/tiny-ci/duplicate", json=body, headers=bearer)
+    assert resp.status_code == 201
+    wrong = {**null, "Authorization": "Bearer nope"}
+    resp = httpx.post(g + "/api/presets/tiny-ci/duplicate", json={"name": "d"}, headers=wrong)
+    assert_error_body(resp, 403)

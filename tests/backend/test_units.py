@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 from backend.api.compare import config_diff
 from backend.downsample import bucketize
@@ -181,6 +182,13 @@ def test_outcome_from_exit_and_last_records():
     early = classify(2, cancel_requested=False, finished=None, last=None, **kw)
     assert early["status"] == "failed" and early["error"]["log_tail"] == "log"
     assert "code 2 after no telemetry" in early["error"]["message"]
+    removed = classify(
+        1, cancel_requested=False, finished=None, last=step, **kw, missing_dir=Path("/d/7")
+    )
+    assert removed["status"] == "failed" and removed["error"]["message"] == (
+        "the run folder /d/7 no longer exists (removed while the run was going?); worker exited "
+        "with code 1 after trainer/step at step 3 (seq 4)"
+    )
 
 
 def test_sql_buckets_equal_the_python_reference(tmp_path):

@@ -4,8 +4,9 @@ The dashboard tests point a second backend at it (``STAGEHAND_WORKBENCH_WORKER_M
 tests.frontend.synthetic_worker``) for what a CPU-only tiny-ci run cannot show: block records
 oscillating between post-eviction valleys and block-loaded peaks (the LTX-2 seed's dashboard),
 activation spill, Conductor grants, samples, and a 100k-record run. It follows
-docs/contracts.md: the record envelope, ``DIR/control/`` requests (stop, limits ->
-``strategy/limits_applied``), exit 0 with ``run_finished``.
+docs/contracts.md: the record envelope, the dataset scan of a ``data.path`` (the real one,
+``trainer/dataset_scan``, exit 1 when it finds no usable sample), ``DIR/control/`` requests
+(stop, limits -> ``strategy/limits_applied``), exit 0 with ``run_finished``.
 
 Knobs (environment): ``SYNTH_BLOCKS`` blocks (12), ``SYNTH_STEP_S`` seconds per step (0.3),
 ``SYNTH_BLOCK_MB`` MB per block (900); a preset whose ``description`` holds ``step_s=X`` sets the
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from runtime.trainer.control import ControlDir
+from runtime.trainer.scan import scan_folder
 
 
 class Writer:
@@ -80,6 +82,21 @@ def main(argv: list[str]) -> int:
     max_steps = int(config.get("max_steps", 50))
     w = Writer(run_dir / "telemetry.jsonl")
     control = ControlDir(run_dir)
+    data = config.get("data") or {}
+    if data.get("path"):  # the worker's own scan, recorded first
+        scan = scan_folder(
+            Path(data["path"]),
+            captions=data.get("captions", "txt"),
+            default_caption=data.get("default_caption"),
+            limit=data.get("limit"),
+            frames=data.get("frames"),
+            on_bad_file=data.get("on_bad_file", "skip"),
+        )
+        w.emit("trainer", "dataset_scan", **scan.record())
+        if scan.problem():
+            w.emit("trainer", "error", error_type="DataError", message=scan.problem(), oom=False)
+            w.flush()
+            return 1
     w.emit(
         "trainer",
         "run_started",

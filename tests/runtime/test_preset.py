@@ -206,7 +206,7 @@ def test_model_needs_exactly_one_source_and_known_type():
     probs, _ = _problems({"model": {"dtype": "float32"}})
     assert "model" in probs
     _, text = _problems({**MODEL, "model_type": "unet9"})
-    assert "model_type 'unet9'" in text
+    assert "model_type: found 'unet9', expected one of flux, flux_dev" in text
 
 
 def test_check_paths_names_missing_folders(tmp_path):
@@ -217,6 +217,115 @@ def test_check_paths_names_missing_folders(tmp_path):
     assert {"model.path", "model.text_encoder_model_name", "data"} <= paths
     ok = validate_preset({"model": {"path": str(tmp_path)}, "data": {"path": str(tmp_path)}})
     ok.check_paths()
+
+
+def test_numbers_are_strict_json_numbers_and_finite():
+    probs, _ = _problems(
+        {
+            **MODEL,
+            "learning_rate": True,
+            "batch_size": "4",
+            "max_steps": 8.5,
+            "logit_mean": float("nan"),
+            "logit_std": float("inf"),
+            "memory": {"stagehand": {"vram_high_watermark_mb": float("-inf")}},
+        }
+    )
+    assert probs["learning_rate"]["found"] == "true"
+    assert probs["learning_rate"]["expected"] == "a valid number"
+    assert probs["batch_size"]["found"] == "'4'"
+    assert probs["max_steps"]["expected"] == "a valid integer"
+    assert (probs["logit_mean"]["found"], probs["logit_std"]["found"]) == ("NaN", "Infinity")
+    assert probs["logit_mean"]["expected"] == "a finite number"
+    assert probs["memory.stagehand.vram_high_watermark_mb"]["found"] == "-Infinity"
+    # Whole numbers still fill float fields, JSON arrays still fill tuples.
+    p = validate_preset({**MODEL, "learning_rate": 1, "optimizer": {"betas": [0.8, 0.9]}})
+    assert (p.learning_rate, p.optimizer.betas) == (1.0, (0.8, 0.9))
+
+
+def test_sizes_have_upper_bounds_named_in_the_error():
+    probs, text = _problems(
+        {
+            **MODEL,
+            "resolution": 100000,
+            "batch_size": 100000,
+            "lora_rank": 10**6,
+            "adapter": {"rank": 10**6},
+            "max_steps": 10**30,
+            "data": {"frames": 5000, "max_caption_tokens": 10**5},
+        }
+    )
+    assert "resolution: found 100000, expected less than or equal to 4096" in text
+    assert "batch_size: found 100000, expected less than or equal to 256" in text
+    assert probs["lora_rank"]["expected"] == probs["adapter.rank"]["expected"]
+    assert probs["lora_rank"]["expected"] == "less than or equal to 1024"
+    assert probs["max_steps"]["expected"] == "less than or equal to 10000000"
+    assert probs["data.frames"]["expected"] == "less than or equal to 1024"
+    assert probs["data.max_caption_tokens"]["expected"] == "less than or equal to 4096"
+    _, text = _problems({**MODEL, "data": {"path": "x" * 5000}})
+    assert "data.path: found 'xxx" in text and "expected at most 4096 characters" in text
+
+
+def test_rules_between_fields_name_the_field_with_a_sentence():
+    probs, text = _problems({**MODEL, "memory": {"stagehand": {"vram_high_watermark_mb": 100}}})
+    assert list(probs) == ["memory.stagehand.vram_low_watermark_mb"]
+    assert probs["memory.stagehand.vram_low_watermark_mb"]["found"] == "16000"
+    assert (
+        "memory.stagehand.vram_low_watermark_mb: vram_low_watermark_mb (16000) must not be "
+        "above vram_high_watermark_mb (100.0)"
+    ) in text
+    caps = {"conductor_config": {"vram_soft_cap_mb": 5, "vram_hard_cap_mb": 4}}
+    probs, _ = _problems({**MODEL, "memory": {"stagehand": caps}})
+    assert list(probs) == ["memory.stagehand.conductor_config.vram_soft_cap_mb"]
+    spill = {"activation_stagehand": {"vram_low_watermark_mb": 30000}}
+    probs, _ = _problems({**MODEL, "memory": {"stagehand": spill}})
+    assert list(probs) == ["memory.stagehand.activation_stagehand.vram_low_watermark_mb"]
+    probs, text = _problems({**MODEL, "lora_rank": 8, "adapter": {"rank": 4}})
+    assert list(probs) == ["lora_rank"] and "lora_rank: lora_rank (8) and adapter.rank" in text
+    probs, _ = _problems({**MODEL, "data": {"path": "/x", "factory": "digits"}})
+    assert list(probs) == ["data.factory"]
+    probs, _ = _problems({**MODEL, "prediction_type": "v_prediction"})
+    assert list(probs) == ["prediction_type"]
+
+
+def test_caption_suffix_is_an_extension_not_a_path():
+    for bad in ("../../etc/passwd", "a/b", "", "t" * 17, ".."):
+        probs, _ = _problems({**MODEL, "data": {"captions": bad}})
+        assert "not a path" in probs["data.captions"]["expected"], bad
+    ok = validate_preset({**MODEL, "data": {"captions": ".caption"}})
+    assert ok.data.captions == ".caption"
+
+
+def test_data_background_colour_and_bad_file_policy():
+    probs, _ = _problems({**MODEL, "data": {"background": "transparent-ish", "on_bad_file": "x"}})
+    assert probs["data.background"]["expected"] == "a colour name (white, black) or #rrggbb"
+    assert probs["data.on_bad_file"]["expected"] == "'skip' or 'fail'"
+    ok = validate_preset({**MODEL, "data": {"background": "#102030", "on_bad_file": "fail"}})
+    assert (ok.data.background_rgb, ok.data.on_bad_file) == ((16, 32, 48), "fail")
+    default = validate_preset(MODEL).data
+    assert (default.background_rgb, default.on_bad_file) == ((255, 255, 255), "skip")
+    assert default.default_caption is None
+
+
+def test_check_paths_names_a_path_the_system_cannot_take(tmp_path):
+    p = validate_preset({**MODEL, "data": {"path": str(tmp_path / ("n" * 300))}})
+    with pytest.raises(PresetError) as info:
+        p.check_paths()
+    (problem,) = info.value.problems
+    assert problem["path"] == "data.path" and "File name too long" in problem["expected"]
+
+
+def test_check_paths_for_the_api_wants_absolute_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "images").mkdir()
+    p = validate_preset({**MODEL, "data": {"path": "images"}})
+    p.check_paths()  # the worker's own command line: relative to where it runs
+    with pytest.raises(PresetError) as info:
+        p.check_paths(absolute=True)
+    (problem,) = info.value.problems
+    assert problem["path"] == "data.path" and problem["found"] == "'images'"
+    assert problem["expected"].startswith("an absolute folder path")
+    validate_preset({**MODEL, "data": {"path": str(tmp_path / "images")}}).check_paths(True)
 
 
 def test_preset_module_does_not_import_torch():

@@ -2,8 +2,11 @@
 // (POST /api/runs with the changes as `overrides`) or save as a new preset. `#/new?from=ID`
 // opens it prefilled from a past run ("Re-run with changes"); `#/new?preset=NAME` selects one.
 // API validation errors are shown beside the form field their `field` JSON path names.
+// Start scans the data first (POST /api/data/scan): a run that would fail on it does not start,
+// and files left out or caption warnings are shown once before "Start anyway".
 
 import { api } from "../api.js";
+import { noteworthy, scanView } from "../scan.js";
 import { deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
 
 const SH = "memory.stagehand";
@@ -70,6 +73,9 @@ export function mount(root, { params }) {
   const form = h("div", { class: "form-grid", id: "run-form" });
   const presetName = h("input", { id: "new-preset-name", type: "text", placeholder: "new preset name" });
   const startBtn = h("button", { id: "start-run", class: "primary", onclick: start }, "Start run");
+  const scanBtn = h("button", { id: "scan-data", onclick: () => scanData() }, "Check data");
+  const scanBox = h("div", { class: "scan-box", id: "data-scan", hidden: true });
+  let shownScan = null; // the request (JSON) whose scan the user has seen
   const saveBtn = h("button", { id: "save-preset", onclick: savePreset }, "Save as new preset");
   const from = params.get("from");
   const title = h("h1", {}, from ? `Re-run ${from} with changes` : "New run");
@@ -97,10 +103,15 @@ export function mount(root, { params }) {
       h("div", { class: "two-col" },
         h("div", {}, h("h2", {}, "Key fields"), form),
         h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
-      h("div", { class: "toolbar actions-row" }, startBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
+      scanBox,
+      h("div", { class: "toolbar actions-row" }, startBtn, scanBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
   );
 
   function clearFieldErrors() {
+    if (shownScan !== JSON.stringify([presetSel.value, deepDiff(base, config)])) {
+      startBtn.textContent = "Start run";
+      delete startBtn.dataset.confirm;
+    }
     for (const { err, input } of inputs.values()) {
       err.textContent = "";
       input.classList.remove("invalid");
@@ -196,13 +207,49 @@ export function mount(root, { params }) {
     showError(errors, err, prefix);
   }
 
+  function runRequest() {
+    const body = { preset: presetSel.value, overrides: deepDiff(base, config) };
+    if (nameInput.value.trim()) body.name = nameInput.value.trim();
+    return body;
+  }
+
+  /** Scans the data of `body`'s run and shows it; the scan, or null on an API error. */
+  async function scanData(body = null) {
+    clearFieldErrors();
+    if (!body) {
+      if (!fromJson()) return null;
+      body = runRequest();
+    }
+    try {
+      const scan = await api.scanData({ preset: body.preset, overrides: body.overrides });
+      // Files left out or warned about: the next Start goes ahead, now that they were shown.
+      const confirm = !scan.problem && noteworthy(scan);
+      fill(scanBox, h("h2", {}, "Data"), scanView(scan, { open: confirm }),
+        confirm ? h("p", { class: "muted", id: "scan-confirm" }, `Start anyway trains on the ${scan.usable} usable samples and leaves the files above out.`) : null);
+      scanBox.hidden = false;
+      shownScan = JSON.stringify([body.preset, body.overrides]);
+      startBtn.textContent = confirm ? "Start anyway" : "Start run";
+      if (confirm) startBtn.dataset.confirm = "1";
+      else delete startBtn.dataset.confirm;
+      return scan;
+    } catch (err) {
+      showApiError(err, "check data");
+      return null;
+    }
+  }
+
   async function start() {
     clearFieldErrors();
     if (!fromJson()) return;
-    const body = { preset: presetSel.value, overrides: deepDiff(base, config) };
-    if (nameInput.value.trim()) body.name = nameInput.value.trim();
+    const body = runRequest();
+    const seen = shownScan === JSON.stringify([body.preset, body.overrides]);
     startBtn.disabled = true;
     try {
+      if (!seen || startBtn.dataset.confirm !== "1") {
+        const scan = await scanData(body);
+        // Stop when the run would fail on its data, or to show what it leaves out.
+        if (!scan || scan.problem || noteworthy(scan)) return;
+      }
       const run = await api.createRun(body);
       location.hash = `#/runs/${run.id}`;
     } catch (err) {

@@ -1,11 +1,13 @@
 // Run live view: header (status, step x/y, ETA, error + traceback), the reconnect banner, the
-// live-limits panel, the charts (runcharts.js) and the samples gallery.
+// dataset scan the worker recorded, the live-limits panel, the charts (runcharts.js) and the
+// samples gallery.
 // Stored records are drawn first (history.js); the stream then resumes after the last of them.
 
 import { FINISHED, api } from "../api.js";
 import { loadHistory } from "../history.js";
 import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
+import { scanView } from "../scan.js";
 import { RunStream, StreamState } from "../stream.js";
 import { fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
@@ -21,11 +23,12 @@ export function mount(root, { parts }) {
   const header = h("section", { class: "card run-header", id: "run-header" }, "loading run…");
   const banner = h("div", { id: "stream-banner", class: "banner", hidden: true, role: "status" });
   const failure = h("section", { id: "run-error", class: "card failure", hidden: true });
+  const dataCard = h("section", { id: "run-data", class: "card run-data", hidden: true });
   const limitsBox = h("section", { class: "card", id: "limits-panel" });
   const grid = h("div", { class: "chart-grid", id: "charts" });
   const gallery = h("div", { class: "gallery", id: "samples" });
   const galleryCard = h("section", { class: "card", hidden: true }, h("h2", {}, "Samples"), gallery);
-  root.append(header, errors, banner, failure, grid, limitsBox, galleryCard);
+  root.append(header, errors, banner, failure, dataCard, grid, limitsBox, galleryCard);
 
   let charts = null;
   let limits = null;
@@ -126,6 +129,9 @@ export function mount(root, { parts }) {
       } else if (key === "trainer/stage") {
         live.stage = rec;
         headerDirty = true;
+      } else if (key === "trainer/dataset_scan") {
+        fill(dataCard, h("h2", {}, "Data"), scanView(rec));
+        dataCard.hidden = false;
       } else if (key === "trainer/sample" && rec.path) {
         addSample(rec.path.split("/").pop(), rec.prompt);
       } else if (key === "strategy/limits_applied") {

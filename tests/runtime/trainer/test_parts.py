@@ -8,17 +8,16 @@ import torch
 from PIL import Image
 
 from runtime.trainer.data import (
-    DataError,
     batch_indices,
     buckets,
     group_by_shape,
     load_sample,
-    scan_folder,
     target_size,
 )
 from runtime.trainer.families import flow_pair, pack_2x2, sample_sigmas, unpack_2x2
 from runtime.trainer.loop import enable_checkpointing, lr_lambda
 from runtime.trainer.progress import Progress
+from runtime.trainer.scan import DataError, scan_folder
 
 
 def _img(path, w, h, value=255):
@@ -29,7 +28,7 @@ def test_scan_folder_pairs_captions_and_limits(tmp_path):
     for i in range(3):
         _img(tmp_path / f"{i}.png", 32, 16)
     (tmp_path / "0.txt").write_text("a red box\n")
-    samples = scan_folder(tmp_path, default_caption="untitled", limit=2)
+    samples = scan_folder(tmp_path, default_caption="untitled", limit=2).samples
     assert [(s.files[0].name, s.caption) for s in samples] == [
         ("0.png", "a red box"),
         ("1.png", "untitled"),
@@ -37,8 +36,8 @@ def test_scan_folder_pairs_captions_and_limits(tmp_path):
     with pytest.raises(DataError, match="is not a folder"):
         scan_folder(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="no images"):
-        scan_folder(tmp_path / "empty")
+    with pytest.raises(DataError, match="no usable image"):
+        scan_folder(tmp_path / "empty").check()
 
 
 def test_frame_stacks_for_video(tmp_path):
@@ -47,17 +46,21 @@ def test_frame_stacks_for_video(tmp_path):
     for i in range(5):
         _img(clip / f"{i:03d}.png", 16, 16, value=i * 50)
     (tmp_path / "clip.txt").write_text("a fading box")
-    (sample,) = scan_folder(tmp_path, frames=3)
+    (sample,) = scan_folder(tmp_path, frames=3).samples
     x = load_sample(sample, 16, bucketing=False)  # (F, 3, H, W)
     assert x.shape == (3, 3, 16, 16) and sample.caption == "a fading box"
     assert x[:, 0, 0, 0].tolist() == pytest.approx([-1.0, 50 / 127.5 - 1, 100 / 127.5 - 1])
-    with pytest.raises(DataError, match="data.frames"):
-        scan_folder(tmp_path, frames=6)
+    short = scan_folder(tmp_path, frames=6)
+    assert [(s.file, s.reason) for s in short.bad] == [
+        ("clip/", "clip has 5 frames, expected at least 6")
+    ]
+    with pytest.raises(DataError, match="no usable image"):
+        short.check()
 
 
 def test_center_crop_and_buckets(tmp_path):
     _img(tmp_path / "wide.png", 64, 32)
-    (sample,) = scan_folder(tmp_path)
+    (sample,) = scan_folder(tmp_path).samples
     assert load_sample(sample, 32, bucketing=False).shape == (3, 32, 32)
     assert buckets(256) == [(192, 320), (256, 256), (320, 192), (384, 192)]
     assert target_size((32, 64), 256, bucketing=True) == (192, 320)  # nearest to 1:2

@@ -1,0 +1,42 @@
+"""``POST /api/data/scan``: the dataset scan a run would start with, for the New run page to
+show before Start (``runtime/trainer/scan.py``: the worker runs the same scan and records it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+
+from backend.api.deps import StoreDep
+from backend.errors import Invalid
+from backend.models import DatasetScan, ScanRequest
+from backend.openapi import errors
+from backend.presets import run_config
+from runtime.preset import validate_preset
+from runtime.trainer.scan import DataError, scan_folder
+
+router = APIRouter(prefix="/api/data", tags=["data"])
+
+
+@router.post("/scan", response_model=DatasetScan, responses=errors(404))
+def scan(body: ScanRequest, store: StoreDep) -> dict:
+    """Usable samples, every file left out with its reason, caption warnings, and ``problem``
+    when a run would fail on this data. A factory's data set (``data.factory``) is built by the
+    worker: ``usable`` is null then."""
+    data = validate_preset(run_config(store, body.preset, body.overrides)).data
+    if data.factory is not None:
+        note = f"data.factory {data.factory!r}: built and scanned by the worker when the run starts"
+        return {"folder": None, "usable": None, "on_bad_file": data.on_bad_file, "note": note}
+    try:
+        found = scan_folder(
+            Path(data.path).expanduser(),
+            captions=data.captions,
+            default_caption=data.default_caption,
+            limit=data.limit,
+            frames=data.frames,
+            on_bad_file=data.on_bad_file,
+        )
+    except DataError as exc:  # the folder went away since it was checked
+        prefix = "overrides" if body.overrides else "preset"
+        raise Invalid(str(exc), field=f"{prefix}.data.path") from None
+    return found.record()
