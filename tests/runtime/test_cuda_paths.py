@@ -15,7 +15,7 @@ from runtime.weights.pool import PinnedPool, Slab
 
 from .exact import assert_exact, make_model, train
 from .test_exactness import memory_section
-from .weights._train import config
+from .weights._train import Wide, config
 
 pytestmark = pytest.mark.gpu
 
@@ -67,26 +67,6 @@ def test_pinned_pool_accounting_and_release():
     assert pool.locked_bytes == 0 and not pool.slabs
 
 
-class _Wide(torch.nn.Module):
-    """4 blocks of 256 MB (4096 x 8192 linears) with trainable biases."""
-
-    def __init__(self, width: int = 4096, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(
-                torch.nn.Linear(width, 2 * width),
-                torch.nn.GELU(),
-                torch.nn.Linear(2 * width, width),
-            )
-            for _ in range(depth)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return x
-
-
 def _tight(**overrides):
     return config(
         pinned_pool_mb=1024,
@@ -117,14 +97,14 @@ def test_race_stress_slow_compute_against_256_mb_copies():
     """Compute slowed down (``torch.cuda._sleep`` before every block) so copies and evictions
     race it: LoRA-like trainable biases get bit-identical gradients to a resident run."""
     torch.manual_seed(0)
-    reference = _Wide().requires_grad_(False).cuda()
+    reference = Wide(width=4096, depth=4).requires_grad_(False).cuda()
     for block in reference.blocks:
         block[2].bias.requires_grad_(True)
     state = {k: v.cpu().clone() for k, v in reference.state_dict().items()}
     expected = _grads(reference, None)
     del reference
     torch.cuda.empty_cache()
-    model = _Wide().requires_grad_(False)
+    model = Wide(width=4096, depth=4).requires_grad_(False)
     model.load_state_dict(state)
     for block in model.blocks:
         block[2].bias.requires_grad_(True)

@@ -70,3 +70,24 @@ def assert_same_training(reference, streamed) -> None:
         )
         for name in ga:
             assert torch.equal(ga[name], gb[name]), f"step {step}: gradient of {name} differs"
+
+
+class Wide(torch.nn.Module):
+    """``depth`` residual blocks of two linears (width x 2 width, 2 width x width): 64 MB each
+    at the default width 2048, 256 MB at 4096."""
+
+    def __init__(self, width=2048, depth=8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(width, 2 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * width, width),
+            )
+            for _ in range(depth)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x

@@ -8,7 +8,7 @@ from runtime.assets import example_inputs, output_tensor
 from runtime.common import ListSink, Telemetry
 from runtime.weights import StagehandRuntime
 
-from ._train import config, make_model
+from ._train import Wide, config, make_model
 
 pytestmark = pytest.mark.gpu
 
@@ -70,26 +70,6 @@ def test_cuda_block_views_are_aligned_as_ordinary_tensors(tiny_flux):
     assert ptrs and all(ptr % 512 == 0 for ptr in ptrs)
     assert torch.equal(got, expected)
     runtime.close()
-
-
-class Wide(torch.nn.Module):
-    """8 blocks of 64 MB (two 2048x4096 linears) on a small resident stem."""
-
-    def __init__(self, width=2048, depth=8):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(
-                torch.nn.Linear(width, 2 * width),
-                torch.nn.GELU(),
-                torch.nn.Linear(2 * width, width),
-            )
-            for _ in range(depth)
-        )
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return x
 
 
 def test_h2d_copies_overlap_compute_without_host_syncs():
