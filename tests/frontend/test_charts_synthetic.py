@@ -135,7 +135,7 @@ def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoo
     assert page.evaluate("document.getElementById('loss').data[0].x.length") == 1350
     # Per-step VRAM points stay off a chart drawn from block buckets (they would run backwards).
     xs = page.evaluate("Array.from(document.getElementById('vram').data[0].x)")
-    assert all(a <= b for a, b in zip(xs, xs[1:]))
+    assert all(a <= b for a, b in zip(xs, xs[1:], strict=False))
     print(f"\n{records} records, opened 3 times (painted, ms after opening):")
     for t in timings:
         print(
