@@ -54,6 +54,11 @@ class StagehandConfig(_Strict):
     """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
     file_backed: bool = True
     """Stream frozen block weights from the model's safetensors files (mmap) when known."""
+    resident_trainable_max_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """H2D-only streaming: trainable block parameters (LoRA adapters) stay resident on the
+    device when their bytes are at most this fraction of the blocks' bytes, so frozen weights
+    only move host -> device and nothing is copied back; above it (a full fine-tune) they stream
+    with their block and are copied back at eviction. 0: always stream them."""
     allow_pageable_fallback: bool = False
     """When page-locking the pool fails at set-up, stage in pageable memory (copies then run
     synchronously) instead of refusing to start."""

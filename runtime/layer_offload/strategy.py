@@ -60,6 +60,7 @@ _WEIGHT_FIELDS = (
     "file_backed",
     "slab_acquire_timeout_s",
     "allow_pageable_fallback",
+    "resident_trainable_max_fraction",
     "block_events",
     "vram_high_watermark_mb",
 )

@@ -72,8 +72,13 @@ def register_blocks(
     file_backed: bool,
     pin_trainable: bool,
     inference: bool = False,
+    resident_trainable_max_fraction: float = 0.0,
 ) -> list[Block]:
     """Blocks with layouts and sources; every block parameter released to its UNLOADED form.
+
+    In training, trainable block parameters (LoRA adapters) are left out of the layouts, to stay
+    resident on the device, when their bytes are at most ``resident_trainable_max_fraction`` of
+    the blocks' bytes (NOTE [ H2D-only streaming ]).
 
     Raises:
         UnmatchedParameterError: a parameter has no checkpoint tensor (or is on ``meta`` with no
@@ -81,10 +86,13 @@ def register_blocks(
         ParameterMismatchError: shape or dtype differ from the checkpoint tensor.
     """
     qualnames = {p: n for n, p in model.named_parameters()}
+    resident = (
+        frozenset() if inference else _resident_trainable(found, resident_trainable_max_fraction)
+    )
     blocks = []
     for index, (name, module) in enumerate(found):
         block = Block(name=name, index=index, module=module)
-        build_layout(block, qualnames)
+        build_layout(block, qualnames, resident)
         for slot in block.layout:
             # Inference mode never updates weights: ``requires_grad`` left on by a loader
             # (transformers leaves it on) must not keep a text encoder off the file path. An
@@ -116,6 +124,26 @@ def register_blocks(
         block.state = BlockState.UNLOADED
         blocks.append(block)
     return blocks
+
+
+# NOTE [ H2D-only streaming ]
+# A LoRA adapter is ~1-3% of a model. Streamed with its block, it would be copied back to the
+# host at every eviction (forward and backward), and its gradients and AdamW state gathered to
+# the device for every optimizer step, through host memory: gigabytes per step for a large model
+# (the peers' "H2D-only ring" streams frozen weights only). Kept resident on the device, frozen
+# weights only ever move host -> device, nothing is copied back, and the optimizer finds
+# parameters, gradients and state where they are. A full fine-tune (every block parameter
+# trainable) is far above the fraction: its blocks stream with a copy back, as before.
+
+
+def _resident_trainable(found: list[tuple[str, nn.Module]], max_fraction: float) -> frozenset[int]:
+    params = {id(p): p for _, module in found for p in module.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in trainable)
+    if not trainable or nbytes > max_fraction * total:
+        return frozenset()
+    return frozenset(id(p) for p in trainable)
 
 
 def check_sizes(blocks: list[Block], pool: PinnedPool, device: torch.device) -> None:

@@ -175,10 +175,15 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
     return blocks
 
 
-def build_layout(block: Block, qualnames: dict[nn.Parameter, str]) -> None:
-    """Fill ``block.layout`` and ``block.nbytes`` from the module's parameters (aligned offsets)."""
+def build_layout(
+    block: Block, qualnames: dict[nn.Parameter, str], resident: frozenset[int] = frozenset()
+) -> None:
+    """Fill ``block.layout`` and ``block.nbytes`` from the module's parameters (aligned
+    offsets), leaving out those whose ``id`` is in ``resident`` (they stay on the device)."""
     offset = 0
     for name, param in block.module.named_parameters():
+        if id(param) in resident:
+            continue
         nbytes = param.numel() * param.element_size()
         block.layout.append(
             ParamSlot(

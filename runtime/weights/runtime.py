@@ -115,6 +115,7 @@ class StagehandRuntime:
             config.file_backed and self.source is not None,
             cuda,
             mode == "inference",
+            config.resident_trainable_max_fraction,
         )
         check_sizes(self.blocks, self.pool, self.device)
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)

@@ -162,3 +162,15 @@ def test_bf16_trains_exactly(folders, references, strategy, checkpoint):
     """bf16 training from a bf16 checkpoint, and from an fp32 one (``torch_dtype=bfloat16``:
     file-backed weights are converted as they are read, as ``from_pretrained`` converts)."""
     check(folders, references, checkpoint, "lora", strategy, "non-reentrant", torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["dual", "flux"])
+def test_lora_streamed_with_its_blocks_trains_exactly(folders, references, arch):
+    """``resident_trainable_max_fraction: 0``: LoRA adapters stream with their blocks and are
+    copied back at eviction (the path a full fine-tune takes), still exact."""
+    model = make_model(arch, folders[arch], "lora", "non-reentrant")
+    memory = memory_section("stream-file", True)
+    memory["stagehand"]["resident_trainable_max_fraction"] = 0
+    built = build_strategy(model, memory, device="cpu", checkpoint_dir=folders[arch])
+    assert any(s.trainable for b in built.weights.blocks for s in b.layout)
+    assert_exact(references(arch, "lora", "non-reentrant"), train(model, built))

@@ -217,3 +217,32 @@ def test_evicting_a_prefetch_in_flight_releases_its_slab_before_a_reload(tiny_fl
     engine.retire()
     assert runtime.pool.used_bytes == 0
     runtime.close()
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.0], ids=["h2d-only", "lora-streamed"])
+def test_lora_stays_resident_and_frozen_weights_only_move_to_the_device(tiny_flux, fraction):
+    """NOTE [ H2D-only streaming ]: with the default fraction the LoRA adapters are no part of
+    any block buffer and never move (same storage after every step), so a step copies only
+    frozen bytes to the device and nothing back; at 0 they stream with their blocks."""
+    model = make_model("flux", tiny_flux)
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    runtime = StagehandRuntime(
+        model,
+        config(resident_trainable_max_fraction=fraction, vram_low_watermark_mb=0),
+        device="cpu",
+        checkpoint_dir=tiny_flux,
+    )
+    streamed = {s.qualname for b in runtime.blocks for s in b.layout}
+    frozen = sum(s.nbytes for b in runtime.blocks for s in b.layout if not s.trainable)
+    before = {n: p.data_ptr() for n, p in lora.items()}
+    train(model, runtime, steps=2)
+    if fraction:
+        assert not streamed & set(lora)  # no LoRA tensor in a block buffer
+        assert {n: p.data_ptr() for n, p in lora.items()} == before  # never moved
+        assert runtime.step_metrics()["h2d_bytes"] <= 2 * frozen + 2 * max(
+            b.nbytes for b in runtime.blocks
+        )
+    else:
+        assert set(lora) <= streamed
+        assert {n: p.data_ptr() for n, p in lora.items()} != before
+    runtime.close()

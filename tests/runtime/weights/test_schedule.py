@@ -60,12 +60,20 @@ def test_window_one_peak_and_order(tiny_flux, begin_step):
             assert any(r["event"] == "exit" and r["block"] != block for r in events[pos + 1 : use])
 
 
+def _sizes(tiny_flux) -> tuple[int, int]:
+    """(resident bytes, largest block's bytes) of the LoRA model under the runtime."""
+    probe = StagehandRuntime(make_model("flux", tiny_flux), config(), device="cpu")
+    sizes = probe.resident_bytes, max(b.nbytes for b in probe.blocks)
+    probe.close()
+    return sizes
+
+
 def test_high_watermark_stops_prefetch(tiny_flux):
-    model_bytes = 420416 + 604160 + 100_000  # resident + one double block: no room for a second
-    high = model_bytes / MB
+    resident, biggest = _sizes(tiny_flux)
+    high = (resident + biggest + 100_000) / MB  # room for one block, not for a second
     runtime, sink = _run(tiny_flux, vram_high_watermark_mb=high, vram_low_watermark_mb=high)
     steps = sink.of("stagehand", "step")
-    assert runtime.resident_bytes == 420416
+    assert runtime.resident_bytes == resident
     assert all(r["vram_peak_mb"] <= high for r in steps)
     assert steps[2]["prefetch_skipped"] > 0
 
@@ -137,7 +145,7 @@ def test_tight_watermarks_keep_the_next_needed_block_no_stalls_after_trace(tiny_
     # Room for one block and a half: the window (2) never fits, so which block stays decides
     # whether a use stalls. The block needed next must win over one needed later, both at the
     # end of backward (the next step's first block) and inside backward (make room for it).
-    resident, block = 420416, 604160  # tiny flux: resident bytes, largest (double) block
+    resident, block = _sizes(tiny_flux)
     high = (resident + 1.9 * block) / MB
     low = (resident + 1.5 * block) / MB
     runtime, sink = _run(
