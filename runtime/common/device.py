@@ -65,6 +65,30 @@ def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> tor
     return torch.empty(nbytes // itemsize, dtype=dtype, pin_memory=pin)
 
 
+def page_locked_buffer(nbytes: int) -> torch.Tensor:
+    """A host buffer of exactly ``nbytes`` bytes (uint8), page-locked with ``cudaHostRegister``
+    (as ``torch.cuda._pin_memory_utils`` does for checkpoint staging): unlike ``pin_memory``,
+    no power-of-two rounding and no trip through PyTorch's host cache. Release it with
+    ``unlock``.
+
+    Raises:
+        RuntimeError: the memory cannot be page-locked (no CUDA, or a pinned-memory cap).
+    """
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    except (AssertionError, RuntimeError) as exc:  # a build or machine without CUDA
+        raise RuntimeError(f"cannot page-lock host memory: {exc}") from exc
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
+    return buffer
+
+
+def unlock(buffer: torch.Tensor) -> None:
+    """Undo ``page_locked_buffer`` (the buffer stays valid pageable memory)."""
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
 class TransferEvent:
     """Completion of one copy. On CPU the copy was synchronous, so it is already complete."""
 

@@ -1,14 +1,15 @@
 """The pinned pool: uniform host slabs that stage block bytes for H2D copies.
 
-Page-locked (CUDA), the whole pool is pinned at set-up in one allocation sliced into slabs:
-PyTorch's caching host allocator rounds every pinned allocation up to a power of two (one
-800 MiB slab would lock 1 GiB), and a pin that fails (Windows/WSL cap pinned memory near half
-of RAM) fails at set-up with a clear error, or falls back to pageable memory when the preset
-allows it (``allow_pageable_fallback``: copies then run synchronously), never mid-step. Not
-pinned (CPU), slabs are allocated on first use (host RSS grows only with what is used). Either
-way slabs are kept until ``close`` (never per load); ``close`` frees them and empties PyTorch's
-host cache, so the memory goes back to the OS (the seed's bug 3: release the stage-1 pool
-before the transformer loads). A slab is held from staging until its copy's event completes.
+Page-locked (CUDA), the whole pool is one allocation registered with ``cudaHostRegister`` at
+set-up and sliced into slabs: exactly the requested bytes are locked (``pin_memory`` goes
+through PyTorch's caching host allocator, which rounds every allocation up to a power of two:
+an 800 MiB slab would lock 1 GiB, and keeps freed blocks cached). A pin that fails
+(Windows/WSL cap pinned memory near half of RAM) fails at set-up with a clear error, or falls
+back to pageable memory when the preset allows it (``allow_pageable_fallback``: copies then run
+synchronously), never mid-step. Not pinned (CPU), slabs are allocated on first use (host RSS
+grows only with what is used). Either way slabs are kept until ``close`` (never per load);
+``close`` unregisters and frees the pool, so the memory goes back to the OS (the seed's bug 3:
+release the stage-1 pool before the transformer loads). A slab is held from staging until its copy's event completes.
 An acquire never waits forever: after ``timeout_s`` it raises ``SlabTimeoutError`` naming the
 blocks that hold the slabs (a defect of the public implementation: no timeout).
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.common.device import host_buffer
+from runtime.common.device import host_buffer, page_locked_buffer, unlock
 from runtime.config import MB
 from runtime.weights.errors import PoolConfigError, SlabTimeoutError
 
@@ -68,14 +69,15 @@ class PinnedPool:
         self._free: list[Slab] = []
         self.closed = False
         self.locked_bytes = 0
-        """Host bytes page-locked for the pool (its size rounded up to a power of two)."""
+        """Host bytes page-locked for the pool (all of it, or 0)."""
+        self._locked: torch.Tensor | None = None
         if pin:
             self._pin_all(allow_pageable)
 
     def _pin_all(self, allow_pageable: bool) -> None:
         try:
-            buffer = host_buffer(self.pool_bytes, pin=True)
-            self.locked_bytes = 1 << (self.pool_bytes - 1).bit_length()
+            buffer = self._locked = page_locked_buffer(self.pool_bytes)
+            self.locked_bytes = self.pool_bytes
         except RuntimeError as exc:
             if not allow_pageable:
                 raise PoolConfigError(
@@ -150,6 +152,6 @@ class PinnedPool:
             slab.buffer = torch.empty(0, dtype=torch.uint8)
         self.slabs.clear()
         self._free.clear()
-        if self.locked_bytes:
-            self.locked_bytes = 0
-            torch.accelerator.empty_host_cache()  # else it stays in PyTorch's host cache
+        if self._locked is not None:
+            unlock(self._locked)
+            self._locked, self.locked_bytes = None, 0
