@@ -9,6 +9,7 @@ an event recorded after a copy (``TransferEvent.wait``), a device-side wait. A h
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -66,17 +67,22 @@ def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> tor
 
 
 def page_locked_buffer(nbytes: int) -> torch.Tensor:
-    """A host buffer of exactly ``nbytes`` bytes (uint8), page-locked with ``cudaHostRegister``
-    (as ``torch.cuda._pin_memory_utils`` does for checkpoint staging): unlike ``pin_memory``,
-    no power-of-two rounding and no trip through PyTorch's host cache. Release it with
-    ``unlock``.
+    """A host buffer of ``nbytes`` bytes (uint8), page-locked with ``cudaHostRegister`` (as
+    ``torch.cuda._pin_memory_utils`` does for checkpoint staging) in whole pages from a
+    page-aligned start: unlike ``pin_memory``, no power-of-two rounding and no trip through
+    PyTorch's host cache. Release it with ``unlock``.
 
     Raises:
         RuntimeError: the memory cannot be page-locked (no CUDA, or a pinned-memory cap).
     """
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    # Registered in whole pages, from a page-aligned start (what cudaHostRegister locks).
+    page = os.sysconf("SC_PAGE_SIZE")
+    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    buffer = raw[start : start + nbytes]
+    locked = -(-nbytes // page) * page
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), locked, 0))
     except (AssertionError, RuntimeError) as exc:  # a build or machine without CUDA
         raise RuntimeError(f"cannot page-lock host memory: {exc}") from exc
     if err != 0:
