@@ -80,6 +80,18 @@ class ParamSlot:
     host: torch.Tensor | None = None
     host_grad: torch.Tensor | None = None
 
+    stride: tuple[int, ...] = ()
+    """Contiguous strides of ``shape`` (parameters are stored contiguously in the buffer)."""
+    itemsize: int = 0
+
+    def __post_init__(self) -> None:
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= max(size, 1)
+        self.stride = tuple(reversed(strides))
+
     @property
     def file_backed(self) -> bool:
         return self.key is not None
@@ -99,6 +111,8 @@ class Block:
     """The device buffer (uint8, ``nbytes``) while PREFETCHING or GPU_READY."""
     load_event: object | None = None
     """The event of the copy that filled ``flat`` (the compute stream waits on it)."""
+    read_plan: list | None = None
+    """``SafetensorsCheckpoint.plan`` of its file-backed parameters (built at the first load)."""
     prefetched: bool = False
     """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
     d2h_event: object | None = None
@@ -201,6 +215,15 @@ def build_layout(
     block.nbytes = offset
 
 
-def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """The parameter's tensor inside a block buffer (``flat``: uint8, the block's ``nbytes``)."""
-    return flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+def slot_views(flat: torch.Tensor, layout: list[ParamSlot]) -> list[torch.Tensor]:
+    """Each parameter's tensor inside a block buffer (``flat``: uint8, the block's ``nbytes``,
+    a multiple of ``ALIGN``): one typed view of the buffer per dtype and one strided view per
+    parameter (a load rebuilds them all: the fewer calls, the cheaper a block transition)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = []
+    for slot in layout:
+        whole = typed.get(slot.dtype)
+        if whole is None:
+            whole = typed[slot.dtype] = flat.view(slot.dtype)
+        views.append(whole.as_strided(slot.shape, slot.stride, slot.offset // slot.itemsize))
+    return views

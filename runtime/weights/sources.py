@@ -50,6 +50,18 @@ class TensorEntry:
     nbytes: int
 
 
+def _after(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    """``buffers`` without their first ``skip`` bytes (in order)."""
+    out = []
+    for buf in buffers:
+        if skip >= len(buf):
+            skip -= len(buf)
+            continue
+        out.append(buf[skip:])
+        skip = 0
+    return out
+
+
 def checkpoint_key(name: str) -> str:
     """The checkpoint key of a model parameter name: peft's ``base_model.model.`` prefix and
     ``.base_layer`` (LoRA-wrapped layers) removed."""
@@ -148,6 +160,42 @@ class SafetensorsCheckpoint:
             done += n
         self.reads += 1
         self.read_bytes += entry.nbytes
+
+    def plan(self, pieces: list[tuple[str, int]]) -> list[tuple[Path, int, list[tuple[int, int]]]]:
+        """A read plan for ``pieces`` (checkpoint key, byte offset in a destination buffer):
+        runs of tensors that lie back to back in one file, each ``(file, first byte, [(dest
+        offset, nbytes), ...])``, so ``read_plan`` fills a whole block with one vectored read
+        per run (a block's tensors are usually contiguous in a safetensors file) instead of one
+        read per tensor."""
+        ordered = sorted(pieces, key=lambda p: (self.entries[p[0]].path, self.entries[p[0]].start))
+        runs: list[tuple[Path, int, list[tuple[int, int]]]] = []
+        end: tuple[Path, int] | None = None
+        for key, dest in ordered:
+            entry = self.entries[key]
+            if end != (entry.path, entry.start):
+                runs.append((entry.path, entry.start, []))
+            runs[-1][2].append((dest, entry.nbytes))
+            end = (entry.path, entry.start + entry.nbytes)
+        return runs
+
+    def read_plan(
+        self, runs: list[tuple[Path, int, list[tuple[int, int]]]], dst: torch.Tensor
+    ) -> None:
+        """Execute ``plan``'s runs into ``dst`` (a contiguous CPU uint8 tensor)."""
+        view = memoryview(dst.numpy()).cast("B")
+        for path, start, pieces in runs:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            buffers = [view[dest : dest + nbytes] for dest, nbytes in pieces]
+            want, done = sum(nbytes for _, nbytes in pieces), 0
+            while done < want:  # one vectored read, continued after a short read (rare)
+                n = os.preadv(fd, _after(buffers, done), start + done)
+                if n <= 0:
+                    raise OSError(f"short read from {path} at byte {start + done}")
+                done += n
+            self.reads += len(pieces)
+            self.read_bytes += want
 
     def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A fresh CPU tensor holding checkpoint tensor ``key`` in ``dtype`` (default: the

@@ -23,14 +23,25 @@ import torch
 from runtime.common.device import TransferEvent, TransferStream, host_buffer
 from runtime.common.memory import DeviceMemory
 from runtime.weights.pool import PinnedPool, Slab
-from runtime.weights.registry import Block, BlockState, slot_view
+from runtime.weights.registry import Block, BlockState, slot_views
 from runtime.weights.sources import SafetensorsCheckpoint
+
+_PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
 
 
 def placeholder(dtype: torch.dtype) -> torch.Tensor:
     """The data of an evicted file-backed parameter: empty, so any use outside the runtime's
-    hooks fails loudly instead of computing with stale or zero weights."""
-    return torch.empty(0, dtype=dtype)
+    hooks fails loudly instead of computing with stale or zero weights (one shared empty tensor
+    per dtype: an eviction allocates nothing)."""
+    empty = _PLACEHOLDERS.get(dtype)
+    if empty is None:
+        empty = _PLACEHOLDERS[dtype] = torch.empty(0, dtype=dtype)
+    return empty
+
+
+def _converts(source: SafetensorsCheckpoint, slot: Any) -> bool:
+    """Whether ``slot``'s checkpoint tensor is stored in another precision (read one by one)."""
+    return source.entries[slot.key].dtype != slot.dtype
 
 
 @dataclass(eq=False)
@@ -146,12 +157,18 @@ class TransferEngine:
         if block.d2h_event is not None:  # this block's host masters may still be arriving
             block.d2h_event.synchronize()
             block.d2h_event = None
+        if block.read_plan is None and self.source is not None:
+            same = [s for s in block.layout if s.key is not None and not _converts(self.source, s)]
+            block.read_plan = self.source.plan([(s.key, s.offset) for s in same])
+        if block.read_plan:
+            self.source.read_plan(block.read_plan, host)
         for slot in block.layout:
-            dst = host[slot.offset : slot.offset + slot.nbytes]
-            if slot.key is not None:
-                self.source.read_into(slot.key, dst, slot.dtype)
-            else:
+            if slot.key is None:
+                dst = host[slot.offset : slot.offset + slot.nbytes]
                 dst.view(slot.dtype).view(slot.shape).copy_(slot.host)
+            elif _converts(self.source, slot):
+                dst = host[slot.offset : slot.offset + slot.nbytes]
+                self.source.read_into(slot.key, dst, slot.dtype)
         block.to(BlockState.HOST_STAGED)
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         with self.stream.use():
@@ -169,8 +186,8 @@ class TransferEngine:
         """PREFETCHING -> GPU_READY: the compute stream waits on the copy's event, then the
         parameters become views of the block buffer (trainable gradients follow them)."""
         block.load_event.wait()
-        for slot in block.layout:
-            slot.param.data = slot_view(block.flat, slot)
+        for slot, view in zip(block.layout, slot_views(block.flat, block.layout), strict=True):
+            slot.param.data = view
             grad = slot.param.grad
             if grad is not None and grad.device != self.device:
                 slot.param.grad = grad.to(self.device, non_blocking=self.stream.non_blocking)
