@@ -246,3 +246,28 @@ def test_lora_stays_resident_and_frozen_weights_only_move_to_the_device(tiny_flu
         assert set(lora) <= streamed
         assert {n: p.data_ptr() for n, p in lora.items()} != before
     runtime.close()
+
+
+def test_a_read_plan_fills_a_block_as_tensor_by_tensor_reads(tiny_flux):
+    """One vectored read per run of tensors contiguous in the file fills the staging buffer with
+    the same bytes as one read per tensor; a short read continues where it stopped."""
+    from runtime.weights.sources import SafetensorsCheckpoint, _after
+
+    source = SafetensorsCheckpoint(tiny_flux)
+    keys = [k for k in source.entries if k.startswith("transformer_blocks.0.")]
+    offsets, offset = [], 0
+    for key in keys:
+        offsets.append(offset)
+        offset += -(-source.entries[key].nbytes // 512) * 512 + 512  # gaps between tensors
+    plan = source.plan(list(zip(keys, offsets, strict=True)))
+    assert len(plan) < len(keys)  # runs, not one read per tensor
+    batched = torch.zeros(offset, dtype=torch.uint8)
+    source.read_plan(plan, batched)
+    single = torch.zeros(offset, dtype=torch.uint8)
+    for key, at in zip(keys, offsets, strict=True):
+        source.read_into(key, single[at : at + source.entries[key].nbytes])
+    assert torch.equal(batched, single) and batched.any()
+    a, b = memoryview(bytearray(3)), memoryview(bytearray(4))
+    assert [len(m) for m in _after([a, b], 0)] == [3, 4]
+    assert [len(m) for m in _after([a, b], 5)] == [2]
+    source.close()
