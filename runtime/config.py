@@ -215,8 +215,8 @@ class MemoryConfig(_Strict):
 class LiveLimits(_Strict):
     """Limits a user may change during a run; applied at the next STEP_BEGIN.
 
-    Every field is optional: only the given ones change. Watermarks apply to both runtimes
-    unless the ``activation_`` ones are given.
+    Every field is optional: only the given ones change, each only itself (``vram_*`` are the
+    weight runtime's watermarks, ``activation_vram_*`` the activation runtime's).
     """
 
     vram_high_watermark_mb: NonNegMB | None = None

@@ -263,23 +263,17 @@ class StagehandStrategy(MemoryStrategy):
         }[knob]()
 
     def _resolve(self, limits: LiveLimits, current: dict[str, Any]) -> dict[str, Any]:
-        """``current`` with ``limits`` applied (watermarks to both runtimes unless the
-        ``activation_`` ones are given).
+        """``current`` with ``limits`` applied: each field changes only itself (the weight
+        runtime's watermarks never move the activation runtime's).
 
         Raises:
             ValueError: a field for a runtime that is off, or a low watermark above a high one.
         """
-        given = limits.given()
         new = dict(current)
-        for field, value in given.items():
-            targets = [field]
-            if field.startswith("vram_") and f"activation_{field}" not in given:
-                targets.append(f"activation_{field}")
-            targets = [t for t in targets if t in current]  # only runtimes that are on
-            if not targets:
+        for field, value in limits.given().items():
+            if field not in current:  # only runtimes that are on
                 raise ValueError(f"{field}: no runtime of this strategy has that limit")
-            for target in targets:
-                new[target] = value
+            new[field] = value
         for high, low in _WATERMARKS.values():
             if high in new and new[low] > new[high]:
                 raise ValueError(f"{low} ({new[low]}) must not be above {high} ({new[high]})")
