@@ -49,6 +49,13 @@ MODEL_TYPES: dict[str, str] = {
     "unet": "unet",
     "sd15": "unet",
     "sd1": "unet",
+    "flux1": "flux",
+    "qwenimage": "qwenimage",
+    "qwen_image": "qwenimage",
+    "wan": "wan",
+    "zimage": "zimage",
+    "sdxl": "sdxl",
+    "flux2": "flux2",
 }
 """``model_type`` spellings (the seeds' ``ltx2``, ``flux_dev``...) -> family."""
 
@@ -87,6 +94,9 @@ class ModelSection(_Strict):
     """Text encoder: ``"minilm"`` (or unset) is the bundled all-MiniLM-L6-v2; else a folder."""
     vae_path: str | None = None
     """VAE folder; default ``path/vae`` for a pipeline folder, the factory VAE otherwise."""
+    transformer_path: str | None = None
+    """A single-file transformer checkpoint (``.safetensors``, loaded with diffusers'
+    ``from_single_file``) replacing ``path/transformer``; the rest comes from ``path``."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -152,6 +162,8 @@ class SamplesSection(_Strict):
     steps: PosInt = 8
     """Euler steps of the flow sampler (DDIM steps for the unet family)."""
     seed: int = 0
+    guidance: PosFloat = 3.5
+    """Pipeline families: ``guidance_scale`` of the pipeline's ``__call__`` (FLUX.1-dev's 3.5)."""
 
 
 class Preset(_Strict):
@@ -190,6 +202,10 @@ class Preset(_Strict):
     log_every: PosInt = 1
     """Steps between plain progress lines (no terminal)."""
     data: DataSection = Field(default_factory=DataSection)
+    validation_every: PosInt | None = None
+    """Steps between validation losses on the held-out samples (fixed noise and sigmas)."""
+    validation_samples: PosInt = 2
+    """Samples held out of training for the validation loss (the last ones, sorted by name)."""
 
     @model_validator(mode="before")
     @classmethod

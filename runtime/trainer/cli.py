@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from runtime.common.telemetry import JsonlSink, Telemetry  # noqa: E402
 from runtime.config import MB  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
-from runtime.trainer import encode, loop  # noqa: E402
+from runtime.trainer import encode, loop, pipelines  # noqa: E402
 from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
 from runtime.trainer.data import group_by_shape, scan_folder  # noqa: E402
 from runtime.trainer.families import family  # noqa: E402
@@ -36,8 +36,11 @@ from runtime.trainer.outputs import (  # noqa: E402
     latest_checkpoint,
     load_checkpoint,
     sample_images,
+    sample_pipeline,
     save_lora,
 )
+from runtime.trainer.pipelines import PipelineFamily  # noqa: E402
+from runtime.trainer.pipelines import encode as pipeline_encode  # noqa: E402
 from runtime.trainer.progress import Progress  # noqa: E402
 
 
@@ -98,8 +101,9 @@ class Run:
                 {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
             )
         )
-        model_dir, vae_dir, encoder_dir, data_dir = resolve_assets(preset)
-        self.family = family(preset.family)
+        self.family = pipeline_family(preset, self.device)
+        model_dir, vae_dir, encoder_dir, data_dir = resolve_assets(preset, self.family)
+        self.family = self.family or family(preset.family)
         self.telemetry.emit(
             "trainer",
             "run_started",
@@ -145,9 +149,7 @@ class Run:
         def should_stop() -> bool:
             return self.poll_control() is not None
 
-        text = encode.encode_texts(
-            texts,
-            encoder_dir,
+        text_kwargs = dict(
             memory=preset.memory,
             device=self.device,
             telemetry=self.telemetry,
@@ -156,6 +158,11 @@ class Run:
             progress=lambda d, t, m: self.stage("cache", d, total, m),
             should_stop=should_stop,
         )
+        if isinstance(self.family, PipelineFamily):
+            dtype = loop.DTYPES[preset.model.dtype]
+            text = pipeline_encode.encode_texts(self.family, texts, dtype=dtype, **text_kwargs)
+        else:
+            text = encode.encode_texts(texts, encoder_dir, **text_kwargs)
         if text is None:
             return None
         self.stage("cache", len(texts), total, "text encoder released")
@@ -174,11 +181,15 @@ class Run:
         latents, _ = result
         row = {t: i for i, t in enumerate(texts)}
         self.family.check_latents(tuple(latents[0].shape))
+        held_out = held_out_samples(preset, len(samples))
+        train = [i for i in range(len(samples)) if i not in held_out]
+        groups = group_by_shape([tuple(latents[i].shape) for i in train])
         return loop.Batchable(
             latents=latents,
             text=text,
             caption_rows=[row[s.caption] for s in samples],
-            groups=group_by_shape([tuple(z.shape) for z in latents]),
+            groups={k: [train[j] for j in v] for k, v in groups.items()},
+            held_out=held_out,
         )
 
     def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
@@ -243,6 +254,23 @@ class Run:
         rows = [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
         dtype = loop.DTYPES[preset.train_dtype]
         model = self.model.to(self.device).eval()
+        if isinstance(self.family, PipelineFamily):
+            paths = sample_pipeline(
+                self.family,
+                model,
+                data.text_rows(rows, self.device, dtype),
+                tuple(data.latents[0].shape),
+                preset=preset,
+                device=self.device,
+                dtype=dtype,
+                telemetry=self.telemetry,
+                out_dir=self.run_dir / "samples",
+                names=[f"sample-{i:02d}" for i in range(len(prompts))],
+            )
+            for path, prompt in zip(paths, prompts, strict=True):
+                rel = str(path.relative_to(self.run_dir))
+                self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+            return
         paths = sample_images(
             self.family,
             model,
@@ -271,7 +299,7 @@ class Run:
     def save(self) -> None:
         """Save the LoRA when at least one step ran (the user's work is never lost)."""
         if self.model is not None and self.steps_done > 0:
-            self.lora_path = save_lora(self.model, self.family, self.run_dir)
+            self.lora_path = save_lora(self.model, self.family, self.run_dir, self.steps_done)
 
     def finish(self, status: str, timings: dict[str, float]) -> str:
         self.close_strategy()
@@ -327,9 +355,60 @@ class Run:
         self.progress.line(f"failed: {type(exc).__name__}: {exc}")
 
 
-def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
+def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | None:
+    """The family adapter bound to ``model.path`` when it is a diffusers pipeline folder (its
+    ``model_index.json`` decides the family), else None (a factory or single model folder).
+
+    Raises:
+        PipelineFolderError: the folder, a component or ``model_type`` is wrong (named).
+        ValueError: ``model.dtype`` cannot run on ``device``.
+    """
+    from runtime.assets import cache_root
+
+    if not pipelines.is_pipeline_folder(preset.model.path):
+        return None
+    info = pipelines.inspect_preset(preset)
+    check_dtype(preset.model.dtype, device)
+    check_dtype(preset.train_dtype, device)
+    cache = cache_root() / "trainer-cache"
+    return pipelines.adapter_for(info, cache, loop.DTYPES[preset.model.dtype])
+
+
+def check_dtype(name: str, device: torch.device) -> None:
+    """Raise ``ValueError`` for a dtype the device cannot train in (names the field)."""
+    if device.type == "cpu" and name == "float16":
+        raise ValueError(
+            "model.dtype / train_dtype: float16 on the CPU is not supported (many CPU kernels "
+            "have no float16 version); expected float32 or bfloat16"
+        )
+    if device.type == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"model.dtype / train_dtype: bfloat16 on {torch.cuda.get_device_name(device)} is not "
+            "supported; expected float32 or float16"
+        )
+
+
+def held_out_samples(preset: Preset, n: int) -> list[int]:
+    """The last ``validation_samples`` sample indices when ``validation_every`` is set.
+
+    Raises:
+        ValueError: holding them out would leave no training sample.
+    """
+    if not preset.validation_every:
+        return []
+    k = preset.validation_samples
+    if k >= n:
+        raise ValueError(
+            f"validation_samples: {k} held out of {n} samples leaves none to train on; "
+            f"expected fewer than {n}"
+        )
+    return list(range(n - k, n))
+
+
+def resolve_assets(preset: Preset, fam=None) -> tuple[Path, Path, Path | None, Path]:
     """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models and
-    the digits are built into the cache on first use.
+    the digits are built into the cache on first use. For a pipeline family ``fam`` the folders
+    are its own (the text encoders are its components: None).
 
     Raises:
         FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
@@ -337,6 +416,9 @@ def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
     from runtime import assets
 
     m = preset.model
+    if isinstance(fam, PipelineFamily):
+        vae_dir = Path(m.vae_path) if m.vae_path else fam.root / "vae"
+        return fam.transformer_dir, vae_dir, None, data_folder(preset)
     if m.factory:
         model_dir = assets.build_model(m.factory, m.size)
         vae_dir = Path(m.vae_path) if m.vae_path else assets.build_model("vae", m.size)
@@ -351,11 +433,16 @@ def resolve_assets(preset: Preset) -> tuple[Path, Path, Path, Path]:
                 f"model.vae_path: no VAE folder (looked for {vae_dir}); set model.vae_path"
             )
     encoder = Path(preset.text_encoder_path) if preset.text_encoder_path else assets.minilm_path()
+    return model_dir, vae_dir, encoder, data_folder(preset)
+
+
+def data_folder(preset: Preset) -> Path:
+    """``data.path``, or the digits folder built for ``resolution``."""
+    from runtime import assets
+
     if preset.data.factory == "digits":
-        data_dir = assets.build_digits(size=preset.resolution)
-    else:
-        data_dir = Path(preset.data.path).expanduser()
-    return model_dir, vae_dir, encoder, data_dir
+        return assets.build_digits(size=preset.resolution)
+    return Path(preset.data.path).expanduser()
 
 
 def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:

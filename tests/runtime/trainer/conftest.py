@@ -69,3 +69,64 @@ def run_io():
     from types import SimpleNamespace
 
     return SimpleNamespace(records=records, of=of, start_worker=start_worker, REPO=REPO)
+
+
+@pytest.fixture(scope="session")
+def flux_pipeline_dir(asset_cache) -> Path:
+    """The tiny FluxPipeline folder (CLIP + T5, 3 double + 5 single blocks), built once."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("flux", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def wide_images(tmp_path_factory) -> Path:
+    """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
+    in the 64x128 bucket (non-square latents)."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("wide-images")
+    rng = np.random.default_rng(0)
+    for i, word in enumerate(["zero", "one", "two", "three", "four", "five"]):
+        arr = (rng.random((60, 120, 3)) * 255).astype("uint8")
+        Image.fromarray(arr).save(folder / f"{i:02d}.png")
+        (folder / f"{i:02d}.txt").write_text(f"a photo of the digit {word}")
+    return folder
+
+
+def pipeline_preset(tmp_path: Path, pipeline: Path, data: Path, name="pipe", **over) -> Path:
+    """tiny-ci's memory section (weight streaming, activation spill, Conductor) on a pipeline
+    folder: 4 steps of batch 2 on 64x128 images, validation every 2 steps, one sample."""
+    base = json.loads((PRESETS_DIR / "tiny-ci.json").read_text())
+    # The tiny transformer's activations are a few KB: spill above 20 KB so spill happens.
+    base["memory"]["stagehand"]["activation_stagehand"].update(
+        vram_high_watermark_mb=0.02, vram_low_watermark_mb=0.01
+    )
+    data_section = {"path": str(data), "bucketing": True, "max_caption_tokens": 16}
+    preset = {
+        "name": name,
+        "model": {"path": str(pipeline), "dtype": "float32"},
+        "adapter": {"rank": 4, "alpha": 4},
+        "memory": base["memory"],
+        "learning_rate": 1e-3,
+        "resolution": 96,
+        "batch_size": 2,
+        "max_steps": 4,
+        "seed": 0,
+        "validation_every": 2,
+        "validation_samples": 1,
+        "samples": {"prompts": ["a photo of the digit seven"], "steps": 2},
+        "data": data_section,
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(deep_merge(preset, over)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def pipe_io():
+    """Helpers of the pipeline tests, for module-scoped fixtures too."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(records=records, of=of, preset=pipeline_preset)

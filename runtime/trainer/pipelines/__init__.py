@@ -1,0 +1,77 @@
+"""Real pipeline families: a diffusers pipeline folder in ``model.path`` (``folder.py``
+inspects it, ``encode.py`` runs stage 1 on its text encoders, one adapter per family)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.trainer.pipelines.base import PipelineFamily
+from runtime.trainer.pipelines.flux import FluxPipelineFamily
+from runtime.trainer.pipelines.folder import (
+    PIPELINE_FAMILIES,
+    PipelineFolderError,
+    PipelineInfo,
+    inspect_pipeline,
+)
+
+ADAPTERS: dict[str, PipelineFamily] = {"flux": FluxPipelineFamily()}
+"""Families that train from a pipeline folder; the others are inspected but refused."""
+
+__all__ = [
+    "ADAPTERS",
+    "PIPELINE_FAMILIES",
+    "PipelineFamily",
+    "PipelineFolderError",
+    "PipelineInfo",
+    "adapter_for",
+    "inspect_pipeline",
+    "is_pipeline_folder",
+    "inspect_preset",
+]
+
+
+def is_pipeline_folder(path: str | Path | None) -> bool:
+    """Whether ``model.path`` is meant as a pipeline folder: it holds ``model_index.json``, or
+    it is not a single model folder (no ``config.json``) -- then a missing index is an error."""
+    if path is None:
+        return False
+    root = Path(path).expanduser()
+    return (root / "model_index.json").is_file() or not (root / "config.json").is_file()
+
+
+def inspect_preset(preset) -> PipelineInfo:
+    """``inspect_pipeline`` for a preset's ``model`` section and its explicit ``model_type``."""
+    from runtime.preset import MODEL_TYPES
+
+    explicit = preset.model_type if "model_type" in preset.model_fields_set else None
+    stagehand = preset.memory.stagehand
+    return inspect_pipeline(
+        preset.model.path,
+        model_type=explicit,
+        aliases=MODEL_TYPES,
+        transformer_path=preset.model.transformer_path,
+        block_pattern=stagehand.block_pattern if stagehand is not None else None,
+    )
+
+
+def adapter_for(info: PipelineInfo, cache_dir: Path, dtype) -> PipelineFamily:
+    """The family adapter bound to the folder (a single-file transformer is converted once
+    into ``cache_dir`` in the folder layout the weight runtime streams from).
+
+    Raises:
+        PipelineFolderError: no adapter for the family yet, or the components do not fit.
+    """
+    if info.family not in ADAPTERS:
+        raise PipelineFolderError(
+            f"{info.path}/model_index.json: {info.pipeline_class} (family {info.family!r}) can "
+            f"be inspected but not trained yet; trainable families: {sorted(ADAPTERS)}"
+        )
+    root = Path(info.path)
+    transformer_dir = root / "transformer"
+    if info.transformer_path is not None:
+        from runtime.trainer.pipelines.single_file import convert_single_file
+
+        transformer_dir = convert_single_file(info, cache_dir, dtype)
+    bound = ADAPTERS[info.family].bind(info, transformer_dir)
+    bound.check_components()
+    return bound

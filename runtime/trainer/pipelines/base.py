@@ -1,0 +1,143 @@
+"""The adapter a real pipeline family implements, on top of the trainer's ``Family``.
+
+A ``PipelineFamily`` trains the transformer of a diffusers pipeline folder with the pipeline's
+own code: its prompt encoding (one text encoder at a time, block-swapped in inference mode under
+the weight runtime: ``encode.py``), its latent normalisation, its scheduler's timestep shift,
+and its ``__call__`` for samples. Subclasses (one per family, ``flux.py``...) say which
+components encode text and how the transformer is called.
+
+Timestep shift (rectified flow, as the pipelines sample it; diffusers'
+``FlowMatchEulerDiscreteScheduler``): a sigma ``u`` drawn from the preset's distribution is
+shifted the way the scheduler shifts its inference sigmas::
+
+    static:   s = shift * u / (1 + (shift - 1) * u)              scheduler.config.shift
+    dynamic:  s = scheduler.time_shift(mu, 1.0, u)                use_dynamic_shifting, mu from
+                                                                  the pipeline's calculate_shift
+                                                                  of the image sequence length
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.trainer.families import Family, flow_pair, sample_sigmas
+from runtime.trainer.pipelines.folder import PipelineFolderError, PipelineInfo, read_json
+
+TextPass = Callable[[Any, list[str], torch.device, int], dict[str, torch.Tensor]]
+"""``(pipeline, texts, device, max_tokens) -> {hidden|mask|pooled: tensor}`` for one encoder."""
+
+
+def load_component(root: Path, name: str, dtype: torch.dtype | None = None) -> Any:
+    """Component ``name`` of the pipeline folder ``root``, loaded with the class its
+    ``model_index.json`` names (weights in ``dtype`` where it applies).
+
+    Raises:
+        PipelineFolderError: the component does not load (names its folder and class).
+    """
+    index = read_json(root / "model_index.json", "a pipeline's model_index.json")
+    library, class_name = index[name]
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise PipelineFolderError(
+            f"{root / 'model_index.json'}: {name} is {library}.{class_name}, which this "
+            f"installation does not have ({exc})"
+        ) from None
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    try:
+        return cls.from_pretrained(root / name, **kwargs)
+    except Exception as exc:  # any loader failure: name the folder, keep the cause
+        raise PipelineFolderError(
+            f"{root / name}: {class_name}.from_pretrained failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+class PipelineFamily(Family):
+    """A family trained from a pipeline folder; ``bind`` attaches the folder."""
+
+    pipeline_class = ""
+    text_passes: tuple[tuple[str, TextPass], ...] = ()
+    """``(text encoder component, pass)`` in the order they run, one encoder resident at a time."""
+    tokenizers: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.info: PipelineInfo | None = None
+        self.root: Path | None = None
+        self.transformer_dir: Path | None = None
+        self._scheduler = None
+
+    def bind(self, info: PipelineInfo, transformer_dir: Path) -> PipelineFamily:
+        """A copy of this adapter for the folder ``info`` describes."""
+        bound = type(self)()
+        bound.info, bound.root, bound.transformer_dir = info, Path(info.path), transformer_dir
+        return bound
+
+    # -- loading ----------------------------------------------------------------------------
+    def pipeline(self, **components: Any):
+        """The pipeline class built from ``components``; every other component is None
+        (tokenizers and the scheduler are loaded from the folder when not given)."""
+        import diffusers
+
+        cls = getattr(diffusers, self.pipeline_class)
+        expected, _ = cls._get_signature_keys(cls)
+        parts = dict.fromkeys(expected)
+        for name in (*self.tokenizers, "scheduler"):
+            parts[name] = components.get(name) or load_component(self.root, name)
+        parts.update(components)
+        return cls(**parts)
+
+    def scheduler(self):
+        if self._scheduler is None:
+            self._scheduler = load_component(self.root, "scheduler")
+        return self._scheduler
+
+    def check_components(self) -> None:
+        """Raise ``PipelineFolderError`` when the components' configs do not fit each other."""
+
+    # -- training ---------------------------------------------------------------------------
+    def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
+        """Tokens the transformer sees for latents of ``latent_shape`` (B, C, [F,] h, w)."""
+        raise NotImplementedError
+
+    def mu(self, image_seq_len: int) -> float:
+        """The dynamic-shift ``mu`` the pipeline computes for ``image_seq_len`` tokens."""
+        raise NotImplementedError
+
+    def shift_sigmas(self, u: torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """(B,) sigmas ``u`` in (0, 1) shifted as the scheduler shifts (module doc)."""
+        sched = self.scheduler()
+        if sched.config.get("use_dynamic_shifting", False):
+            mu = self.mu(self.image_seq_len(latent_shape))
+            return sched.time_shift(mu, 1.0, u)
+        shift = float(sched.config.get("shift", 1.0))
+        return shift * u / (1 + (shift - 1) * u)
+
+    def training_pair(self, x0, noise, generator, preset):
+        u = sample_sigmas(
+            x0.shape[0],
+            preset.timestep_distribution,
+            generator,
+            preset.logit_mean,
+            preset.logit_std,
+        )
+        sigma = self.shift_sigmas(u, tuple(x0.shape)).to(x0.device)
+        x_t, target = flow_pair(x0, noise, sigma)
+        return x_t, sigma.to(x0.dtype), target
+
+    # -- outputs ----------------------------------------------------------------------------
+    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
+        """Images (PIL) from the pipeline's ``__call__`` with cached embeddings ``text``."""
+        raise NotImplementedError
+
+    def lora_metadata(self) -> dict[str, str]:
+        """Extra safetensors metadata of the saved LoRA (the base model and family)."""
+        return {
+            "stagehand.base_model": str(self.root),
+            "stagehand.family": self.name,
+            "stagehand.pipeline_class": self.pipeline_class,
+        }
