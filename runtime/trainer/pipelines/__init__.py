@@ -74,4 +74,5 @@ def adapter_for(info: PipelineInfo, cache_dir: Path, dtype) -> PipelineFamily:
         transformer_dir = convert_single_file(info, cache_dir, dtype)
     bound = ADAPTERS[info.family].bind(info, transformer_dir)
     bound.check_components()
+    bound.check_tokenizers()
     return bound

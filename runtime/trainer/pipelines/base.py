@@ -99,6 +99,27 @@ class PipelineFamily(Family):
     def check_components(self) -> None:
         """Raise ``PipelineFolderError`` when the components' configs do not fit each other."""
 
+    def check_tokenizers(self) -> None:
+        """Load every tokenizer and check that its ids fit its text encoder's embedding
+        (``tokenizer_2`` feeds ``text_encoder_2``).
+
+        Raises:
+            PipelineFolderError: a tokenizer does not load, or has more ids than
+                ``text_encoder*/config.json`` ``vocab_size``.
+        """
+        for name in self.tokenizers:
+            tokenizer = load_component(self.root, name)
+            encoder = "text_encoder" + name[len("tokenizer") :]
+            config = read_json(self.root / encoder / "config.json", f"the {encoder}'s config")
+            config = config.get("text_config", config)  # multimodal encoders nest it
+            vocab = config.get("vocab_size")
+            if vocab is not None and len(tokenizer) > int(vocab):
+                raise PipelineFolderError(
+                    f"{self.root / name}: {len(tokenizer)} token ids but "
+                    f"{encoder}/config.json vocab_size is {vocab}; expected the encoder's own "
+                    "tokenizer"
+                )
+
     # -- training ---------------------------------------------------------------------------
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
         """Tokens the transformer sees for latents of ``latent_shape`` (B, C, [F,] h, w)."""

@@ -186,3 +186,48 @@ def test_predict_is_one_euler_step_of_the_pipeline(flux_pipeline_dir, tmp_path):
     expected = pipe._pack_latents(x - v, 1, 4, 6, 10)
     assert torch.allclose(out, expected, atol=1e-5)
     assert (v.abs() > 0).any()
+
+
+def test_tokenizer_that_does_not_load_is_named(flux_copy, tmp_path):
+    (flux_copy / "tokenizer_2" / "tokenizer.json").write_text("{not json")
+    info = inspect_pipeline(flux_copy)
+    with pytest.raises(PipelineFolderError, match=r"tokenizer_2: T5Tokenizer.from_pretrained fail"):
+        adapter_for(info, tmp_path, torch.float32)
+
+
+def test_tokenizer_larger_than_its_encoder_is_named(flux_copy, tmp_path):
+    config = json.loads((flux_copy / "text_encoder" / "config.json").read_text())
+    config["vocab_size"] = 10
+    (flux_copy / "text_encoder" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        PipelineFolderError, match=r"token ids but text_encoder/config.json vocab_s"
+    ):
+        adapter_for(inspect_pipeline(flux_copy), tmp_path, torch.float32)
+
+
+def test_bad_input_through_workbench_train_is_the_error_record(
+    flux_copy, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """The error reaches the run's last record, before anything is cached or trained."""
+    from runtime.assets import ENV_VAR
+    from runtime.trainer.cli import main
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    cases = {
+        "float16": ({"model": {"dtype": "float16"}}, "float16 on the CPU is not supported"),
+        "mismatch": ({"model_type": "wan"}, "model_type is 'wan' but model.path"),
+    }
+    for name, (over, message) in cases.items():
+        preset = pipe_io.preset(tmp_path, flux_copy, wide_images, name=name, **over)
+        run_dir = tmp_path / name
+        assert main([str(preset), "--run-dir", str(run_dir)]) == 1
+        last = pipe_io.records(run_dir)[-1]
+        assert last["kind"] == "error" and message in last["message"], last["message"]
+        assert not (run_dir / "lora").exists() and not (run_dir / "samples").exists()
+    (flux_copy / "model_index.json").unlink()
+    preset = pipe_io.preset(tmp_path, flux_copy, wide_images, name="no-index")
+    assert main([str(preset), "--run-dir", str(tmp_path / "no-index")]) == 1
+    last = pipe_io.records(tmp_path / "no-index")[-1]
+    assert last["error_type"] == "PipelineFolderError"
+    assert f"{flux_copy / 'model_index.json'}: not found" in last["message"]
+    assert not (tmp_path / "cache").exists()  # nothing half-written
