@@ -1,6 +1,6 @@
 """HTTP and websocket routes, one router per resource."""
 
-from backend.api import compare, presets, runs, stream, system, telemetry
+from backend.api import compare, pipelines, presets, runs, stream, system, telemetry
 
 ROUTERS = [
     system.router,
@@ -9,4 +9,5 @@ ROUTERS = [
     telemetry.router,
     compare.router,
     stream.router,
+    pipelines.router,
 ]
