@@ -1,0 +1,72 @@
+"""The real-family 24 GB presets: their pool, slab and watermark figures follow from the real
+models' block sizes (configs built on the meta device, blocks chosen by ``find_blocks``)."""
+
+import re
+
+import pytest
+import torch
+
+from runtime.preset import load_preset, validate_preset
+from runtime.weights.registry import find_blocks
+
+MB = 1024**2
+
+
+def block_mb(model, dtype_bytes=2) -> dict[str, float]:
+    """Largest block per ModuleList, in MB at ``dtype_bytes`` per parameter."""
+    out: dict[str, float] = {}
+    for name, module in find_blocks(model):
+        n = sum(p.numel() for p in module.parameters()) * dtype_bytes / MB
+        key = name.rsplit(".", 1)[0]
+        out[key] = max(out.get(key, 0.0), n)
+    return out
+
+
+def test_flux_dev_24gb_is_derived_from_flux_dev_blocks():
+    from diffusers import FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    with torch.device("meta"):
+        flux = FluxTransformer2DModel(
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        )
+        t5 = T5EncoderModel(
+            T5Config(
+                d_model=4096,
+                d_ff=10240,
+                num_layers=24,
+                num_heads=64,
+                d_kv=64,
+                feed_forward_proj="gated-gelu",  # T5 v1.1 (FLUX.1 text_encoder_2)
+            )
+        )
+    sizes = block_mb(flux)
+    assert sizes["transformer_blocks"] == pytest.approx(648.2, abs=0.05)
+    assert sizes["single_transformer_blocks"] == pytest.approx(270.1, abs=0.05)
+    t5_block = block_mb(t5)["encoder.block"]
+    assert t5_block == pytest.approx(368.0, abs=0.05)
+
+    name, raw = load_preset("flux-dev-24gb")
+    preset = validate_preset(raw)
+    sh = preset.memory.stagehand
+    largest = max(sizes.values())
+    assert largest <= sh.pinned_slab_mb < largest + 16  # one block per slab, little waste
+    assert t5_block <= sh.pinned_slab_mb
+    assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
+    on_gpu = (1 + sh.prefetch_window_blocks) * largest
+    assert on_gpu + 122 < sh.vram_low_watermark_mb < sh.vram_high_watermark_mb
+    cond = sh.conductor_config
+    assert sh.vram_high_watermark_mb < cond.vram_soft_cap_mb < cond.vram_hard_cap_mb <= 24000
+    # The description states the figures it was derived from.
+    for figure in ("648.2 MB", "270.1 MB", "368.0 MB", "5248 MB", "18000/14000"):
+        assert figure in preset.description
+    assert re.search(r"not run here", preset.description)
+    assert preset.data.max_caption_tokens == 512 and preset.samples.guidance == 3.5
