@@ -162,6 +162,8 @@ class SamplesSection(_Strict):
     steps: PosInt = 8
     """Euler steps of the flow sampler (DDIM steps for the unet family)."""
     seed: int = 0
+    every: PosInt | None = None
+    """Pipeline families: also sample every ``every`` steps during training (None: at the end)."""
     guidance: PosFloat = 3.5
     """Pipeline families: ``guidance_scale`` of the pipeline's ``__call__`` (FLUX.1-dev's 3.5)."""
 

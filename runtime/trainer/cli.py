@@ -225,6 +225,11 @@ class Run:
         def on_step(step: int, loss: float, step_s: float) -> None:
             self.steps_done = step
             self.progress.step(step, preset.max_steps, loss, step_s)
+            every = preset.samples.every
+            pipeline = isinstance(self.family, PipelineFamily)
+            if pipeline and every and preset.samples.prompts and step % every == 0:
+                if step < preset.max_steps:  # the last step's samples are the final ones
+                    self.pipeline_samples(preset, data, step=step)
 
         state = loop.run_steps(
             preset=preset,
@@ -250,27 +255,12 @@ class Run:
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
         # Sampled on the plain model after the strategy is closed (it restores resident weights).
         prompts = preset.samples.prompts
-        texts = list(dict.fromkeys(prompts))
-        rows = [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
         dtype = loop.DTYPES[preset.train_dtype]
         model = self.model.to(self.device).eval()
         if isinstance(self.family, PipelineFamily):
-            paths = sample_pipeline(
-                self.family,
-                model,
-                data.text_rows(rows, self.device, dtype),
-                tuple(data.latents[0].shape),
-                preset=preset,
-                device=self.device,
-                dtype=dtype,
-                telemetry=self.telemetry,
-                out_dir=self.run_dir / "samples",
-                names=[f"sample-{i:02d}" for i in range(len(prompts))],
-            )
-            for path, prompt in zip(paths, prompts, strict=True):
-                rel = str(path.relative_to(self.run_dir))
-                self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+            self.pipeline_samples(preset, data, step=None)
             return
+        rows = self.prompt_rows(prompts, data)
         paths = sample_images(
             self.family,
             model,
@@ -284,6 +274,36 @@ class Run:
             out_dir=self.run_dir / "samples",
             names=[f"sample-{i:02d}" for i in range(len(prompts))],
             prediction_type=preset.prediction_type,
+        )
+        for path, prompt in zip(paths, prompts, strict=True):
+            rel = str(path.relative_to(self.run_dir))
+            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+
+    @staticmethod
+    def prompt_rows(prompts: list[str], data: loop.Batchable) -> list[int]:
+        """Rows of the text cache holding ``prompts`` (cached after the captions)."""
+        texts = list(dict.fromkeys(prompts))
+        return [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
+
+    def pipeline_samples(self, preset: Preset, data: loop.Batchable, step: int | None) -> None:
+        """Samples from the pipeline's ``__call__``: during training (``step``) through the
+        training strategy as an inference step, at the end (None) through an inference one."""
+        prompts = preset.samples.prompts
+        dtype = loop.DTYPES[preset.train_dtype]
+        prefix = "sample" if step is None else f"step-{step:06d}"
+        paths = sample_pipeline(
+            self.family,
+            self.model,
+            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+            tuple(data.latents[0].shape),
+            preset=preset,
+            device=self.device,
+            dtype=dtype,
+            telemetry=self.telemetry,
+            out_dir=self.run_dir / "samples",
+            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
+            strategy=self.strategy if step is not None else None,
+            step=step,
         )
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))

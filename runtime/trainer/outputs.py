@@ -98,22 +98,31 @@ def sample_pipeline(
     telemetry,
     out_dir: Path,
     names: list[str],
+    strategy=None,
+    step: int | None = None,
 ) -> list[Path]:
     """One PNG per prompt from the pipeline's ``__call__`` (``family.sample``) on the trained
-    transformer, its blocks streamed by an inference-mode strategy (one inference step of the
-    run's telemetry, numbered ``max_steps + 1``)."""
+    transformer, its blocks streamed: by ``strategy`` (the training one, mid-run) as an
+    inference step ``step`` (STEP_BEGIN -> FORWARD -> STEP_END, ``torch.no_grad``), or, without
+    one, by an inference-mode strategy built here and closed after (step ``max_steps + 1``)."""
     from runtime.strategy import build_strategy
 
-    strategy = build_strategy(
-        model,
-        preset.memory,
-        device=device,
-        telemetry=telemetry,
-        checkpoint_dir=family.transformer_dir,
-        mode="inference",
-    )
+    own = strategy is None
+    if own:
+        strategy = build_strategy(
+            model,
+            preset.memory,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=family.transformer_dir,
+            mode="inference",
+        )
+    was_training = model.training
+    model.eval()
     try:
-        with torch.inference_mode(), strategy.step(preset.max_steps + 1), strategy.forward():
+        number = preset.max_steps + 1 if step is None else step
+        # no_grad, not inference_mode, mid-run: weights loaded now are used by training later.
+        with torch.no_grad(), strategy.step(number), strategy.forward():
             images = family.sample(
                 model,
                 text,
@@ -125,7 +134,9 @@ def sample_pipeline(
                 guidance=preset.samples.guidance,
             )
     finally:
-        strategy.close()
+        model.train(was_training)
+        if own:
+            strategy.close()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for image, name in zip(images, names, strict=True):

@@ -97,7 +97,7 @@ def wide_images(tmp_path_factory) -> Path:
 
 def pipeline_preset(tmp_path: Path, pipeline: Path, data: Path, name="pipe", **over) -> Path:
     """tiny-ci's memory section (weight streaming, activation spill, Conductor) on a pipeline
-    folder: 4 steps of batch 2 on 64x128 images, validation every 2 steps, one sample."""
+    folder: 4 steps of batch 2 on 64x128 images, validation and a sample every 2 steps."""
     base = json.loads((PRESETS_DIR / "tiny-ci.json").read_text())
     # The tiny transformer's activations are a few KB: spill above 20 KB so spill happens.
     base["memory"]["stagehand"]["activation_stagehand"].update(
@@ -116,7 +116,7 @@ def pipeline_preset(tmp_path: Path, pipeline: Path, data: Path, name="pipe", **o
         "seed": 0,
         "validation_every": 2,
         "validation_samples": 1,
-        "samples": {"prompts": ["a photo of the digit seven"], "steps": 2},
+        "samples": {"prompts": ["a photo of the digit seven"], "steps": 2, "every": 2},
         "data": data_section,
     }
     path = tmp_path / f"{name}.json"

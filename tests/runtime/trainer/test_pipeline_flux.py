@@ -48,8 +48,12 @@ def test_flux_pipeline_trains_with_every_runtime_on(flux_run, pipe_io):
     spilled = [r["activations_spilled"] for r in of(recs, "activation_stagehand", "step")]
     assert sum(spilled) > 0
     assert {r["step"] for r in of(recs, "conductor", "step")} >= {1, 2, 3, 4}
+    # Samples every 2 steps during training (through the training strategy), and at the end.
     sample = of(recs, "trainer", "sample")
-    assert [s["path"] for s in sample] == ["samples/sample-00.png"]
+    assert [(s["step"], s["path"]) for s in sample] == [
+        (2, "samples/step-000002-00.png"),
+        (5, "samples/sample-00.png"),
+    ]
     from PIL import Image
 
     with Image.open(run_dir / "samples" / "sample-00.png") as img:
