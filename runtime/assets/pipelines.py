@@ -15,6 +15,7 @@ while transformers encoders keep the stored dtype, so loaders pass ``dtype=``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -29,7 +30,13 @@ WORDS = (
 ).split()
 """The tiny tokenizers' words: enough for the digits captions and the sample prompts."""
 
-PIPELINES = ("flux",)
+QWEN_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+"""QwenImagePipeline's prompt template: its ``encode_prompt`` drops the first 34 tokens (the
+system part), so the tiny tokenizer must give exactly 34 tokens for it, as Qwen's does."""
 
 
 def _bpe_vocab(words: list[str], start: list[str], end: list[str]) -> tuple[dict, list]:
@@ -74,6 +81,34 @@ def t5_tokenizer(words: list[str] = WORDS):
     pieces += [(f"\u2581{w}", -1.0) for w in words]
     pieces += [(c, -5.0) for c in sorted(set("".join(words)))]
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def qwen_tokenizer(words: list[str] = WORDS):
+    """``Qwen2Tokenizer`` (byte-level BPE) trained by the ``tokenizers`` library on the template
+    and ``words``: every word one token, ``<|im_start|>`` / ``<|im_end|>`` special."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    text = QWEN_TEMPLATE.format(" ".join(words))
+    for token in specials:
+        text = text.replace(token, "")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,  # more than the corpus can fill: every word becomes one token
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
+    bpe.train_from_iterator([text] * 50, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, model_max_length=1058)
+    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
+    return tok
 
 
 def flux_pipeline(seed: int = SEED):
@@ -162,7 +197,82 @@ def flux_pipeline(seed: int = SEED):
     )
 
 
-BUILDERS = {"flux": flux_pipeline}
+def qwenimage_pipeline(seed: int = SEED):
+    """A ``QwenImagePipeline`` with odd sizes: Qwen2.5-VL text model of 3 layers (hidden 24,
+    its vision tower 1 block), transformer of 3 blocks, VAE with z_dim 4 and 4x downscale."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = qwen_tokenizer()
+    torch.manual_seed(seed)
+    n = len(tok)  # the vision special tokens come after the tokenizer's ids
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": n + 4,
+            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+            "hidden_size": 24,
+            "intermediate_size": 40,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 4]},
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": 24,
+            "fullatt_block_indexes": [0],
+        },
+        vocab_size=n + 4,
+        image_token_id=n,
+        video_token_id=n + 1,
+        vision_start_token_id=n + 2,
+        vision_end_token_id=n + 3,
+    )
+    encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,  # 4 latent channels x 2x2 packing
+        out_channels=4,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=24,  # the text model's hidden size
+        axes_dims_rope=(2, 2, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.1],
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=16,
+        max_image_seq_len=512,
+        time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok, transformer=transformer
+    )
+
+
+BUILDERS = {"flux": flux_pipeline, "qwenimage": qwenimage_pipeline}
 
 
 def save_pipeline(pipe, folder: Path) -> None:
@@ -180,5 +290,7 @@ def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> P
     if family not in BUILDERS:
         raise AssetError(f"no tiny pipeline for family {family!r}; known: {list(BUILDERS)}")
     final = cache_root(cache_dir) / "pipelines" / f"{family}-tiny"
-    spec = {"family": family, "seed": SEED, "version": 1}
+    # Any change to the builders here rebuilds: the spec holds this file's hash.
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    spec = {"family": family, "seed": SEED, "source": source}
     return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))

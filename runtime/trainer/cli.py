@@ -175,6 +175,7 @@ class Run:
             cache_dir=cache_dir,
             progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
             should_stop=should_stop,
+            family=self.family if isinstance(self.family, PipelineFamily) else None,
         )
         if result is None:
             return None
@@ -199,6 +200,7 @@ class Run:
         self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
         model = loop.load_transformer(self.family, model_dir, dtype)
         check_text_dim(model, data.text["hidden"].shape[-1], self.family)
+        preset = family_targets(preset, self.family)
         trainable = loop.attach_adapter(model, preset)
         self.model = model
         if preset.memory.gradient_checkpointing:
@@ -392,6 +394,15 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
     check_dtype(preset.train_dtype, device)
     cache = cache_root() / "trainer-cache"
     return pipelines.adapter_for(info, cache, loop.DTYPES[preset.model.dtype])
+
+
+def family_targets(preset: Preset, fam) -> Preset:
+    """``preset`` with the pipeline family's LoRA targets when ``lora.target_modules`` is unset
+    (what the family's community trainers target); an explicit list is kept."""
+    if not isinstance(fam, PipelineFamily) or "target_modules" in preset.lora.model_fields_set:
+        return preset
+    lora = preset.lora.model_copy(update={"target_modules": list(fam.lora_targets)})
+    return preset.model_copy(update={"lora": lora})
 
 
 def check_dtype(name: str, device: torch.device) -> None:

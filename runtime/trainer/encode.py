@@ -136,14 +136,23 @@ def encode_latents(
     cache_dir: Path,
     progress: Callable[[int, int, str], None],
     should_stop: Callable[[], bool],
+    family=None,
 ) -> tuple[list[torch.Tensor], float] | None:
     """Latents per sample ((C, h, w) or (C, F, h, w), scaled) and the VAE's scaling factor.
+
+    A pipeline ``family`` loads its own VAE (``family.load_vae``) and normalises as its
+    pipeline does (``family.encode_pixels``: (n, 3, H, W) -> (n, C, h, w)).
 
     Returns None when ``should_stop()`` turned true mid-way.
     """
     files = [[(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in s.files] for s in samples]
     key = cache_key(
-        kind="latents", files=files, vae=_folder_id(vae_path), res=resolution, bucket=bucketing
+        kind="latents",
+        files=files,
+        vae=_folder_id(vae_path),
+        res=resolution,
+        bucket=bucketing,
+        **({"family": family.name} if family is not None else {}),
     )
     path = cache_dir / f"latents-{key}.safetensors"
     from diffusers import AutoencoderKL
@@ -157,8 +166,11 @@ def encode_latents(
         progress(len(samples), len(samples), f"latents reused from {path.name}")
         return [stored[f"latent.{i}"] for i in range(len(samples))], scale
 
-    vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
-    scale = float(vae.config.scaling_factor)
+    if family is not None:
+        vae = family.load_vae(vae_path).to(device)
+    else:
+        vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
+    scale = float(getattr(vae.config, "scaling_factor", None) or 1.0)
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
     latents: list[torch.Tensor] = []
     try:
@@ -175,7 +187,10 @@ def encode_latents(
                 if sum(p.shape[0] for p in pending) < ENCODE_BATCH and same:
                     continue
                 batch = torch.cat(pending).to(device)  # (n, 3, H, W)
-                z = (vae.encode(batch).latent_dist.mean - shift) * scale  # (n, C, h, w)
+                if family is not None:
+                    z = family.encode_pixels(vae, batch)  # (n, C, h, w)
+                else:
+                    z = (vae.encode(batch).latent_dist.mean - shift) * scale
                 z = z.float().cpu()
                 for p in pending:
                     part, z = z[: p.shape[0]], z[p.shape[0] :]

@@ -25,6 +25,8 @@ from safetensors.torch import load_file, save_file
 from runtime.trainer.families import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+COMFY_FILE = "comfyui-lora.safetensors"
+"""The ComfyUI-layout copy beside ``LORA_FILE`` (``diffusion_model.`` keys with ``.alpha``)."""
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -55,16 +57,19 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
         family.save_lora(str(folder), state, config.to_dict())
         extra = getattr(family, "lora_metadata", None)
         if extra is not None:
-            add_metadata(
-                folder / LORA_FILE,
-                {
-                    **extra(),
-                    "stagehand.rank": str(config.r),
-                    "stagehand.alpha": str(config.lora_alpha),
-                    "stagehand.targets": json.dumps(sorted(config.target_modules)),
-                    "stagehand.steps": str(steps),
-                },
-            )
+            metadata = {
+                **extra(),
+                "stagehand.rank": str(config.r),
+                "stagehand.alpha": str(config.lora_alpha),
+                "stagehand.targets": json.dumps(sorted(config.target_modules)),
+                "stagehand.steps": str(steps),
+            }
+            add_metadata(folder / LORA_FILE, metadata)
+            comfy = family.comfy_state_dict(state, config.lora_alpha)
+            if comfy is not None:
+                tmp = folder / f".{COMFY_FILE}.tmp"
+                save_file(comfy, str(tmp), metadata={"format": "pt", **metadata})
+                os.replace(tmp, folder / COMFY_FILE)
         return folder / LORA_FILE
     folder = run_dir / "model"
     folder.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,12 @@ from runtime.trainer.pipelines.folder import (
     PipelineInfo,
     inspect_pipeline,
 )
+from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
 
-ADAPTERS: dict[str, PipelineFamily] = {"flux": FluxPipelineFamily()}
+ADAPTERS: dict[str, PipelineFamily] = {
+    "flux": FluxPipelineFamily(),
+    "qwenimage": QwenImagePipelineFamily(),
+}
 """Families that train from a pipeline folder; the others are inspected but refused."""
 
 __all__ = [

@@ -32,9 +32,12 @@ TextPass = Callable[[Any, list[str], torch.device, int], dict[str, torch.Tensor]
 """``(pipeline, texts, device, max_tokens) -> {hidden|mask|pooled: tensor}`` for one encoder."""
 
 
-def load_component(root: Path, name: str, dtype: torch.dtype | None = None) -> Any:
+def load_component(
+    root: Path, name: str, dtype: torch.dtype | None = None, folder: Path | None = None
+) -> Any:
     """Component ``name`` of the pipeline folder ``root``, loaded with the class its
-    ``model_index.json`` names (weights in ``dtype`` where it applies).
+    ``model_index.json`` names (weights in ``dtype`` where it applies), from ``folder``
+    (default ``root / name``; ``model.vae_path`` names another).
 
     Raises:
         PipelineFolderError: the component does not load (names its folder and class).
@@ -49,11 +52,12 @@ def load_component(root: Path, name: str, dtype: torch.dtype | None = None) -> A
             f"installation does not have ({exc})"
         ) from None
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    folder = folder or root / name
     try:
-        return cls.from_pretrained(root / name, **kwargs)
+        return cls.from_pretrained(folder, **kwargs)
     except Exception as exc:  # any loader failure: name the folder, keep the cause
         raise PipelineFolderError(
-            f"{root / name}: {class_name}.from_pretrained failed: {type(exc).__name__}: {exc}"
+            f"{folder}: {class_name}.from_pretrained failed: {type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -64,6 +68,12 @@ class PipelineFamily(Family):
     text_passes: tuple[tuple[str, TextPass], ...] = ()
     """``(text encoder component, pass)`` in the order they run, one encoder resident at a time."""
     tokenizers: tuple[str, ...] = ()
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    """LoRA targets when the preset names none: what the family's community trainers target
+    (diffusers' ``train_dreambooth_lora_<family>.py``)."""
+    comfy_prefix: str | None = None
+    """Key prefix of the ComfyUI-layout copy (``diffusion_model``) when the family's diffusers
+    module names are the original ones (so ComfyUI and diffusers' converter both read it)."""
 
     def __init__(self) -> None:
         self.info: PipelineInfo | None = None
@@ -120,6 +130,20 @@ class PipelineFamily(Family):
                     "tokenizer"
                 )
 
+    def load_vae(self, vae_path: Path):
+        """The VAE in fp32 on the CPU, with slicing and tiling on where it offers them."""
+        vae = load_component(self.root, "vae", torch.float32, folder=vae_path).eval()
+        for switch in ("enable_slicing", "enable_tiling"):
+            if hasattr(vae, switch):
+                getattr(vae, switch)()
+        return vae
+
+    def encode_pixels(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """(n, 3, H, W) in [-1, 1] -> normalised latents (n, C, h, w): the mean of the latent
+        distribution, ``(z - shift_factor) * scaling_factor`` (what the pipeline inverts)."""
+        shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        return (vae.encode(pixels).latent_dist.mean - shift) * vae.config.scaling_factor
+
     # -- training ---------------------------------------------------------------------------
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
         """Tokens the transformer sees for latents of ``latent_shape`` (B, C, [F,] h, w)."""
@@ -154,6 +178,23 @@ class PipelineFamily(Family):
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
         """Images (PIL) from the pipeline's ``__call__`` with cached embeddings ``text``."""
         raise NotImplementedError
+
+    def comfy_state_dict(
+        self, state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor] | None:
+        """The LoRA in ComfyUI's key layout (``diffusion_model.<module>.lora_A.weight``, with
+        ``.alpha``), or None when the family's module names are not ComfyUI's."""
+        if self.comfy_prefix is None:
+            return None
+        out = {}
+        prefix = f"{self.lora_prefix}."
+        for key, value in state.items():
+            name = key.removeprefix(prefix)
+            out[f"{self.comfy_prefix}.{name}"] = value
+            if name.endswith(".lora_A.weight"):
+                module = name[: -len(".lora_A.weight")]
+                out[f"{self.comfy_prefix}.{module}.alpha"] = torch.tensor(float(alpha))
+        return out
 
     def lora_metadata(self) -> dict[str, str]:
         """Extra safetensors metadata of the saved LoRA (the base model and family)."""

@@ -70,7 +70,7 @@ def encode_texts(
         for key, value in parts.items():
             out.setdefault(key, []).append(value)
         progress(len(texts), len(texts), f"{name} released ({i + 1}/{len(family.text_passes)})")
-    result = {k: torch.cat(v) for k, v in out.items()}
+    result = {k: cat_padded(v) for k, v in out.items()}
     n = len(texts)
     result.setdefault("mask", torch.ones(n, result["hidden"].shape[1], dtype=torch.int64))
     result.setdefault("pooled", torch.zeros(n, 0))
@@ -122,4 +122,18 @@ def _one_encoder(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {k: torch.cat(v) for k, v in chunks.items()}
+    return {k: cat_padded(v) for k, v in chunks.items()}
+
+
+def cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0, zero-padding dim 1 (tokens) to the longest: encoders whose
+    pipelines trim to the batch's longest prompt (Qwen-Image) give per-batch lengths; the
+    padding is masked out (``mask`` 0)."""
+    if parts[0].dim() < 2:
+        return torch.cat(parts)
+    longest = max(p.shape[1] for p in parts)
+    padded = []
+    for p in parts:
+        pad = [0, 0] * (p.dim() - 2) + [0, longest - p.shape[1]]
+        padded.append(torch.nn.functional.pad(p, pad))
+    return torch.cat(padded)

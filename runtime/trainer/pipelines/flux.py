@@ -37,6 +37,24 @@ class FluxPipelineFamily(PipelineFamily):
     text_passes = (("text_encoder", _clip_pass), ("text_encoder_2", _t5_pass))
     guidance = 1.0
     """Guidance fed to a guidance-distilled transformer while training (Flux-dev LoRA practice)."""
+    lora_targets = (
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
+    """diffusers' ``train_dreambooth_lora_flux.py`` targets. No ComfyUI-layout copy: ComfyUI's
+    Flux names fuse q/k/v (``double_blocks.N.img_attn.qkv``), and diffusers reads that layout
+    only for the full-size model (its converter has 19/38 blocks and 3072 wide built in);
+    ComfyUI reads this diffusers-layout file (``transformer.`` keys) as it is."""
 
     def _cls(self):
         from diffusers import FluxPipeline

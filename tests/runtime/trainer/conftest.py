@@ -80,6 +80,14 @@ def flux_pipeline_dir(asset_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwenimage_pipeline_dir(asset_cache) -> Path:
+    """The tiny QwenImagePipeline folder (Qwen2.5-VL 3 layers, 3 transformer blocks)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("qwenimage", asset_cache)
+
+
+@pytest.fixture(scope="session")
 def wide_images(tmp_path_factory) -> Path:
     """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
     in the 64x128 bucket (non-square latents)."""

@@ -82,7 +82,9 @@ def test_flux_lora_loads_into_the_pipeline_with_metadata(flux_run, flux_pipeline
     assert meta["stagehand.family"] == "flux"
     assert meta["stagehand.base_model"] == str(flux_pipeline_dir)
     assert meta["stagehand.steps"] == "4" and meta["stagehand.rank"] == "4"
-    assert json.loads(meta["stagehand.targets"]) == ["to_k", "to_out.0", "to_q", "to_v"]
+    # diffusers' train_dreambooth_lora_flux.py targets (the preset names none).
+    targets = json.loads(meta["stagehand.targets"])
+    assert len(targets) == 12 and "ff_context.net.2" in targets and "attn.to_add_out" in targets
     assert json.loads(meta["lora_adapter_metadata"])["transformer.r"] == 4
 
     pipe = FluxPipeline.from_pretrained(flux_pipeline_dir, dtype=torch.float32)
