@@ -70,3 +70,35 @@ def test_flux_dev_24gb_is_derived_from_flux_dev_blocks():
         assert figure in preset.description
     assert re.search(r"not run here", preset.description)
     assert preset.data.max_caption_tokens == 512 and preset.samples.guidance == 3.5
+
+
+def test_qwen_image_24gb_is_derived_from_qwen_image_blocks():
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        transformer = QwenImageTransformer2DModel()  # the defaults are Qwen-Image's config
+        encoder = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config={
+                    "vocab_size": 152064,
+                    "hidden_size": 3584,
+                    "intermediate_size": 18944,
+                    "num_hidden_layers": 28,
+                    "num_attention_heads": 28,
+                    "num_key_value_heads": 4,
+                },
+                vocab_size=152064,
+            )
+        )
+    largest = block_mb(transformer)["transformer_blocks"]
+    assert largest == pytest.approx(648.2, abs=0.05)
+    text_block = block_mb(encoder)["model.language_model.layers"]
+    assert text_block == pytest.approx(444.5, abs=0.05)
+    preset = validate_preset(load_preset("qwen-image-24gb")[1])
+    sh = preset.memory.stagehand
+    assert largest <= sh.pinned_slab_mb < largest + 16 and text_block <= sh.pinned_slab_mb
+    assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
+    assert (1 + sh.prefetch_window_blocks) * largest + 77 < sh.vram_low_watermark_mb
+    for figure in ("648.2 MB", "444.5 MB", "5248 MB", "60 blocks", "not run here"):
+        assert figure in preset.description
