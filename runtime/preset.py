@@ -97,6 +97,9 @@ class ModelSection(_Strict):
     transformer_path: str | None = None
     """A single-file transformer checkpoint (``.safetensors``, loaded with diffusers'
     ``from_single_file``) replacing ``path/transformer``; the rest comes from ``path``."""
+    expert: Literal["high_noise", "low_noise"] | None = None
+    """Wan 2.2's two experts: which one a run trains (``transformer`` / ``transformer_2``),
+    its timesteps drawn from that expert's range of the pipeline's ``boundary_ratio``."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

@@ -272,7 +272,77 @@ def qwenimage_pipeline(seed: int = SEED):
     )
 
 
-BUILDERS = {"flux": flux_pipeline, "qwenimage": qwenimage_pipeline}
+def wan_pipeline(seed: int = SEED, experts: int = 1):
+    """A ``WanPipeline`` (Wan 2.1 layout; ``experts=2``: Wan 2.2's high/low-noise pair with
+    ``boundary_ratio`` 0.875): UMT5 3 layers d_model 20, transformer 3 blocks, 3D VAE z_dim 4
+    (8x spatial, 4x temporal), UniPC with flow sigmas and ``flow_shift`` 3 as Wan ships."""
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = t5_tokenizer()
+    torch.manual_seed(seed)
+    encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tok),
+            d_model=20,
+            d_kv=10,
+            d_ff=36,
+            num_layers=3,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+        )
+    )
+
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=20,  # UMT5 d_model
+            freq_dim=16,
+            ffn_dim=24,
+            num_layers=3,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.1],
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    return WanPipeline(
+        tokenizer=tok,
+        text_encoder=encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer(),
+        transformer_2=transformer() if experts == 2 else None,
+        boundary_ratio=0.875 if experts == 2 else None,
+    )
+
+
+BUILDERS = {
+    "flux": flux_pipeline,
+    "qwenimage": qwenimage_pipeline,
+    "wan": wan_pipeline,
+    "wan22": lambda: wan_pipeline(experts=2),
+}
 
 
 def save_pipeline(pipe, folder: Path) -> None:

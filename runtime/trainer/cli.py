@@ -29,6 +29,7 @@ from runtime.common.telemetry import JsonlSink, Telemetry  # noqa: E402
 from runtime.config import MB  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
 from runtime.trainer import encode, loop, pipelines  # noqa: E402
+from runtime.trainer.clips import scan_clips  # noqa: E402
 from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
 from runtime.trainer.data import group_by_shape, scan_folder  # noqa: E402
 from runtime.trainer.families import family  # noqa: E402
@@ -134,13 +135,22 @@ class Run:
         from runtime.assets import cache_root
 
         data = preset.data
-        samples = scan_folder(
-            data_dir,
-            captions=data.captions,
-            default_caption=data.default_caption,
-            limit=data.limit,
-            frames=data.frames,
-        )
+        if isinstance(self.family, PipelineFamily) and self.family.video:
+            self.family.check_frames(data.frames)
+            samples = scan_clips(
+                data_dir,
+                captions=data.captions,
+                default_caption=data.default_caption,
+                limit=data.limit,
+            )
+        else:
+            samples = scan_folder(
+                data_dir,
+                captions=data.captions,
+                default_caption=data.default_caption,
+                limit=data.limit,
+                frames=data.frames,
+            )
         texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))
         total = len(texts) + len(samples)
         cache_dir = cache_root() / "trainer-cache"
@@ -176,6 +186,7 @@ class Run:
             progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
             should_stop=should_stop,
             family=self.family if isinstance(self.family, PipelineFamily) else None,
+            frames=data.frames,
         )
         if result is None:
             return None
@@ -393,7 +404,9 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
     check_dtype(preset.model.dtype, device)
     check_dtype(preset.train_dtype, device)
     cache = cache_root() / "trainer-cache"
-    return pipelines.adapter_for(info, cache, loop.DTYPES[preset.model.dtype])
+    return pipelines.adapter_for(
+        info, cache, loop.DTYPES[preset.model.dtype], expert=preset.model.expert
+    )
 
 
 def family_targets(preset: Preset, fam) -> Preset:

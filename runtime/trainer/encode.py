@@ -137,11 +137,14 @@ def encode_latents(
     progress: Callable[[int, int, str], None],
     should_stop: Callable[[], bool],
     family=None,
+    frames: int | None = None,
 ) -> tuple[list[torch.Tensor], float] | None:
     """Latents per sample ((C, h, w) or (C, F, h, w), scaled) and the VAE's scaling factor.
 
     A pipeline ``family`` loads its own VAE (``family.load_vae``) and normalises as its
-    pipeline does (``family.encode_pixels``: (n, 3, H, W) -> (n, C, h, w)).
+    pipeline does (``family.encode_pixels``: (n, 3, H, W) -> (n, C, h, w)); a video family's
+    3D VAE encodes each clip whole (``clips.load_clip``: ``frames`` frames, or an image as one):
+    (1, 3, F, H, W) -> (C, F', h, w).
 
     Returns None when ``should_stop()`` turned true mid-way.
     """
@@ -152,7 +155,7 @@ def encode_latents(
         vae=_folder_id(vae_path),
         res=resolution,
         bucket=bucketing,
-        **({"family": family.name} if family is not None else {}),
+        **({"family": family.name, "frames": frames} if family is not None else {}),
     )
     path = cache_dir / f"latents-{key}.safetensors"
     from diffusers import AutoencoderKL
@@ -173,6 +176,13 @@ def encode_latents(
     scale = float(getattr(vae.config, "scaling_factor", None) or 1.0)
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
     latents: list[torch.Tensor] = []
+    if family is not None and family.video:
+        try:
+            return _encode_clips(samples, vae, family, frames, resolution, bucketing, device,
+                                 path, progress, should_stop)  # fmt: skip
+        finally:
+            del vae
+            gc.collect()
     try:
         with torch.inference_mode():
             pending: list[torch.Tensor] = []
@@ -204,6 +214,25 @@ def encode_latents(
     tensors = {f"latent.{i}": z for i, z in enumerate(latents)}
     _atomic_save(tensors, path, {"scaling_factor": repr(scale)})
     return latents, scale
+
+
+def _encode_clips(
+    samples, vae, family, frames, resolution, bucketing, device, path, progress, should_stop
+) -> tuple[list[torch.Tensor], float] | None:
+    """One clip at a time through a video family's 3D VAE; cached like the images."""
+    from runtime.trainer.clips import load_clip
+
+    latents = []
+    with torch.inference_mode():
+        for i, sample in enumerate(samples):
+            if should_stop():
+                return None
+            pixels = load_clip(sample, frames, resolution, bucketing)  # (F, 3, H, W)
+            batch = pixels.permute(1, 0, 2, 3)[None].to(device)  # (1, 3, F, H, W)
+            latents.append(family.encode_pixels(vae, batch)[0].float().cpu())  # (C, F', h, w)
+            progress(i + 1, len(samples), "encoding clips")
+    _atomic_save({f"latent.{i}": z for i, z in enumerate(latents)}, path, {"scaling_factor": "1.0"})
+    return latents, 1.0
 
 
 def load_shape(nxt: Sample, pixels: torch.Tensor, resolution: int, bucketing: bool) -> bool:

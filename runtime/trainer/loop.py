@@ -268,7 +268,7 @@ def validation_loss(
             x0 = data.latents[i][None].to(device, dtype)  # (1, C, [F,] h, w)
             noise = torch.randn(x0.shape, generator=g).to(device, dtype)
             text = data.text_rows([data.caption_rows[i]], device, dtype)
-            for s in VALIDATION_SIGMAS:
+            for s in family.validation_sigmas(VALIDATION_SIGMAS):
                 sigma = torch.full((1,), s, device=device, dtype=dtype)
                 x_t, target = flow_pair(x0, noise, sigma)
                 pred = family.predict(model, x_t, sigma, text)

@@ -14,10 +14,12 @@ from runtime.trainer.pipelines.folder import (
     inspect_pipeline,
 )
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
+from runtime.trainer.pipelines.wan import WanPipelineFamily
 
 ADAPTERS: dict[str, PipelineFamily] = {
     "flux": FluxPipelineFamily(),
     "qwenimage": QwenImagePipelineFamily(),
+    "wan": WanPipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 
@@ -58,12 +60,16 @@ def inspect_preset(preset) -> PipelineInfo:
     )
 
 
-def adapter_for(info: PipelineInfo, cache_dir: Path, dtype) -> PipelineFamily:
+def adapter_for(
+    info: PipelineInfo, cache_dir: Path, dtype, expert: str | None = None
+) -> PipelineFamily:
     """The family adapter bound to the folder (a single-file transformer is converted once
-    into ``cache_dir`` in the folder layout the weight runtime streams from).
+    into ``cache_dir`` in the folder layout the weight runtime streams from). ``expert``
+    (``model.expert``) picks one of Wan 2.2's two transformers.
 
     Raises:
-        PipelineFolderError: no adapter for the family yet, or the components do not fit.
+        PipelineFolderError: no adapter for the family yet, the components do not fit, or
+            ``expert`` does not fit the folder.
     """
     if info.family not in ADAPTERS:
         raise PipelineFolderError(
@@ -71,12 +77,13 @@ def adapter_for(info: PipelineInfo, cache_dir: Path, dtype) -> PipelineFamily:
             f"be inspected but not trained yet; trainable families: {sorted(ADAPTERS)}"
         )
     root = Path(info.path)
-    transformer_dir = root / "transformer"
+    component = ADAPTERS[info.family].expert_component(info, expert)
+    transformer_dir = root / component
     if info.transformer_path is not None:
         from runtime.trainer.pipelines.single_file import convert_single_file
 
         transformer_dir = convert_single_file(info, cache_dir, dtype)
-    bound = ADAPTERS[info.family].bind(info, transformer_dir)
+    bound = ADAPTERS[info.family].bind(info, transformer_dir, expert)
     bound.check_components()
     bound.check_tokenizers()
     return bound

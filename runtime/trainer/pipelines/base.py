@@ -75,17 +75,37 @@ class PipelineFamily(Family):
     """Key prefix of the ComfyUI-layout copy (``diffusion_model``) when the family's diffusers
     module names are the original ones (so ComfyUI and diffusers' converter both read it)."""
 
+    comfy_renames: tuple[tuple[str, str], ...] = ()
+    """``(diffusers name part, original name part)`` for the ComfyUI copy's module names."""
+
     def __init__(self) -> None:
         self.info: PipelineInfo | None = None
         self.root: Path | None = None
         self.transformer_dir: Path | None = None
+        self.expert: str | None = None
         self._scheduler = None
 
-    def bind(self, info: PipelineInfo, transformer_dir: Path) -> PipelineFamily:
+    def bind(
+        self, info: PipelineInfo, transformer_dir: Path, expert: str | None = None
+    ) -> PipelineFamily:
         """A copy of this adapter for the folder ``info`` describes."""
         bound = type(self)()
         bound.info, bound.root, bound.transformer_dir = info, Path(info.path), transformer_dir
+        bound.expert = expert
         return bound
+
+    def expert_component(self, info: PipelineInfo, expert: str | None) -> str:
+        """The transformer component a run trains; ``model.expert`` only where there are two.
+
+        Raises:
+            PipelineFolderError: ``expert`` given for a pipeline with one transformer.
+        """
+        if expert is not None:
+            raise PipelineFolderError(
+                f"model.expert is {expert!r} but {info.pipeline_class} in {info.path} has one "
+                "transformer; leave model.expert out"
+            )
+        return "transformer"
 
     # -- loading ----------------------------------------------------------------------------
     def pipeline(self, **components: Any):
@@ -154,13 +174,26 @@ class PipelineFamily(Family):
         raise NotImplementedError
 
     def shift_sigmas(self, u: torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
-        """(B,) sigmas ``u`` in (0, 1) shifted as the scheduler shifts (module doc)."""
+        """(B,) sigmas ``u`` in (0, 1) shifted as the scheduler shifts (module doc; UniPC
+        calls the static shift ``flow_shift``)."""
         sched = self.scheduler()
         if sched.config.get("use_dynamic_shifting", False):
             mu = self.mu(self.image_seq_len(latent_shape))
             return sched.time_shift(mu, 1.0, u)
-        shift = float(sched.config.get("shift", 1.0))
+        shift = float(sched.config.get("flow_shift") or sched.config.get("shift") or 1.0)
         return shift * u / (1 + (shift - 1) * u)
+
+    def sigma_range(self) -> tuple[float, float]:
+        """The sigmas this run trains on (an expert's share of [0, 1])."""
+        return 0.0, 1.0
+
+    def validation_sigmas(self, fixed: tuple[float, ...]) -> tuple[float, ...]:
+        """The fixed validation sigmas mapped into ``sigma_range``."""
+        lo, hi = self.sigma_range()
+        return tuple(lo + (hi - lo) * s for s in fixed)
+
+    def check_frames(self, frames: int | None) -> None:
+        """Raise ``ValueError`` when ``data.frames`` does not fit the family's VAE."""
 
     def training_pair(self, x0, noise, generator, preset):
         u = sample_sigmas(
@@ -170,7 +203,9 @@ class PipelineFamily(Family):
             preset.logit_mean,
             preset.logit_std,
         )
-        sigma = self.shift_sigmas(u, tuple(x0.shape)).to(x0.device)
+        lo, hi = self.sigma_range()
+        sigma = lo + (hi - lo) * self.shift_sigmas(u, tuple(x0.shape))  # (B,)
+        sigma = sigma.to(x0.device)
         x_t, target = flow_pair(x0, noise, sigma)
         return x_t, sigma.to(x0.dtype), target
 
@@ -190,6 +225,8 @@ class PipelineFamily(Family):
         prefix = f"{self.lora_prefix}."
         for key, value in state.items():
             name = key.removeprefix(prefix)
+            for ours, theirs in self.comfy_renames:
+                name = name.replace(ours, theirs)
             out[f"{self.comfy_prefix}.{name}"] = value
             if name.endswith(".lora_A.weight"):
                 module = name[: -len(".lora_A.weight")]
@@ -198,8 +235,11 @@ class PipelineFamily(Family):
 
     def lora_metadata(self) -> dict[str, str]:
         """Extra safetensors metadata of the saved LoRA (the base model and family)."""
-        return {
+        out = {
             "stagehand.base_model": str(self.root),
             "stagehand.family": self.name,
             "stagehand.pipeline_class": self.pipeline_class,
         }
+        if self.expert is not None:
+            out["stagehand.expert"] = self.expert
+        return out
