@@ -102,3 +102,45 @@ def test_qwen_image_24gb_is_derived_from_qwen_image_blocks():
     assert (1 + sh.prefetch_window_blocks) * largest + 77 < sh.vram_low_watermark_mb
     for figure in ("648.2 MB", "444.5 MB", "5248 MB", "60 blocks", "not run here"):
         assert figure in preset.description
+
+
+def test_wan21_14b_24gb_is_derived_from_wan_blocks():
+    from diffusers import WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=40,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=13824,
+            num_layers=40,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+        )
+        umt5 = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=256384,
+                d_model=4096,
+                d_ff=10240,
+                num_layers=24,
+                num_heads=64,
+                d_kv=64,
+                feed_forward_proj="gated-gelu",
+            )
+        )
+    largest = block_mb(transformer)["blocks"]
+    assert largest == pytest.approx(670.2, abs=0.05)
+    assert block_mb(umt5)["encoder.block"] == pytest.approx(368.0, abs=0.05)
+    preset = validate_preset(load_preset("wan21-14b-24gb")[1])
+    sh = preset.memory.stagehand
+    assert largest <= sh.pinned_slab_mb < largest + 16
+    assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
+    assert (1 + sh.prefetch_window_blocks) * largest + 444 < sh.vram_low_watermark_mb
+    assert preset.data.frames % 4 == 1  # the Wan VAE's 4k + 1
+    for figure in ("670.2 MB", "368.0 MB", "5376 MB", "40 blocks", "not run here"):
+        assert figure in preset.description
