@@ -337,11 +337,83 @@ def wan_pipeline(seed: int = SEED, experts: int = 1):
     )
 
 
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+"""Qwen3's chat template, reduced to what ``ZImagePipeline._encode_prompt`` uses (a user turn,
+the generation prompt, ``enable_thinking``)."""
+
+
+def zimage_pipeline(seed: int = SEED):
+    """A ``ZImagePipeline``: Qwen3 text model of 3 layers (hidden 24; the pipeline reads the
+    second-to-last hidden state), transformer of 3 layers with 1 noise and 1 context refiner,
+    the Flux-style ``AutoencoderKL`` with 4 latent channels and a 4x downscale."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3Model
+
+    tok = qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=24,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=12,
+            max_position_embeddings=1024,
+        )
+    )
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=24,
+        n_layers=3,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=24,  # the text model's hidden size
+        axes_dims=[4, 4, 4],
+        axes_lens=[256, 64, 64],
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
+    return ZImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok, transformer=transformer
+    )
+
+
 BUILDERS = {
     "flux": flux_pipeline,
     "qwenimage": qwenimage_pipeline,
     "wan": wan_pipeline,
     "wan22": lambda: wan_pipeline(experts=2),
+    "zimage": zimage_pipeline,
 }
 
 

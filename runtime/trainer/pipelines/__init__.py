@@ -15,11 +15,13 @@ from runtime.trainer.pipelines.folder import (
 )
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
 from runtime.trainer.pipelines.wan import WanPipelineFamily
+from runtime.trainer.pipelines.zimage import ZImagePipelineFamily
 
 ADAPTERS: dict[str, PipelineFamily] = {
     "flux": FluxPipelineFamily(),
     "qwenimage": QwenImagePipelineFamily(),
     "wan": WanPipelineFamily(),
+    "zimage": ZImagePipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 

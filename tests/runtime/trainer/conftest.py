@@ -104,6 +104,14 @@ def wan22_pipeline_dir(asset_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def zimage_pipeline_dir(asset_cache) -> Path:
+    """The tiny ZImagePipeline folder (Qwen3 3 layers, 3 layers + 1 + 1 refiners)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("zimage", asset_cache)
+
+
+@pytest.fixture(scope="session")
 def wide_images(tmp_path_factory) -> Path:
     """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
     in the 64x128 bucket (non-square latents)."""
