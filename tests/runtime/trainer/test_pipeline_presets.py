@@ -144,3 +144,32 @@ def test_wan21_14b_24gb_is_derived_from_wan_blocks():
     assert preset.data.frames % 4 == 1  # the Wan VAE's 4k + 1
     for figure in ("670.2 MB", "368.0 MB", "5376 MB", "40 blocks", "not run here"):
         assert figure in preset.description
+
+
+def test_zimage_24gb_is_derived_from_zimage_blocks():
+    from diffusers import ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    with torch.device("meta"):
+        transformer = ZImageTransformer2DModel()  # the defaults are Z-Image's config
+        qwen3 = Qwen3Model(
+            Qwen3Config(
+                vocab_size=151936,
+                hidden_size=2560,
+                intermediate_size=9728,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+            )
+        )
+    largest = block_mb(transformer)["layers"]
+    assert largest == pytest.approx(345.1, abs=0.05)
+    assert block_mb(qwen3)["layers"] == pytest.approx(192.5, abs=0.05)
+    preset = validate_preset(load_preset("zimage-24gb")[1])
+    sh = preset.memory.stagehand
+    assert largest <= sh.pinned_slab_mb < largest + 16
+    assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
+    assert (1 + sh.prefetch_window_blocks) * largest + 1388 < sh.vram_low_watermark_mb
+    for figure in ("345.1 MB", "192.5 MB", "2816 MB", "30 layers", "not run here"):
+        assert figure in preset.description
