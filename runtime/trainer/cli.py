@@ -117,6 +117,8 @@ class Run:
             strategy=preset.memory.strategy,
             resume=self.resume,
         )
+        if isinstance(self.family, PipelineFamily):
+            self.report_pipeline(self.family.info)
         t0 = time.perf_counter()
         cached = self.stage1(preset, vae_dir, encoder_dir, data_dir)
         cache_s = time.perf_counter() - t0
@@ -130,6 +132,17 @@ class Run:
         if preset.samples.prompts:
             self.samples(preset, vae_dir, cached)
         return self.finish("succeeded", timings)
+
+    def report_pipeline(self, info) -> None:
+        """What the pipeline folder holds, as one ``trainer/pipeline`` record and a line."""
+        found = info.as_dict()
+        self.telemetry.emit("trainer", "pipeline", **found)
+        self.progress.line(
+            f"{info.family} ({info.pipeline_class}): "
+            + ", ".join(f"{c.name} {c.class_name}" for c in info.components)
+            + f"; {len(info.blocks)} blocks streamed, largest "
+            f"{found['largest_block_bytes'] / MB:.2f} MB, total {found['blocks_total_bytes'] / MB:.2f} MB"
+        )
 
     def stage1(self, preset: Preset, vae_dir, encoder_dir, data_dir) -> loop.Batchable | None:
         from runtime.assets import cache_root

@@ -30,6 +30,10 @@ def test_flux_pipeline_trains_with_every_runtime_on(flux_run, pipe_io):
     run_dir, _ = flux_run
     recs = records(run_dir)
     assert recs[-1]["kind"] == "run_finished" and recs[-1]["status"] == "succeeded"
+    # The inspection, before stage 1: the 8 blocks the weight runtime streams.
+    (found,) = of(recs, "trainer", "pipeline")
+    assert found["family"] == "flux" and len(found["blocks"]) == 8
+    assert found["largest_block_bytes"] == max(b["nbytes"] for b in found["blocks"]) > 0
     steps = of(recs, "trainer", "step")
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(math.isfinite(s["loss"]) and s["loss"] > 0 for s in steps)
