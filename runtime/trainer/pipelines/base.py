@@ -108,12 +108,16 @@ class PipelineFamily(Family):
         return "transformer"
 
     # -- loading ----------------------------------------------------------------------------
+    def pipeline_cls(self) -> type:
+        """The diffusers pipeline class (its static ``_pack_latents``... are used as they are)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
     def pipeline(self, **components: Any):
         """The pipeline class built from ``components``; every other component is None
         (tokenizers and the scheduler are loaded from the folder when not given)."""
-        import diffusers
-
-        cls = getattr(diffusers, self.pipeline_class)
+        cls = self.pipeline_cls()
         expected, _ = cls._get_signature_keys(cls)
         parts = dict.fromkeys(expected)
         for name in (*self.tokenizers, "scheduler"):

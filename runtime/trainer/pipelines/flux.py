@@ -56,11 +56,6 @@ class FluxPipelineFamily(PipelineFamily):
     only for the full-size model (its converter has 19/38 blocks and 3072 wide built in);
     ComfyUI reads this diffusers-layout file (``transformer.`` keys) as it is."""
 
-    def _cls(self):
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
-
     def check_components(self) -> None:
         """The transformer's text and latent inputs must be what the encoders and VAE give."""
         root = self.root
@@ -113,7 +108,7 @@ class FluxPipelineFamily(PipelineFamily):
         return model.config.joint_attention_dim
 
     def predict(self, model, x_t, sigma, text):
-        pipe = self._cls()
+        pipe = self.pipeline_cls()
         b, c, h, w = x_t.shape
         kwargs = {}
         if model.config.guidance_embeds:

@@ -40,11 +40,6 @@ class QwenImagePipelineFamily(PipelineFamily):
     """diffusers' ``train_dreambooth_lora_qwen_image.py`` targets."""
     guidance = 1.0
 
-    def _cls(self):
-        from diffusers import QwenImagePipeline
-
-        return QwenImagePipeline
-
     def check_components(self) -> None:
         tcfg = read_json(self.transformer_dir / "config.json", "the transformer's config")
         enc = read_json(self.root / "text_encoder" / "config.json", "the text encoder's config")
@@ -104,7 +99,7 @@ class QwenImagePipelineFamily(PipelineFamily):
         return model.config.joint_attention_dim
 
     def predict(self, model, x_t, sigma, text):
-        pipe = self._cls()
+        pipe = self.pipeline_cls()
         b, c, h, w = x_t.shape
         kwargs = {}
         if model.config.guidance_embeds:

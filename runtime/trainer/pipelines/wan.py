@@ -55,11 +55,6 @@ class WanPipelineFamily(PipelineFamily):
     )
     """diffusers -> Wan's original module names (ComfyUI's; diffusers' converter maps back)."""
 
-    def _cls(self):
-        from diffusers import WanPipeline
-
-        return WanPipeline
-
     def boundary(self) -> float | None:
         return read_json(self.root / "model_index.json", "model_index.json").get("boundary_ratio")
 

@@ -231,3 +231,41 @@ def test_bad_input_through_workbench_train_is_the_error_record(
     assert last["error_type"] == "PipelineFolderError"
     assert f"{flux_copy / 'model_index.json'}: not found" in last["message"]
     assert not (tmp_path / "cache").exists()  # nothing half-written
+
+
+def test_single_file_transformer_trains_streamed_from_its_converted_copy(
+    flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """``model.transformer_path``: the file's weights are the ones trained (a changed weight
+    changes the first loss), streamed from the copy converted into the cache."""
+    from diffusers import FluxTransformer2DModel
+
+    from runtime.assets import ENV_VAR
+    from runtime.trainer.cli import main
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    model = FluxTransformer2DModel.from_pretrained(flux_pipeline_dir / "transformer")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    single = tmp_path / "flux1-tiny.safetensors"
+    save_file(state, str(single))
+    state["proj_out.weight"] = state["proj_out.weight"] * 2
+    changed = tmp_path / "flux1-tiny-changed.safetensors"
+    save_file(state, str(changed))
+    first = {}
+    for name, path in (("folder", None), ("single", single), ("changed", changed)):
+        model_section = {"path": str(flux_pipeline_dir), "dtype": "float32"}
+        if path is not None:
+            model_section["transformer_path"] = str(path)
+        preset = pipe_io.preset(
+            tmp_path, flux_pipeline_dir, wide_images, name=name, model=model_section,
+            max_steps=1, validation_every=None, samples={"prompts": []},
+        )  # fmt: skip
+        assert main([str(preset), "--run-dir", str(tmp_path / name)]) == 0
+        recs = pipe_io.records(tmp_path / name)
+        first[name] = pipe_io.of(recs, "trainer", "step")[0]["loss"]
+        started = pipe_io.of(recs, "trainer", "run_started")[0]
+        if path is not None:
+            assert started["model"].startswith(str(tmp_path / "cache" / "trainer-cache"))
+            train = [r for r in pipe_io.of(recs, "stagehand", "step") if r["step"] == 1]
+            assert train and all(r["file_reads"] > 0 for r in train)
+    assert first["single"] == first["folder"] and first["changed"] != first["folder"]
