@@ -111,3 +111,33 @@ def test_flux_lora_loads_into_the_pipeline_with_metadata(flux_run, flux_pipeline
     tuned = generate()
     assert tuned.shape == (1, 3, 64, 128)
     assert (tuned - base).abs().max() > 1e-4
+
+
+def test_every_text_encoder_is_released_before_the_transformer_loads(
+    flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """The seed's bug 3: stage 2 must not start with an encoder (or its strategy) alive."""
+    import gc
+
+    from transformers import PreTrainedModel
+
+    from runtime.strategy.base import MemoryStrategy
+    from runtime.trainer import loop
+
+    alive = {}
+    real = loop.load_transformer
+
+    def load_transformer_after_checking(*args, **kwargs):
+        gc.collect()
+        objects = gc.get_objects()
+        alive["encoders"] = [type(o).__name__ for o in objects if isinstance(o, PreTrainedModel)]
+        alive["strategies"] = [o for o in objects if isinstance(o, MemoryStrategy)]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "load_transformer", load_transformer_after_checking)
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    preset = pipe_io.preset(
+        tmp_path, flux_pipeline_dir, wide_images, max_steps=1, samples={"prompts": []}
+    )
+    assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 0
+    assert alive == {"encoders": [], "strategies": []}
