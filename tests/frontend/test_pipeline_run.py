@@ -62,6 +62,7 @@ def test_start_a_run_from_a_pipeline_folder(backend_server, flux_folder, page):
     page.click("#use-pipeline")
     config = json.loads(page.input_value("#config-json"))
     assert config["model"]["path"] == str(flux_folder) and config["model"]["factory"] is None
+    assert config["model"]["expert"] is None and page.is_hidden("#pipeline-expert")
     assert page.input_value("#field-model") == str(flux_folder)
     page.screenshot(path=str(SHOTS / "new-run-pipeline-used.png"), full_page=True)
     page.fill("#field-max_steps", "3")

@@ -42,14 +42,20 @@ function found(info) {
 }
 
 /**
- * @param {{onUse: (path: string) => void, initial?: string}} opts
+ * @param {{onUse: (path: string, expert: string|null) => void, initial?: string}} opts
  * @returns {HTMLElement}
  */
 export function pipelinePanel({ onUse, initial }) {
+  // Wan 2.2's two experts: a run trains one (model.expert).
+  const expertSel = h("select", { id: "pipeline-expert", hidden: true });
   const input = h("input", { id: "pipeline-path", type: "text", placeholder: "/path/to/FLUX.1-dev (model_index.json inside)", value: initial || "" });
   const errors = h("div", { class: "page-errors", id: "pipeline-errors" });
   const result = h("div", { id: "pipeline-result" });
-  const useBtn = h("button", { id: "use-pipeline", disabled: true, onclick: () => onUse(input.value.trim()) }, "Use this folder");
+  const useBtn = h("button", {
+    id: "use-pipeline",
+    disabled: true,
+    onclick: () => onUse(input.value.trim(), expertSel.hidden ? null : expertSel.value),
+  }, "Use this folder");
   const inspectBtn = h("button", { id: "inspect-pipeline", onclick: inspect }, "Inspect");
 
   async function inspect() {
@@ -65,6 +71,9 @@ export function pipelinePanel({ onUse, initial }) {
     try {
       const info = await api.inspectPipeline({ path });
       fill(result, found(info));
+      const experts = info.experts || [];
+      fill(expertSel, experts.map((e) => h("option", { value: e }, `expert: ${e}`)));
+      expertSel.hidden = experts.length === 0;
       useBtn.disabled = !info.trainable;
     } catch (err) {
       showError(errors, err, "inspect");
@@ -76,6 +85,6 @@ export function pipelinePanel({ onUse, initial }) {
   input.addEventListener("keydown", (e) => { if (e.key === "Enter") inspect(); });
   return h("div", { class: "pipeline-panel" },
     h("h2", {}, "Pipeline folder"),
-    h("div", { class: "toolbar" }, input, inspectBtn, useBtn),
+    h("div", { class: "toolbar" }, input, inspectBtn, expertSel, useBtn),
     errors, result);
 }

@@ -67,6 +67,9 @@ class PipelineInfo:
     components: list[Component] = field(default_factory=list)
     blocks: list[BlockInfo] = field(default_factory=list)
     transformer_path: str | None = None
+    experts: list[str] = field(default_factory=list)
+    """``model.expert`` choices (Wan 2.2: ``high_noise``, ``low_noise``); empty for one
+    transformer."""
 
     @property
     def block_bytes(self) -> int:
@@ -304,4 +307,7 @@ def inspect_pipeline(
         transformer_path=transformer_path,
     )
     info.blocks = find_streamed_blocks(root, index, tensors, block_pattern)
+    second = index.get("transformer_2")
+    if isinstance(second, list) and second[0] is not None and index.get("boundary_ratio"):
+        info.experts = ["high_noise", "low_noise"]
     return info

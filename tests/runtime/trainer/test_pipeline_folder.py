@@ -27,6 +27,7 @@ def flux_copy(flux_pipeline_dir, tmp_path):
 def test_inspection_names_components_and_streamed_blocks(flux_pipeline_dir):
     info = inspect_pipeline(flux_pipeline_dir)
     assert info.family == "flux" and info.pipeline_class == "FluxPipeline"
+    assert info.experts == []  # one transformer: no model.expert
     classes = {c.name: c.class_name for c in info.components}
     assert classes == {
         "scheduler": "FlowMatchEulerDiscreteScheduler",

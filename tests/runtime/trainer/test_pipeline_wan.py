@@ -146,6 +146,7 @@ def test_wan22_trains_one_expert_in_its_sigma_range(
     from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
 
     info = inspect_pipeline(wan22_pipeline_dir)
+    assert info.experts == ["high_noise", "low_noise"]
     with pytest.raises(PipelineFolderError, match=r"two experts .* expected high_noise or low"):
         adapter_for(info, tmp_path, torch.float32)
     preset = validate_preset({"model": {"path": "x"}, "timestep_distribution": "uniform"})
