@@ -270,3 +270,21 @@ def test_single_file_transformer_trains_streamed_from_its_converted_copy(
             train = [r for r in pipe_io.of(recs, "stagehand", "step") if r["step"] == 1]
             assert train and all(r["file_reads"] > 0 for r in train)
     assert first["single"] == first["folder"] and first["changed"] != first["folder"]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "field", "value", "message"),
+    [
+        ("wan_pipeline_dir", "text_dim", 32, r"text_dim is 32 but text_encoder/config.json d_mod"),
+        ("zimage_pipeline_dir", "cap_feat_dim", 32, r"cap_feat_dim is 32 but text_encoder/conf"),
+        ("zimage_pipeline_dir", "in_channels", 8, r"in_channels is 8; expected vae latent_chan"),
+    ],
+)
+def test_video_and_zimage_transformers_that_do_not_fit_are_named(
+    request, fixture, field, value, message, tmp_path
+):
+    folder = shutil.copytree(request.getfixturevalue(fixture), tmp_path / "copy")
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(PipelineFolderError, match=message):
+        adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
