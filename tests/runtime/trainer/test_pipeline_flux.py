@@ -124,14 +124,19 @@ def test_every_text_encoder_is_released_before_the_transformer_loads(
     from runtime.strategy.base import MemoryStrategy
     from runtime.trainer import loop
 
+    def live() -> list:
+        gc.collect()
+        kinds = (PreTrainedModel, MemoryStrategy)
+        return [o for o in gc.get_objects() if isinstance(o, kinds)]
+
+    before = {id(o) for o in live()}  # other tests' objects the session still holds
     alive = {}
     real = loop.load_transformer
 
     def load_transformer_after_checking(*args, **kwargs):
-        gc.collect()
-        objects = gc.get_objects()
-        alive["encoders"] = [type(o).__name__ for o in objects if isinstance(o, PreTrainedModel)]
-        alive["strategies"] = [o for o in objects if isinstance(o, MemoryStrategy)]
+        new = [o for o in live() if id(o) not in before]
+        alive["encoders"] = [type(o).__name__ for o in new if isinstance(o, PreTrainedModel)]
+        alive["strategies"] = [type(o).__name__ for o in new if isinstance(o, MemoryStrategy)]
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loop, "load_transformer", load_transformer_after_checking)
