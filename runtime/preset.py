@@ -65,6 +65,13 @@ MODEL_TYPES: dict[str, str] = {
     "unet": "unet",
     "sd15": "unet",
     "sd1": "unet",
+    "flux1": "flux",
+    "qwenimage": "qwenimage",
+    "qwen_image": "qwenimage",
+    "wan": "wan",
+    "zimage": "zimage",
+    "sdxl": "sdxl",
+    "flux2": "flux2",
 }
 """``model_type`` spellings (the seeds' ``ltx2``, ``flux_dev``...) -> family."""
 
@@ -131,6 +138,12 @@ class ModelSection(_Strict):
     """Text encoder: ``"minilm"`` (or unset) is the bundled all-MiniLM-L6-v2; else a folder."""
     vae_path: FolderPath | None = None
     """VAE folder; default ``path/vae`` for a pipeline folder, the factory VAE otherwise."""
+    transformer_path: str | None = None
+    """A single-file transformer checkpoint (``.safetensors``, loaded with diffusers'
+    ``from_single_file``) replacing ``path/transformer``; the rest comes from ``path``."""
+    expert: Literal["high_noise", "low_noise"] | None = None
+    """Wan 2.2's two experts: which one a run trains (``transformer`` / ``transformer_2``),
+    its timesteps drawn from that expert's range of the pipeline's ``boundary_ratio``."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -250,6 +263,10 @@ class SamplesSection(_Strict):
     steps: Annotated[int, Field(gt=0, le=1000)] = 8
     """Euler steps of the flow sampler (DDIM steps for the unet family)."""
     seed: Seed = 0
+    every: Steps | None = None
+    """Pipeline families: also sample every ``every`` steps during training (None: at the end)."""
+    guidance: Annotated[float, Field(gt=0, le=100)] = 3.5
+    """Pipeline families: ``guidance_scale`` of the pipeline's ``__call__`` (FLUX.1-dev's 3.5)."""
 
 
 class Preset(_Strict):
@@ -290,6 +307,10 @@ class Preset(_Strict):
     log_every: Steps = 1
     """Steps between plain progress lines (no terminal)."""
     data: DataSection = Field(default_factory=DataSection)
+    validation_every: Steps | None = None
+    """Steps between validation losses on the held-out samples (fixed noise and sigmas)."""
+    validation_samples: Annotated[int, Field(gt=0, le=1000)] = 2
+    """Samples held out of training for the validation loss (the last ones, sorted by name)."""
 
     @field_validator("model_type")
     @classmethod

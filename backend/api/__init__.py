@@ -1,6 +1,16 @@
 """HTTP and websocket routes, one router per resource."""
 
-from backend.api import artifacts, compare, data, presets, runs, stream, system, telemetry
+from backend.api import (
+    artifacts,
+    compare,
+    data,
+    pipelines,
+    presets,
+    runs,
+    stream,
+    system,
+    telemetry,
+)
 
 ROUTERS = [
     system.router,
@@ -11,4 +21,5 @@ ROUTERS = [
     telemetry.router,
     compare.router,
     stream.router,
+    pipelines.router,
 ]

@@ -135,6 +135,9 @@ export const api = {
     request("GET", `/api/compare${query({ ids: ids.join(","), metrics: (metrics || []).join(",") })}`),
 
   artifacts: (id) => request("GET", `/api/runs/${enc(id)}/artifacts`),
+
+  /** What a diffusers pipeline folder holds (family, components, streamed blocks). */
+  inspectPipeline: (body) => request("POST", "/api/pipelines/inspect", body),
   artifactUrl: (id, name) => `/api/runs/${enc(id)}/artifacts/${enc(name)}`,
 };
 

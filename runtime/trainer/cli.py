@@ -29,6 +29,7 @@ from runtime.common.telemetry import JsonlSink, Telemetry  # noqa: E402
 from runtime.config import MB  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
 from runtime.trainer import encode, loop  # noqa: E402
+from runtime.trainer.clips import scan_clips  # noqa: E402
 from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
 from runtime.trainer.data import group_by_shape  # noqa: E402
 from runtime.trainer.families import family  # noqa: E402
@@ -37,10 +38,21 @@ from runtime.trainer.outputs import (  # noqa: E402
     latest_checkpoint,
     load_checkpoint,
     sample_images,
+    sample_pipeline,
     save_lora,
 )
+from runtime.trainer.pipelines import PipelineFamily  # noqa: E402
+from runtime.trainer.pipelines import encode as pipeline_encode  # noqa: E402
 from runtime.trainer.progress import Progress  # noqa: E402
 from runtime.trainer.scan import Sample, scan_folder  # noqa: E402
+from runtime.trainer.setup import (  # noqa: E402
+    check_text_dim,
+    data_folder,
+    family_targets,
+    held_out_samples,
+    pipeline_family,
+    resolve_assets,
+)
 
 
 class Run:
@@ -100,9 +112,10 @@ class Run:
                 {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
             )
         )
+        self.family = pipeline_family(preset, self.device)
         samples = self.scan(preset)  # before any model is built or loaded
-        model_dir, vae_dir, encoder_dir = resolve_models(preset)
-        self.family = family(preset.family)
+        model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family)
+        self.family = self.family or family(preset.family)
         self.telemetry.emit(
             "trainer",
             "run_started",
@@ -115,6 +128,8 @@ class Run:
             strategy=preset.memory.strategy,
             resume=self.resume,
         )
+        if isinstance(self.family, PipelineFamily):
+            self.report_pipeline(self.family.info)
         t0 = time.perf_counter()
         cached = self.stage1(preset, vae_dir, encoder_dir, samples)
         cache_s = time.perf_counter() - t0
@@ -132,10 +147,22 @@ class Run:
     def scan(self, preset: Preset) -> list[Sample]:
         """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
         before ``DataError`` ends a run that has no usable sample, or bad files under
-        ``data.on_bad_file: fail``; the error names the files."""
+        ``data.on_bad_file: fail``; the error names the files. A video family takes clips (and
+        images as one-frame clips)."""
         data = preset.data
+        folder = data_folder(preset)
+        if isinstance(self.family, PipelineFamily) and self.family.video:
+            self.family.check_frames(data.frames)
+            samples = scan_clips(
+                folder,
+                captions=data.captions,
+                default_caption=data.default_caption,
+                limit=data.limit,
+            )
+            self.progress.line(f"data: {len(samples)} clips and images from {folder}")
+            return samples
         scan = scan_folder(
-            resolve_data(preset),
+            folder,
             captions=data.captions,
             default_caption=data.default_caption,
             limit=data.limit,
@@ -154,6 +181,17 @@ class Run:
         scan.check()
         return scan.samples
 
+    def report_pipeline(self, info) -> None:
+        """What the pipeline folder holds, as one ``trainer/pipeline`` record and a line."""
+        found = info.as_dict()
+        self.telemetry.emit("trainer", "pipeline", **found)
+        self.progress.line(
+            f"{info.family} ({info.pipeline_class}): "
+            + ", ".join(f"{c.name} {c.class_name}" for c in info.components)
+            + f"; {len(info.blocks)} blocks streamed, largest "
+            f"{found['largest_block_bytes'] / MB:.2f} MB, total {found['blocks_total_bytes'] / MB:.2f} MB"
+        )
+
     def stage1(
         self, preset: Preset, vae_dir, encoder_dir, samples: list[Sample]
     ) -> loop.Batchable | None:
@@ -168,9 +206,7 @@ class Run:
         def should_stop() -> bool:
             return self.poll_control() is not None
 
-        text = encode.encode_texts(
-            texts,
-            encoder_dir,
+        text_kwargs = dict(
             memory=preset.memory,
             device=self.device,
             telemetry=self.telemetry,
@@ -179,6 +215,11 @@ class Run:
             progress=lambda d, t, m: self.stage("cache", d, total, m),
             should_stop=should_stop,
         )
+        if isinstance(self.family, PipelineFamily):
+            dtype = loop.DTYPES[preset.model.dtype]
+            text = pipeline_encode.encode_texts(self.family, texts, dtype=dtype, **text_kwargs)
+        else:
+            text = encode.encode_texts(texts, encoder_dir, **text_kwargs)
         if text is None:
             return None
         self.stage("cache", len(texts), total, "text encoder released")
@@ -192,17 +233,23 @@ class Run:
             cache_dir=cache_dir,
             progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
             should_stop=should_stop,
+            family=self.family if isinstance(self.family, PipelineFamily) else None,
+            frames=data.frames,
         )
         if result is None:
             return None
         latents, _ = result
         row = {t: i for i, t in enumerate(texts)}
         self.family.check_latents(tuple(latents[0].shape))
+        held_out = held_out_samples(preset, len(samples))
+        train = [i for i in range(len(samples)) if i not in held_out]
+        groups = group_by_shape([tuple(latents[i].shape) for i in train])
         return loop.Batchable(
             latents=latents,
             text=text,
             caption_rows=[row[s.caption] for s in samples],
-            groups=group_by_shape([tuple(z.shape) for z in latents]),
+            groups={k: [train[j] for j in v] for k, v in groups.items()},
+            held_out=held_out,
         )
 
     def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
@@ -212,6 +259,7 @@ class Run:
         self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
         model = loop.load_transformer(self.family, model_dir, dtype)
         check_text_dim(model, data.text["hidden"].shape[-1], self.family)
+        preset = family_targets(preset, self.family)
         trainable = loop.attach_adapter(model, preset)
         self.model = model
         if preset.memory.gradient_checkpointing:
@@ -238,6 +286,11 @@ class Run:
         def on_step(step: int, loss: float, step_s: float) -> None:
             self.steps_done = step
             self.progress.step(step, preset.max_steps, loss, step_s)
+            every = preset.samples.every
+            pipeline = isinstance(self.family, PipelineFamily)
+            if pipeline and every and preset.samples.prompts and step % every == 0:
+                if step < preset.max_steps:  # the last step's samples are the final ones
+                    self.pipeline_samples(preset, data, step=step)
 
         state = loop.run_steps(
             preset=preset,
@@ -263,10 +316,12 @@ class Run:
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
         # Sampled on the plain model after the strategy is closed (it restores resident weights).
         prompts = preset.samples.prompts
-        texts = list(dict.fromkeys(prompts))
-        rows = [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
         dtype = loop.DTYPES[preset.train_dtype]
         model = self.model.to(self.device).eval()
+        if isinstance(self.family, PipelineFamily):
+            self.pipeline_samples(preset, data, step=None)
+            return
+        rows = self.prompt_rows(prompts, data)
         paths = sample_images(
             self.family,
             model,
@@ -285,6 +340,36 @@ class Run:
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
 
+    @staticmethod
+    def prompt_rows(prompts: list[str], data: loop.Batchable) -> list[int]:
+        """Rows of the text cache holding ``prompts`` (cached after the captions)."""
+        texts = list(dict.fromkeys(prompts))
+        return [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
+
+    def pipeline_samples(self, preset: Preset, data: loop.Batchable, step: int | None) -> None:
+        """Samples from the pipeline's ``__call__``: during training (``step``) through the
+        training strategy as an inference step, at the end (None) through an inference one."""
+        prompts = preset.samples.prompts
+        dtype = loop.DTYPES[preset.train_dtype]
+        prefix = "sample" if step is None else f"step-{step:06d}"
+        paths = sample_pipeline(
+            self.family,
+            self.model,
+            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+            tuple(data.latents[0].shape),
+            preset=preset,
+            device=self.device,
+            dtype=dtype,
+            telemetry=self.telemetry,
+            out_dir=self.run_dir / "samples",
+            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
+            strategy=self.strategy if step is not None else None,
+            step=step,
+        )
+        for path, prompt in zip(paths, prompts, strict=True):
+            rel = str(path.relative_to(self.run_dir))
+            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+
     # -- endings --------------------------------------------------------------------------------
     def close_strategy(self) -> None:
         if self.strategy is not None:
@@ -295,7 +380,7 @@ class Run:
     def save(self) -> None:
         """Save the LoRA when at least one step ran (the user's work is never lost)."""
         if self.model is not None and self.steps_done > 0:
-            self.lora_path = save_lora(self.model, self.family, self.run_dir)
+            self.lora_path = save_lora(self.model, self.family, self.run_dir, self.steps_done)
 
     def finish(self, status: str, timings: dict[str, float]) -> str:
         self.close_strategy()
@@ -356,58 +441,6 @@ class Run:
             lora_path=str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None,
             save_error=save_error,
             **vram,
-        )
-
-
-def resolve_data(preset: Preset) -> Path:
-    """The data folder: ``data.path``, or the digits folder (built into the cache on first use)."""
-    from runtime import assets
-
-    if preset.data.factory == "digits":
-        return assets.build_digits(size=preset.resolution)
-    return Path(preset.data.path).expanduser()
-
-
-def resolve_models(preset: Preset) -> tuple[Path, Path, Path]:
-    """``(transformer / unet folder, VAE folder, text encoder folder)``; factory models are built
-    into the cache on first use.
-
-    Raises:
-        FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
-    """
-    from runtime import assets
-
-    m = preset.model
-    if m.factory:
-        model_dir = assets.build_model(m.factory, m.size)
-        vae_dir = Path(m.vae_path) if m.vae_path else assets.build_model("vae", m.size)
-    else:
-        root = Path(m.path).expanduser()
-        # A pipeline folder keeps the denoiser in transformer/ (DiT) or unet/ (SD 1.x).
-        subs = [root / sub for sub in ("transformer", "unet") if (root / sub).is_dir()]
-        model_dir = subs[0] if subs else root
-        vae_dir = Path(m.vae_path) if m.vae_path else root / "vae"
-        if not vae_dir.is_dir():
-            raise FileNotFoundError(
-                f"model.vae_path: no VAE folder (looked for {vae_dir}); set model.vae_path"
-            )
-    encoder = Path(preset.text_encoder_path) if preset.text_encoder_path else assets.minilm_path()
-    return model_dir, vae_dir, encoder
-
-
-def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:
-    """Raise ``ValueError`` when the text encoder's hidden size is not what the model takes
-    (``joint_attention_dim`` / ``caption_channels``; a UNet's ``cross_attention_dim``)."""
-    if fam is not None:
-        want = fam.text_dim(model)
-    else:
-        cfg = model.config
-        want = getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
-    if want is not None and int(want) != int(dim):
-        raise ValueError(
-            f"text_encoder: hidden size {dim} does not match the model's text input {want} "
-            "(joint_attention_dim / caption_channels / cross_attention_dim); use the model's "
-            "own text encoder"
         )
 
 

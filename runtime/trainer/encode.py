@@ -140,9 +140,16 @@ def encode_latents(
     cache_dir: Path,
     progress: Callable[[int, int, str], None],
     should_stop: Callable[[], bool],
+    family=None,
+    frames: int | None = None,
 ) -> tuple[list[torch.Tensor], float] | None:
     """Latents per sample ((C, h, w) or (C, F, h, w), scaled) and the VAE's scaling factor;
     transparent pixels are composited onto ``background`` (8-bit RGB).
+
+    A pipeline ``family`` loads its own VAE (``family.load_vae``) and normalises as its
+    pipeline does (``family.encode_pixels``: (n, 3, H, W) -> (n, C, h, w)); a video family's
+    3D VAE encodes each clip whole (``clips.load_clip``: ``frames`` frames, or an image as one):
+    (1, 3, F, H, W) -> (C, F', h, w).
 
     Returns None when ``should_stop()`` turned true mid-way.
     """
@@ -154,6 +161,7 @@ def encode_latents(
         res=resolution,
         bucket=bucketing,
         background=background,
+        **({"family": family.name, "frames": frames} if family is not None else {}),
     )
     path = cache_dir / f"latents-{key}.safetensors"
     from diffusers import AutoencoderKL
@@ -167,10 +175,20 @@ def encode_latents(
         progress(len(samples), len(samples), f"latents reused from {path.name}")
         return [stored[f"latent.{i}"] for i in range(len(samples))], scale
 
-    vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
-    scale = float(vae.config.scaling_factor)
+    if family is not None:
+        vae = family.load_vae(vae_path).to(device)
+    else:
+        vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
+    scale = float(getattr(vae.config, "scaling_factor", None) or 1.0)
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
     latents: list[torch.Tensor] = []
+    if family is not None and family.video:
+        try:
+            return _encode_clips(samples, vae, family, frames, resolution, bucketing, device,
+                                 path, progress, should_stop)  # fmt: skip
+        finally:
+            del vae
+            gc.collect()
     try:
         with torch.inference_mode():
             pending: list[torch.Tensor] = []
@@ -185,7 +203,10 @@ def encode_latents(
                 if sum(p.shape[0] for p in pending) < ENCODE_BATCH and same:
                     continue
                 batch = torch.cat(pending).to(device)  # (n, 3, H, W)
-                z = (vae.encode(batch).latent_dist.mean - shift) * scale  # (n, C, h, w)
+                if family is not None:
+                    z = family.encode_pixels(vae, batch)  # (n, C, h, w)
+                else:
+                    z = (vae.encode(batch).latent_dist.mean - shift) * scale
                 z = z.float().cpu()
                 for p in pending:
                     part, z = z[: p.shape[0]], z[p.shape[0] :]
@@ -199,6 +220,25 @@ def encode_latents(
     tensors = {f"latent.{i}": z for i, z in enumerate(latents)}
     _atomic_save(tensors, path, {"scaling_factor": repr(scale)})
     return latents, scale
+
+
+def _encode_clips(
+    samples, vae, family, frames, resolution, bucketing, device, path, progress, should_stop
+) -> tuple[list[torch.Tensor], float] | None:
+    """One clip at a time through a video family's 3D VAE; cached like the images."""
+    from runtime.trainer.clips import load_clip
+
+    latents = []
+    with torch.inference_mode():
+        for i, sample in enumerate(samples):
+            if should_stop():
+                return None
+            pixels = load_clip(sample, frames, resolution, bucketing)  # (F, 3, H, W)
+            batch = pixels.permute(1, 0, 2, 3)[None].to(device)  # (1, 3, F, H, W)
+            latents.append(family.encode_pixels(vae, batch)[0].float().cpu())  # (C, F', h, w)
+            progress(i + 1, len(samples), "encoding clips")
+    _atomic_save({f"latent.{i}": z for i, z in enumerate(latents)}, path, {"scaling_factor": "1.0"})
+    return latents, 1.0
 
 
 def load_shape(nxt: Sample, pixels: torch.Tensor, resolution: int, bucketing: bool) -> bool:

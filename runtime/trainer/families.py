@@ -58,6 +58,10 @@ class Family:
         x_t, target = flow_pair(x0, noise, sigma)
         return x_t, sigma.to(x0.dtype), target
 
+    def validation_sigmas(self, fixed: tuple[float, ...]) -> tuple[float, ...]:
+        """The sigmas of the validation loss (a pipeline expert maps them into its range)."""
+        return fixed
+
     def text_dim(self, model: torch.nn.Module) -> int | None:
         """The text hidden size the model takes, or None when it does not say."""
         cfg = model.config

@@ -33,6 +33,8 @@ class Batchable:
     text: dict[str, torch.Tensor]  # hidden (U, T, D), mask (U, T), pooled (U, D)
     caption_rows: list[int]  # sample i -> row of ``text``
     groups: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    held_out: list[int] = field(default_factory=list)
+    """Samples kept out of ``groups`` for the validation loss."""
 
     def text_rows(self, rows: list[int], device, dtype) -> Text:
         idx = torch.tensor(rows)
@@ -200,11 +202,15 @@ def run_steps(
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {step}")
+        val = {}
+        if preset.validation_every and step % preset.validation_every == 0 and data.held_out:
+            val["val_loss"] = validation_loss(family, model, strategy, data, preset, step, dtype)
         telemetry.step, telemetry.phase = step, None
         snap = strategy.snapshot()
         telemetry.emit(
             "trainer",
             "step",
+            **val,
             loss=loss_value,
             grad_norm=float(grad_norm),
             lr=scheduler.get_last_lr()[0],
@@ -225,6 +231,50 @@ def run_steps(
         if preset.checkpoint_every and step % preset.checkpoint_every == 0:
             save_checkpoint(run_dir, step, model, optimizer, scheduler)
     return state
+
+
+VALIDATION_SIGMAS = (0.25, 0.5, 0.75)
+"""The fixed sigmas of the validation loss: one per held-out sample and sigma (no shift, so the
+figure is comparable across runs and schedulers)."""
+
+
+def validation_loss(
+    family: Family,
+    model: torch.nn.Module,
+    strategy,
+    data: Batchable,
+    preset: Preset,
+    step: int,
+    dtype: torch.dtype,
+) -> float:
+    """Mean flow-matching loss on ``data.held_out`` at ``VALIDATION_SIGMAS`` with noise drawn
+    from ``preset.seed`` alone (the same noise at every validation), as one inference step of
+    the strategy (STEP_BEGIN -> FORWARD -> STEP_END) under ``torch.no_grad``.
+
+    Raises:
+        ValueError: the family does not train with flow matching.
+    """
+    from runtime.trainer.families import flow_pair
+
+    if family.objective != "flow":
+        raise ValueError(f"validation_every: the {family.name} family has no flow validation")
+    device = strategy.device
+    losses = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), strategy.step(step), strategy.forward():
+        for i in data.held_out:
+            g = torch.Generator().manual_seed(preset.seed * 7919 + i)
+            x0 = data.latents[i][None].to(device, dtype)  # (1, C, [F,] h, w)
+            noise = torch.randn(x0.shape, generator=g).to(device, dtype)
+            text = data.text_rows([data.caption_rows[i]], device, dtype)
+            for s in family.validation_sigmas(VALIDATION_SIGMAS):
+                sigma = torch.full((1,), s, device=device, dtype=dtype)
+                x_t, target = flow_pair(x0, noise, sigma)
+                pred = family.predict(model, x_t, sigma, text)
+                losses.append(torch.nn.functional.mse_loss(pred.float(), target.float()))
+    model.train(was_training)
+    return float(torch.stack(losses).mean())
 
 
 def batch_rows(data: Batchable, batch_size: int, g: torch.Generator) -> list[int]:

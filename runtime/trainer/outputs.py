@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 from runtime.trainer.families import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+COMFY_FILE = "comfyui-lora.safetensors"
+"""The ComfyUI-layout copy beside ``LORA_FILE`` (``diffusion_model.`` keys with ``.alpha``)."""
 _UNWRITABLE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
 """errnos that say a folder cannot be written (read-only, full, over quota, not ours)."""
 
@@ -60,8 +62,12 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def save_lora(model: torch.nn.Module, family: Family, run_dir: Path) -> Path:
-    """Save the LoRA (or, for a full run, the whole model) and return the file written."""
+def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int = 0) -> Path:
+    """Save the LoRA (or, for a full run, the whole model) and return the file written.
+
+    A pipeline family's LoRA also carries ``stagehand.*`` safetensors metadata (base model,
+    family, rank, alpha, targets, steps) beside the mixin's ``lora_adapter_metadata``.
+    """
     if getattr(model, "peft_config", None):
         from peft.utils import get_peft_model_state_dict
 
@@ -71,8 +77,23 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path) -> Path:
         }
         folder = run_dir / "lora"
         folder.mkdir(parents=True, exist_ok=True)
-        metadata = model.peft_config["default"].to_dict()
-        family.save_lora(str(folder), state, metadata)
+        config = model.peft_config["default"]
+        family.save_lora(str(folder), state, config.to_dict())
+        extra = getattr(family, "lora_metadata", None)
+        if extra is not None:
+            metadata = {
+                **extra(),
+                "stagehand.rank": str(config.r),
+                "stagehand.alpha": str(config.lora_alpha),
+                "stagehand.targets": json.dumps(sorted(config.target_modules)),
+                "stagehand.steps": str(steps),
+            }
+            add_metadata(folder / LORA_FILE, metadata)
+            comfy = family.comfy_state_dict(state, config.lora_alpha)
+            if comfy is not None:
+                tmp = folder / f".{COMFY_FILE}.tmp"
+                save_file(comfy, str(tmp), metadata={"format": "pt", **metadata})
+                os.replace(tmp, folder / COMFY_FILE)
         return folder / LORA_FILE
     folder = run_dir / "model"
     folder.mkdir(parents=True, exist_ok=True)
@@ -80,6 +101,78 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path) -> Path:
     state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path))
     return path
+
+
+def add_metadata(path: Path, extra: dict[str, str]) -> None:
+    """Rewrite the safetensors file ``path`` with ``extra`` added to its metadata (atomically)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = {**(f.metadata() or {}), **extra}
+    tensors = load_file(str(path))
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def sample_pipeline(
+    family,
+    model: torch.nn.Module,
+    text,
+    latent_shape: tuple[int, ...],
+    *,
+    preset,
+    device: torch.device,
+    dtype: torch.dtype,
+    telemetry,
+    out_dir: Path,
+    names: list[str],
+    strategy=None,
+    step: int | None = None,
+) -> list[Path]:
+    """One PNG per prompt from the pipeline's ``__call__`` (``family.sample``) on the trained
+    transformer, its blocks streamed: by ``strategy`` (the training one, mid-run) as an
+    inference step ``step`` (STEP_BEGIN -> FORWARD -> STEP_END, ``torch.no_grad``), or, without
+    one, by an inference-mode strategy built here and closed after (step ``max_steps + 1``)."""
+    from runtime.strategy import build_strategy
+
+    own = strategy is None
+    if own:
+        strategy = build_strategy(
+            model,
+            preset.memory,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=family.transformer_dir,
+            mode="inference",
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        number = preset.max_steps + 1 if step is None else step
+        # no_grad, not inference_mode, mid-run: weights loaded now are used by training later.
+        with torch.no_grad(), strategy.step(number), strategy.forward():
+            images = family.sample(
+                model,
+                text,
+                latent_shape,
+                steps=preset.samples.steps,
+                seed=preset.samples.seed,
+                device=device,
+                dtype=dtype,
+                guidance=preset.samples.guidance,
+            )
+    finally:
+        model.train(was_training)
+        if own:
+            strategy.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for image, name in zip(images, names, strict=True):
+        path = out_dir / f"{name}.png"
+        image.save(path)
+        paths.append(path)
+    return paths
 
 
 def _rng_state() -> dict:

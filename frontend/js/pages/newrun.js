@@ -8,6 +8,7 @@
 import { api } from "../api.js";
 import { noteworthy, scanView } from "../scan.js";
 import { deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
+import { pipelinePanel } from "./pipeline.js";
 
 const SH = "memory.stagehand";
 const AS = `${SH}.activation_stagehand`;
@@ -100,6 +101,7 @@ export function mount(root, { params }) {
       h("div", { class: "toolbar" }, title, h("div", { class: "spacer" }),
         h("label", { class: "inline" }, "Preset ", presetSel), nameInput),
       errors,
+      pipelinePanel({ onUse: usePipeline }),
       h("div", { class: "two-col" },
         h("div", {}, h("h2", {}, "Key fields"), form),
         h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
@@ -176,6 +178,17 @@ export function mount(root, { params }) {
     base = structuredClone(baseConfig || {});
     config = structuredClone(editConfig || baseConfig || {});
     clearFieldErrors();
+    bindPaths();
+    toForm();
+    toJson();
+  }
+
+  /** A pipeline folder replaces the preset's model: model.path set, model.factory null,
+   *  model.expert the chosen one (null for a pipeline with one transformer). */
+  function usePipeline(path, expert) {
+    setPath(config, "model.path", path);
+    setPath(config, "model.factory", null);
+    setPath(config, "model.expert", expert);
     bindPaths();
     toForm();
     toJson();

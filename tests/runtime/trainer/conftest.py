@@ -69,3 +69,130 @@ def run_io():
     from types import SimpleNamespace
 
     return SimpleNamespace(records=records, of=of, start_worker=start_worker, REPO=REPO)
+
+
+@pytest.fixture(scope="session")
+def flux_pipeline_dir(asset_cache) -> Path:
+    """The tiny FluxPipeline folder (CLIP + T5, 3 double + 5 single blocks), built once."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("flux", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def qwenimage_pipeline_dir(asset_cache) -> Path:
+    """The tiny QwenImagePipeline folder (Qwen2.5-VL 3 layers, 3 transformer blocks)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("qwenimage", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def wan_pipeline_dir(asset_cache) -> Path:
+    """The tiny WanPipeline folder (Wan 2.1 layout: UMT5 3 layers, 3 blocks, 3D VAE z_dim 4)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("wan", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def wan22_pipeline_dir(asset_cache) -> Path:
+    """The tiny Wan 2.2 layout: two experts (transformer, transformer_2), boundary 0.875."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("wan22", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def zimage_pipeline_dir(asset_cache) -> Path:
+    """The tiny ZImagePipeline folder (Qwen3 3 layers, 3 layers + 1 + 1 refiners)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("zimage", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def wide_images(tmp_path_factory) -> Path:
+    """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
+    in the 64x128 bucket (non-square latents)."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("wide-images")
+    rng = np.random.default_rng(0)
+    for i, word in enumerate(["zero", "one", "two", "three", "four", "five"]):
+        arr = (rng.random((60, 120, 3)) * 255).astype("uint8")
+        Image.fromarray(arr).save(folder / f"{i:02d}.png")
+        (folder / f"{i:02d}.txt").write_text(f"a photo of the digit {word}")
+    return folder
+
+
+def write_clip(path: Path, frames: int, size_hw=(60, 120), seed=0) -> None:
+    """An MPEG-4 clip of ``frames`` random frames written with PyAV."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.height, stream.width = size_hw
+        stream.pix_fmt = "yuv420p"
+        for _ in range(frames):
+            arr = (rng.random((*size_hw, 3)) * 255).astype("uint8")
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+@pytest.fixture(scope="session")
+def wide_clips(tmp_path_factory) -> Path:
+    """Three 9-frame 120x60 MPEG-4 clips and one image (a clip of one frame), captioned."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("wide-clips")
+    arr = (np.random.default_rng(9).random((60, 120, 3)) * 255).astype("uint8")
+    Image.fromarray(arr).save(folder / "00.png")
+    (folder / "00.txt").write_text("a photo of the digit zero")
+    for i, word in enumerate(["one", "two", "three"], start=1):
+        write_clip(folder / f"{i:02d}.mp4", 9, seed=i)
+        (folder / f"{i:02d}.txt").write_text(f"a photo of the digit {word}")
+    return folder
+
+
+def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe", **over) -> Path:
+    """tiny-ci's memory section (weight streaming, activation spill, Conductor) on a pipeline
+    folder: 4 steps of batch 2 on 64x128 images, validation and a sample every 2 steps."""
+    base = json.loads((PRESETS_DIR / "tiny-ci.json").read_text())
+    # The tiny transformer's activations are a few KB: spill above 20 KB so spill happens.
+    base["memory"]["stagehand"]["activation_stagehand"].update(
+        vram_high_watermark_mb=0.02, vram_low_watermark_mb=0.01
+    )
+    data_section = {"path": str(data_dir), "bucketing": True, "max_caption_tokens": 16}
+    preset = {
+        "name": name,
+        "model": {"path": str(pipeline), "dtype": "float32"},
+        "adapter": {"rank": 4, "alpha": 4},
+        "memory": base["memory"],
+        "learning_rate": 1e-3,
+        "resolution": 96,
+        "batch_size": 2,
+        "max_steps": 4,
+        "seed": 0,
+        "validation_every": 2,
+        "validation_samples": 1,
+        "samples": {"prompts": ["a photo of the digit seven"], "steps": 2, "every": 2},
+        "data": data_section,
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(deep_merge(preset, over)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def pipe_io():
+    """Helpers of the pipeline tests, for module-scoped fixtures too."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(records=records, of=of, preset=pipeline_preset)

@@ -1,0 +1,438 @@
+"""Tiny random-weight diffusers pipelines of the real families, in the Hub's folder layout.
+
+Each pipeline is built from small configs of the real classes (``FluxPipeline``: CLIP + T5 +
+``FluxTransformer2DModel`` + ``AutoencoderKL`` + ``FlowMatchEulerDiscreteScheduler``), with
+tokenizers made offline by the ``tokenizers`` library and wrapped in the tokenizer class the
+pipeline expects, then written with ``save_pretrained(max_shard_size=...)`` so the transformer
+is sharded with an index, exactly as a downloaded pipeline folder is. Shapes are ones the
+defaults would not give (odd layer counts, non-square images): the trainer must read every
+size from the configs.
+
+Pitfalls met on the way (transformers 5, diffusers 0.42): CLIP pools at the highest token id
+when ``eos_token_id`` is 2, so ``<|endoftext|>`` is the last id; diffusers models load in fp32
+while transformers encoders keep the stored dtype, so loaders pass ``dtype=``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from .cache import AssetError, build_once, cache_root
+
+SEED = 0
+WORDS = (
+    "a photo of the digit zero one two three four five six seven eight nine "
+    "handwritten white on black small big"
+).split()
+"""The tiny tokenizers' words: enough for the digits captions and the sample prompts."""
+
+QWEN_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+"""QwenImagePipeline's prompt template: its ``encode_prompt`` drops the first 34 tokens (the
+system part), so the tiny tokenizer must give exactly 34 tokens for it, as Qwen's does."""
+
+
+def _bpe_vocab(words: list[str], start: list[str], end: list[str]) -> tuple[dict, list]:
+    """A byte-level-free BPE vocabulary and merges in which every word of ``words`` is one
+    token (``word</w>``), built by merging its characters left to right."""
+    vocab: dict[str, int] = {t: i for i, t in enumerate(start)}
+    merges: list[tuple[str, str]] = []
+
+    def add(token: str) -> None:
+        if token not in vocab:
+            vocab[token] = len(vocab)
+
+    for c in sorted(set("".join(words))):
+        add(c)
+        add(c + "</w>")
+    for word in words:
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            merged = pieces[0] + pieces[1]
+            if (pieces[0], pieces[1]) not in merges:
+                merges.append((pieces[0], pieces[1]))
+            add(merged)
+            pieces = [merged] + pieces[2:]
+    for token in end:
+        add(token)
+    return vocab, merges
+
+
+def clip_tokenizer(words: list[str] = WORDS):
+    """``CLIPTokenizer`` whose ``<|endoftext|>`` is the highest id (CLIP pools there)."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = _bpe_vocab(words, ["<|startoftext|>"], ["<|endoftext|>"])
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+
+def t5_tokenizer(words: list[str] = WORDS):
+    """``T5TokenizerFast`` from a unigram vocabulary of ``(piece, score)`` pairs (no extra ids)."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(f"\u2581{w}", -1.0) for w in words]
+    pieces += [(c, -5.0) for c in sorted(set("".join(words)))]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def qwen_tokenizer(words: list[str] = WORDS):
+    """``Qwen2Tokenizer`` (byte-level BPE) trained by the ``tokenizers`` library on the template
+    and ``words``: every word one token, ``<|im_start|>`` / ``<|im_end|>`` special."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    text = QWEN_TEMPLATE.format(" ".join(words))
+    for token in specials:
+        text = text.replace(token, "")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,  # more than the corpus can fill: every word becomes one token
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
+    bpe.train_from_iterator([text] * 50, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, model_max_length=1058)
+    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
+    return tok
+
+
+def flux_pipeline(seed: int = SEED):
+    """A ``FluxPipeline`` (dev-style: guidance embeddings) with odd sizes everywhere:
+    CLIP 3 layers hidden 20, T5 3 layers d_model 24, transformer 3 double + 5 single blocks,
+    VAE 4 latent channels and a 4x downscale (3 blocks)."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tok, tok2 = clip_tokenizer(), t5_tokenizer()
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=20,
+            intermediate_size=36,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=tok.bos_token_id,
+            pad_token_id=tok.pad_token_id,
+            projection_dim=20,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tok2),
+            d_model=24,
+            d_kv=6,
+            d_ff=40,
+            num_layers=3,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
+    )
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels x 2x2 packing
+        num_layers=3,
+        num_single_layers=5,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=24,  # T5 d_model
+        pooled_projection_dim=20,  # CLIP hidden size
+        guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=0.37,
+        shift_factor=0.11,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=16,
+        max_image_seq_len=256,
+        base_shift=0.5,
+        max_shift=1.15,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=tok,
+        text_encoder_2=t5,
+        tokenizer_2=tok2,
+        transformer=transformer,
+    )
+
+
+def qwenimage_pipeline(seed: int = SEED):
+    """A ``QwenImagePipeline`` with odd sizes: Qwen2.5-VL text model of 3 layers (hidden 24,
+    its vision tower 1 block), transformer of 3 blocks, VAE with z_dim 4 and 4x downscale."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = qwen_tokenizer()
+    torch.manual_seed(seed)
+    n = len(tok)  # the vision special tokens come after the tokenizer's ids
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": n + 4,
+            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+            "hidden_size": 24,
+            "intermediate_size": 40,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 4]},
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": 24,
+            "fullatt_block_indexes": [0],
+        },
+        vocab_size=n + 4,
+        image_token_id=n,
+        video_token_id=n + 1,
+        vision_start_token_id=n + 2,
+        vision_end_token_id=n + 3,
+    )
+    encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,  # 4 latent channels x 2x2 packing
+        out_channels=4,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=24,  # the text model's hidden size
+        axes_dims_rope=(2, 2, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.1],
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=16,
+        max_image_seq_len=512,
+        time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok, transformer=transformer
+    )
+
+
+def wan_pipeline(seed: int = SEED, experts: int = 1):
+    """A ``WanPipeline`` (Wan 2.1 layout; ``experts=2``: Wan 2.2's high/low-noise pair with
+    ``boundary_ratio`` 0.875): UMT5 3 layers d_model 20, transformer 3 blocks, 3D VAE z_dim 4
+    (8x spatial, 4x temporal), UniPC with flow sigmas and ``flow_shift`` 3 as Wan ships."""
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = t5_tokenizer()
+    torch.manual_seed(seed)
+    encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tok),
+            d_model=20,
+            d_kv=10,
+            d_ff=36,
+            num_layers=3,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+        )
+    )
+
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=20,  # UMT5 d_model
+            freq_dim=16,
+            ffn_dim=24,
+            num_layers=3,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.1],
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    return WanPipeline(
+        tokenizer=tok,
+        text_encoder=encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer(),
+        transformer_2=transformer() if experts == 2 else None,
+        boundary_ratio=0.875 if experts == 2 else None,
+    )
+
+
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+"""Qwen3's chat template, reduced to what ``ZImagePipeline._encode_prompt`` uses (a user turn,
+the generation prompt, ``enable_thinking``)."""
+
+
+def zimage_pipeline(seed: int = SEED):
+    """A ``ZImagePipeline``: Qwen3 text model of 3 layers (hidden 24; the pipeline reads the
+    second-to-last hidden state), transformer of 3 layers with 1 noise and 1 context refiner,
+    the Flux-style ``AutoencoderKL`` with 4 latent channels and a 4x downscale."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3Model
+
+    tok = qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=24,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=12,
+            max_position_embeddings=1024,
+        )
+    )
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=24,
+        n_layers=3,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=24,  # the text model's hidden size
+        axes_dims=[4, 4, 4],
+        axes_lens=[256, 64, 64],
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
+    return ZImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok, transformer=transformer
+    )
+
+
+BUILDERS = {
+    "flux": flux_pipeline,
+    "qwenimage": qwenimage_pipeline,
+    "wan": wan_pipeline,
+    "wan22": lambda: wan_pipeline(experts=2),
+    "zimage": zimage_pipeline,
+}
+
+
+def save_pipeline(pipe, folder: Path) -> None:
+    """``save_pretrained`` with shards small enough that the transformer has several."""
+    total = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    pipe.save_pretrained(folder, safe_serialization=True, max_shard_size=max(total // 3, 1))
+
+
+def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny ``family`` pipeline folder under ``<cache>/pipelines/``, built once.
+
+    Raises:
+        AssetError: an unknown family (lists the known).
+    """
+    if family not in BUILDERS:
+        raise AssetError(f"no tiny pipeline for family {family!r}; known: {list(BUILDERS)}")
+    final = cache_root(cache_dir) / "pipelines" / f"{family}-tiny"
+    # Any change to the builders here rebuilds: the spec holds this file's hash.
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    spec = {"family": family, "seed": SEED, "source": source}
+    return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))

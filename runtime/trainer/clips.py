@@ -1,0 +1,115 @@
+"""Video clips for the video pipeline families: a folder of ``.mp4`` / ``.webm`` / ``.mov`` /
+``.mkv`` files with ``.txt`` captions beside them, decoded with PyAV (FFmpeg's bindings); images
+in the same folder are clips of one frame.
+
+Each clip gives its first ``data.frames`` frames, each resized to cover the target size and
+center-cropped (the same rule as ``data.load_image``), as (F, 3, H, W) in [-1, 1].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.trainer.data import target_size
+from runtime.trainer.scan import IMAGE_SUFFIXES, DataError, Sample, read_caption
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")
+
+
+def _caption(path: Path, ext: str, default: str) -> str:
+    cap = path.with_suffix("." + ext.lstrip("."))
+    return read_caption(cap)[0] if cap.is_file() else default
+
+
+def is_video(path: Path) -> bool:
+    return path.suffix.lower() in VIDEO_SUFFIXES
+
+
+def scan_clips(
+    folder: str | Path,
+    *,
+    captions: str = "txt",
+    default_caption: str = "",
+    limit: int | None = None,
+) -> list[Sample]:
+    """The clips and images of ``folder``, sorted by name (``Sample.files``: the one file).
+
+    Raises:
+        DataError: the folder does not exist or holds no clip and no image.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"data.path: {str(folder)!r} is not a folder")
+    samples = []
+    for entry in sorted(folder.iterdir()):
+        suffix = entry.suffix.lower()
+        if entry.is_file() and (suffix in VIDEO_SUFFIXES or suffix in IMAGE_SUFFIXES):
+            samples.append(Sample((entry,), _caption(entry, captions, default_caption)))
+        if limit is not None and len(samples) >= limit:
+            break
+    if not samples:
+        kinds = ", ".join(VIDEO_SUFFIXES + IMAGE_SUFFIXES)
+        raise DataError(f"data.path: no clips or images ({kinds}) in {str(folder)!r}")
+    return samples
+
+
+def _frames(path: Path, count: int | None):
+    """The first ``count`` frames (all with None) of a clip as PIL images.
+
+    Raises:
+        DataError: the file cannot be decoded, or has fewer than ``count`` frames.
+    """
+    import av
+
+    out = []
+    try:
+        with av.open(str(path)) as container:
+            for frame in container.decode(video=0):
+                out.append(frame.to_image())
+                if count is not None and len(out) >= count:
+                    break
+    except (av.FFmpegError, IndexError, ValueError) as exc:
+        raise DataError(
+            f"data.path: clip {path.name!r} cannot be decoded ({type(exc).__name__}: {exc}); "
+            "expected a video FFmpeg reads (mp4, webm, mov, mkv)"
+        ) from None
+    if count is not None and len(out) < count:
+        raise DataError(
+            f"data.frames: clip {path.name!r} has {len(out)} frames, expected >= {count}"
+        )
+    return out
+
+
+def _fit(img, hw: tuple[int, int]) -> torch.Tensor:
+    """(3, H, W) in [-1, 1]: resized to cover ``hw``, center-cropped (as ``data.load_image``)."""
+    from PIL import Image
+
+    img = img.convert("RGB")
+    h, w = hw
+    scale = max(h / img.height, w / img.width)
+    new = (max(w, round(img.width * scale)), max(h, round(img.height * scale)))
+    img = img.resize(new, Image.Resampling.BICUBIC)
+    left, top = (new[0] - w) // 2, (new[1] - h) // 2
+    arr = np.asarray(img.crop((left, top, left + w, top + h)), dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+def load_clip(sample: Sample, frames: int | None, resolution: int, bucketing: bool) -> torch.Tensor:
+    """(F, 3, H, W) in [-1, 1]: ``frames`` frames of a clip, or an image as one frame.
+
+    Raises:
+        DataError: a clip that cannot be decoded or is too short (names the file).
+    """
+    from PIL import Image
+
+    path = sample.files[0]
+    if is_video(path):
+        images = _frames(path, frames)
+    else:
+        with Image.open(path) as img:
+            images = [img.copy()]
+    hw = target_size((images[0].height, images[0].width), resolution, bucketing)
+    return torch.stack([_fit(img, hw) for img in images])

@@ -1,0 +1,91 @@
+"""Real pipeline families: a diffusers pipeline folder in ``model.path`` (``folder.py``
+inspects it, ``encode.py`` runs stage 1 on its text encoders, one adapter per family)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.trainer.pipelines.base import PipelineFamily
+from runtime.trainer.pipelines.flux import FluxPipelineFamily
+from runtime.trainer.pipelines.folder import (
+    PIPELINE_FAMILIES,
+    PipelineFolderError,
+    PipelineInfo,
+    inspect_pipeline,
+)
+from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
+from runtime.trainer.pipelines.wan import WanPipelineFamily
+from runtime.trainer.pipelines.zimage import ZImagePipelineFamily
+
+ADAPTERS: dict[str, PipelineFamily] = {
+    "flux": FluxPipelineFamily(),
+    "qwenimage": QwenImagePipelineFamily(),
+    "wan": WanPipelineFamily(),
+    "zimage": ZImagePipelineFamily(),
+}
+"""Families that train from a pipeline folder; the others are inspected but refused."""
+
+__all__ = [
+    "ADAPTERS",
+    "PIPELINE_FAMILIES",
+    "PipelineFamily",
+    "PipelineFolderError",
+    "PipelineInfo",
+    "adapter_for",
+    "inspect_pipeline",
+    "is_pipeline_folder",
+    "inspect_preset",
+]
+
+
+def is_pipeline_folder(path: str | Path | None) -> bool:
+    """Whether ``model.path`` is meant as a pipeline folder: it holds ``model_index.json``, or
+    it is not a single model folder (no ``config.json``) -- then a missing index is an error."""
+    if path is None:
+        return False
+    root = Path(path).expanduser()
+    return (root / "model_index.json").is_file() or not (root / "config.json").is_file()
+
+
+def inspect_preset(preset) -> PipelineInfo:
+    """``inspect_pipeline`` for a preset's ``model`` section and its explicit ``model_type``."""
+    from runtime.preset import MODEL_TYPES
+
+    explicit = preset.model_type if "model_type" in preset.model_fields_set else None
+    stagehand = preset.memory.stagehand
+    return inspect_pipeline(
+        preset.model.path,
+        model_type=explicit,
+        aliases=MODEL_TYPES,
+        transformer_path=preset.model.transformer_path,
+        block_pattern=stagehand.block_pattern if stagehand is not None else None,
+    )
+
+
+def adapter_for(
+    info: PipelineInfo, cache_dir: Path, dtype, expert: str | None = None
+) -> PipelineFamily:
+    """The family adapter bound to the folder (a single-file transformer is converted once
+    into ``cache_dir`` in the folder layout the weight runtime streams from). ``expert``
+    (``model.expert``) picks one of Wan 2.2's two transformers.
+
+    Raises:
+        PipelineFolderError: no adapter for the family yet, the components do not fit, or
+            ``expert`` does not fit the folder.
+    """
+    if info.family not in ADAPTERS:
+        raise PipelineFolderError(
+            f"{info.path}/model_index.json: {info.pipeline_class} (family {info.family!r}) can "
+            f"be inspected but not trained yet; trainable families: {sorted(ADAPTERS)}"
+        )
+    root = Path(info.path)
+    component = ADAPTERS[info.family].expert_component(info, expert)
+    transformer_dir = root / component
+    if info.transformer_path is not None:
+        from runtime.trainer.pipelines.single_file import convert_single_file
+
+        transformer_dir = convert_single_file(info, cache_dir, dtype)
+    bound = ADAPTERS[info.family].bind(info, transformer_dir, expert)
+    bound.check_components()
+    bound.check_tokenizers()
+    return bound

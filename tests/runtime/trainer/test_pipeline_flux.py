@@ -1,0 +1,148 @@
+"""FLUX.1 from a pipeline folder, end to end through ``workbench train`` with weight streaming,
+activation spill and the Conductor on (tiny FluxPipeline: CLIP + T5, 3 double + 5 single
+blocks, 64x128 images)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from runtime.assets import ENV_VAR
+from runtime.trainer.cli import main
+
+
+@pytest.fixture(scope="module")
+def flux_run(flux_pipeline_dir, wide_images, tmp_path_factory, pipe_io):
+    """One run (and a second one on the same cache) of the tiny Flux pipeline."""
+    tmp = tmp_path_factory.mktemp("flux-run")
+    preset = pipe_io.preset(tmp, flux_pipeline_dir, wide_images)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, str(tmp / "cache"))
+        first, second = tmp / "first", tmp / "second"
+        assert main([str(preset), "--run-dir", str(first)]) == 0
+        assert main([str(preset), "--run-dir", str(second)]) == 0
+    return first, second
+
+
+def test_flux_pipeline_trains_with_every_runtime_on(flux_run, pipe_io):
+    records, of = pipe_io.records, pipe_io.of
+    run_dir, _ = flux_run
+    recs = records(run_dir)
+    assert recs[-1]["kind"] == "run_finished" and recs[-1]["status"] == "succeeded"
+    # The inspection, before stage 1: the 8 blocks the weight runtime streams.
+    (found,) = of(recs, "trainer", "pipeline")
+    assert found["family"] == "flux" and len(found["blocks"]) == 8
+    assert found["largest_block_bytes"] == max(b["nbytes"] for b in found["blocks"]) > 0
+    steps = of(recs, "trainer", "step")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert all(math.isfinite(s["loss"]) and s["loss"] > 0 for s in steps)
+    # Validation every 2 steps on the held-out sample, fixed noise and sigmas.
+    assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
+    assert all(math.isfinite(s["val_loss"]) for s in steps if "val_loss" in s)
+    # Stage 1: CLIP then T5, each streamed from its files as an inference step 0, released.
+    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0]
+    assert len(stage1) == 2 and all(r["file_reads"] > 0 for r in stage1)
+    messages = [r["message"] for r in of(recs, "trainer", "stage")]
+    assert "text_encoder released (1/2)" in messages
+    assert "text_encoder_2 released (2/2)" in messages
+    # Stage 2: every training step streamed blocks and spilled activations.
+    train = [r for r in of(recs, "stagehand", "step") if r["step"] in (1, 2, 3, 4)]
+    assert sum(r["blocks_evicted"] for r in train) > 0
+    spilled = [r["activations_spilled"] for r in of(recs, "activation_stagehand", "step")]
+    assert sum(spilled) > 0
+    assert {r["step"] for r in of(recs, "conductor", "step")} >= {1, 2, 3, 4}
+    # Samples every 2 steps during training (through the training strategy), and at the end.
+    sample = of(recs, "trainer", "sample")
+    assert [(s["step"], s["path"]) for s in sample] == [
+        (2, "samples/step-000002-00.png"),
+        (5, "samples/sample-00.png"),
+    ]
+    from PIL import Image
+
+    with Image.open(run_dir / "samples" / "sample-00.png") as img:
+        assert img.size == (128, 64)  # width, height of the 64x128 bucket
+
+
+def test_second_flux_run_reuses_the_cache_and_repeats_the_losses(flux_run, pipe_io):
+    records, of = pipe_io.records, pipe_io.of
+    first, second = flux_run
+    messages = [r["message"] for r in of(records(second), "trainer", "stage")]
+    assert any(m.startswith("text embeddings reused") for m in messages)
+    assert any(m.startswith("latents reused") for m in messages)
+    assert not any(m.startswith("text_encoder released") for m in messages)
+    losses = [[s["loss"] for s in of(records(r), "trainer", "step")] for r in flux_run]
+    assert losses[0] == losses[1]
+
+
+def test_flux_lora_loads_into_the_pipeline_with_metadata(flux_run, flux_pipeline_dir):
+    from diffusers import FluxPipeline
+    from safetensors import safe_open
+
+    run_dir, _ = flux_run
+    lora = run_dir / "lora"
+    with safe_open(str(lora / "pytorch_lora_weights.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["stagehand.family"] == "flux"
+    assert meta["stagehand.base_model"] == str(flux_pipeline_dir)
+    assert meta["stagehand.steps"] == "4" and meta["stagehand.rank"] == "4"
+    # diffusers' train_dreambooth_lora_flux.py targets (the preset names none).
+    targets = json.loads(meta["stagehand.targets"])
+    assert len(targets) == 12 and "ff_context.net.2" in targets and "attn.to_add_out" in targets
+    assert json.loads(meta["lora_adapter_metadata"])["transformer.r"] == 4
+
+    pipe = FluxPipeline.from_pretrained(flux_pipeline_dir, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        return pipe(
+            "a photo of the digit seven",
+            height=64,
+            width=128,
+            num_inference_steps=2,
+            max_sequence_length=16,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
+
+    base = generate()
+    pipe.load_lora_weights(lora)
+    assert pipe.transformer.peft_config  # the adapter is in
+    tuned = generate()
+    assert tuned.shape == (1, 3, 64, 128)
+    assert (tuned - base).abs().max() > 1e-4
+
+
+def test_every_text_encoder_is_released_before_the_transformer_loads(
+    flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """The seed's bug 3: stage 2 must not start with an encoder (or its strategy) alive."""
+    import gc
+
+    from transformers import PreTrainedModel
+
+    from runtime.strategy.base import MemoryStrategy
+    from runtime.trainer import loop
+
+    def live() -> list:
+        gc.collect()
+        kinds = (PreTrainedModel, MemoryStrategy)
+        return [o for o in gc.get_objects() if isinstance(o, kinds)]
+
+    before = {id(o) for o in live()}  # other tests' objects the session still holds
+    alive = {}
+    real = loop.load_transformer
+
+    def load_transformer_after_checking(*args, **kwargs):
+        new = [o for o in live() if id(o) not in before]
+        alive["encoders"] = [type(o).__name__ for o in new if isinstance(o, PreTrainedModel)]
+        alive["strategies"] = [type(o).__name__ for o in new if isinstance(o, MemoryStrategy)]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "load_transformer", load_transformer_after_checking)
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    preset = pipe_io.preset(
+        tmp_path, flux_pipeline_dir, wide_images, max_steps=1, samples={"prompts": []}
+    )
+    assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 0
+    assert alive == {"encoders": [], "strategies": []}
