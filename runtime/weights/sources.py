@@ -112,6 +112,7 @@ class SafetensorsCheckpoint:
                     end - begin,
                 )
         self._fds: dict[Path, int] = {}
+        self._tails: dict[str, list[str]] | None = None
         self.reads = 0
         """Tensors read from the files so far (``read_into`` calls)."""
         self.read_bytes = 0
@@ -129,11 +130,35 @@ class SafetensorsCheckpoint:
         hits = [k for k in self.entries if k.endswith("." + key) or key.endswith("." + k)]
         if len(hits) == 1:
             return hits[0]
+        if not hits:
+            # A loader that renames a middle segment (transformers 5 loads Qwen2.5-VL's saved
+            # ``model.layers.N`` as ``model.language_model.layers.N``): the longest tail of the
+            # name, of at least three parts, that ends exactly one key. Shape and dtype are still
+            # checked against it.
+            parts = key.split(".")
+            for start in range(1, len(parts) - 2):
+                tail = ".".join(parts[start:])
+                found = self._by_tail().get(tail, ())
+                if len(found) == 1:
+                    return found[0]
+                if found:
+                    hits = list(found)
+                    break
         raise UnmatchedParameterError(
             f"parameter {name!r} (checkpoint key {key!r}) matches "
             f"{'no' if not hits else len(hits)} tensor(s) in {self.folder}"
             + (f": {hits[:4]}" if hits else "")
         )
+
+    def _by_tail(self) -> dict[str, list[str]]:
+        """Every key under each of its dotted tails (built on first use)."""
+        if self._tails is None:
+            self._tails = {}
+            for k in self.entries:
+                parts = k.split(".")
+                for start in range(1, len(parts)):
+                    self._tails.setdefault(".".join(parts[start:]), []).append(k)
+        return self._tails
 
     def read_into(self, key: str, dst: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Read tensor ``key`` into ``dst``: a contiguous CPU uint8 tensor of its size in

@@ -140,3 +140,37 @@ def test_a_pool_that_cannot_be_page_locked_fails_at_set_up_or_falls_back():
     assert slab.buffer.numel() == MB
     pool.close()
     assert pool.slabs == [] and pool.allocated_bytes == 0
+
+
+def test_a_renamed_middle_segment_still_finds_its_checkpoint_tensor(tmp_path):
+    """transformers 5 saves Qwen2.5-VL's language layers as ``model.layers.N`` and loads them
+    as ``model.language_model.layers.N``: the file-backed runtime matches the unique tail."""
+    from safetensors.torch import save_file
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.language_model = Inner()
+
+        def forward(self, x):
+            for layer in self.model.language_model.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Outer().requires_grad_(False)
+    state = {k.replace("language_model.", ""): v.clone() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    x = torch.randn(2, 8)
+    expected = model(x)
+    runtime = StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tmp_path)
+    assert all(s.key.startswith("model.layers.") for b in runtime.blocks for s in b.layout)
+    with torch.no_grad(), runtime.managed_forward():
+        assert torch.equal(model(x), expected)
+    runtime.close()
