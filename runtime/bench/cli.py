@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": prep["main"],
         "large_model": prep.get("large") if large else None,
         "keep_path_us_per_tensor": (keep or {}).get("keep_path", {}).get("us_per_tensor"),
+        "transition": hw.get("transition"),
         "rows": rows,
         "scale_rows": scale_rows,
         "large_rows": large_rows,

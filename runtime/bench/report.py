@@ -88,6 +88,17 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "file-backed streaming RSS", "growth < 40% of model, <= 1.25x", None, None, reason
             )
         )
+    us = (result.get("transition") or {}).get("us_per_transition")
+    out.append(
+        _goal(
+            "block transition overhead",
+            "<= 150 us per load + evict",
+            None if us is None else f"{us:.0f} us",
+            None if us is None else us <= 150,
+            "32 file-backed blocks of 20 small tensors, forward under the runtime minus without it "
+            "(bench/probes.py)",
+        )
+    )
     keep = (_row(rows, "spill_keep") or {}).get("keep_path", {})
     us, alone = keep.get("us_per_tensor"), keep.get("activation_packer_us_per_tensor")
     note = "spill_keep row did not run" if us is None else "through autograd, both packers"

@@ -21,7 +21,7 @@ import torch
 from runtime.assets import build_model, model_class
 from runtime.bench.configs import BenchConfig, ModelInfo
 from runtime.bench.peers import GroupOffloadPeer, SaveOnCpuPeer, build_peer
-from runtime.bench.probes import keep_path_cost, pinned_h2d_bandwidth
+from runtime.bench.probes import keep_path_cost, pinned_h2d_bandwidth, transition_cost
 from runtime.bench.workload import (
     build_scale_model,
     counted_device_bytes,
@@ -86,6 +86,7 @@ def hardware(job: dict[str, Any]) -> dict[str, Any]:
         out["name"] = torch.cuda.get_device_name(device)
         out["cuda"] = torch.version.cuda
         out.update(pinned_h2d_bandwidth(device))
+    out["transition"] = transition_cost(device)
     return out
 
 

@@ -50,6 +50,10 @@ class TensorEntry:
     nbytes: int
 
 
+IOV_MAX = 1024
+"""Buffers one ``preadv`` takes at most (Linux's ``IOV_MAX``)."""
+
+
 def _after(buffers: list[memoryview], skip: int) -> list[memoryview]:
     """``buffers`` without their first ``skip`` bytes (in order)."""
     out = []
@@ -186,35 +190,40 @@ class SafetensorsCheckpoint:
         self.reads += 1
         self.read_bytes += entry.nbytes
 
-    def plan(self, pieces: list[tuple[str, int]]) -> list[tuple[Path, int, list[tuple[int, int]]]]:
+    def plan(self, pieces: list[tuple[str, int]]) -> list[tuple[Path, int, int, list]]:
         """A read plan for ``pieces`` (checkpoint key, byte offset in a destination buffer):
-        runs of tensors that lie back to back in one file, each ``(file, first byte, [(dest
-        offset, nbytes), ...])``, so ``read_plan`` fills a whole block with one vectored read
+        runs of tensors that lie back to back in one file, each ``(file, first byte, end byte,
+        [(dest offset, nbytes), ...])``, so ``read_plan`` fills a whole block with one vectored read
         per run (a block's tensors are usually contiguous in a safetensors file) instead of one
         read per tensor."""
         ordered = sorted(pieces, key=lambda p: (self.entries[p[0]].path, self.entries[p[0]].start))
-        runs: list[tuple[Path, int, list[tuple[int, int]]]] = []
-        end: tuple[Path, int] | None = None
+        runs: list[list] = []
         for key, dest in ordered:
             entry = self.entries[key]
-            if end != (entry.path, entry.start):
-                runs.append((entry.path, entry.start, []))
-            runs[-1][2].append((dest, entry.nbytes))
-            end = (entry.path, entry.start + entry.nbytes)
-        return runs
+            if (
+                not runs
+                or runs[-1][0] != entry.path
+                or runs[-1][2] != entry.start
+                or len(runs[-1][3]) == IOV_MAX
+            ):
+                runs.append([entry.path, entry.start, entry.start, []])
+            runs[-1][3].append((dest, entry.nbytes))
+            runs[-1][2] = entry.start + entry.nbytes
+        return [tuple(run) for run in runs]
 
     def read_plan(
         self, runs: list[tuple[Path, int, list[tuple[int, int]]]], dst: torch.Tensor
     ) -> None:
         """Execute ``plan``'s runs into ``dst`` (a contiguous CPU uint8 tensor)."""
         view = memoryview(dst.numpy()).cast("B")
-        for path, start, pieces in runs:
+        for path, start, end, pieces in runs:
             fd = self._fds.get(path)
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             buffers = [view[dest : dest + nbytes] for dest, nbytes in pieces]
-            want, done = sum(nbytes for _, nbytes in pieces), 0
-            while done < want:  # one vectored read, continued after a short read (rare)
+            want = end - start
+            done = os.preadv(fd, buffers, start)  # one vectored read per run
+            while done < want:  # continued after a short read (rare)
                 n = os.preadv(fd, _after(buffers, done), start + done)
                 if n <= 0:
                     raise OSError(f"short read from {path} at byte {start + done}")

@@ -164,7 +164,10 @@ def test_scale_rows(bench):
 
 def test_goals_are_reported(bench):
     names = [g["name"] for g in bench["goals"]]
-    assert len(names) == 5
+    assert len(names) == 6
+    transition = next(g for g in bench["goals"] if g["name"] == "block transition overhead")
+    us = bench["transition"]["us_per_transition"]
+    assert transition["measured"] == f"{us:.0f} us" and us > 0  # measured, not a placeholder
     cuda_goals = [g for g in bench["goals"] if "needs CUDA" in g["note"]]
     assert len(cuda_goals) == 3 and all(g["met"] is None for g in cuda_goals)
 
