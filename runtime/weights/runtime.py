@@ -412,57 +412,42 @@ class StagehandRuntime:
         need = self.high_mb * MB - block.nbytes
         if self.memory.usage_bytes() <= need:
             return True
-        horizon = self.scheduler.distance(block.index)
-        later = sorted(
-            (
-                b
-                for b in self.blocks
-                if b.on_device
-                and not b.resident
-                and b.index not in self._active
-                and self.scheduler.distance(b.index) > horizon
-            ),
-            key=lambda b: self.scheduler.distance(b.index),
-            reverse=True,
-        )
-        for victim in later:
+        for victim in self.scheduler.needed_after(self._idle(), block.index):
             if self.memory.usage_bytes() <= need:
                 break
             self._evict(victim)
         return self.memory.usage_bytes() <= need
 
+    def _idle(self, keep: Iterable[int] = ()) -> list[Block]:
+        """Blocks on the device that may be evicted: not resident, not in use, not in ``keep``."""
+        return [
+            b
+            for b in self.blocks
+            if b.on_device
+            and not b.resident
+            and b.index not in self._active
+            and b.index not in keep
+        ]
+
     def _done(self, block: Block) -> None:
         self._active.discard(block.index)
         self._began.pop(block.index, None)
         if block.on_device and not block.resident:
-            soon = self.scheduler.upcoming()
-            if block.index not in soon:
+            low = self.low_mb * MB
+            if block.index not in self.scheduler.upcoming():
                 self._evict(block)
-            elif self.memory.usage_bytes() > self.low_mb * MB:
+            elif self.memory.usage_bytes() > low:
                 # Over the low watermark, evict whichever idle block is needed furthest ahead,
                 # this one or another: at the end of backward the block just used is the next
                 # step's first, and evicting it instead of the second makes every step begin
                 # with a stall.
-                idle = [
-                    b
-                    for b in self.blocks
-                    if b.on_device and not b.resident and b.index not in self._active
-                ]
-                self._evict(max(idle, key=lambda b: self.scheduler.distance(b.index)))
+                self._evict(self.scheduler.furthest(self._idle()))
             # Evict what the order does not need soon until usage is under the low watermark.
-            while self.memory.usage_bytes() > self.low_mb * MB:
-                soon = self.scheduler.upcoming()
-                idle = [
-                    b
-                    for b in self.blocks
-                    if b.on_device
-                    and not b.resident
-                    and b.index not in self._active
-                    and b.index not in soon
-                ]
-                if not idle:
+            while self.memory.usage_bytes() > low:
+                victim = self.scheduler.furthest(self._idle(keep=self.scheduler.upcoming()))
+                if victim is None:
                     break
-                self._evict(max(idle, key=lambda b: self.scheduler.distance(b.index)))
+                self._evict(victim)
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:

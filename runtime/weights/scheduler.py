@@ -16,6 +16,16 @@ never called (a defect of the public implementation), and runs in backward as we
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+
+class _Indexed(Protocol):
+    index: int
+
+
+B = TypeVar("B", bound=_Indexed)
+
 
 class BlockScheduler:
     """Traced block order, cursor and window. ``prefetch_window`` is a live knob (the Conductor
@@ -88,3 +98,15 @@ class BlockScheduler:
         self.current = []
         self.pos = -1
         return changed
+
+    # -- eviction choices (Belady: the block needed furthest ahead goes first) -----------------
+    def furthest(self, blocks: Iterable[B]) -> B | None:
+        """The one of ``blocks`` needed furthest ahead, None when there is none."""
+        return max(blocks, key=lambda b: self.distance(b.index), default=None)
+
+    def needed_after(self, blocks: Iterable[B], index: int) -> list[B]:
+        """Those of ``blocks`` needed later than block ``index``, furthest first: what may make
+        room for ``index`` without evicting a block needed before it."""
+        horizon = self.distance(index)
+        later = [b for b in blocks if self.distance(b.index) > horizon]
+        return sorted(later, key=lambda b: self.distance(b.index), reverse=True)
