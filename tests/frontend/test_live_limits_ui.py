@@ -1,7 +1,8 @@
 """The live-limits loop and the live run header in the browser, on real tiny-ci runs.
 
 Two runs: one without activation spill, where a spill watermark change passes the API and the
-worker refuses it (the panel and the charts say so); one with it, whose header figures move
+worker refuses it (the panel and the charts say so, the PATCH answer held back until the
+worker's record has reached the page); one with it, whose header figures move
 while it runs, whose VRAM watermark change leaves the spill watermarks alone, and whose
 changed limits Compare and "Re-run with changes" show once it has stopped.
 """
@@ -9,6 +10,7 @@ changed limits Compare and "Re-run with changes" show once it has stopped.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -59,6 +61,25 @@ def test_a_change_the_worker_refuses_is_shown_on_the_panel_and_charts(
     assert panel["y"] < vram["y"] + vram["height"], (panel, vram)
     assert "Activations spill to the host above it." in page.inner_text("#limits-panel")
 
+    def rejections(request_id=None) -> list[dict]:
+        url = f"/api/runs/{no_spill_run}/telemetry?source=trainer&kind=event&limit=100"
+        return [
+            r
+            for r in api.call("GET", url)["data"]
+            if r.get("event") == "control_rejected" and request_id in (None, r["request_id"])
+        ]
+
+    def answer_late(route):
+        # A busy server: the worker's answer reaches the page before the PATCH's own.
+        response = route.fetch()
+        request_id = response.json()["request_id"]
+        deadline = time.monotonic() + 60
+        while not rejections(request_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the live stream hands it to the page meanwhile
+        route.fulfill(response=response)
+
+    page.route(re.compile(r"/api/runs/\d+/limits$"), answer_late)
     spill_high = "#limit-activation_vram_high_watermark_mb"
     assert page.input_value(spill_high) == "0.5"
     page.fill(spill_high, "0.75")
@@ -74,10 +95,7 @@ def test_a_change_the_worker_refuses_is_shown_on_the_panel_and_charts(
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.locator("#limits-panel").screenshot(path=str(SHOTS / "limits-refused-panel.png"))
     # The worker's record is the one shown.
-    records = api.call(
-        "GET", f"/api/runs/{no_spill_run}/telemetry?source=trainer&kind=event&limit=100"
-    )["data"]
-    rejected = [r for r in records if r.get("event") == "control_rejected"]
+    rejected = rejections()
     assert len(rejected) == 1 and rejected[0]["message"] in text
     assert f"at step {rejected[0]['step']}:" in text
 
