@@ -272,6 +272,25 @@ class LimitsAccepted(BaseModel):
     request_id: str
 
 
+class LimitsChange(BaseModel):
+    """One ``strategy/limits_applied`` record: ``changed`` is ``{field: [old, new]}``."""
+
+    seq: int | None
+    step: int | None
+    time: float | None
+    request_id: str | None
+    changed: dict[str, list[float | int]]
+
+
+class LimitsPublic(BaseModel):
+    """``GET /api/runs/{id}/limits``: LiveLimits field -> value, for the runtimes that are on."""
+
+    preset: dict[str, float | int]
+    now: dict[str, float | int]
+    paths: dict[str, str]
+    history: list[LimitsChange]
+
+
 class TelemetryPage(BaseModel):
     data: list[dict[str, Any]]
     count: int

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from backend.api.deps import StoreDep, public_run, run_row
+from backend.api.deps import StoreDep, public_run, run_limits, run_row
 from backend.errors import Invalid
 from backend.models import MAX_ID, bounded_int
 from backend.openapi import errors
@@ -29,15 +29,34 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def config_diff(configs: dict[int, dict]) -> list[dict[str, Any]]:
-    """Only the dotted paths whose values differ (a path missing in a run counts as None)."""
+def live_changes(limits: dict[str, Any]) -> dict[str, list[list[Any]]]:
+    """Config path -> ``[[step, new value], ...]`` of the live-limit changes a run applied
+    (``limits``: ``backend.limits.effective_limits``)."""
+    out: dict[str, list[list[Any]]] = {}
+    for change in limits["history"]:
+        for field, (_, new) in change["changed"].items():
+            out.setdefault(limits["paths"][field], []).append([change["step"], new])
+    return out
+
+
+def config_diff(
+    configs: dict[int, dict], live: dict[int, dict[str, list]] | None = None
+) -> list[dict[str, Any]]:
+    """The dotted paths whose values differ (a path missing in a run counts as None), and
+    those a run changed while it ran: ``{path, values, live?: {run_id: [[step, value]...]}}``
+    (``live``: run id -> ``live_changes``); ``values`` are the config's."""
+    live = live or {}
     flat = {run_id: _flatten(cfg) for run_id, cfg in configs.items()}
     paths = sorted(set().union(*(f.keys() for f in flat.values())))
     diff = []
     for path in paths:
         values = {str(run_id): f.get(path) for run_id, f in flat.items()}
-        if len({repr(v) for v in values.values()}) > 1:
-            diff.append({"path": path, "values": values})
+        changes = {str(i): live[i][path] for i in flat if path in live.get(i, {})}
+        if len({repr(v) for v in values.values()}) > 1 or changes:
+            entry: dict[str, Any] = {"path": path, "values": values}
+            if changes:
+                entry["live"] = changes
+            diff.append(entry)
     return diff
 
 
@@ -68,7 +87,8 @@ def compare(
     ],
     metrics: Annotated[str, Query(max_length=500)] = DEFAULT_METRICS,
 ) -> dict:
-    """``{runs, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path, values}],
+    """``{runs, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path, values,
+    live?}],
     summary: [{run_id, name, status, ...summary}]}``.
 
     A metric is a field of ``step`` records (``loss``, ``phase_ms.forward``), optionally
@@ -76,7 +96,8 @@ def compare(
     when several sources carry the field (``vram_peak_mb``).
     """
     run_ids = _ids(ids)
-    runs = {run_id: public_run(store, run_row(store, run_id)) for run_id in run_ids}
+    rows = {run_id: run_row(store, run_id) for run_id in run_ids}
+    runs = {run_id: public_run(store, row) for run_id, row in rows.items()}
     names = [m.strip() for m in metrics.split(",") if m.strip()]
     if not names or len(names) > 20:
         raise Invalid("metrics: expected 1 to 20 comma-separated field names", field="metrics")
@@ -93,7 +114,10 @@ def compare(
     return {
         "runs": list(runs.values()),
         "series": series,
-        "config_diff": config_diff({i: normalized(r["config"]) for i, r in runs.items()}),
+        "config_diff": config_diff(
+            {i: normalized(r["config"]) for i, r in runs.items()},
+            {i: live_changes(run_limits(store, row)) for i, row in rows.items()},
+        ),
         "summary": [
             {"run_id": i, "name": r["name"], "status": r["status"], **r["summary"]}
             for i, r in runs.items()

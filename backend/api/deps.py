@@ -5,6 +5,7 @@ Tests may replace any of them with ``app.dependency_overrides[get_store] = ...``
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from fastapi import Depends
@@ -12,6 +13,7 @@ from starlette.requests import HTTPConnection
 
 from backend.errors import NotFound
 from backend.hub import Hub
+from backend.limits import effective_limits
 from backend.models import run_public
 from backend.settings import Settings
 from backend.store import ACTIVE, Store
@@ -58,3 +60,14 @@ def public_run(store: Store, row: dict[str, Any]) -> dict[str, Any]:
     """The API's Run, with live summary figures while the run is active."""
     live = row["status"] in ACTIVE or not row.get("summary")
     return run_public(row, store.summary(row["id"]) if live else None)
+
+
+def run_limits(store: Store, row: dict[str, Any]) -> dict[str, Any]:
+    """The run's limits (``backend.limits.effective_limits``): its config folded with every
+    ``strategy/limits_applied`` record the worker wrote, in seq order."""
+    applied: list[dict[str, Any]] = []
+    since = -1
+    while page := store.telemetry_lines(row["id"], since, 10_000, "strategy", "limits_applied"):
+        applied += [json.loads(line) for _, line in page]
+        since = page[-1][0]
+    return effective_limits(row["config"], applied)

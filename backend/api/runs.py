@@ -8,10 +8,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, status
 
-from backend.api.deps import SettingsDep, StoreDep, SupervisorDep, public_run, run_row
+from backend.api.deps import (
+    SettingsDep,
+    StoreDep,
+    SupervisorDep,
+    public_run,
+    run_limits,
+    run_row,
+)
 from backend.errors import Conflict, Invalid
+from backend.limits import watermark_problem
 from backend.models import (
     LimitsAccepted,
+    LimitsPublic,
     LimitsUpdate,
     RunCreate,
     RunId,
@@ -101,12 +110,26 @@ def set_limits(
     run_id: RunId, body: LimitsUpdate, store: StoreDep, supervisor: SupervisorDep
 ) -> dict:
     """Forward live limits to the worker's control dir; the worker acknowledges with a
-    ``strategy/limits_applied`` record carrying the returned ``request_id``."""
+    ``strategy/limits_applied`` record carrying the returned ``request_id`` (or refuses with
+    a ``trainer/event`` ``control_rejected`` one). A low watermark that would be above its high
+    one once folded into the limits in force is a 422 naming the field given."""
     limits = body.given()
     if not limits:
         raise Invalid("no limits given: set at least one LiveLimits field", field=None)
     run = run_row(store, run_id)
     if run["status"] not in ACTIVE or not supervisor.is_live(run_id):
         raise Conflict(f"run {run_id} is {run['status']}; limits apply to running runs", field="id")
+    problem = watermark_problem(run_limits(store, run)["now"], limits)
+    if problem is not None:
+        field, sentence = problem
+        raise Invalid(sentence, field=field)
     request_id = supervisor.send_control(run_id, {"command": "limits", "limits": limits})
     return {"request_id": request_id}
+
+
+@router.get("/{run_id}/limits", response_model=LimitsPublic, responses=errors(404))
+def get_limits(run_id: RunId, store: StoreDep) -> dict:
+    """The live limits of the run: those it started with (``preset``: its config, with the
+    runtime's defaults), those in force now (``now``), each field's config path (``paths``)
+    and every change the worker applied (``history``, in seq order)."""
+    return run_limits(store, run_row(store, run_id))

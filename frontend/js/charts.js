@@ -92,7 +92,7 @@ export function markerShapes(markers, xRange = null) {
   const [lo, hi] = xRange || [0, 0];
   return markers.map((m) => ({
     type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
-    line: { color: m.color, width: 1.5, dash: "dash" },
+    line: { color: m.color, width: 1.5, dash: m.dash || "dash" },
     label: {
       text: plotText(m.label), textangle: 0, textposition: "end",
       xanchor: hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left",
@@ -241,8 +241,8 @@ export class ChartPanel {
   }
 
   /** Vertical dashed line at `x` with a short label (e.g. "limits applied"). */
-  addMarker(x, label, color = "#b4235a") {
-    this.markers.push({ x, label, color });
+  addMarker(x, label, color = "#b4235a", dash = "dash") {
+    this.markers.push({ x, label, color, dash });
     this.invalidate();
   }
 

@@ -2,7 +2,8 @@
 //
 // Time-based charts (VRAM at block resolution, block residency) use seconds since the run's
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
-// becomes a marker on every chart, at its time or its step.
+// becomes a marker on every chart, at its time or its step; a limits request the worker
+// refused (`trainer/event` `control_rejected`) one of another colour.
 
 import { LiveChart, WAITING, afterPaint } from "./charts.js";
 import { ResidencyMap } from "./residency.js";
@@ -28,6 +29,11 @@ const SHORT = {
   max_inflight_d2h: "D2H",
   max_inflight_h2d: "H2D",
 };
+
+// Markers: limits the worker applied, and requests it refused.
+const APPLIED = { color: "#b4235a", dash: "dash" };
+const REFUSED = { color: "#d9480f", dash: "dot" };
+const REFUSED_LABEL_CHARS = 70;
 
 /** Chart ids, in page order (the tests read `document.getElementById(id).data`). */
 export const CHART_IDS = ["vram", "residency", "host", "spill", "spill-pool", "phases", "loss", "conductor"];
@@ -242,6 +248,9 @@ export class RunCharts {
       case "strategy/limits_applied":
         this.markLimits(t, step, rec);
         break;
+      case "trainer/event":
+        if (rec.event === "control_rejected") this.markRefused(t, step, rec);
+        break;
       default:
         break;
     }
@@ -288,15 +297,25 @@ export class RunCharts {
     const changed = Object.entries(rec.changed || {})
       .map(([field, [, now]]) => `${SHORT[field] || field}=${now}`)
       .join(", ");
-    const label = `limits: ${changed || "no change"}`;
-    for (const [id, chart] of Object.entries(this.charts)) {
-      const timeBased = id === "vram" || id === "residency";
-      if (timeBased) chart.addMarker(t, label);
-      else if (step !== null && step !== undefined) chart.addMarker(step, label);
-    }
+    this._mark(t, step, `limits: ${changed || "no change"}`, APPLIED);
     const wm = rec.changed || {};
     if (wm.vram_high_watermark_mb) this.charts.vram.push(2, t, wm.vram_high_watermark_mb[1]);
     if (wm.vram_low_watermark_mb) this.charts.vram.push(3, t, wm.vram_low_watermark_mb[1]);
+  }
+
+  /** Marker where the worker refused a request (before any step: on the time charts only). */
+  markRefused(t, step, rec) {
+    let label = `refused: ${rec.message || "no reason given"}`;
+    if (label.length > REFUSED_LABEL_CHARS) label = `${label.slice(0, REFUSED_LABEL_CHARS - 1)}…`;
+    this._mark(t, step, label, REFUSED);
+  }
+
+  _mark(t, step, label, { color, dash }) {
+    for (const [id, chart] of Object.entries(this.charts)) {
+      const timeBased = id === "vram" || id === "residency";
+      if (timeBased) chart.addMarker(t, label, color, dash);
+      else if (step !== null && step !== undefined) chart.addMarker(step, label, color, dash);
+    }
   }
 
   /** The run is over: charts still waiting will not get records. */

@@ -163,12 +163,20 @@ def test_queue_cancel_and_live_limits(server):
     assert client.get(f"/api/runs/{third}").json()["status"] == "cancelled"
     assert not (server.data_dir / "runs" / str(third) / "telemetry.jsonl").exists()
 
-    # Compare the two that ran: aligned series, only differing config fields, summary table.
+    # Compare the two that ran: aligned series, the config fields that differ or that a run
+    # changed while it ran (the config's value, then each change and its step), summary table.
     cmp = client.get("/api/compare", params={"ids": f"{first},{second}", "metrics": "loss"}).json()
     assert set(cmp["series"]["loss"]) == {str(first), str(second)}
     assert len(cmp["series"]["loss"][str(second)]) == 3
-    assert [d["path"] for d in cmp["config_diff"]] == ["max_steps"]
+    assert [d["path"] for d in cmp["config_diff"]] == [
+        "max_steps",
+        "memory.stagehand.vram_high_watermark_mb",
+        "memory.stagehand.vram_low_watermark_mb",
+    ]
     assert cmp["config_diff"][0]["values"] == {str(first): 100000, str(second): 3}
+    high = cmp["config_diff"][1]
+    assert high["values"] == {str(first): 1.0, str(second): 1.0}
+    assert high["live"] == {str(first): [[acks[0]["step"], 1234]]}
     assert [s["run_id"] for s in cmp["summary"]] == [first, second]
 
 

@@ -1,5 +1,6 @@
 // Compare page (#/compare?ids=1,2): runs overlaid on the same axes (VRAM, step time, loss,
-// spill), a summary table and the config diff (only the fields that differ).
+// spill), a summary table and the config diff (the fields that differ, and the live limits a
+// run changed while it ran: the config's value, then "→ new at step N" per change).
 
 import { api } from "../api.js";
 import { LiveChart } from "../charts.js";
@@ -12,6 +13,13 @@ const METRICS = [
   { id: "spill_bytes", chart: "cmp-spill", title: "Activation spill per step (MB)", y: "MB", scale: 1 / 2 ** 20 },
 ];
 const PALETTE = ["#1f5fa8", "#e08a1e", "#2e9e5b", "#b4235a", "#6b4fbb", "#17a2b8"];
+
+/** A config value, then each live change: "1 → 2 at step 8". */
+function fmtDiffCell(value, changes) {
+  const cell = [fmtValue(value)];
+  for (const [step, now] of changes || []) cell.push(h("span", { class: "live-change" }, ` → ${fmtValue(now)} at step ${step ?? "?"}`));
+  return cell;
+}
 
 function fmtValue(v) {
   if (v === undefined) return h("span", { class: "muted" }, "(unset)");
@@ -36,7 +44,7 @@ export function mount(root, { params }) {
   const diff = h("div", { class: "table-wrap", id: "config-diff" });
   root.append(grid,
     h("section", { class: "card" }, h("h2", {}, "Summary"), summary),
-    h("section", { class: "card" }, h("h2", {}, "Config diff (fields that differ)"), diff));
+    h("section", { class: "card" }, h("h2", {}, "Config diff (fields that differ or changed during a run)"), diff));
 
   (async () => {
     let result;
@@ -95,7 +103,7 @@ export function mount(root, { params }) {
         h("thead", {}, h("tr", {}, h("th", {}, "field"), runIds.map((id) => h("th", {}, nameOf.get(id))))),
         h("tbody", {}, entries.map((d) => h("tr", { "data-path": d.path },
           h("td", {}, h("code", {}, d.path)),
-          runIds.map((id) => h("td", {}, fmtValue((d.values || {})[id])))))))
+          runIds.map((id) => h("td", {}, fmtDiffCell((d.values || {})[id], (d.live || {})[id])))))))
       : h("p", { class: "muted" }, "The configs are identical."));
   })();
 

@@ -1,6 +1,8 @@
 // Live-limits panel: PATCH /api/runs/{id}/limits with the LiveLimits fields that changed
-// (runtime/config.py), then wait for the worker's `strategy/limits_applied` record with the
-// same request_id (applied at the next step begin) and say so; the charts draw the marker.
+// (runtime/config.py), then wait for the worker's answer with the same request_id and say
+// which: a `strategy/limits_applied` record (applied at the next step begin) or a
+// `trainer/event` `control_rejected` one (refused, with the worker's message). The charts
+// draw a marker for either.
 
 import { api } from "../api.js";
 import { fill, getPath, h, showError } from "../ui.js";
@@ -10,14 +12,14 @@ const AS = `${SH}.activation_stagehand`;
 
 // LiveLimits field -> where its current value lives in the run's config.
 const LIMITS = [
-  { field: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", path: `${SH}.vram_high_watermark_mb`, int: false },
-  { field: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", path: `${SH}.vram_low_watermark_mb`, int: false },
-  { field: "prefetch_window_blocks", label: "Prefetch window (blocks)", path: `${SH}.prefetch_window_blocks`, int: true },
-  { field: "max_inflight_transfers", label: "In-flight block H2D copies", path: `${SH}.max_inflight_transfers`, int: true },
-  { field: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", path: `${AS}.vram_high_watermark_mb`, int: false },
-  { field: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", path: `${AS}.vram_low_watermark_mb`, int: false },
-  { field: "max_inflight_d2h", label: "Spill in-flight D2H", path: `${AS}.max_inflight_d2h`, int: true },
-  { field: "max_inflight_h2d", label: "Restore in-flight H2D", path: `${AS}.max_inflight_h2d`, int: true },
+  { field: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", path: `${SH}.vram_high_watermark_mb`, int: false, hint: "Prefetch stops where a load would cross it." },
+  { field: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", path: `${SH}.vram_low_watermark_mb`, int: false, hint: "Blocks are evicted until usage is under it." },
+  { field: "prefetch_window_blocks", label: "Prefetch window (blocks)", path: `${SH}.prefetch_window_blocks`, int: true, hint: "Blocks loaded ahead of use; 0 turns prefetch off." },
+  { field: "max_inflight_transfers", label: "In-flight block H2D copies", path: `${SH}.max_inflight_transfers`, int: true, hint: "Block copies host → device at once." },
+  { field: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", path: `${AS}.vram_high_watermark_mb`, int: false, hint: "Activations spill to the host above it." },
+  { field: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", path: `${AS}.vram_low_watermark_mb`, int: false, hint: "Spilling stops below it." },
+  { field: "max_inflight_d2h", label: "Spill in-flight D2H", path: `${AS}.max_inflight_d2h`, int: true, hint: "Spill copies device → host at once." },
+  { field: "max_inflight_h2d", label: "Restore in-flight H2D", path: `${AS}.max_inflight_h2d`, int: true, hint: "Restore copies host → device at once." },
 ];
 
 export class LimitsPanel {
@@ -32,8 +34,8 @@ export class LimitsPanel {
     this.errors = errors;
     this.current = {};
     this.pending = new Map(); // request_id -> list item
-    // A busy server can deliver the worker's record before the PATCH answer: kept here.
-    this.early = new Map(); // request_id -> limits_applied record
+    // A busy server can deliver the worker's answer before the PATCH answer: kept here.
+    this.early = new Map(); // request_id -> limits_applied or control_rejected record
     this.inputs = new Map();
     for (const { field, path } of LIMITS) {
       const value = getPath(run.config || {}, path);
@@ -43,15 +45,16 @@ export class LimitsPanel {
     this.note = h("span", { class: "muted", id: "limits-note" });
     this.log = h("ul", { class: "limits-log", id: "limits-log" });
     const grid = h("div", { class: "form-grid compact" });
-    for (const { field, label } of LIMITS) {
+    for (const { field, label, hint } of LIMITS) {
       const input = h("input", { type: "text", inputmode: "decimal", id: `limit-${field}`, value: this.current[field] ?? "", placeholder: "unchanged" });
       const err = h("div", { class: "field-error" });
       this.inputs.set(field, { input, err });
-      grid.append(h("label", { class: "field" }, h("span", { class: "label" }, label), input, err));
+      grid.append(h("label", { class: "field" }, h("span", { class: "label" }, label), input,
+        h("span", { class: "hint" }, hint), err));
     }
     fill(box,
       h("h2", {}, "Live limits"),
-      h("p", { class: "muted" }, "Changes apply at the next step begin; the charts mark where the worker applied them."),
+      h("p", { class: "muted" }, "Changes apply at the next step begin; each changes only itself (the VRAM watermarks are the weight runtime's, the spill ones the activation runtime's). The charts mark where the worker applied or refused them."),
       grid, h("div", { class: "toolbar" }, this.applyBtn, this.note), this.log);
     this.setStatus(run.status);
   }
@@ -100,7 +103,7 @@ export class LimitsPanel {
       const early = this.early.get(requestId);
       if (early) {
         this.early.delete(requestId);
-        this.applied(early);
+        this.answered(early);
       }
     } catch (err) {
       if (err.field) {
@@ -114,22 +117,35 @@ export class LimitsPanel {
     }
   }
 
-  /** A `strategy/limits_applied` record arrived. */
-  applied(rec) {
-    const changed = rec.changed || {};
-    for (const [field, [, now]] of Object.entries(changed)) {
-      this.current[field] = now;
-      const entry = this.inputs.get(field);
-      if (entry && document.activeElement !== entry.input) entry.input.value = now;
-    }
-    const text = `applied at step ${rec.step ?? "?"}: ${Object.entries(changed).map(([f, [a, b]]) => `${f} ${a} → ${b}`).join(", ") || "no change"}`;
+  /**
+   * The worker answered a request: `rec` is its `strategy/limits_applied` record (the limits
+   * in force change) or its `trainer/event` `control_rejected` one (nothing changes).
+   */
+  answered(rec) {
+    const refused = rec.kind !== "limits_applied";
+    const changed = refused ? {} : rec.changed || {};
+    for (const [field, [, now]] of Object.entries(changed)) this.current[field] = now;
     const entry = this.pending.get(rec.request_id);
-    if (entry) {
-      entry.item.className = "applied";
-      entry.item.textContent = `${describe(entry.body)}: ${text}`;
-      this.pending.delete(rec.request_id);
-    } else {
+    if (!entry) {
       this.early.set(rec.request_id, rec);
+      this._showCurrent(Object.keys(changed));
+      return;
+    }
+    this.pending.delete(rec.request_id);
+    // A refused request leaves its fields as they were: the inputs show the values in force.
+    this._showCurrent(refused ? Object.keys(entry.body) : Object.keys(changed));
+    const text = refused
+      ? `refused by the worker at step ${rec.step ?? "?"}: ${rec.message || "no reason given"}`
+      : `applied at step ${rec.step ?? "?"}: ${Object.entries(changed).map(([f, [a, b]]) => `${f} ${a} → ${b}`).join(", ") || "no change"}`;
+    entry.item.className = refused ? "refused" : "applied";
+    entry.item.textContent = `${describe(entry.body)}: ${text}`;
+  }
+
+  /** Puts the values in force into the inputs of `fields` (not the one being typed in). */
+  _showCurrent(fields) {
+    for (const field of fields) {
+      const entry = this.inputs.get(field);
+      if (entry && document.activeElement !== entry.input) entry.input.value = this.current[field] ?? "";
     }
   }
 }

@@ -1,6 +1,7 @@
 // New run page: pick a preset, edit its key fields as a form or the whole JSON, then Start
 // (POST /api/runs with the changes as `overrides`) or save as a new preset. `#/new?from=ID`
-// opens it prefilled from a past run ("Re-run with changes"); `#/new?preset=NAME` selects one.
+// opens it prefilled from a past run ("Re-run with changes", with the live limits the run ended
+// with, not those it started with); `#/new?preset=NAME` selects one.
 // API validation errors are shown beside the form field their `field` JSON path names.
 // Start scans the data first (POST /api/data/scan): a run that would fail on it does not start,
 // and files left out or caption warnings are shown once before "Start anyway".
@@ -27,6 +28,8 @@ const FIELDS = [
   { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", paths: [`${SH}.prefetch_window_blocks`], type: "int" },
   { id: "max_inflight_transfers", label: "In-flight block H2D copies", paths: [`${SH}.max_inflight_transfers`], type: "int" },
   { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool" },
+  { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", paths: [`${AS}.vram_high_watermark_mb`], type: "float" },
+  { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", paths: [`${AS}.vram_low_watermark_mb`], type: "float" },
   { id: "max_inflight_d2h", label: "Spill in-flight D2H", paths: [`${AS}.max_inflight_d2h`], type: "int" },
   { id: "max_inflight_h2d", label: "Restore in-flight H2D", paths: [`${AS}.max_inflight_h2d`], type: "int" },
   { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
@@ -301,14 +304,32 @@ export function mount(root, { params }) {
     }
   }
 
+  /** `config` with the live limits the run ended with in place of those it started with. */
+  function withLimits(runConfig, limits) {
+    const out = structuredClone(runConfig);
+    for (const [field, value] of Object.entries(limits.now)) {
+      if (limits.preset[field] !== value) setPath(out, limits.paths[field], value);
+    }
+    return out;
+  }
+
+  function limitsNote(limits) {
+    const moved = Object.keys(limits.now).filter((f) => limits.preset[f] !== limits.now[f]);
+    if (!moved.length) return;
+    const text = moved.map((f) => `${f} ${limits.preset[f]} → ${limits.now[f]}`).join(", ");
+    title.closest(".toolbar").after(h("p", { class: "muted", id: "rerun-limits" },
+      `Filled in with the live limits run ${from} ended with (changed while it ran): ${text}.`));
+  }
+
   (async () => {
     try {
       if (from) {
-        const run = await api.run(from);
+        const [run, limits] = await Promise.all([api.run(from), api.limits(from)]);
         await loadPresets(run.preset);
         const preset = presets.find((p) => p.name === run.preset);
         if (!preset) showError(errors, new Error(`preset "${run.preset}" no longer exists; pick one, the run's config is loaded`), "re-run");
-        load(preset ? preset.config : run.config, run.config);
+        load(preset ? preset.config : run.config, withLimits(run.config, limits));
+        limitsNote(limits);
         nameInput.value = `${run.name || `run ${run.id}`} (re-run)`;
       } else {
         await loadPresets(params.get("preset"));

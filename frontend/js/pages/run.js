@@ -1,6 +1,6 @@
 // Run live view: header (status, step x/y, ETA, error + traceback), the reconnect banner, the
-// dataset scan the worker recorded, the live-limits panel, the charts (runcharts.js) and the
-// samples gallery.
+// dataset scan the worker recorded, the charts (runcharts.js) with the live-limits panel beside
+// the VRAM chart, and the samples gallery.
 // Stored records are drawn first (history.js); the stream then resumes after the last of them.
 
 import { FINISHED, api } from "../api.js";
@@ -12,12 +12,48 @@ import { RunStream, StreamState } from "../stream.js";
 import { fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
 
+/** The header's figures, summed from records as `store.summary` sums them in the backend. */
+function newFigures() {
+  return { loss: null, peak: null, stepMsSum: 0, steps: 0, spill: null };
+}
+
+/** Adds one `step` record (any source); true when a figure changed. */
+function addFigures(f, rec) {
+  let changed = false;
+  if (typeof rec.vram_peak_mb === "number" && (f.peak === null || rec.vram_peak_mb > f.peak)) {
+    f.peak = rec.vram_peak_mb;
+    changed = true;
+  }
+  if (rec.source === "trainer") {
+    if (typeof rec.loss === "number") f.loss = rec.loss;
+    if (typeof rec.step_time_ms === "number") {
+      f.stepMsSum += rec.step_time_ms;
+      f.steps += 1;
+    }
+    changed = true;
+  } else if (rec.source === "activation_stagehand" && typeof rec.spill_bytes === "number") {
+    f.spill = (f.spill ?? 0) + rec.spill_bytes;
+    changed = true;
+  }
+  return changed;
+}
+
+/** The figures as `RunSummary` fields (absent where no record said anything yet). */
+function figuresOf(f) {
+  const out = {};
+  if (f.loss !== null) out.final_loss = f.loss;
+  if (f.peak !== null) out.peak_vram_mb = f.peak;
+  if (f.steps) out.mean_step_time_ms = f.stepMsSum / f.steps;
+  if (f.spill !== null) out.spill_bytes = f.spill;
+  return out;
+}
+
 export function mount(root, { parts }) {
   const runId = parts[1];
   let run = null;
   let stream = null;
   let stopped = false;
-  const live = { step: null, maxSteps: null, stepTimes: [], stage: null, samples: new Set() };
+  const live = { step: null, maxSteps: null, stepTimes: [], stage: null, samples: new Set(), figures: newFigures() };
 
   const errors = h("div", { class: "page-errors" });
   const header = h("section", { class: "card run-header", id: "run-header" }, "loading run…");
@@ -28,7 +64,7 @@ export function mount(root, { parts }) {
   const grid = h("div", { class: "chart-grid", id: "charts" });
   const gallery = h("div", { class: "gallery", id: "samples" });
   const galleryCard = h("section", { class: "card", hidden: true }, h("h2", {}, "Samples"), gallery);
-  root.append(header, errors, banner, failure, dataCard, grid, limitsBox, galleryCard);
+  root.append(header, errors, banner, failure, dataCard, grid, galleryCard);
 
   let charts = null;
   let limits = null;
@@ -44,10 +80,12 @@ export function mount(root, { parts }) {
 
   function renderHeader() {
     if (!run) return;
-    const s = run.summary || {};
+    const running = run.status === "running";
+    // While the run goes, its figures come from the records as they arrive; once it ended,
+    // from the backend's summary of what it stored.
+    const s = running ? { ...run.summary, ...figuresOf(live.figures) } : run.summary || {};
     const maxSteps = live.maxSteps ?? s.max_steps;
     const step = live.step ?? s.steps_done ?? 0;
-    const running = run.status === "running";
     const cancelBtn = running || run.status === "queued"
       ? h("button", { class: "danger", id: "cancel-run", onclick: async () => {
         try {
@@ -71,7 +109,7 @@ export function mount(root, { parts }) {
         stageText ? fact("stage", stageText, "fact-stage") : null,
         fact("elapsed", fmtDuration(runDuration(run)), "fact-elapsed"),
         fact("preset", run.preset, "fact-preset"),
-        fact("final loss", fmtNum(s.final_loss), "fact-loss"),
+        fact(FINISHED.has(run.status) ? "final loss" : "loss", fmtNum(s.final_loss), "fact-loss"),
         fact("peak VRAM", fmtMB(s.peak_vram_mb), "fact-peak"),
         fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
         fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
@@ -118,6 +156,7 @@ export function mount(root, { parts }) {
     for (const rec of records) {
       if (charts) charts.ingest(rec);
       const key = `${rec.source}/${rec.kind}`;
+      if (rec.kind === "step") headerDirty = addFigures(live.figures, rec) || headerDirty;
       if (key === "trainer/run_started") {
         live.maxSteps = rec.max_steps ?? live.maxSteps;
         headerDirty = true;
@@ -134,8 +173,8 @@ export function mount(root, { parts }) {
         dataCard.hidden = false;
       } else if (key === "trainer/sample" && rec.path) {
         addSample(rec.path.split("/").pop(), rec.prompt);
-      } else if (key === "strategy/limits_applied") {
-        if (limits) limits.applied(rec);
+      } else if (key === "strategy/limits_applied" || (key === "trainer/event" && rec.event === "control_rejected")) {
+        if (limits) limits.answered(rec);
       } else if (key === "trainer/error" && run && !run.error) {
         run.error = { message: rec.message, error_type: rec.error_type, traceback: rec.traceback, oom: rec.oom };
         renderFailure();
@@ -200,6 +239,8 @@ export function mount(root, { parts }) {
     renderHeader();
     renderFailure();
     charts = new RunCharts(grid, run.config);
+    // Beside the VRAM chart (under it on a narrow screen), where a user watching it looks.
+    grid.firstElementChild.after(limitsBox);
     limits = new LimitsPanel(limitsBox, run, errors);
     // Limits only matter while a run can still take them.
     limitsBox.hidden = FINISHED.has(run.status);
