@@ -247,3 +247,34 @@ class PipelineFamily(Family):
         if self.expert is not None:
             out["stagehand.expert"] = self.expert
         return out
+
+
+class PatchedLatents:
+    """Mixin of the families whose transformer sees 2x2 patches of (B, C, h, w) latents and
+    whose scheduler shifts dynamically with the pipeline's ``calculate_shift`` (Flux,
+    Qwen-Image, Z-Image: the same function, copied in each pipeline module)."""
+
+    shift_module = ""
+    """The pipeline module whose ``calculate_shift`` the pipeline calls."""
+
+    def check_latents(self, shape: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` when latent h or w is odd (no whole 2x2 patches)."""
+        if shape[-1] % 2 or shape[-2] % 2:
+            raise ValueError(
+                f"{self.name} packs 2x2 latent patches: latent h, w {tuple(shape[-2:])} must "
+                "be even"
+            )
+
+    def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
+        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
+
+    def mu(self, image_seq_len: int) -> float:
+        calculate_shift = importlib.import_module(self.shift_module).calculate_shift
+        cfg = self.scheduler().config
+        return calculate_shift(
+            image_seq_len,
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )

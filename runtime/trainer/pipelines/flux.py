@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.trainer.pipelines.base import PipelineFamily, load_component
+from runtime.trainer.pipelines.base import PatchedLatents, PipelineFamily, load_component
 from runtime.trainer.pipelines.folder import PipelineFolderError, read_json
 
 
@@ -30,9 +30,10 @@ def _t5_pass(pipe, texts, device, max_tokens):
     return {"hidden": hidden, "mask": mask}
 
 
-class FluxPipelineFamily(PipelineFamily):
+class FluxPipelineFamily(PatchedLatents, PipelineFamily):
     name, model_class, lora_mixin = "flux", "FluxTransformer2DModel", "FluxLoraLoaderMixin"
     pipeline_class = "FluxPipeline"
+    shift_module = "diffusers.pipelines.flux.pipeline_flux"
     tokenizers = ("tokenizer", "tokenizer_2")
     text_passes = (("text_encoder", _clip_pass), ("text_encoder_2", _t5_pass))
     guidance = 1.0
@@ -82,27 +83,6 @@ class FluxPipelineFamily(PipelineFamily):
                 f"{self.transformer_dir / 'config.json'}: does not fit the flux pipeline: "
                 + "; ".join(problems)
             )
-
-    def check_latents(self, shape):
-        if shape[-1] % 2 or shape[-2] % 2:
-            raise ValueError(
-                f"flux packs 2x2 latent patches: latent h, w {shape[-2:]} must be even"
-            )
-
-    def image_seq_len(self, latent_shape):
-        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def mu(self, image_seq_len):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        cfg = self.scheduler().config
-        return calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
 
     def text_dim(self, model):
         return model.config.joint_attention_dim

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.trainer.pipelines.base import PipelineFamily, load_component
+from runtime.trainer.pipelines.base import PatchedLatents, PipelineFamily, load_component
 from runtime.trainer.pipelines.folder import PipelineFolderError, read_json
 
 
@@ -26,13 +26,14 @@ def _qwen_pass(pipe, texts, device, max_tokens):
     return {"hidden": hidden[:, :max_tokens], "mask": mask[:, :max_tokens]}
 
 
-class QwenImagePipelineFamily(PipelineFamily):
+class QwenImagePipelineFamily(PatchedLatents, PipelineFamily):
     name, model_class, lora_mixin = (
         "qwenimage",
         "QwenImageTransformer2DModel",
         "QwenImageLoraLoaderMixin",
     )
     pipeline_class = "QwenImagePipeline"
+    shift_module = "diffusers.pipelines.qwenimage.pipeline_qwenimage"
     tokenizers = ("tokenizer",)
     text_passes = (("text_encoder", _qwen_pass),)
     comfy_prefix = "diffusion_model"
@@ -73,27 +74,6 @@ class QwenImagePipelineFamily(PipelineFamily):
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z)
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z)
         return ((z - mean) / std)[:, :, 0]  # (n, C, h, w)
-
-    def check_latents(self, shape):
-        if shape[-1] % 2 or shape[-2] % 2:
-            raise ValueError(
-                f"qwenimage packs 2x2 latent patches: latent h, w {shape[-2:]} must be even"
-            )
-
-    def image_seq_len(self, latent_shape):
-        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def mu(self, image_seq_len):
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        cfg = self.scheduler().config
-        return calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
 
     def text_dim(self, model):
         return model.config.joint_attention_dim

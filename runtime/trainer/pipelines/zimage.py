@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.trainer.pipelines.base import PipelineFamily, load_component
+from runtime.trainer.pipelines.base import PatchedLatents, PipelineFamily, load_component
 from runtime.trainer.pipelines.folder import PipelineFolderError, read_json
 
 
@@ -28,9 +28,10 @@ def _qwen3_pass(pipe, texts, device, max_tokens):
     return {"hidden": hidden, "mask": mask}
 
 
-class ZImagePipelineFamily(PipelineFamily):
+class ZImagePipelineFamily(PatchedLatents, PipelineFamily):
     name, model_class, lora_mixin = "zimage", "ZImageTransformer2DModel", "ZImageLoraLoaderMixin"
     pipeline_class = "ZImagePipeline"
+    shift_module = "diffusers.pipelines.z_image.pipeline_z_image"
     tokenizers = ("tokenizer",)
     text_passes = (("text_encoder", _qwen3_pass),)
     lora_targets = (
@@ -65,25 +66,6 @@ class ZImagePipelineFamily(PipelineFamily):
                 f"{self.transformer_dir / 'config.json'}: does not fit the zimage pipeline: "
                 + "; ".join(problems)
             )
-
-    def check_latents(self, shape):
-        if shape[-1] % 2 or shape[-2] % 2:
-            raise ValueError(f"zimage patches 2x2 latents: latent h, w {shape[-2:]} must be even")
-
-    def image_seq_len(self, latent_shape):
-        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def mu(self, image_seq_len):
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
-
-        cfg = self.scheduler().config
-        return calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
 
     def text_dim(self, model):
         return model.config.cap_feat_dim
