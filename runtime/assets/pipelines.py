@@ -116,7 +116,6 @@ def flux_pipeline(seed: int = SEED):
     CLIP 3 layers hidden 20, T5 3 layers d_model 24, transformer 3 double + 5 single blocks,
     VAE 4 latent channels and a 4x downscale (3 blocks)."""
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         FluxPipeline,
         FluxTransformer2DModel,
@@ -163,21 +162,7 @@ def flux_pipeline(seed: int = SEED):
         guidance_embeds=True,
         axes_dims_rope=(2, 2, 4),
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=0.37,
-        shift_factor=0.11,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = _flux_style_vae(scaling_factor=0.37, shift_factor=0.11)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0,
         use_dynamic_shifting=True,
@@ -352,7 +337,6 @@ def zimage_pipeline(seed: int = SEED):
     second-to-last hidden state), transformer of 3 layers with 1 noise and 1 context refiner,
     the Flux-style ``AutoencoderKL`` with 4 latent channels and a 4x downscale."""
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         ZImagePipeline,
         ZImageTransformer2DModel,
@@ -387,21 +371,7 @@ def zimage_pipeline(seed: int = SEED):
         axes_dims=[4, 4, 4],
         axes_lens=[256, 64, 64],
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = _flux_style_vae(scaling_factor=0.3611, shift_factor=0.1159)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
     return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok, transformer=transformer
@@ -436,3 +406,25 @@ def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> P
     source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     spec = {"family": family, "seed": SEED, "source": source}
     return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))
+
+
+def _flux_style_vae(scaling_factor: float, shift_factor: float):
+    """The tiny AutoencoderKL of the Flux-style pipelines (Flux, Z-Image): 3 levels, 4 latent
+    channels, no quant convs; the pipelines differ in their latent scaling and shift."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -201,17 +201,10 @@ class StagehandRuntime:
         self._open = False
         mem = self.memory.snapshot()
         c = self._counts
-        counters = self.counters()
         self._last = {
-            "blocks_loaded": counters["blocks_loaded"],
-            "blocks_evicted": counters["blocks_evicted"],
-            "prefetch_hits": counters["prefetch_hits"],
-            "prefetch_misses": counters["prefetch_misses"],
+            **self.counters(),
             "prefetch_skipped": int(c["prefetch_skipped"]),
             "stall_time_ms": c["stall_time_ms"],
-            "h2d_bytes": counters["h2d_bytes"],
-            "file_reads": counters["file_reads"],
-            "pageable_copies": counters["pageable_copies"],
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
@@ -316,8 +309,7 @@ class StagehandRuntime:
     def _backward_begin(self, block: Block) -> None:
         # The begin of one block's backward is the end of every other block's (see the NOTE).
         self._saw_backward = True
-        for index in sorted(self._active - {block.index}, reverse=True):
-            self._backward_end(self.blocks[index])
+        self._end_others(block)
         self._began[block.index] = torch._C._current_graph_task_id()
         self._use(block, "backward")
 
@@ -326,9 +318,12 @@ class StagehandRuntime:
         # backward of the block before it returned: a block whose backward began in another
         # graph task is done (see the NOTE). A non-reentrant one shares the outer graph task.
         task = torch._C._current_graph_task_id()
+        self._end_others(block, lambda index: self._began.get(index) not in (None, task))
+
+    def _end_others(self, block: Block, ended: Callable[[int], bool] | None = None) -> None:
+        """End the backward of every active block other than ``block`` (those ``ended`` says)."""
         for index in sorted(self._active - {block.index}, reverse=True):
-            began = self._began.get(index)
-            if began is not None and began != task:
+            if ended is None or ended(index):
                 self._backward_end(self.blocks[index])
 
     def _backward_end(self, block: Block) -> None:
