@@ -9,7 +9,7 @@ an event recorded after a copy (``TransferEvent.wait``), a device-side wait. A h
 from __future__ import annotations
 
 import contextlib
-import os
+import mmap
 from collections.abc import Iterator
 
 import torch
@@ -66,21 +66,28 @@ def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> tor
     return torch.empty(nbytes // itemsize, dtype=dtype, pin_memory=pin)
 
 
+def host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor of ``tensor``'s shape and dtype (contiguous), page-locked
+    through PyTorch's caching host allocator when ``pin`` (CUDA only): the destination of an
+    asynchronous D2H copy."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+
+
 def page_locked_buffer(nbytes: int) -> torch.Tensor:
     """A host buffer of ``nbytes`` bytes (uint8), page-locked with ``cudaHostRegister`` (as
-    ``torch.cuda._pin_memory_utils`` does for checkpoint staging) in whole pages from a
-    page-aligned start: unlike ``pin_memory``, no power-of-two rounding and no trip through
-    PyTorch's host cache. Release it with ``unlock``.
+    ``torch.cuda._pin_memory_utils`` does for checkpoint staging): an anonymous mapping of whole
+    pages, so the buffer, its storage and the locked range all start at one page boundary.
+    Unlike ``pin_memory``, no power-of-two rounding and no trip through PyTorch's host cache.
+    ``is_pinned()`` is True for it and for every view of it (PyTorch asks the driver about the
+    storage's first byte). Release it with ``unlock``.
 
     Raises:
         RuntimeError: the memory cannot be page-locked (no CUDA, or a pinned-memory cap).
     """
-    # Registered in whole pages, from a page-aligned start (what cudaHostRegister locks).
-    page = os.sysconf("SC_PAGE_SIZE")
-    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
-    start = -raw.data_ptr() % page
-    buffer = raw[start : start + nbytes]
-    locked = -(-nbytes // page) * page
+    page = mmap.PAGESIZE
+    locked = max(1, -(-nbytes // page)) * page
+    mapping = mmap.mmap(-1, locked)  # page-aligned and zero-filled by the kernel
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]  # keeps ``mapping`` alive
     try:
         err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), locked, 0))
     except (AssertionError, RuntimeError) as exc:  # a build or machine without CUDA

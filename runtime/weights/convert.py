@@ -219,9 +219,13 @@ def restore_blocks(
 ) -> None:
     """Every (evicted) block parameter becomes an ordinary tensor on ``device`` again: read from
     its checkpoint tensor (file-backed) or copied from its host master (module-backed)."""
+    # Asynchronous H2D on CUDA: ordered before any later use on the compute stream, no host wait
+    # per parameter (a pinned master is guarded by the host allocator's events, a pageable one is
+    # staged by the driver before the call returns).
+    non_blocking = device.type == "cuda"
     for block in blocks:
         for slot in block.layout:
             data = slot.host if slot.key is None else source.load(slot.key, slot.dtype)
-            slot.param.data = data.to(device, copy=slot.key is None)
+            slot.param.data = data.to(device, copy=slot.key is None, non_blocking=non_blocking)
             if slot.param.grad is not None:
-                slot.param.grad = slot.param.grad.to(device)
+                slot.param.grad = slot.param.grad.to(device, non_blocking=non_blocking)

@@ -16,11 +16,16 @@ from typing import Any
 
 import torch
 
+from runtime.common.device import host_like, uses_cuda
 from runtime.common.memory import DeviceMemory
 from runtime.weights.registry import Block, BlockState, ParamSlot
 
 
-def _move_state(optimizer: Any, slots: list[ParamSlot], device: torch.device) -> None:
+def _move_state(
+    optimizer: Any, slots: list[ParamSlot], device: torch.device, non_blocking: bool
+) -> None:
+    """Every optimizer state tensor of ``slots`` to ``device``: H2D from the pinned host copies
+    made below, D2H into fresh pinned host tensors (``non_blocking``; the caller waits)."""
     if optimizer is None:
         return
     for slot in slots:
@@ -28,39 +33,55 @@ def _move_state(optimizer: Any, slots: list[ParamSlot], device: torch.device) ->
         for name, value in (state or {}).items():
             # 0-d tensors (Adam's ``step``) stay where the optimizer keeps them.
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
-                state[name] = value.to(device)
+                if device.type == "cpu":
+                    host = host_like(value, non_blocking)
+                    host.copy_(value, non_blocking=non_blocking)
+                    state[name] = host
+                else:
+                    state[name] = value.to(device, non_blocking=non_blocking)
 
 
 @contextlib.contextmanager
 def trainable_on_device(
     blocks: list[Block], device: torch.device, memory: DeviceMemory, optimizer: Any | None
 ) -> Iterator[None]:
-    """See the module docstring. Host masters must be complete (D2H copies waited on)."""
+    """See the module docstring. Host masters must be complete (D2H copies waited on).
+
+    On CUDA every copy is asynchronous on the current stream (host masters, gradients and state
+    are pinned), so ``optimizer.step()`` queues behind the H2D copies without a host wait; on
+    exit the D2H copies back are waited on once (one host sync per step), since the host masters
+    may be read next (a saved LoRA file, the next step's loads)."""
+    non_blocking = uses_cuda(device)
     moved: list[ParamSlot] = []
     for block in blocks:
         if block.state is BlockState.GPU_READY:
             continue  # already on the device, as views of the block buffer
         for slot in block.layout:
             if slot.trainable:
-                slot.param.data = slot.host.to(device, copy=True)
+                slot.param.data = slot.host.to(device, copy=True, non_blocking=non_blocking)
                 if slot.param.grad is not None:
-                    slot.param.grad = slot.param.grad.to(device, copy=True)
+                    slot.param.grad = slot.param.grad.to(
+                        device, copy=True, non_blocking=non_blocking
+                    )
                 memory.track(slot.nbytes, "weights")
                 moved.append(slot)
     # State follows every trainable block parameter (also those whose block is loaded).
     trainable = [s for b in blocks for s in b.layout if s.trainable]
-    _move_state(optimizer, trainable, device)
+    _move_state(optimizer, trainable, device, non_blocking)
     try:
         yield
     finally:
         for slot in moved:
-            slot.host.copy_(slot.param.data)
+            slot.host.copy_(slot.param.data, non_blocking=non_blocking)
             slot.param.data = slot.host
             grad = slot.param.grad
             if grad is not None:
-                if slot.host_grad is None or slot.host_grad.shape != grad.shape:
-                    slot.host_grad = torch.empty_like(slot.host)
-                slot.host_grad.copy_(grad)
-                slot.param.grad = slot.host_grad
+                host = host_like(grad, non_blocking)
+                host.copy_(grad, non_blocking=non_blocking)
+                slot.param.grad = host
             memory.untrack(slot.nbytes, "weights")
-        _move_state(optimizer, trainable, torch.device("cpu"))
+        _move_state(optimizer, trainable, torch.device("cpu"), non_blocking)
+        if non_blocking:
+            # The device tensors just dropped are freed in stream order (the copies were queued
+            # on the same stream before them); the host reads the copies' results after this.
+            torch.cuda.current_stream(device).synchronize()

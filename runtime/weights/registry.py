@@ -78,7 +78,6 @@ class ParamSlot:
     trainable: bool
     key: str | None = None
     host: torch.Tensor | None = None
-    host_grad: torch.Tensor | None = None
 
     stride: tuple[int, ...] = ()
     """Contiguous strides of ``shape`` (parameters are stored contiguously in the buffer)."""

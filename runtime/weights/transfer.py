@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.common.device import TransferEvent, TransferStream, host_buffer
+from runtime.common.device import TransferEvent, TransferStream, host_buffer, host_like
 from runtime.common.memory import DeviceMemory
 from runtime.weights.pool import PinnedPool, Slab
 from runtime.weights.registry import Block, BlockState, slot_views
@@ -204,6 +204,7 @@ class TransferEngine:
             # Its in-flight entry keeps its own staging and grant either way (``InFlight``).
             self.wait_block(block)
         trainable = [s for s in block.layout if s.trainable]
+        host_grads: dict[int, torch.Tensor] = {}
         if trainable and block.state is BlockState.GPU_READY:
             block.to(BlockState.EVICTING)
             with self.stream.use():
@@ -211,11 +212,11 @@ class TransferEngine:
                     self.stream.copy_(slot.host, slot.param.data)
                     grad = slot.param.grad
                     if grad is not None:
-                        if slot.host_grad is None or slot.host_grad.shape != grad.shape:
-                            slot.host_grad = torch.empty(
-                                grad.shape, dtype=grad.dtype, pin_memory=self.stream.non_blocking
-                            )
-                        self.stream.copy_(slot.host_grad, grad)
+                        # A fresh host gradient per eviction, as autograd gives a fresh ``.grad``
+                        # after ``zero_grad(set_to_none=True)``: one the user kept is never
+                        # overwritten. Pinned ones come from PyTorch's caching host allocator.
+                        host_grads[id(slot)] = host = host_like(grad, self.stream.non_blocking)
+                        self.stream.copy_(host, grad)
                 block.d2h_event = self.stream.record()
                 self.d2h_events.append(block.d2h_event)
             pending = block.nbytes
@@ -230,10 +231,9 @@ class TransferEngine:
             block.to(BlockState.HOST_STAGED)
         block.to(BlockState.GPU_FREEING)
         for slot in block.layout:
-            had_grad = slot.param.grad is not None
             slot.param.data = slot.host if slot.host is not None else placeholder(slot.dtype)
-            if slot.trainable and had_grad:
-                slot.param.grad = slot.host_grad
+            if id(slot) in host_grads:
+                slot.param.grad = host_grads[id(slot)]
         block.flat = None
         block.prefetched = False
         self.memory.untrack(block.nbytes, "weights")

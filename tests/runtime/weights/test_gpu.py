@@ -23,8 +23,13 @@ def _train_cuda(model, runtime=None, steps=3):
         with runtime.managed_backward() if runtime else torch.enable_grad():
             loss.backward()
         losses.append(loss.item())
+        # A copy: an evicted trainable block's ``.grad`` is its host buffer, reused next step.
         grads.append(
-            {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            {
+                n: p.grad.detach().to("cpu", copy=True)
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
         )
         with runtime.optimizer_context(opt) if runtime else torch.enable_grad():
             opt.step()
