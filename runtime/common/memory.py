@@ -74,17 +74,32 @@ class DeviceMemory:
             return self._tracked
         return self._by_category.get(category, 0)
 
+    def _allocator(self, *names: str) -> list[int]:
+        """The caching allocator's current ``names`` figures (bytes, pool "all"), from one read
+        of its nested statistics: ``torch.cuda.memory_allocated`` flattens and sorts all ~170
+        of them on every call (~0.4 ms on an H100 host; this read is ~20 us), and the runtimes
+        read these figures at every block transition."""
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(self.device)
+        return [stats.get(name, {}).get("all", {}).get("current", 0) for name in names]
+
     def allocated_bytes(self) -> int:
         """Bytes allocated on the device now."""
         if self.is_cuda:
-            return torch.cuda.memory_allocated(self.device)
+            return self._allocator("allocated_bytes")[0]
         return self._tracked
 
     def reserved_bytes(self) -> int:
         """Bytes the allocator holds (allocated plus cached); equals allocated when tracked."""
         if self.is_cuda:
-            return torch.cuda.memory_reserved(self.device)
+            return self._allocator("reserved_bytes")[0]
         return self._tracked
+
+    def allocated_and_reserved(self) -> tuple[int, int]:
+        """``(allocated_bytes(), reserved_bytes())`` from one read of the allocator."""
+        if self.is_cuda:
+            allocated, reserved = self._allocator("allocated_bytes", "reserved_bytes")
+            return allocated, reserved
+        return self._tracked, self._tracked
 
     def usage_bytes(self) -> int:
         """The figure budgets compare against watermarks, in bytes.
@@ -95,8 +110,7 @@ class DeviceMemory:
         the bytes released while a copy on another stream still reads them (``pending_bytes``).
         """
         if self.is_cuda:
-            stats = torch.cuda.memory_stats(self.device)
-            used = self.allocated_bytes() + stats.get("inactive_split_bytes.all.current", 0)
+            used = sum(self._allocator("allocated_bytes", "inactive_split_bytes"))
         else:
             used = self._tracked
         return used + (self.pending_bytes() if self._pending else 0)

@@ -503,14 +503,15 @@ class StagehandRuntime:
     # -- telemetry ------------------------------------------------------------------------------
     def _emit_block(self, event: str, block: Block, **fields: Any) -> None:
         if self.config.block_events:
+            allocated, reserved = self.memory.allocated_and_reserved()
             self.telemetry.emit(
                 "stagehand",
                 "block",
                 event=event,
                 block=block.index,
                 block_name=block.name,
-                vram_allocated_mb=self.memory.allocated_bytes() / MB,
-                vram_reserved_mb=self.memory.reserved_bytes() / MB,
+                vram_allocated_mb=allocated / MB,
+                vram_reserved_mb=reserved / MB,
                 vram_source=self.memory.source,
                 **fields,
             )
