@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 from typing import Any
 
 PRELOAD = ["runtime.bench.worker"]
@@ -32,6 +33,10 @@ class Runner:
 
     def __init__(self, timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
+        # ``torch.cuda.is_available()`` initialises the CUDA driver (and poisons fork) unless it
+        # asks NVML: the server and every child it forks inherit this, so a check in the server
+        # (at import, say) leaves its children free to use CUDA (PyTorch's is_available docs).
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
 
