@@ -31,6 +31,37 @@ def test_untracking_more_than_tracked_raises():
         mem.untrack(1, "activations")
 
 
+def test_cuda_figures_read_the_allocator_once_per_change(monkeypatch):
+    """On CUDA one read of the allocator's statistics serves every figure until the runtimes'
+    own bytes change or ``STATS_REUSE_S`` passed (the allocator read stands in for CUDA)."""
+    from runtime.common import memory as memory_module
+
+    reads = []
+
+    def stats(device):
+        reads.append(device)
+        n = len(reads)
+        return {
+            "allocated_bytes": {"all": {"current": 100 * n}},
+            "reserved_bytes": {"all": {"current": 300 * n}},
+            "inactive_split_bytes": {"all": {"current": 7}},
+        }
+
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", stats)
+    monkeypatch.setattr(memory_module, "STATS_REUSE_S", 60.0)
+    mem = DeviceMemory("cuda")
+    assert mem.allocated_and_reserved() == (100, 300)
+    assert mem.usage_bytes() == 107 and mem.allocated_bytes() == 100 and len(reads) == 1
+    mem.track(5, "weights")  # the runtime placed bytes: the next figure is read anew
+    assert mem.allocated_bytes() == 200 and mem.reserved_bytes() == 600 and len(reads) == 2
+    mem.untrack(5, "weights")
+    assert mem.usage_bytes() == 307 and len(reads) == 3
+    monkeypatch.setattr(memory_module, "STATS_REUSE_S", 0.0)
+    mem.allocated_bytes()
+    mem.allocated_bytes()
+    assert len(reads) == 5  # no reuse once the window has passed
+
+
 def test_phase_order():
     order = [Phase.STEP_BEGIN, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.STEP_END]
     current = None
