@@ -50,6 +50,10 @@ class StagehandConfig(_Strict):
     """Blocks loaded ahead of use along the traced order (0 disables prefetch)."""
     max_inflight_transfers: PosInt = 2
     """H2D block copies in flight at once."""
+    reader_threads: Annotated[int, Field(ge=0, le=16)] | None = None
+    """Threads that read blocks from their safetensors files into slabs and issue the H2D
+    copies, so file reads (page-cache speed, ~5 GB/s) run beside the thread that queues the
+    kernels instead of on it. 0: reads on the calling thread; None: 2 on CUDA, 0 on CPU."""
     block_pattern: str | None = None
     """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
     file_backed: bool = True

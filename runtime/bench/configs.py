@@ -172,6 +172,15 @@ def main_configs(info: ModelInfo, *, cuda: bool) -> list[BenchConfig]:
             file_backed=True,
         ),
         BenchConfig(
+            # The other reader setting than the device's default (2 threads on CUDA, none on
+            # CPU): what moving file reads off the model's thread does, on this machine.
+            "stream_file_readers",
+            f"stream, file-backed, {0 if cuda else 2} readers",
+            "ours",
+            _stagehand(info, file_backed=True, reader_threads=0 if cuda else 2),
+            file_backed=True,
+        ),
+        BenchConfig(
             "spill_keep",
             "+ act. spill KEEP-only",
             "ours",

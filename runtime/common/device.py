@@ -156,14 +156,28 @@ class TransferStream:
         synchronously (a host stall). None belong in the hot path."""
 
     @contextlib.contextmanager
-    def use(self) -> Iterator[None]:
-        """Issue the enclosed copies on this stream, after the compute stream's pending work."""
+    def use(self, after: TransferEvent | None = None) -> Iterator[None]:
+        """Issue the enclosed copies on this stream, after the compute stream's pending work:
+        the current stream's (of the calling thread), or what ``after`` (``mark()`` called on
+        the thread that queues the kernels) covers, for copies issued from another thread."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            after.wait(self.stream)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
+
+    def mark(self) -> TransferEvent | None:
+        """An event on the calling thread's current (compute) stream, for ``use(after=...)``
+        on another thread; None without streams."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return TransferEvent(event, self.device)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on this stream (inside ``use()``): asynchronous on CUDA, where the

@@ -121,8 +121,16 @@ class StagehandRuntime:
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
         self.memory.track(self.resident_bytes, "weights")
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
+        readers = config.reader_threads
+        if readers is None:
+            readers = 2 if self.device.type == "cuda" else 0
         self.transfer = TransferEngine(
-            self.device, self.pool, self.memory, self.source, config.max_inflight_transfers
+            self.device,
+            self.pool,
+            self.memory,
+            self.source,
+            config.max_inflight_transfers,
+            reader_threads=readers,
         )
         self.router = SavedTensorRouter([self.packer])
         self._by_storage: dict[int, Block] = {}
@@ -530,6 +538,7 @@ class StagehandRuntime:
             if block.on_device:
                 self._evict(block)
         self.transfer.drain()  # no slab may be freed while a copy still reads it
+        self.transfer.close()
         if restore:
             restore_blocks(self.blocks, self.source, self.device)
         self.pool.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,9 @@ class SafetensorsCheckpoint:
                     end - begin,
                 )
         self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        """Guards ``_fds`` and the read counters: reader threads read concurrently (``pread``
+        is positional, so one descriptor per file serves them all)."""
         self._tails: dict[str, list[str]] | None = None
         self.reads = 0
         """Tensors read from the files so far (``read_into`` calls)."""
@@ -175,9 +179,7 @@ class SafetensorsCheckpoint:
             self.read_into(key, raw)
             dst.view(dtype).view(entry.shape).copy_(raw.view(entry.dtype).view(entry.shape))
             return
-        fd = self._fds.get(entry.path)
-        if fd is None:
-            fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+        fd = self._fd(entry.path)
         view = memoryview(dst.numpy()).cast("B")
         done = 0
         while done < entry.nbytes:
@@ -187,8 +189,21 @@ class SafetensorsCheckpoint:
                     f"short read of {key!r} from {entry.path} at byte {entry.start + done}"
                 )
             done += n
-        self.reads += 1
-        self.read_bytes += entry.nbytes
+        self._count(1, entry.nbytes)
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _count(self, reads: int, nbytes: int) -> None:
+        with self._lock:
+            self.reads += reads
+            self.read_bytes += nbytes
 
     def plan(self, pieces: list[tuple[str, int]]) -> list[tuple[Path, int, int, list]]:
         """A read plan for ``pieces`` (checkpoint key, byte offset in a destination buffer):
@@ -217,9 +232,7 @@ class SafetensorsCheckpoint:
         """Execute ``plan``'s runs into ``dst`` (a contiguous CPU uint8 tensor)."""
         view = memoryview(dst.numpy()).cast("B")
         for path, start, end, pieces in runs:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            fd = self._fd(path)
             buffers = [view[dest : dest + nbytes] for dest, nbytes in pieces]
             want = end - start
             done = os.preadv(fd, buffers, start)  # one vectored read per run
@@ -228,8 +241,7 @@ class SafetensorsCheckpoint:
                 if n <= 0:
                     raise OSError(f"short read from {path} at byte {start + done}")
                 done += n
-            self.reads += len(pieces)
-            self.read_bytes += want
+            self._count(len(pieces), want)
 
     def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A fresh CPU tensor holding checkpoint tensor ``key`` in ``dtype`` (default: the

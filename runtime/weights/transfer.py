@@ -15,6 +15,7 @@ before the copy finished (a defect of the public implementation).
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,33 @@ def _converts(source: SafetensorsCheckpoint, slot: Any) -> bool:
     return source.entries[slot.key].dtype != slot.dtype
 
 
+class StagedCopy:
+    """The ``TransferEvent`` of a block read and copied on a reader thread: complete when the
+    reader staged the block and the H2D copy it issued finished. Waiting on it first waits (on
+    the host) for the reader, then as on the copy's own event.
+
+    A reader that failed (a short read, a file gone) is complete as far as its staging goes
+    (``query``, ``synchronize``: its slab may be reused, nothing reads it any more); its error
+    is raised where the block's data would be used (``wait``, from ``TransferEngine.ready``).
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future[TransferEvent]) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        future = self.future
+        return future.done() and (future.exception() is not None or future.result().query())
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        self.future.result().wait(stream)  # raises the reader's error
+
+    def synchronize(self) -> None:
+        if self.future.exception() is None:  # waits for the reader
+            self.future.result().synchronize()
+
+
 @dataclass(eq=False)
 class InFlight:
     """One issued H2D copy and what it holds until its event completes: the staging it reads
@@ -67,9 +95,16 @@ class TransferEngine:
         memory: DeviceMemory,
         source: SafetensorsCheckpoint | None,
         max_inflight: int,
+        reader_threads: int = 0,
     ) -> None:
         self.device = device
         self.stream = TransferStream(device)
+        self.readers = (
+            ThreadPoolExecutor(reader_threads, thread_name_prefix="stagehand-read")
+            if reader_threads > 0
+            else None
+        )
+        """Reader threads (``reader_threads``): they stage blocks and issue their H2D copies."""
         self.pool = pool
         self.memory = memory
         self.source = source
@@ -160,6 +195,30 @@ class TransferEngine:
         if block.read_plan is None and self.source is not None:
             same = [s for s in block.layout if s.key is not None and not _converts(self.source, s)]
             block.read_plan = self.source.plan([(s.key, s.offset) for s in same])
+        block.to(BlockState.HOST_STAGED)  # staging (here, or on a reader thread)
+        # Allocated on this thread's (compute) stream, which frees it after its last use.
+        flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        if self.readers is None:
+            event: TransferEvent | StagedCopy = self._stage_and_copy(block, host, flat, None)
+        else:
+            # The copy must follow the compute work queued so far (``flat`` may be memory that
+            # work still uses), which the reader's thread cannot see: an event marks it.
+            after = self.stream.mark()
+            future = self.readers.submit(self._stage_and_copy, block, host, flat, after)
+            event = StagedCopy(future)
+        block.flat, block.load_event = flat, event
+        block.to(BlockState.PREFETCHING)
+        self.memory.track(block.nbytes, "weights")
+        self.h2d_bytes += block.nbytes
+        self.inflight.append(InFlight(block, event, staging, grant))
+        self.retire()
+        return True
+
+    def _stage_and_copy(
+        self, block: Block, host: torch.Tensor, flat: torch.Tensor, after: TransferEvent | None
+    ) -> TransferEvent:
+        """Read ``block``'s bytes into ``host`` (its read plan, converted tensors, host masters)
+        and issue the H2D copy into ``flat``: on the loading thread, or on a reader thread."""
         if block.read_plan:
             self.source.read_plan(block.read_plan, host)
         for slot in block.layout:
@@ -169,18 +228,15 @@ class TransferEngine:
             elif _converts(self.source, slot):
                 dst = host[slot.offset : slot.offset + slot.nbytes]
                 self.source.read_into(slot.key, dst, slot.dtype)
-        block.to(BlockState.HOST_STAGED)
-        flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
-        with self.stream.use():
+        with self.stream.use(after=after):
             self.stream.copy_(flat, host)
-            event = self.stream.record()
-        block.flat, block.load_event = flat, event
-        block.to(BlockState.PREFETCHING)
-        self.memory.track(block.nbytes, "weights")
-        self.h2d_bytes += block.nbytes
-        self.inflight.append(InFlight(block, event, staging, grant))
-        self.retire()
-        return True
+            return self.stream.record()
+
+    def close(self) -> None:
+        """Stop the reader threads (after ``drain``)."""
+        if self.readers is not None:
+            self.readers.shutdown(wait=True)
+            self.readers = None
 
     def ready(self, block: Block) -> None:
         """PREFETCHING -> GPU_READY: the compute stream waits on the copy's event, then the

@@ -92,8 +92,11 @@ class LaggingStream(TransferStream):
         self.clock.streams.append(self)
 
     @contextlib.contextmanager
-    def use(self) -> Iterator[None]:
+    def use(self, after: Any = None) -> Iterator[None]:
         yield
+
+    def mark(self) -> None:
+        return None
 
     @property
     def asynchronous(self) -> bool:

@@ -17,6 +17,7 @@ MAIN_ROWS = [
     "baseline",
     "stream_module",
     "stream_file",
+    "stream_file_readers",
     "spill_keep",
     "spill_all",
     "spill_predictive",

@@ -1,0 +1,71 @@
+"""Reader threads (``reader_threads``): blocks are read from their safetensors files and copied on
+a small thread pool, off the thread that runs the model; training stays bit-identical, a
+reader's error reaches the training loop, and the default is no pool on CPU."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from runtime.strategy import build_strategy
+from runtime.weights.sources import SafetensorsCheckpoint
+from tests.runtime import exact
+from tests.runtime.test_exactness import memory_section
+
+
+def _streamed(path, readers: int | None, checkpointing: str | None = "non-reentrant"):
+    model = exact.make_model("flux", path, "lora", checkpointing)
+    memory = memory_section("stream-file", checkpointing is not None)
+    if readers is not None:
+        memory["stagehand"]["reader_threads"] = readers
+    return model, build_strategy(model, memory, device="cpu", checkpoint_dir=path)
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant"], ids=["no-gc", "gc"])
+def test_reader_threads_train_exactly_off_the_calling_thread(tiny_flux, monkeypatch, checkpointing):
+    reference = exact.make_model("flux", tiny_flux, "lora", checkpointing, ordinary=True)
+    expected = exact.train(reference, build_strategy(reference, {"strategy": "none"}, device="cpu"))
+    threads: list[str] = []
+    read_plan = SafetensorsCheckpoint.read_plan
+
+    def spy(self, runs, dst):
+        threads.append(threading.current_thread().name)
+        return read_plan(self, runs, dst)
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", spy)
+    model, built = _streamed(tiny_flux, 2, checkpointing)
+    assert built.weights.transfer.readers is not None
+    got = exact.train(model, built)
+    exact.assert_exact(expected, got)
+    loads = built.counters()["blocks_loaded"]
+    assert len(threads) >= loads > 0  # every block read, each on a reader thread
+    assert {name.split("_")[0] for name in threads} == {"stagehand-read"}
+    assert built.weights.transfer.readers is None  # shut down at close
+
+
+def test_a_reader_error_reaches_the_training_loop(tiny_flux, monkeypatch):
+    def broken(self, runs, dst):
+        raise OSError("short read from transformer/diffusion_pytorch_model.safetensors")
+
+    model, built = _streamed(tiny_flux, 2)
+    monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", broken)
+    inputs = exact.inputs_for(model, 0)
+    with pytest.raises(OSError, match="short read"):
+        with built.step(0), built.forward():
+            model(**inputs)
+    weights = built.weights
+    weights.transfer.drain()  # failed reads count as finished: their slabs come back
+    assert not weights.transfer.inflight
+    assert all(slab.holder is None for slab in weights.pool.slabs)
+    built.close()
+    assert weights.pool.closed
+
+
+def test_no_reader_threads_on_cpu_by_default(tiny_flux):
+    model, built = _streamed(tiny_flux, None)
+    assert built.weights.transfer.readers is None
+    with torch.no_grad(), built.step(0), built.forward():
+        model(**exact.inputs_for(model, 0))
+    built.close()
