@@ -13,6 +13,7 @@ Sources:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -28,11 +29,46 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def _check_watermarks(high: float, low: float) -> None:
-    if low > high:
-        raise ValueError(
-            f"vram_low_watermark_mb ({low}) must not be above vram_high_watermark_mb ({high})"
-        )
+@dataclass(frozen=True)
+class Watermarks:
+    """The one rule for a pair of VRAM watermarks, used by the configs, the live limits and the
+    runtimes (here, torch-free, so the backend checks presets with it): both are numbers of MB
+    >= 0 and the low one is not above the high one. The weight runtime stops prefetching at the
+    high watermark and evicts down to the low one; the activation runtime spills from the high
+    one until below the low one (the seeds' ``vram_high_watermark_mb``/``vram_low_watermark_mb``).
+    ``names`` are the fields errors name.
+
+    Raises:
+        ValueError: a watermark that is not a number >= 0 (bools and NaN included), or the low
+            one above the high one, naming the field.
+    """
+
+    high_mb: float
+    low_mb: float
+    names: tuple[str, str] = ("vram_high_watermark_mb", "vram_low_watermark_mb")
+
+    def __post_init__(self) -> None:
+        for name, value in zip(self.names, (self.high_mb, self.low_mb), strict=True):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value != value
+                or value < 0
+            ):
+                raise ValueError(f"{name} must be a number of MB >= 0, got {value!r}")
+        if self.low_mb > self.high_mb:
+            high, low = self.names
+            raise ValueError(f"{low} ({self.low_mb}) must not be above {high} ({self.high_mb})")
+        object.__setattr__(self, "high_mb", float(self.high_mb))
+        object.__setattr__(self, "low_mb", float(self.low_mb))
+
+    @property
+    def high_bytes(self) -> int:
+        return int(self.high_mb * MB)
+
+    @property
+    def low_bytes(self) -> int:
+        return int(self.low_mb * MB)
 
 
 class StagehandConfig(_Strict):
@@ -73,7 +109,7 @@ class StagehandConfig(_Strict):
 
     @model_validator(mode="after")
     def _watermarks(self) -> StagehandConfig:
-        _check_watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
+        Watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
         if self.pinned_slab_mb > self.pinned_pool_mb:
             raise ValueError(
                 f"pinned_slab_mb ({self.pinned_slab_mb}) is larger than pinned_pool_mb "
@@ -116,7 +152,7 @@ class ActivationStagehandConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ActivationStagehandConfig:
-        _check_watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
+        Watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
         classes = self.pinned_pool_classes_mb
         if list(classes) != sorted(set(classes)):
             raise ValueError(
@@ -234,12 +270,13 @@ class LiveLimits(_Strict):
 
     @model_validator(mode="after")
     def _pairs(self) -> LiveLimits:
-        for high, low in (
-            (self.vram_high_watermark_mb, self.vram_low_watermark_mb),
-            (self.activation_vram_high_watermark_mb, self.activation_vram_low_watermark_mb),
+        for names in (
+            ("vram_high_watermark_mb", "vram_low_watermark_mb"),
+            ("activation_vram_high_watermark_mb", "activation_vram_low_watermark_mb"),
         ):
+            high, low = (getattr(self, name) for name in names)
             if high is not None and low is not None:
-                _check_watermarks(high, low)
+                Watermarks(high, low, names)
         return self
 
     def given(self) -> dict[str, float | int]:

@@ -16,23 +16,17 @@ On CPU a reading is one attribute, so it reads every time.
 from __future__ import annotations
 
 from runtime.common.memory import DeviceMemory
-from runtime.config import MB
+from runtime.config import MB, Watermarks
 
 
 def check_watermarks(high_mb: float, low_mb: float) -> tuple[float, float]:
-    """Validated ``(high_mb, low_mb)``.
+    """Validated ``(high_mb, low_mb)`` (``Watermarks``' rule).
 
     Raises:
         ValueError: a negative or non-numeric watermark, or the low one above the high one.
     """
-    for name, value in (("vram_high_watermark_mb", high_mb), ("vram_low_watermark_mb", low_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name} must be a number of MB >= 0, got {value!r}")
-    if low_mb > high_mb:
-        raise ValueError(
-            f"vram_low_watermark_mb ({low_mb}) must not be above vram_high_watermark_mb ({high_mb})"
-        )
-    return float(high_mb), float(low_mb)
+    marks = Watermarks(high_mb, low_mb)
+    return marks.high_mb, marks.low_mb
 
 
 class ActivationBudgetManager:

@@ -47,7 +47,7 @@ from runtime.conductor import (
     ConductorRuntime,
     StagehandConductorAdapter,
 )
-from runtime.config import MB, LiveLimits, StagehandSection
+from runtime.config import MB, LiveLimits, StagehandSection, Watermarks
 from runtime.strategy.base import MemoryStrategy
 
 # LiveLimits field -> (runtime attribute, adapter knob)
@@ -275,8 +275,8 @@ class StagehandStrategy(MemoryStrategy):
                 raise ValueError(f"{field}: no runtime of this strategy has that limit")
             new[field] = value
         for high, low in _WATERMARKS.values():
-            if high in new and new[low] > new[high]:
-                raise ValueError(f"{low} ({new[low]}) must not be above {high} ({new[high]})")
+            if high in new:
+                Watermarks(new[high], new[low], (high, low))
         return new
 
     def set_limits(

@@ -37,7 +37,7 @@ from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
-from runtime.config import MB, StagehandConfig
+from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.hooks import WeightView, wrap_outputs
 from runtime.weights.optimizer import trainable_on_device
@@ -159,18 +159,10 @@ class StagehandRuntime:
 
     # -- knobs ----------------------------------------------------------------------------------
     def set_watermarks(self, high_mb: float, low_mb: float) -> None:
-        """Set the VRAM watermarks (MB). Raises ``ValueError`` naming the field at fault."""
-        for field, value in (
-            ("vram_high_watermark_mb", high_mb),
-            ("vram_low_watermark_mb", low_mb),
-        ):
-            if not isinstance(value, (int, float)) or value != value or value < 0:
-                raise ValueError(f"{field} must be a number >= 0 (MB), got {value!r}")
-        if low_mb > high_mb:
-            raise ValueError(
-                f"vram_low_watermark_mb ({low_mb}) must not be above vram_high_watermark_mb ({high_mb})"
-            )
-        self.high_mb, self.low_mb = float(high_mb), float(low_mb)
+        """Set the VRAM watermarks (MB). Raises ``ValueError`` naming the field at fault
+        (``Watermarks``)."""
+        marks = Watermarks(high_mb, low_mb)
+        self.high_mb, self.low_mb = marks.high_mb, marks.low_mb
 
     def snapshot(self) -> dict[str, int]:
         """Live knobs for the Conductor's ``runtime_snapshots``."""
