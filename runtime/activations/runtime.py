@@ -44,6 +44,7 @@ from runtime.activations.restore import CATEGORY, RestoreMixin
 from runtime.activations.telemetry import SOURCE, ActivationStepMetrics
 from runtime.activations.transfer import ActivationTransferEngine
 from runtime.common.memory import DeviceMemory
+from runtime.common.nested import in_backward
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, ActivationStagehandConfig
 
@@ -51,8 +52,6 @@ PUBLISH_BYTES = 64 * 1024
 """Kept bytes are reported to ``DeviceMemory`` in batches of at least this many (a lock and two
 dict updates per saved tensor would double the KEEP path's cost); watermark decisions add the
 unreported bytes, so only the tracked *peak* can lag the truth, by less than this."""
-
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class ActivationRuntime(RestoreMixin):
@@ -293,7 +292,7 @@ class ActivationRuntime(RestoreMixin):
         if (
             tensor.device.type != self.device.type
             or tensor.layout is not torch.strided
-            or _graph_task_id() != -1  # saved during backward: needed again right away
+            or in_backward()  # saved during backward: needed again right away
             or self._is_weight(tensor)
         ):
             return None

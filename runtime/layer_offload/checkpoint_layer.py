@@ -34,8 +34,6 @@ the wrapper is installed. ``uninstall`` puts the original block back into its li
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -43,43 +41,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.common.nested import flatten, in_backward
+
 Callback = Callable[[int, bool], None]
 """``callback(layer_index, recompute)``: ``recompute`` is True inside a checkpoint's
 recomputation during backward."""
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def flatten(obj: Any, out: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
-    """Append every tensor in ``obj`` (tensors, tuples, namedtuples, lists, dicts, dataclass
-    instances, nested) to ``out``; return ``rebuild(tensors)`` giving ``obj`` with the tensors
-    at the same positions of the list replaced."""
-    if isinstance(obj, torch.Tensor):
-        index = len(out)
-        out.append(obj)
-        return lambda ts: ts[index]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        parts = [flatten(item, out) for item in obj]
-        return lambda ts: type(obj)(*(p(ts) for p in parts))
-    if isinstance(obj, (tuple, list)):
-        parts = [flatten(item, out) for item in obj]
-        return lambda ts: type(obj)(p(ts) for p in parts)
-    if isinstance(obj, dict):
-        parts = {k: flatten(v, out) for k, v in obj.items()}
-        return lambda ts: {k: p(ts) for k, p in parts.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        parts = {f.name: flatten(getattr(obj, f.name), out) for f in dataclasses.fields(obj)}
-
-        def rebuild(ts: list[torch.Tensor]) -> Any:
-            new = copy.copy(obj)  # keeps fields with init=False and extra attributes
-            for name, part in parts.items():
-                object.__setattr__(new, name, part(ts))  # frozen dataclasses too
-            return new
-
-        return rebuild
-    return lambda ts: obj
 
 
 class OffloadCheckpointLayer(nn.Module):
@@ -155,7 +121,7 @@ class OffloadCheckpointLayer(nn.Module):
         by_ref: list[torch.Tensor],
         *moved: torch.Tensor,
     ) -> Any:
-        recompute = _in_backward()
+        recompute = in_backward()
         self.before_layer(self.index, recompute)
         tensors = [by_ref[i] if held else moved[i] for held, i in slots]
         # The kwargs fix: every tensor, however it was passed, is on the device before compute.

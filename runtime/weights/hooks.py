@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from runtime.common.nested import flatten
+
 
 class _BackwardBegin(torch.autograd.Function):
     @staticmethod
@@ -56,42 +58,16 @@ class _BackwardBegin(torch.autograd.Function):
         return (None, *grads)
 
 
-def _leaves(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            _leaves(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _leaves(item, out)
-
-
-def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return mapping.get(id(obj), obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_replace(item, mapping) for item in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_replace(item, mapping) for item in obj)
-    if isinstance(obj, dict):
-        replaced = {k: _replace(v, mapping) for k, v in obj.items()}
-        try:
-            return type(obj)(**replaced) if type(obj) is not dict else replaced
-        except TypeError:
-            return replaced
-    return obj
-
-
 def wrap_outputs(output: Any, callback: Callable[[], None]) -> Any:
     """``output`` with its grad-requiring tensors routed through ``_BackwardBegin``."""
     leaves: list[torch.Tensor] = []
-    _leaves(output, leaves)
+    rebuild = flatten(output, leaves)
     tensors = [t for t in leaves if t.requires_grad]
     if not tensors:
         return output
     new = _BackwardBegin.apply(callback, *tensors)
-    return _replace(output, {id(t): n for t, n in zip(tensors, new, strict=True)})
+    routed = {id(t): n for t, n in zip(tensors, new, strict=True)}
+    return rebuild([routed.get(id(t), t) for t in leaves])
 
 
 class WeightView:

@@ -35,6 +35,7 @@ from torch import nn
 
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
+from runtime.common.nested import graph_task_id, in_backward
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
@@ -60,11 +61,6 @@ _COUNTERS = (
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
 """Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
 to write nowhere)."""
-
-
-def _in_backward() -> bool:
-    # Inside the autograd engine: a gradient-checkpoint recomputation, not a new forward.
-    return torch._C._current_graph_task_id() != -1
 
 
 class StagehandRuntime:
@@ -287,7 +283,7 @@ class StagehandRuntime:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _pre_hook(self, block: Block, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if _in_backward():
+        if in_backward():
             self._end_nested(block)
             self._use(block, "recompute")
         else:
@@ -297,7 +293,7 @@ class StagehandRuntime:
     def _post_hook(
         self, block: Block, module: nn.Module, args: tuple, kwargs: dict, output: Any
     ) -> Any:
-        if not _in_backward():
+        if not in_backward():
             self._emit_block("exit", block, direction="forward")
             self._done(block)
         if self.mode != "training" or not torch.is_grad_enabled():
@@ -310,14 +306,14 @@ class StagehandRuntime:
         # The begin of one block's backward is the end of every other block's (see the NOTE).
         self._saw_backward = True
         self._end_others(block)
-        self._began[block.index] = torch._C._current_graph_task_id()
+        self._began[block.index] = graph_task_id()
         self._use(block, "backward")
 
     def _end_nested(self, block: Block) -> None:
         # A reentrant checkpoint's recomputation runs in the outer backward, after the nested
         # backward of the block before it returned: a block whose backward began in another
         # graph task is done (see the NOTE). A non-reentrant one shares the outer graph task.
-        task = torch._C._current_graph_task_id()
+        task = graph_task_id()
         self._end_others(block, lambda index: self._began.get(index) not in (None, task))
 
     def _end_others(self, block: Block, ended: Callable[[int], bool] | None = None) -> None:
