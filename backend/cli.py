@@ -6,6 +6,7 @@ server never imports torch):
 - ``serve``        the dashboard and API on http://127.0.0.1:8000   (backend.server)
 - ``train``        one training run, the worker the backend launches  (runtime.trainer.cli)
 - ``bench``        the benchmark suite                                (runtime.bench.cli)
+                   ``bench --telemetry``: telemetry latency            (backend.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (runtime.assets.cli)
 """
 
@@ -38,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"workbench: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    target = COMMANDS[name][0]
+    if name == "bench" and "--telemetry" in rest:
+        # The backend's own benchmark (telemetry latency, its own arguments): the runtime's
+        # bench does not reach into the backend.
+        target = "backend.bench_latency"
+    module = importlib.import_module(target)
     return int(module.main(rest) or 0)
 
 

@@ -46,14 +46,14 @@ JSON written to ``--out`` (sizes in bytes, times in ms)::
                   "mean_step_time_ms", "spill_bytes", "stall_ms"}  # a run's summary (contracts)
     }
 
-``workbench bench --telemetry [ARGS]`` runs the backend's telemetry-latency benchmark instead
-(``backend.bench_latency.main``; its own arguments, e.g. ``--rates 1000 --clients 1``).
+``workbench bench --telemetry [ARGS]`` runs the backend's telemetry-latency benchmark instead:
+``backend.cli`` dispatches it to ``backend.bench_latency`` (its own arguments, e.g.
+``--rates 1000 --clients 1``); this module never imports the backend.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -110,11 +110,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help="asset cache (default: the factory's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
     p.add_argument("--out", default="bench.json", help="JSON output (default bench.json)")
-    p.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="run backend.bench_latency (telemetry latency) instead; other args go to it",
-    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -177,8 +172,6 @@ def _run_rows(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--telemetry" in argv:  # the backend's benchmark has its own arguments
-        return int(importlib.import_module("backend.bench_latency").main(argv) or 0)
     args = parse_args(argv)
     started = time.time()
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import yaml
 from backend_helpers import REPO
 
@@ -41,3 +42,17 @@ def test_backend_imports_without_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_telemetry_is_dispatched_by_the_backend_cli(capsys):
+    """``workbench bench --telemetry`` runs the backend's latency benchmark, chosen by
+    backend.cli: the runtime's bench never imports the backend."""
+    from backend import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--telemetry", "--help"])
+    assert stop.value.code == 0
+    assert "Telemetry latency benchmark" in capsys.readouterr().out
+    code = "import sys, runtime.bench.cli; print(any(m.startswith('backend') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
