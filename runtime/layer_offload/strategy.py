@@ -31,11 +31,6 @@ from typing import Any
 import torch
 
 from runtime.common.telemetry import Telemetry
-from runtime.conductor import (
-    ActStagehandConductorAdapter,
-    ConductorRuntime,
-    StagehandConductorAdapter,
-)
 from runtime.config import (
     MB,
     ActivationStagehandConfig,
@@ -183,7 +178,7 @@ class LayerOffloadStrategy(StagehandStrategy):
             mode=mode,
         )
 
-    def _build(
+    def _build_runtimes(
         self,
         model: torch.nn.Module,
         section: StagehandSection,
@@ -191,7 +186,6 @@ class LayerOffloadStrategy(StagehandStrategy):
         mode: str,
     ) -> None:
         from runtime.activations import ActivationRuntime
-        from runtime.common.saved_tensors import SavedTensorRouter
 
         shared = {"device": self.device, "memory": self.memory, "telemetry": self.telemetry}
         self.manager = LayerOffloadManager(
@@ -208,19 +202,6 @@ class LayerOffloadStrategy(StagehandStrategy):
             self.activations = ActivationRuntime(
                 section.activation_stagehand, model=model, **shared
             )
-        cond = section.conductor_config
-        if cond is not None and cond.enabled:
-            # The composed strategy's wiring: the same adapters, unchanged.
-            self.conductor = ConductorRuntime(cond, memory=self.memory, telemetry=self.telemetry)
-            self._attach("weights", StagehandConductorAdapter(self.weights))
-            self._reserve_pinned("stagehand", self.weights.pool.pool_bytes)
-            if self.activations is not None:
-                self._attach("activations", ActStagehandConductorAdapter(self.activations))
-                self._reserve_pinned("activation_stagehand", self.activations.pool.total_bytes())
-        packers = [lambda t: self.weights.packer(t)]
-        if self.activations is not None:
-            packers.append(lambda t: self.activations.packer(t))
-        self.router = SavedTensorRouter(packers)
 
     # -- phases -----------------------------------------------------------------------------------
     def _on_forward_begin(self) -> None:

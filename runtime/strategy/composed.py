@@ -113,6 +113,18 @@ class StagehandStrategy(MemoryStrategy):
         checkpoint_dir: str | Path | None,
         mode: str,
     ) -> None:
+        self._build_runtimes(model, section, checkpoint_dir, mode)
+        self._wire(section)
+
+    def _build_runtimes(
+        self,
+        model: torch.nn.Module,
+        section: StagehandSection,
+        checkpoint_dir: str | Path | None,
+        mode: str,
+    ) -> None:
+        """Set ``self.weights`` and ``self.activations`` (the runtimes that are on); a strategy
+        with another weight schedule (layer offload) overrides this and keeps the wiring."""
         from runtime.activations import ActivationRuntime
         from runtime.weights import StagehandRuntime
 
@@ -126,6 +138,14 @@ class StagehandStrategy(MemoryStrategy):
         act = section.activation_stagehand
         if act is not None and act.enabled and mode == "training":
             self.activations = ActivationRuntime(act, model=model, **shared)
+
+    def _wire(self, section: StagehandSection) -> None:
+        """The Conductor (its adapters and pinned reservations) and the saved-tensor router
+        over the runtimes ``_build_runtimes`` set.
+
+        Raises:
+            ValueError: a pool above the Conductor's ``pinned_budget_mb``.
+        """
         cond = section.conductor_config
         if cond is not None and cond.enabled:
             self.conductor = ConductorRuntime(cond, memory=self.memory, telemetry=self.telemetry)
