@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"required by every request when set (default ${ENV_PREFIX}TOKEN)",
     )
     p.add_argument(
-        "--max-parallel", type=int, default=1, help="runs at once per device (default 1)"
+        "--max-parallel",
+        type=int,
+        default=None,
+        help="runs at once per device (default: 1 with --executor local; Ray's placement with ray)",
     )
     p.add_argument(
         "--executor",

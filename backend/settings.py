@@ -52,8 +52,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = field(default_factory=lambda: _env("TOKEN") or None)
-    max_parallel: int = 1
-    """Runs that may hold one device at once (one at a time per GPU by default)."""
+    max_parallel: int | None = None
+    """Runs that may hold one device at once. None: one at a time per GPU with the local
+    executor; no cap of ours with Ray, which queues each job until a node has its GPU/CPUs."""
     presets_dir: Path = REPO_ROOT / "presets"
     frontend_dir: Path = REPO_ROOT / "frontend"
     max_body_bytes: int = 1 << 20
@@ -87,7 +88,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
-        if self.max_parallel < 1:
+        if self.max_parallel is not None and self.max_parallel < 1:
             raise ValueError(f"max_parallel must be >= 1, got {self.max_parallel}")
         if self.executor not in ("local", "ray"):
             raise ValueError(f"executor: expected local or ray, got {self.executor!r}")

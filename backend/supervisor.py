@@ -207,7 +207,7 @@ class Supervisor:
             busy[w.device] = busy.get(w.device, 0) + 1
         for run in self.store.runs_with_status("queued"):
             device = run["device"] or "default"
-            if busy.get(device, 0) >= self.settings.max_parallel:
+            if busy.get(device, 0) >= self.executor.slots(self.settings.max_parallel):
                 continue
             if self._launch(run):
                 busy[device] = busy.get(device, 0) + 1

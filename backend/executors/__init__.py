@@ -117,6 +117,11 @@ class Executor(ABC):
     def withdraw(self, job: Job) -> None:
         """Undo a ``submit`` the store refused (the run was cancelled in between)."""
 
+    def slots(self, max_parallel: int | None) -> float:
+        """How many runs of one device may be live at once (``--max-parallel``, or this
+        executor's default when it is None)."""
+        return max_parallel if max_parallel is not None else 1
+
     def store_fields(self, job: Job) -> dict[str, Any]:
         """Columns the store keeps for ``job`` so that ``adopt`` can find it again."""
         return {"executor": self.name, "job_id": job.key, "node": job.node}
