@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from backend_helpers import (
@@ -30,6 +31,7 @@ from ray_cluster import RayCluster  # noqa: E402
 from backend.executors.ray_jobs import STDOUT_MARKER, LogStreamTail, exit_of  # noqa: E402
 
 LONG = {"max_steps": 100000}
+CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,24 @@ def test_two_runs_on_ray_stream_their_telemetry_from_the_job_log(server_factory,
         assert stored[-1]["kind"] == "run_finished"
         assert (srv.data_dir / "runs" / str(run_id) / "lora").is_dir()
     assert done["summary"]["steps_done"] == 6
+
+    # The dashboard: the cluster in the system strip, the node on the run page.
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is not installed: the dashboard part is not checked")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{srv.url}/#/runs/{first}")
+            page.wait_for_selector("#system-strip [data-key=cluster]", timeout=30_000)
+            strip = page.text_content("#system-strip [data-key=cluster]")
+            assert strip == "Ray 1 node, no GPUs, CPUs 0/2 used", strip
+            page.wait_for_selector("#fact-node", timeout=30_000)
+            assert page.text_content("#fact-node .fact-value") == f"{node_ip} (ray)"
+        finally:
+            browser.close()
 
 
 def test_kill_restart_and_cancel_on_ray(server_factory, ray_cluster):
