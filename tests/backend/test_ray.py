@@ -273,3 +273,30 @@ def test_the_local_executor_never_imports_ray(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_run_of_the_other_executor_is_settled_naming_both(tmp_path):
+    """A server restarted with --executor local finds a run a Ray server left running: it
+    cannot follow the job, so the run is crashed (never left running) and the error says how
+    to follow it."""
+    import asyncio
+
+    from backend.executors.local import LocalExecutor
+    from backend.hub import Hub
+    from backend.settings import Settings
+    from backend.store import Store
+    from backend.supervisor import Supervisor
+    from backend.tailer import Tailer
+
+    settings = Settings(data_dir=tmp_path)
+    store = Store(settings.db_path)
+    run_id = store.create_run("r", "tiny-ci", {}, "default")
+    store.update_run(run_id, status="running", executor="ray", job_id="workbench-run-1-abc")
+    (settings.runs_dir / str(run_id)).mkdir(parents=True)
+    tailer = Tailer(store, Hub(asyncio.new_event_loop()))
+    changed = []
+    Supervisor(settings, store, tailer, changed.append, LocalExecutor(settings)).reconcile()
+    run = store.get_run(run_id)
+    assert run["status"] == "crashed" and changed == [run_id]
+    assert "started by the ray executor" in run["error"]["message"]
+    assert "serve with --executor ray to follow it" in run["error"]["message"]
