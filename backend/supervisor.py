@@ -13,8 +13,9 @@ Exit -> status (docs/contracts.md): 0 -> the last ``run_finished`` record's stat
 killed (signal named: SIGKILL from the OOM killer); non-zero -> failed with the worker's
 ``trainer/error`` record (or the tail of ``worker.log`` when it died before writing one).
 Cancel: a ``stop`` control file, the executor's SIGTERM after ``stop_grace_s`` (a Ray job:
-``stop_job``), its SIGKILL after ``term_grace_s`` more. A run without telemetry for ``stall_factor`` x its median step time
-(at least ``stall_min_s``) is "stalled" until records flow again.
+``stop_job``), its SIGKILL after ``term_grace_s`` more. A run without telemetry for
+``stall_factor`` x its median step time (at least ``stall_min_s``) is "stalled" until records
+flow again.
 """
 
 from __future__ import annotations
