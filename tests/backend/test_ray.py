@@ -64,6 +64,7 @@ def steps(client, run_id) -> int:
     return client.get(f"/api/runs/{run_id}/telemetry", params=params).json()["count"]
 
 
+@pytest.mark.slow
 def test_two_runs_on_ray_stream_their_telemetry_from_the_job_log(server_factory, ray_cluster):
     srv = ray_server(server_factory, ray_cluster, "--ray-telemetry", "log")
     client = srv.client()
@@ -124,6 +125,7 @@ def test_two_runs_on_ray_stream_their_telemetry_from_the_job_log(server_factory,
             browser.close()
 
 
+@pytest.mark.slow
 def test_kill_restart_and_cancel_on_ray(server_factory, ray_cluster):
     # Shared-folder telemetry; a cancel goes to stop_job at once (no grace for the stop file).
     env = {"STAGEHAND_WORKBENCH_STOP_GRACE_S": "0"}
