@@ -17,6 +17,7 @@ from backend import errors, openapi
 from backend.api import ROUTERS
 from backend.api.deps import public_run
 from backend.errors import NotFound
+from backend.executors import Executor, make_executor
 from backend.hub import Hub
 from backend.presets import load_builtins
 from backend.security import SecurityMiddleware
@@ -57,8 +58,9 @@ async def lifespan(app: FastAPI):
         if row is not None:
             hub.publish_run(run_id, public_run(store, row))
 
-    supervisor = Supervisor(settings, store, tailer, on_change)
-    probe = SystemProbe()
+    executor = app.state.executor or make_executor(settings)
+    supervisor = Supervisor(settings, store, tailer, on_change, executor)
+    probe = SystemProbe(executor)
     probe.start()
     app.state.store, app.state.hub, app.state.tailer = store, hub, tailer
     app.state.supervisor, app.state.probe = supervisor, probe
@@ -69,11 +71,13 @@ async def lifespan(app: FastAPI):
     finally:
         supervisor.stop()
         tailer.stop()
+        executor.close()
         store.close()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The app for ``settings`` (defaults from the environment). Services start in lifespan."""
+def create_app(settings: Settings | None = None, executor: Executor | None = None) -> FastAPI:
+    """The app for ``settings`` (defaults from the environment). Services start in lifespan;
+    ``executor`` is the one ``settings.executor`` names unless given (already built)."""
     settings = settings or Settings()
     app = FastAPI(
         title="Stagehand Workbench",
@@ -82,6 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Runs, presets and live telemetry of LoRA training runs (docs/contracts.md).",
     )
     app.state.settings = settings
+    app.state.executor = executor
     errors.install(app)
     openapi.install(app)
     for router in ROUTERS:

@@ -1,6 +1,6 @@
 """Telemetry latency benchmark: a worker's write to a websocket client's receipt (p50/p99 ms).
 
-``python -m backend.bench_latency [--rates 1000 10000] [--clients 1 20] [--seconds 4]``
+``python -m backend.bench_latency [--rates 1000 10000] [--clients 1 20] [--seconds 4] [--runs N]``
 (``workbench bench --telemetry`` dispatches here). It starts a real ``workbench serve`` on a free
 loopback port whose "worker" is this module in writer mode (``python -m backend.bench_latency
 train CONFIG --run-dir DIR``): it appends records to ``telemetry.jsonl`` at the asked rate, each
@@ -8,6 +8,11 @@ stamped with its write time, flushing every millisecond as the trainer's sink wo
 clients in one asyncio process subscribe before the first write; latency is receipt time minus
 the record's ``time``. Everything shares this machine's cores, so the figures include the
 clients' own JSON parsing.
+
+``--serve-args "--executor ray --ray-address http://127.0.0.1:8265 --ray-telemetry log"``
+measures the Ray path: the writer runs as a Ray job and, with ``STAGEHAND_TELEMETRY_STDOUT=1``
+(set by the Ray executor for ``--ray-telemetry log``), prints each record after the marker
+too, so the records reach the server through ``tail_job_logs``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -36,6 +42,8 @@ def write(run_dir: Path, rate: float, seconds: float) -> int:
     time.sleep(START_DELAY_S)
     total = int(rate * seconds)
     path = run_dir / "telemetry.jsonl"
+    tee = os.environ.get("STAGEHAND_TELEMETRY_STDOUT") == "1"
+    marker = "@@stagehand-telemetry@@ "  # runtime.common.telemetry.STDOUT_MARKER
     t0 = time.perf_counter()
     seq = 0
     with open(path, "a", encoding="utf-8") as f:
@@ -52,9 +60,14 @@ def write(run_dir: Path, rate: float, seconds: float) -> int:
                     "loss": 1.0,
                     "vram_allocated_mb": 1.0,
                 }
-                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                line = json.dumps(rec, separators=(",", ":")) + "\n"
+                f.write(line)
+                if tee:
+                    sys.stdout.write(marker + line)
                 seq += 1
             f.flush()
+            if tee:
+                sys.stdout.flush()
             time.sleep(0.001)
         end = {
             "seq": seq,
@@ -68,6 +81,9 @@ def write(run_dir: Path, rate: float, seconds: float) -> int:
             "steps_done": seq,
         }
         f.write(json.dumps(end) + "\n")
+        if tee:
+            sys.stdout.write(marker + json.dumps(end) + "\n")
+            sys.stdout.flush()
     return 0
 
 
@@ -104,17 +120,21 @@ def request(port: int, method: str, path: str, body: dict | None = None) -> dict
     return out
 
 
-async def measure(port: int, rate: int, clients: int, seconds: float) -> dict:
+async def measure(port: int, rate: int, clients: int, seconds: float, runs: int = 1) -> dict:
+    """``runs`` runs at once, each writing ``rate`` records/s, each watched by ``clients``."""
     desc = f"bench rate={rate} seconds={seconds}"
-    run = request(
-        port, "POST", "/api/runs", {"preset": "tiny-ci", "overrides": {"description": desc}}
-    )
-    url = f"ws://127.0.0.1:{port}/api/runs/{run['id']}/stream?since=-1"
+    urls = []
+    for _ in range(runs):
+        run = request(
+            port, "POST", "/api/runs", {"preset": "tiny-ci", "overrides": {"description": desc}}
+        )
+        urls.append(f"ws://127.0.0.1:{port}/api/runs/{run['id']}/stream?since=-1")
     expected = int(rate * seconds) + 1
     lat: list[float] = []
-    await asyncio.gather(*(client(url, lat, expected) for _ in range(clients)))
+    await asyncio.gather(*(client(url, lat, expected) for url in urls for _ in range(clients)))
     return {
         "rate": rate,
+        "runs": runs,
         "clients": clients,
         "records": len(lat),
         "p50_ms": pct(lat, 50),
@@ -139,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=int, nargs="+", default=[1000, 10000])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 20])
     p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--runs", type=int, default=1, help="synthetic runs at once (default 1)")
+    p.add_argument(
+        "--serve-args", default="", help="more `workbench serve` arguments (e.g. the Ray executor)"
+    )
     args = p.parse_args([a for a in argv if a != "--telemetry"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--no-browser",
                 "--log-level",
                 "warning",
+                *shlex.split(args.serve_args),
             ],
             cwd=REPO_ROOT,
             env=env,
@@ -173,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 except OSError:
                     time.sleep(0.1)
-            print(f"{'records/s':>10} {'clients':>8} {'records':>9} {'p50 ms':>8} {'p99 ms':>8}")
+            head = f"{'records/s':>10} {'runs':>5} {'clients':>8} {'records':>9}"
+            print(f"{head} {'p50 ms':>8} {'p99 ms':>8}")
             for rate in args.rates:
                 for n in args.clients:
-                    r = asyncio.run(measure(port, rate, n, args.seconds))
+                    r = asyncio.run(measure(port, rate, n, args.seconds, args.runs))
                     print(
-                        f"{r['rate']:>10} {r['clients']:>8} {r['records']:>9} "
+                        f"{r['rate']:>10} {r['runs']:>5} {r['clients']:>8} {r['records']:>9} "
                         f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}",
                         flush=True,
                     )

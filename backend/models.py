@@ -236,6 +236,12 @@ class RunPublic(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     pid: int | None = None
+    executor: str | None = None
+    """``local`` or ``ray``: where the run's worker was started (None: not started yet)."""
+    job_id: str | None = None
+    """The executor's name for the worker: a pid, or a Ray job's submission id."""
+    node: str | None = None
+    """The machine the worker runs on: this host's name, or a Ray node's IP address."""
     exit_code: int | None = None
     signal: str | None = None
     error: RunError | None = None
@@ -297,6 +303,30 @@ class TelemetryPage(BaseModel):
     next_since: int
 
 
+class ClusterNode(BaseModel):
+    node_id: str
+    ip: str
+    alive: bool
+    head: bool
+    cpus: float
+    gpus: float
+
+
+class ClusterInfo(BaseModel):
+    """The Ray cluster a ``--executor ray`` server submits to (``GET /api/system``)."""
+
+    executor: str
+    address: str
+    reachable: bool
+    error: str | None = None
+    nodes: list[ClusterNode] = []
+    nodes_alive: int = 0
+    cpus_total: float = 0
+    cpus_used: float = 0
+    gpus_total: float = 0
+    gpus_used: float = 0
+
+
 class SystemInfo(BaseModel):
     device: str
     device_name: str | None
@@ -305,6 +335,8 @@ class SystemInfo(BaseModel):
     torch_version: str | None
     cuda_version: str | None
     version: str
+    executor: str = "local"
+    cluster: ClusterInfo | None = None
 
 
 RUN_FIELDS = tuple(RunPublic.model_fields)

@@ -58,12 +58,14 @@ def classify(
     pid: int | None,
     gone_at_start: bool = False,
     missing_dir: Path | None = None,
+    reason: str | None = None,
 ) -> dict[str, Any]:
     """The run's ``status, exit_code, signal, error`` fields.
 
     ``rc`` is the exit code (negative: killed by that signal; None: unknown, the worker was not
     our child); ``finished`` the last ``trainer/run_finished`` record; ``last`` the last record;
-    ``missing_dir`` the run folder when it no longer exists.
+    ``missing_dir`` the run folder when it no longer exists; ``reason`` the executor's own
+    words on how the worker ended (a Ray job's message), added to the error.
     """
     out: dict[str, Any] = {"exit_code": rc, "signal": None, "error": None}
     if rc is not None and rc < 0:
@@ -91,9 +93,10 @@ def classify(
         }
     elif rc is None:
         when = "was gone when the server started" if gone_at_start else "disappeared"
+        who = f"worker process (pid {pid})" if pid else "worker"
         out["status"] = "crashed"
         out["error"] = {
-            "message": f"worker process (pid {pid}) {when}; its telemetry last said {describe(last)}",
+            "message": f"{who} {when}; its telemetry last said {describe(last)}",
             "last_record": last,
             "log_tail": tail,
         }
@@ -105,6 +108,8 @@ def classify(
             "log_tail": tail,
             "last_record": last,
         }
+    if reason and out["error"] is not None:
+        out["error"]["message"] = f"{out['error']['message']} ({reason})"
     if missing_dir is not None and out["error"] is not None:
         gone = f"the run folder {missing_dir} no longer exists (removed while the run was going?)"
         out["error"]["message"] = f"{gone}; {out['error']['message']}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import os
 import sys
@@ -34,7 +35,39 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"required by every request when set (default ${ENV_PREFIX}TOKEN)",
     )
     p.add_argument(
-        "--max-parallel", type=int, default=1, help="runs at once per device (default 1)"
+        "--max-parallel",
+        type=int,
+        default=None,
+        help="runs at once per device (default: 1 with --executor local; Ray's placement with ray)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="where workers run: subprocesses here (local, default) or Ray jobs (ray)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_API_SERVER_ADDRESS") or None,
+        help="the Ray dashboard's address, http://HEAD:8265 (default $RAY_API_SERVER_ADDRESS)",
+    )
+    p.add_argument(
+        "--ray-runtime-env",
+        default=None,
+        metavar="JSON",
+        help='Ray runtime_env of every job, a JSON object (e.g. \'{"env_vars": {"HF_HOME": "/nfs/hf"}}\')',
+    )
+    p.add_argument(
+        "--ray-telemetry",
+        choices=("folder", "log"),
+        default="folder",
+        help="read telemetry from the shared run folder (folder, default) or the job's log (log)",
+    )
+    p.add_argument(
+        "--ray-num-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves for each worker (default 1; CUDA runs also reserve 1 GPU)",
     )
     p.add_argument("--no-browser", action="store_true", help="do not open the dashboard")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -52,15 +85,33 @@ def log_config(base: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        runtime_env = None
+        if args.ray_runtime_env is not None:
+            try:
+                runtime_env = json.loads(args.ray_runtime_env)
+            except ValueError as exc:
+                raise ValueError(f"--ray-runtime-env: not JSON ({exc})") from exc
         settings = Settings(
             data_dir=args.data_dir,
             host=args.host,
             port=args.port,
             token=args.token,
             max_parallel=args.max_parallel,
+            executor=args.executor,
+            ray_address=args.ray_address,
+            ray_runtime_env=runtime_env,
+            ray_telemetry=args.ray_telemetry,
+            ray_num_cpus=args.ray_num_cpus,
         )
         settings.check_bind()
     except ValueError as exc:
+        print(f"workbench serve: {exc}", file=sys.stderr)
+        return 2
+    from backend.executors import LaunchError, make_executor
+
+    try:
+        executor = make_executor(settings)  # an unreachable cluster fails here, not on a run
+    except LaunchError as exc:
         print(f"workbench serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn  # imported here so `workbench --help` stays instant
@@ -75,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_browser and not needs_token(args.host):
         threading.Timer(1.5, webbrowser.open, args=(url,)).start()
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, executor),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -52,8 +52,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = field(default_factory=lambda: _env("TOKEN") or None)
-    max_parallel: int = 1
-    """Runs that may hold one device at once (one at a time per GPU by default)."""
+    max_parallel: int | None = None
+    """Runs that may hold one device at once. None: one at a time per GPU with the local
+    executor; no cap of ours with Ray, which queues each job until a node has its GPU/CPUs."""
     presets_dir: Path = REPO_ROOT / "presets"
     frontend_dir: Path = REPO_ROOT / "frontend"
     max_body_bytes: int = 1 << 20
@@ -71,13 +72,39 @@ class Settings:
     """...and never sooner than this (the first steps and checkpoint saves are slow)."""
     startup_stall_s: float = field(default_factory=lambda: _env_float("STARTUP_STALL_S", 900.0))
     """Before the first step record (model load, stage-1 caching) the threshold is this."""
+    executor: str = "local"
+    """Where workers run: ``local`` (subprocesses of the server) or ``ray`` (Ray jobs)."""
+    ray_address: str | None = None
+    """The Ray dashboard's job API, ``http://HEAD:8265`` (``--executor ray`` needs it)."""
+    ray_runtime_env: dict | None = None
+    """Ray ``runtime_env`` of every job (``env_vars``, ``working_dir``, ``pip``...)."""
+    ray_telemetry: str = "folder"
+    """``folder``: tail ``DIR/telemetry.jsonl`` (storage shared with the nodes); ``log``: read
+    the records from the job's log stream (``tail_job_logs``)."""
+    ray_num_cpus: float = 1.0
+    """CPUs Ray reserves for each run's worker (``entrypoint_num_cpus``)."""
     worker_module: str = field(default_factory=lambda: _env("WORKER_MODULE", "backend.cli") or "")
     """``python -m <worker_module> train CONFIG --run-dir DIR`` launches a worker."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
-        if self.max_parallel < 1:
+        if self.max_parallel is not None and self.max_parallel < 1:
             raise ValueError(f"max_parallel must be >= 1, got {self.max_parallel}")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"executor: expected local or ray, got {self.executor!r}")
+        if self.executor == "ray" and not self.ray_address:
+            raise ValueError(
+                "ray_address: --executor ray needs --ray-address http://HEAD:8265 "
+                "(the Ray dashboard's address, where jobs are submitted)"
+            )
+        if self.ray_telemetry not in ("folder", "log"):
+            raise ValueError(f"ray_telemetry: expected folder or log, got {self.ray_telemetry!r}")
+        if self.ray_runtime_env is not None and not isinstance(self.ray_runtime_env, dict):
+            raise ValueError(
+                f"ray_runtime_env: expected a JSON object, got {type(self.ray_runtime_env).__name__}"
+            )
+        if not self.ray_num_cpus > 0:
+            raise ValueError(f"ray_num_cpus: expected a number > 0, got {self.ray_num_cpus}")
 
     @property
     def runs_dir(self) -> Path:

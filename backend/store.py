@@ -106,6 +106,13 @@ def _m003_telemetry_rollup(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m004_run_executor(db: sqlite_utils.Database) -> None:
+    # Which executor started a run (``local`` | ``ray``), its job there (a pid, a Ray
+    # submission id) and the node it runs on: what ``reconcile`` needs to find it again.
+    for column in ("executor", "job_id", "node"):
+        db.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
+
+
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
     db.conn.executemany(
         "INSERT OR REPLACE INTO telemetry_rollup (run_id, source, kind, chunk, seq_first,"
@@ -130,6 +137,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_telemetry_kind_index", _m002_telemetry_kind_index),
     ("003_telemetry_rollup", _m003_telemetry_rollup),
+    ("004_run_executor", _m004_run_executor),
 ]
 """Append new ``(name, function)`` pairs; never edit or reorder applied ones."""
 

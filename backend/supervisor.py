@@ -1,19 +1,21 @@
-"""Launch, queue, watch, cancel and reconcile the worker processes of runs.
+"""Queue, launch, watch, cancel and reconcile the workers of runs, over one ``Executor``.
 
-One worker subprocess per run (``python -m backend.cli train DIR/config.json --run-dir DIR``),
-in its own session (process group) so a signal to the group reaches its children and a
-Ctrl-C of the server does not kill training. Workers survive a server restart: on start-up
-``reconcile`` adopts a run whose pid is alive *and* has the recorded start time (psutil
-``create_time``: a reused pid has another), and marks every other "running" run from its
+Where a worker runs is the executor's business (``backend.executors``: a local subprocess, or
+a Ray job); the queue, the cancel escalation, stall detection and the exit classification are
+the same over both. Workers survive a server restart: on start-up ``reconcile`` asks the
+executor to find each "running" run's worker again (``adopt``: a live pid with its recorded
+start time, or a Ray job by its submission id), and settles every other one from its
 telemetry (finished -> its status, error record -> failed, otherwise crashed). Nothing stays
-"running" forever.
+"running" forever; a run started by another executor than the one serving now is settled as
+crashed, saying which executor to serve with.
 
 Exit -> status (docs/contracts.md): 0 -> the last ``run_finished`` record's status; a signal ->
 killed (signal named: SIGKILL from the OOM killer); non-zero -> failed with the worker's
 ``trainer/error`` record (or the tail of ``worker.log`` when it died before writing one).
-Cancel: a ``stop`` control file, SIGTERM to the group after ``stop_grace_s``, SIGKILL after
-``term_grace_s`` more. A run without telemetry for ``stall_factor`` x its median step time
-(at least ``stall_min_s``) is "stalled" until records flow again.
+Cancel: a ``stop`` control file, the executor's SIGTERM after ``stop_grace_s`` (a Ray job:
+``stop_job``), its SIGKILL after ``term_grace_s`` more. A run without telemetry for
+``stall_factor`` x its median step time (at least ``stall_min_s``) is "stalled" until records
+flow again.
 """
 
 from __future__ import annotations
@@ -23,63 +25,21 @@ import logging
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from backend.errors import Conflict
-from backend.outcome import classify, log_tail
-from backend.settings import REPO_ROOT, Settings
+from backend.executors import Executor, Exit, Job, LaunchError
+from backend.outcome import classify
+from backend.settings import Settings
 from backend.store import ACTIVE, Store
 from backend.tailer import Tailer
 
 log = logging.getLogger("backend.supervisor")
-
-TELEMETRY = "telemetry.jsonl"
-
-
-@dataclass
-class Worker:
-    """A live worker: our child (``popen``) or one adopted after a restart (``proc`` only)."""
-
-    run_id: int
-    pid: int
-    device: str
-    run_dir: Path
-    popen: subprocess.Popen | None
-    proc: psutil.Process | None
-    cancel_at: float | None = None
-    sent_term: bool = False
-    sent_kill: bool = False
-
-    def exit_status(self) -> tuple[bool, int | None]:
-        """``(exited, returncode)``; the return code is unknown (None) for adopted workers."""
-        if self.popen is not None:
-            rc = self.popen.poll()
-            return rc is not None, rc
-        assert self.proc is not None
-        try:
-            gone = not self.proc.is_running() or self.proc.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            gone = True
-        return gone, None
-
-    def signal_group(self, sig: signal.Signals) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(self.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def device_of(config: dict[str, Any]) -> str:
@@ -92,7 +52,8 @@ def device_of(config: dict[str, Any]) -> str:
 
 
 class Supervisor:
-    """Owns the worker processes. Thread-safe; ``tick`` runs on its own thread every 0.1 s."""
+    """Owns the runs' workers through ``executor``. Thread-safe; ``tick`` runs on its own
+    thread every 0.1 s."""
 
     def __init__(
         self,
@@ -100,14 +61,16 @@ class Supervisor:
         store: Store,
         tailer: Tailer,
         on_change: Callable[[int], None],
+        executor: Executor,
         tick_s: float = 0.1,
     ) -> None:
         self.settings = settings
         self.store = store
         self.tailer = tailer
         self.on_change = on_change
+        self.executor = executor
         self.tick_s = tick_s
-        self._workers: dict[int, Worker] = {}
+        self._workers: dict[int, Job] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,59 +101,80 @@ class Supervisor:
         """Adopt live workers of "running" runs; settle the runs whose worker is gone."""
         with self._lock:
             for run in self.store.runs_with_status(*ACTIVE):
-                run_id, pid = run["id"], run["pid"]
+                run_id = run["id"]
                 run_dir = self.run_dir(run_id)
-                self.tailer.watch(run_id, run_dir / TELEMETRY, run["tail_offset"] or 0)
-                proc = _same_process(pid, run["pid_create_time"])
-                if proc is not None:
-                    log.info("run %d: adopting worker pid %d", run_id, pid)
-                    self._workers[run_id] = Worker(
+                gone = Job(run_id, run["job_id"] or str(run["pid"] or ""), "default", run_dir)
+                started_by = run["executor"] or "local"
+                if started_by != self.executor.name:
+                    self._settle(
                         run_id,
-                        pid,
-                        run["device"] or "default",
                         run_dir,
-                        None,
-                        proc,
-                        cancel_at=run["cancel_requested_at"],
+                        Exit(
+                            None,
+                            f"the run was started by the {started_by} executor and the server "
+                            f"now serves with --executor {self.executor.name}; serve with "
+                            f"--executor {started_by} to follow it",
+                        ),
+                        gone,
+                        cancel_requested=bool(run["cancel_requested_at"]),
+                        gone_at_start=True,
+                        pid=run["pid"],
                     )
+                    continue
+                self.tailer.watch(run_id, self.executor.telemetry(run, run_dir))
+                job = self.executor.adopt(run, run_dir)
+                if job is not None:
+                    log.info("run %d: adopting %s job %s", run_id, self.executor.name, job.key)
+                    job.cancel_at = run["cancel_requested_at"]
+                    self._workers[run_id] = job
                     continue
                 self._settle(
                     run_id,
                     run_dir,
-                    None,
+                    Exit(None),
+                    gone,
                     cancel_requested=bool(run["cancel_requested_at"]),
                     gone_at_start=True,
-                    pid=pid,
+                    pid=run["pid"],
                 )
 
     # -- the loop ------------------------------------------------------------------------
     def tick(self) -> None:
         with self._lock:
             now = time.time()
-            for run_id, w in list(self._workers.items()):
-                exited, rc = w.exit_status()
-                if exited:
+            for run_id, job in list(self._workers.items()):
+                node = job.node
+                ended = self.executor.poll(job)
+                if job.node != node:
+                    self.store.update_run(run_id, node=job.node)
+                    self.on_change(run_id)
+                if ended is not None:
                     del self._workers[run_id]
                     self._settle(
-                        run_id, w.run_dir, rc, cancel_requested=w.cancel_at is not None, pid=w.pid
+                        run_id,
+                        job.run_dir,
+                        ended,
+                        job,
+                        cancel_requested=job.cancel_at is not None,
+                        pid=job.pid,
                     )
                     continue
-                self._escalate(w, now)
+                self._escalate(job, now)
                 self._check_stall(run_id, now)
             self._launch_queued()
 
-    def _escalate(self, w: Worker, now: float) -> None:
-        if w.cancel_at is None:
+    def _escalate(self, job: Job, now: float) -> None:
+        if job.cancel_at is None:
             return
-        waited = now - w.cancel_at
-        if not w.sent_term and waited > self.settings.stop_grace_s:
-            log.info("run %d: no exit %.0f s after stop; SIGTERM", w.run_id, waited)
-            w.signal_group(signal.SIGTERM)
-            w.sent_term = True
-        elif not w.sent_kill and waited > self.settings.stop_grace_s + self.settings.term_grace_s:
-            log.warning("run %d: no exit after SIGTERM; SIGKILL", w.run_id)
-            w.signal_group(signal.SIGKILL)
-            w.sent_kill = True
+        waited = now - job.cancel_at
+        if not job.sent_term and waited > self.settings.stop_grace_s:
+            log.info("run %d: no exit %.0f s after stop; SIGTERM", job.run_id, waited)
+            self.executor.signal(job, signal.SIGTERM)
+            job.sent_term = True
+        elif not job.sent_kill and waited > self.settings.stop_grace_s + self.settings.term_grace_s:
+            log.warning("run %d: no exit after SIGTERM; SIGKILL", job.run_id)
+            self.executor.signal(job, signal.SIGKILL)
+            job.sent_kill = True
 
     def _check_stall(self, run_id: int, now: float) -> None:
         run = self.store.get_run(run_id)
@@ -224,7 +208,7 @@ class Supervisor:
             busy[w.device] = busy.get(w.device, 0) + 1
         for run in self.store.runs_with_status("queued"):
             device = run["device"] or "default"
-            if busy.get(device, 0) >= self.settings.max_parallel:
+            if busy.get(device, 0) >= self.executor.slots(self.settings.max_parallel):
                 continue
             if self._launch(run):
                 busy[device] = busy.get(device, 0) + 1
@@ -232,61 +216,31 @@ class Supervisor:
     def _launch(self, run: dict[str, Any]) -> bool:
         run_id = run["id"]
         run_dir = self.run_dir(run_id)
-        cmd = [
-            sys.executable,
-            "-m",
-            self.settings.worker_module,
-            "train",
-            str(run_dir / "config.json"),
-            "--run-dir",
-            str(run_dir),
-        ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
-            with open(run_dir / "worker.log", "ab") as out:
-                popen = subprocess.Popen(
-                    cmd,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    cwd=REPO_ROOT,
-                    env=env,
-                    start_new_session=True,
-                )
-        except OSError as exc:
+            job = self.executor.submit(run, run_dir)
+        except LaunchError as exc:
             self.store.set_status_if(
                 run_id,
                 ["queued"],
                 status="failed",
                 finished_at=time.time(),
-                error={
-                    "message": f"could not start the worker: {exc}",
-                    "error_type": type(exc).__name__,
-                },
+                error={"message": str(exc), "error_type": type(exc.__cause__ or exc).__name__},
             )
             self.on_change(run_id)
             return False
-        try:
-            create_time = psutil.Process(popen.pid).create_time()
-        except psutil.NoSuchProcess:
-            create_time = None
         started = self.store.set_status_if(
             run_id,
             ["queued"],
             status="running",
             started_at=time.time(),
-            pid=popen.pid,
-            pid_create_time=create_time,
+            **self.executor.store_fields(job),
         )
         if not started:  # cancelled between the query and the launch
-            popen.kill()
-            popen.wait()
+            self.executor.withdraw(job)
             return False
-        self._workers[run_id] = Worker(
-            run_id, popen.pid, run["device"] or "default", run_dir, popen, None
-        )
-        self.tailer.watch(run_id, run_dir / TELEMETRY, run["tail_offset"] or 0)
-        log.info("run %d: worker pid %d started", run_id, popen.pid)
+        self._workers[run_id] = job
+        self.tailer.watch(run_id, self.executor.telemetry(self.store.get_run(run_id), run_dir))
+        log.info("run %d: %s job %s started", run_id, self.executor.name, job.key)
         self.on_change(run_id)
         return True
 
@@ -294,7 +248,8 @@ class Supervisor:
         self,
         run_id: int,
         run_dir: Path,
-        rc: int | None,
+        ended: Exit,
+        job: Job,
         *,
         cancel_requested: bool,
         pid: int | None,
@@ -302,21 +257,27 @@ class Supervisor:
     ) -> None:
         """Final status of a run whose worker is gone, after its last records are ingested."""
         self.tailer.drain(run_id)
+        tail = self.executor.log_tail(job)
         fields = classify(
-            rc,
+            ended.rc,
             cancel_requested=cancel_requested,
             finished=self.store.last_record(run_id, "trainer", "run_finished"),
             last=self.store.last_record(run_id),
-            tail=log_tail(run_dir / "worker.log"),
+            tail=tail,
             pid=pid,
             gone_at_start=gone_at_start,
             missing_dir=None if run_dir.is_dir() else run_dir,
+            reason=ended.reason,
         )
         fields["finished_at"] = time.time()
         fields["summary"] = self.store.summary(run_id)
         if self.store.set_status_if(run_id, [*ACTIVE, "queued"], **fields):
             log.info(
-                "run %d: %s (exit %s, signal %s)", run_id, fields["status"], rc, fields["signal"]
+                "run %d: %s (exit %s, signal %s)",
+                run_id,
+                fields["status"],
+                ended.rc,
+                fields["signal"],
             )
             self.on_change(run_id)
 
@@ -337,15 +298,15 @@ class Supervisor:
             ):
                 self.on_change(run_id)
                 return
-            w = self._workers.get(run_id)
-            if w is None:
+            job = self._workers.get(run_id)
+            if job is None:
                 run = self.store.get_run(run_id)
                 raise Conflict(
                     f"run {run_id} is {run['status'] if run else 'gone'}; only queued or running runs can be cancelled"
                 )
-            if w.cancel_at is None:
-                w.cancel_at = time.time()
-                self.store.update_run(run_id, cancel_requested_at=w.cancel_at)
+            if job.cancel_at is None:
+                job.cancel_at = time.time()
+                self.store.update_run(run_id, cancel_requested_at=job.cancel_at)
                 self.send_control(run_id, {"command": "stop"})
 
     def send_control(self, run_id: int, payload: dict[str, Any]) -> str:
@@ -364,17 +325,3 @@ class Supervisor:
     def is_live(self, run_id: int) -> bool:
         with self._lock:
             return run_id in self._workers
-
-
-def _same_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
-    if not pid:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.05:
-            return None  # the pid was reused by another process
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except psutil.Error:
-        return None

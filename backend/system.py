@@ -37,9 +37,11 @@ def _version(name: str) -> str | None:
 
 
 class SystemProbe:
-    """Runs the torch probe once; thread-safe."""
+    """Runs the torch probe once; thread-safe. ``executor``'s cluster is asked on each
+    ``info`` (a Ray cluster's free GPUs change)."""
 
-    def __init__(self) -> None:
+    def __init__(self, executor: Any = None) -> None:
+        self.executor = executor
         self._done = threading.Event()
         self._result: dict[str, Any] = {}
         self._started = False
@@ -65,7 +67,8 @@ class SystemProbe:
 
     def info(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """``{device, device_name, vram_total_mb, ram_total_mb, torch_version, cuda_version,
-        version}`` (MB of 2**20 bytes); torch figures are None when the probe failed."""
+        version, executor, cluster}`` (MB of 2**20 bytes); torch figures are None when the
+        probe failed; ``cluster`` is None for the local executor."""
         self.start()
         self._done.wait(timeout_s)
         probe = self._result
@@ -77,4 +80,6 @@ class SystemProbe:
             "torch_version": probe.get("torch_version") or _version("torch"),
             "cuda_version": probe.get("cuda_version"),
             "version": _version("stagehand-workbench") or "0.0.0",
+            "executor": self.executor.name if self.executor is not None else "local",
+            "cluster": self.executor.cluster() if self.executor is not None else None,
         }

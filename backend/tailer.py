@@ -113,6 +113,13 @@ class JsonlTail:
         self.offset += end + 1
         return lines
 
+    def rewind(self, offset: int, lines: list[Line]) -> None:
+        """Make the next ``read`` return ``lines`` again (their ingest failed)."""
+        self.offset = offset
+
+    def finish(self) -> None:
+        """Nothing to wait for: the worker's last ``flush`` reached the file before it exited."""
+
 
 class Tailer:
     """One thread polling the telemetry files of the runs it watches."""
@@ -121,16 +128,17 @@ class Tailer:
         self.store = store
         self.hub = hub
         self.interval_s = interval_s
-        self._tails: dict[int, JsonlTail] = {}
+        self._tails: dict[int, JsonlTail] = {}  # or any TelemetrySource (backend.executors)
         self._lock = threading.Lock()  # held while a run's file is read and ingested
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def watch(self, run_id: int, path: Path, offset: int) -> None:
-        """Start tailing ``path`` for ``run_id`` from byte ``offset`` (the stored one)."""
+    def watch(self, run_id: int, source) -> None:
+        """Start ingesting ``source`` (a ``JsonlTail``, or an executor's ``TelemetrySource``)
+        for ``run_id``; a run already watched keeps its source."""
         with self._lock:
             if run_id not in self._tails:
-                self._tails[run_id] = JsonlTail(Path(path), offset)
+                self._tails[run_id] = source
 
     def drain(self, run_id: int, forget: bool = True) -> int:
         """Ingest everything complete in the run's file now; with ``forget``, stop watching.
@@ -138,6 +146,10 @@ class Tailer:
         Called by the supervisor after the worker exited, before it publishes the final status,
         so subscribers see every record before the run frame that ends the run.
         """
+        with self._lock:
+            tail = self._tails.get(run_id)
+        if tail is not None:
+            tail.finish()  # outside the lock: a log stream may wait for its last lines
         with self._lock:
             tail = self._tails.get(run_id)
             n = 0
@@ -154,14 +166,14 @@ class Tailer:
     def _ingest(self, run_id: int, tail: JsonlTail) -> int:
         before = tail.offset
         lines = tail.read()
-        if tail.offset == before:
+        if not lines and tail.offset == before:
             return 0
         try:
             self.store.ingest(
                 run_id, [ln.row() for ln in lines], tail.offset, [ln.record for ln in lines]
             )
         except Exception:
-            tail.offset = before  # retry the same bytes next poll: nothing is lost
+            tail.rewind(before, lines)  # retry the same records next poll: nothing is lost
             raise
         if lines:
             self.hub.publish_lines(run_id, [(ln.seq, ln.raw) for ln in lines])

@@ -42,6 +42,13 @@ function route() {
   }
 }
 
+// The Ray cluster a --executor ray server submits to: nodes alive, GPUs (and CPUs) used/total.
+function clusterItem(item, c) {
+  if (!c.reachable) return item("Ray", `unreachable at ${c.address}`, "cluster");
+  const gpus = c.gpus_total ? `GPUs ${c.gpus_used}/${c.gpus_total} used` : "no GPUs";
+  return item("Ray", `${c.nodes_alive} node${c.nodes_alive === 1 ? "" : "s"}, ${gpus}, CPUs ${c.cpus_used}/${c.cpus_total} used`, "cluster");
+}
+
 async function loadSystem() {
   const strip = document.getElementById("system-strip");
   try {
@@ -56,7 +63,9 @@ async function loadSystem() {
       item("torch", s.torch_version, "torch"),
       s.cuda_version ? item("CUDA", s.cuda_version, "cuda") : null,
       item("workbench", s.version, "version"),
+      s.cluster ? clusterItem(item, s.cluster) : null,
     );
+    if (s.cluster) setTimeout(loadSystem, 10000);  // free GPUs change as runs come and go
   } catch (err) {
     fill(strip);
     showError(strip, err, "system info");

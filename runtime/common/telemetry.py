@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -82,6 +83,17 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def encode(record: dict[str, Any]) -> str:
+    """The record's JSONL line (no newline): compact, non-finite floats written as ``null``."""
+    record = {k: _finite(v) for k, v in record.items()}
+    return json.dumps(record, default=_json_default, separators=(",", ":"))
+
+
+STDOUT_MARKER = "@@stagehand-telemetry@@ "
+"""Prefix of a telemetry line on the worker's stdout (``TeeStdoutSink``): a job log carries the
+worker's other output too, and only lines that start with this are records."""
+
+
 class JsonlSink:
     """Appends one JSON object per line to ``path``; ``flush`` pushes the lines to the OS.
 
@@ -96,8 +108,7 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - owned until close()
 
     def write(self, record: dict[str, Any]) -> None:
-        record = {k: _finite(v) for k, v in record.items()}
-        self._file.write(json.dumps(record, default=_json_default, separators=(",", ":")) + "\n")
+        self._file.write(encode(record) + "\n")
 
     def flush(self) -> None:
         if not self._file.closed:
@@ -108,6 +119,31 @@ class JsonlSink:
         if not self._file.closed:
             self.flush()
             self._file.close()
+
+
+class TeeStdoutSink:
+    """``inner`` (a ``JsonlSink``), and every record also on stdout as ``STDOUT_MARKER`` + the
+    same line, so a job log (a Ray job's ``tail_job_logs``) carries the run's telemetry when
+    the server cannot read the run folder. Both copies are encoded once, so they are equal.
+    """
+
+    def __init__(self, inner: JsonlSink, stream: Any = None) -> None:
+        self.inner = inner
+        self.last_seq = inner.last_seq
+        self.stream = stream if stream is not None else sys.stdout
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = encode(record) + "\n"
+        self.inner._file.write(line)
+        self.stream.write(STDOUT_MARKER + line)
+
+    def flush(self) -> None:
+        self.inner.flush()
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.inner.close()
+        self.stream.flush()
 
 
 def _last_seq(path: Path) -> int:

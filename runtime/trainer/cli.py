@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -25,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from runtime.common.telemetry import JsonlSink, Telemetry  # noqa: E402
+from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry  # noqa: E402
 from runtime.config import MB  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
 from runtime.trainer import encode, loop  # noqa: E402
@@ -54,13 +55,19 @@ from runtime.trainer.setup import (  # noqa: E402
     resolve_assets,
 )
 
+TELEMETRY_STDOUT_ENV = "STAGEHAND_TELEMETRY_STDOUT"
+"""``1``: every telemetry record is also written to stdout after ``STDOUT_MARKER``."""
+
 
 class Run:
     """One training run in ``run_dir``; ``execute`` returns the final status."""
 
     def __init__(self, spec: str, run_dir: Path, device: torch.device, resume: bool) -> None:
         self.spec, self.run_dir, self.device, self.resume = spec, run_dir, device, resume
-        self.telemetry = Telemetry(JsonlSink(run_dir / "telemetry.jsonl"))
+        sink = JsonlSink(run_dir / "telemetry.jsonl")
+        if os.environ.get(TELEMETRY_STDOUT_ENV) == "1":
+            sink = TeeStdoutSink(sink)  # the Ray executor's log stream (backend/executors)
+        self.telemetry = Telemetry(sink)
         self.control = ControlDir(run_dir)
         self.stop = StopFlag()
         self.progress = Progress()
@@ -121,6 +128,8 @@ class Run:
             "run_started",
             run_name=self.run_dir.name,
             preset=name,
+            pid=os.getpid(),
+            host=socket.gethostname(),
             max_steps=preset.max_steps,
             device=str(self.device),
             vram_source="cuda" if self.device.type == "cuda" else "tracked",

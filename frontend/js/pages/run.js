@@ -109,6 +109,7 @@ export function mount(root, { parts }) {
         stageText ? fact("stage", stageText, "fact-stage") : null,
         fact("elapsed", fmtDuration(runDuration(run)), "fact-elapsed"),
         fact("preset", run.preset, "fact-preset"),
+        run.executor ? fact("node", `${run.node || "waiting for a node"} (${run.executor})`, "fact-node") : null,
         fact(FINISHED.has(run.status) ? "final loss" : "loss", fmtNum(s.final_loss), "fact-loss"),
         fact("peak VRAM", fmtMB(s.peak_vram_mb), "fact-peak"),
         fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
