@@ -174,12 +174,37 @@ class Telemetry:
     trainer); runtimes only call ``emit``. Thread-safe: one lock around stamping and writing.
     """
 
-    def __init__(self, sink: Sink | None = None) -> None:
+    def __init__(self, sink: Sink | None = None, flush_interval_s: float | None = None) -> None:
+        """``flush_interval_s``: also flush on a time bound, so a record reaches readers of the
+        sink (the dashboard tailing the JSONL) within that many seconds even when no step ends
+        to flush it (stage 1's caching progress, a long first step). None: only ``flush()``.
+
+        Raises:
+            ValueError: ``flush_interval_s`` is not > 0.
+        """
         self.sink: Sink = sink if sink is not None else NullSink()
         self._seq = getattr(self.sink, "last_seq", -1) + 1
         self._lock = threading.Lock()
         self.step: int | None = None
         self.phase: str | None = None
+        self._dirty = False
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if flush_interval_s is not None:
+            if not flush_interval_s > 0:
+                raise ValueError(f"flush_interval_s must be > 0 seconds, got {flush_interval_s!r}")
+            self._flusher = threading.Thread(
+                target=self._flush_every,
+                args=(flush_interval_s,),
+                name="telemetry-flush",
+                daemon=True,
+            )
+            self._flusher.start()
+
+    def _flush_every(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            if self._dirty:
+                self.flush()
 
     @property
     def next_seq(self) -> int:
@@ -199,12 +224,17 @@ class Telemetry:
             }
             self._seq += 1
             self.sink.write(record)
+            self._dirty = True
         return record
 
     def flush(self) -> None:
         with self._lock:
+            self._dirty = False
             self.sink.flush()
 
     def close(self) -> None:
+        self._closed.set()
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join()
         with self._lock:
             self.sink.close()

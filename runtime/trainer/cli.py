@@ -59,6 +59,10 @@ TELEMETRY_STDOUT_ENV = "STAGEHAND_TELEMETRY_STDOUT"
 """``1``: every telemetry record is also written to stdout after ``STDOUT_MARKER``."""
 
 
+FLUSH_INTERVAL_S = 0.25
+"""The worker's telemetry reaches its JSONL file at most this long after a record (seconds)."""
+
+
 class Run:
     """One training run in ``run_dir``; ``execute`` returns the final status."""
 
@@ -67,7 +71,9 @@ class Run:
         sink = JsonlSink(run_dir / "telemetry.jsonl")
         if os.environ.get(TELEMETRY_STDOUT_ENV) == "1":
             sink = TeeStdoutSink(sink)  # the Ray executor's log stream (backend/executors)
-        self.telemetry = Telemetry(sink)
+        # Stage 1 (caching) writes progress for minutes before a step flushes: a time bound
+        # brings each record to the dashboard within FLUSH_INTERVAL_S.
+        self.telemetry = Telemetry(sink, flush_interval_s=FLUSH_INTERVAL_S)
         self.control = ControlDir(run_dir)
         self.stop = StopFlag()
         self.progress = Progress()

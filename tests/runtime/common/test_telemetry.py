@@ -57,3 +57,24 @@ def test_default_sink_drops_records():
     assert tel.next_seq == 1
     with pytest.raises(TypeError):
         tel.emit("x")  # kind is required
+
+
+def test_a_time_bound_flushes_records_without_a_step(tmp_path):
+    """With ``flush_interval_s`` a record reaches the file within the bound though nobody calls
+    ``flush`` (stage 1's progress); without it the line stays in the writer's buffer."""
+    import time
+
+    bounded = Telemetry(JsonlSink(tmp_path / "bounded.jsonl"), flush_interval_s=0.05)
+    plain = Telemetry(JsonlSink(tmp_path / "plain.jsonl"))
+    bounded.emit("trainer", "stage", stage="cache", done=1, total=9)
+    plain.emit("trainer", "stage", stage="cache", done=1, total=9)
+    deadline = time.monotonic() + 5
+    while not (tmp_path / "bounded.jsonl").read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert '"done":1' in (tmp_path / "bounded.jsonl").read_text()
+    assert (tmp_path / "plain.jsonl").read_text() == ""
+    bounded.close()
+    plain.close()
+    assert '"done":1' in (tmp_path / "plain.jsonl").read_text()
+    with pytest.raises(ValueError, match="flush_interval_s must be > 0"):
+        Telemetry(flush_interval_s=0)
