@@ -208,6 +208,9 @@ class RunSummary(BaseModel):
     max_steps: int | None = None
     final_loss: float | None = None
     peak_vram_mb: float | None = None
+    """The training stage's peak (stage 2): what Compare and the runs list compare."""
+    encode_peak_vram_mb: float | None = None
+    """Stage 1's peak (text encoders, VAE encoding, caching), when it reported one."""
     mean_step_time_ms: float | None = None
     spill_bytes: int | None = None
     stall_ms: float | None = None

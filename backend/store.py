@@ -583,10 +583,21 @@ class Store:
             "source = 'trainer' AND kind = 'step' ORDER BY seq DESC LIMIT 1",
             [run_id],
         ).fetchone()
-        (peak,) = q(
-            "SELECT MAX(json_extract(data, '$.vram_peak_mb')) FROM telemetry WHERE run_id = ? "
-            "AND kind = 'step'",
-            [run_id],
+        # Peak VRAM per stage: stage 1 (encoding, caching) runs from the trainer's first
+        # "cache" stage record to its first "train" one; every other step record is training's.
+        first = (
+            "SELECT MIN(seq) FROM telemetry WHERE run_id = ? AND source = 'trainer' AND "
+            "kind = 'stage' AND json_extract(data, '$.stage') = ?"
+        )
+        (cache_seq,) = q(first, [run_id, "cache"]).fetchone()
+        (train_seq,) = q(first, [run_id, "train"]).fetchone()
+        start, end = (-1, -1) if cache_seq is None else (cache_seq, train_seq or 2**62)
+        (encode_peak, peak) = q(
+            "SELECT MAX(CASE WHEN seq > ? AND seq < ? THEN v END), "
+            "MAX(CASE WHEN seq > ? AND seq < ? THEN NULL ELSE v END) FROM "
+            "(SELECT seq, json_extract(data, '$.vram_peak_mb') AS v FROM telemetry "
+            "WHERE run_id = ? AND kind = 'step')",
+            [start, end, start, end, run_id],
         ).fetchone()
         (spill,) = q(
             "SELECT SUM(json_extract(data, '$.spill_bytes')) FROM telemetry WHERE run_id = ? "
@@ -605,6 +616,7 @@ class Store:
             "max_steps": started.get("max_steps"),
             "final_loss": final[0] if final else None,
             "peak_vram_mb": peak,
+            "encode_peak_vram_mb": encode_peak,
             "mean_step_time_ms": mean_ms,
             "spill_bytes": int(spill) if spill is not None else None,
             "stall_ms": stall,

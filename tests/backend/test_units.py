@@ -292,3 +292,35 @@ def test_rollups_folded_at_ingest_give_the_extremes_of_long_runs(tmp_path):
     store.delete_run(run_id)
     assert store.db.execute("SELECT COUNT(*) FROM telemetry_rollup").fetchone()[0] == 0
     store.close()
+
+
+def test_summary_peak_vram_per_stage(tmp_path):
+    """Stage 1's step records (before the trainer's first "train" stage record) give
+    ``encode_peak_vram_mb``; the training stage's give ``peak_vram_mb``, which Compare uses."""
+
+    def row(seq, source, kind, **fields):
+        data = json.dumps({"seq": seq, "time": 1.0, "source": source, "kind": kind, **fields})
+        return (seq, 1.0, source, kind, fields.get("step"), None, data)
+
+    store = Store(tmp_path / "db.sqlite")
+    run_id = store.create_run("r", "p", {}, "default")
+    rows = [
+        row(0, "trainer", "stage", stage="cache", done=0, total=2),
+        row(1, "stagehand", "step", step=0, vram_peak_mb=52.8),  # the text encoder, streamed
+        row(2, "trainer", "stage", stage="train", done=0, total=2),
+    ]
+    store.ingest(run_id, rows, 10)
+    assert store.summary(run_id)["encode_peak_vram_mb"] == 52.8
+    assert store.summary(run_id)["peak_vram_mb"] is None  # no training step yet
+    other = store.create_run("writer", "p", {}, "default")  # a worker without stage records
+    store.ingest(other, [row(0, "trainer", "step", step=0, vram_peak_mb=9.0, loss=1.0)], 10)
+    assert store.summary(other)["peak_vram_mb"] == 9.0
+    assert store.summary(other)["encode_peak_vram_mb"] is None
+    rows = [
+        row(3, "stagehand", "step", step=0, vram_peak_mb=36.0),
+        row(4, "trainer", "step", step=0, vram_peak_mb=35.5, loss=1.0),
+    ]
+    store.ingest(run_id, rows, 20)
+    summary = store.summary(run_id)
+    assert summary["peak_vram_mb"] == 36.0 and summary["encode_peak_vram_mb"] == 52.8
+    store.close()

@@ -117,6 +117,10 @@ def test_start_from_form_watch_live_change_watermark_reconnect_finish(backend_se
     assert xs == list(range(1, STEPS + 1))
     assert ys == pytest.approx([r["loss"] for r in records["data"]])
     assert page.inner_text("#fact-step .fact-value") == f"{STEPS}/{STEPS}"
+    # The header's peak is the training stage's, as the summary Compare uses.
+    peak = api.call("GET", f"/api/runs/{run_id}")["summary"]["peak_vram_mb"]
+    assert page.text_content("#fact-peak .fact-label") == "peak VRAM (training)"
+    assert page.inner_text("#fact-peak .fact-value") == f"{peak:.1f} MB"
     phases = page.evaluate("document.getElementById('phases').data.map(t => t.x.length)")
     assert phases == [STEPS] * 4
     shoot(backend_server + f"/#/runs/{run_id}", "run-finished", ready="#loss .main-svg")

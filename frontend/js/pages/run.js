@@ -12,16 +12,18 @@ import { RunStream, StreamState } from "../stream.js";
 import { fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
 
-/** The header's figures, summed from records as `store.summary` sums them in the backend. */
+/** The header's figures, summed from records as `store.summary` sums them in the backend:
+ * peak VRAM per stage (stage 1 from the trainer's "cache" stage record to its "train" one). */
 function newFigures() {
-  return { loss: null, peak: null, stepMsSum: 0, steps: 0, spill: null };
+  return { loss: null, peak: null, encodePeak: null, stage1: false, trained: false, stepMsSum: 0, steps: 0, spill: null };
 }
 
 /** Adds one `step` record (any source); true when a figure changed. */
 function addFigures(f, rec) {
   let changed = false;
-  if (typeof rec.vram_peak_mb === "number" && (f.peak === null || rec.vram_peak_mb > f.peak)) {
-    f.peak = rec.vram_peak_mb;
+  const key = f.stage1 ? "encodePeak" : "peak";
+  if (typeof rec.vram_peak_mb === "number" && (f[key] === null || rec.vram_peak_mb > f[key])) {
+    f[key] = rec.vram_peak_mb;
     changed = true;
   }
   if (rec.source === "trainer") {
@@ -43,6 +45,7 @@ function figuresOf(f) {
   const out = {};
   if (f.loss !== null) out.final_loss = f.loss;
   if (f.peak !== null) out.peak_vram_mb = f.peak;
+  if (f.encodePeak !== null) out.encode_peak_vram_mb = f.encodePeak;
   if (f.steps) out.mean_step_time_ms = f.stepMsSum / f.steps;
   if (f.spill !== null) out.spill_bytes = f.spill;
   return out;
@@ -111,7 +114,8 @@ export function mount(root, { parts }) {
         fact("preset", run.preset, "fact-preset"),
         run.executor ? fact("node", `${run.node || "waiting for a node"} (${run.executor})`, "fact-node") : null,
         fact(FINISHED.has(run.status) ? "final loss" : "loss", fmtNum(s.final_loss), "fact-loss"),
-        fact("peak VRAM", fmtMB(s.peak_vram_mb), "fact-peak"),
+        fact("peak VRAM (training)", fmtMB(s.peak_vram_mb), "fact-peak"),
+        s.encode_peak_vram_mb != null ? fact("peak VRAM (encoding)", fmtMB(s.encode_peak_vram_mb), "fact-encode-peak") : null,
         fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
         fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
         run.exit_code != null ? fact("exit code", String(run.exit_code), "fact-exit") : null));
@@ -168,6 +172,8 @@ export function mount(root, { parts }) {
         headerDirty = true;
       } else if (key === "trainer/stage") {
         live.stage = rec;
+        if (rec.stage === "cache" && !live.figures.trained) live.figures.stage1 = true;
+        if (rec.stage === "train") Object.assign(live.figures, { stage1: false, trained: true });
         headerDirty = true;
       } else if (key === "trainer/dataset_scan") {
         fill(dataCard, h("h2", {}, "Data"), scanView(rec));
