@@ -26,6 +26,8 @@ from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
 ACTIVE = ("running", "stalled")
 """Statuses of a run whose worker process is (believed to be) alive."""
 TERMINAL = ("succeeded", "failed", "cancelled", "killed", "crashed")
+RESUMABLE = ("failed", "cancelled", "killed", "crashed")
+"""Ended before their last step: with a checkpoint, such a run can continue from it."""
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:
@@ -113,6 +115,11 @@ def _m004_run_executor(db: sqlite_utils.Database) -> None:
         db.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
 
 
+def _m005_run_resume(db: sqlite_utils.Database) -> None:
+    # A stopped run re-queued to continue from its last checkpoint: its worker gets --resume.
+    db.execute("ALTER TABLE runs ADD COLUMN resume INTEGER NOT NULL DEFAULT 0")
+
+
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
     db.conn.executemany(
         "INSERT OR REPLACE INTO telemetry_rollup (run_id, source, kind, chunk, seq_first,"
@@ -138,6 +145,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("002_telemetry_kind_index", _m002_telemetry_kind_index),
     ("003_telemetry_rollup", _m003_telemetry_rollup),
     ("004_run_executor", _m004_run_executor),
+    ("005_run_resume", _m005_run_resume),
 ]
 """Append new ``(name, function)`` pairs; never edit or reorder applied ones."""
 

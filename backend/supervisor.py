@@ -35,8 +35,9 @@ from typing import Any
 from backend.errors import Conflict
 from backend.executors import Executor, Exit, Job, LaunchError
 from backend.outcome import classify
+from backend.run_files import checkpoints
 from backend.settings import Settings
-from backend.store import ACTIVE, Store
+from backend.store import ACTIVE, RESUMABLE, Store
 from backend.tailer import Tailer
 
 log = logging.getLogger("backend.supervisor")
@@ -308,6 +309,39 @@ class Supervisor:
                 job.cancel_at = time.time()
                 self.store.update_run(run_id, cancel_requested_at=job.cancel_at)
                 self.send_control(run_id, {"command": "stop"})
+
+    def resume(self, run_id: int) -> None:
+        """Queue a run that stopped before its end to continue from its last checkpoint: the
+        same run (id, folder, telemetry continuing its ``seq``), its worker started with
+        ``--resume``.
+
+        Raises ``Conflict`` (field ``id``) when the run did not stop early or has no checkpoint.
+        """
+        with self._lock:
+            run = self.store.get_run(run_id)
+            status = run["status"] if run else "gone"
+            if status not in RESUMABLE:
+                raise Conflict(
+                    f"run {run_id} is {status}; only a failed, cancelled, killed or crashed run "
+                    "can resume",
+                    field="id",
+                )
+            if not checkpoints(self.settings.runs_dir.resolve() / str(run_id)):
+                raise Conflict(
+                    f"run {run_id} saved no checkpoint to resume from (checkpoint_every)",
+                    field="id",
+                )
+            ended = ("finished_at", "exit_code", "signal", "error", "pid", "summary")
+            fields = dict.fromkeys(ended)
+            if self.store.set_status_if(
+                run_id,
+                list(RESUMABLE),
+                status="queued",
+                resume=1,
+                cancel_requested_at=None,
+                **fields,
+            ):
+                self.on_change(run_id)
 
     def send_control(self, run_id: int, payload: dict[str, Any]) -> str:
         """Drop a control request into ``DIR/control/`` (temp name, then rename); its id."""

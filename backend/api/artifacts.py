@@ -1,16 +1,12 @@
-"""Run artifacts: the sample images in ``DIR/samples/``, listed and served by plain name.
-
-Only regular files whose real path lies inside the run folder are listed or served. A
-``samples/`` that is a symlink, a file that is a symlink, or a file with a second name (a hard
-link: the other name may be ``/etc/passwd``) is left out, so nothing outside the run folder
-comes back, whatever a worker or a user put there.
+"""Run artifacts: the sample images in ``DIR/samples/`` and the LoRA files in ``DIR/lora/``,
+listed and served by plain name; the checkpoints in ``DIR/checkpoints/step-N/`` listed (a run
+stopped before its end resumes from the last one: ``POST /api/runs/{id}/resume``). What is
+servable: ``backend.run_files``.
 """
 
 from __future__ import annotations
 
 import mimetypes
-import re
-import stat
 from pathlib import Path
 from typing import Annotated
 
@@ -22,9 +18,10 @@ from backend.api.deps import SettingsDep, StoreDep, run_row
 from backend.errors import Invalid, NotFound
 from backend.models import RunId
 from backend.openapi import errors
+from backend.run_files import ARTIFACT_RE, artifact_files, checkpoints, servable
+from backend.store import RESUMABLE
 
 router = APIRouter(prefix="/api/runs", tags=["artifacts"])
-ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 def run_folder(settings, run_id: int) -> Path:
@@ -32,34 +29,61 @@ def run_folder(settings, run_id: int) -> Path:
     return settings.runs_dir.resolve() / str(run_id)
 
 
-def servable(path: Path, run_dir: Path) -> bool:
-    """Whether ``path`` is a regular file with one name whose real path is inside ``run_dir``."""
-    try:
-        info = path.lstat()
-        real = path.resolve(strict=True)
-    except (OSError, RuntimeError):  # gone, or a symlink loop
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and real.is_relative_to(run_dir)
+def _listing(run_id: int, files: list[Path], route: str) -> list[dict]:
+    out = []
+    for p in files:
+        info = p.stat()
+        url = f"/api/runs/{run_id}/{route}/{p.name}"
+        out.append({"name": p.name, "size": info.st_size, "modified": info.st_mtime, "url": url})
+    return out
 
 
-def artifact_files(run_dir: Path) -> list[Path]:
-    """The servable files of ``run_dir/samples``, by name."""
-    folder = run_dir / "samples"
-    if folder.is_symlink() or not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if ARTIFACT_RE.match(p.name) and servable(p, run_dir))
+def _serve(run_dir: Path, folder: str, run_id: int, name: str) -> FileResponse:
+    if not ARTIFACT_RE.match(name) or ".." in name:
+        raise Invalid(f"artifact names are plain file names, got {name!r}", field="name")
+    path = run_dir / folder / name
+    if not path.parent.is_symlink() and servable(path, run_dir):
+        media = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        return FileResponse(path, media_type=media, headers={"cache-control": "max-age=60"})
+    raise NotFound(f"run {run_id} has no {folder} file {name!r}", field="name")
 
 
 @router.get("/{run_id}/artifacts", responses=errors(404))
 def list_artifacts(run_id: RunId, store: StoreDep, settings: SettingsDep) -> dict:
     """Sample images of a run: ``{data: [{name, size, modified, url}], count}``."""
     run_row(store, run_id)
-    data = []
-    for p in artifact_files(run_folder(settings, run_id)):
-        info = p.stat()
-        url = f"/api/runs/{run_id}/artifacts/{p.name}"
-        data.append({"name": p.name, "size": info.st_size, "modified": info.st_mtime, "url": url})
+    data = _listing(run_id, artifact_files(run_folder(settings, run_id)), "artifacts")
     return {"data": data, "count": len(data)}
+
+
+@router.get("/{run_id}/outputs", responses=errors(404))
+def list_outputs(run_id: RunId, store: StoreDep, settings: SettingsDep) -> dict:
+    """What a run wrote for the user: ``{lora: [{name, size, modified, url}], checkpoints:
+    [{name, step, size, modified}], resumable}``; ``resumable``: the run stopped before its end
+    (failed, cancelled, killed, crashed) and has a checkpoint to continue from."""
+    run = run_row(store, run_id)
+    run_dir = run_folder(settings, run_id)
+    saved = checkpoints(run_dir)
+    return {
+        "lora": _listing(run_id, artifact_files(run_dir, "lora"), "lora"),
+        "checkpoints": saved,
+        "resumable": bool(saved) and run["status"] in RESUMABLE,
+    }
+
+
+@router.get("/{run_id}/lora/{name}", responses=errors(404))
+def get_lora(
+    run_id: RunId,
+    store: StoreDep,
+    settings: SettingsDep,
+    name: Annotated[str, PathParam(max_length=200)],
+):
+    """One file of the run's ``lora/`` folder (the LoRA weights, its ComfyUI-layout copy), as a
+    download named after the run."""
+    run_row(store, run_id)
+    response = _serve(run_folder(settings, run_id), "lora", run_id, name)
+    response.headers["content-disposition"] = f'attachment; filename="run-{run_id}-{name}"'
+    return response
 
 
 @router.get("/{run_id}/artifacts/{name}", responses=errors(404))
@@ -71,11 +95,4 @@ def get_artifact(
 ):
     """One file of the run's ``samples/`` folder, by name only (no paths, no dot-files)."""
     run_row(store, run_id)
-    if not ARTIFACT_RE.match(name) or ".." in name:
-        raise Invalid(f"artifact names are plain file names, got {name!r}", field="name")
-    run_dir = run_folder(settings, run_id)
-    path = run_dir / "samples" / name
-    if not path.parent.is_symlink() and servable(path, run_dir):
-        media = mimetypes.guess_type(name)[0] or "application/octet-stream"
-        return FileResponse(path, media_type=media, headers={"cache-control": "max-age=60"})
-    raise NotFound(f"run {run_id} has no artifact {name!r}", field="name")
+    return _serve(run_folder(settings, run_id), "samples", run_id, name)

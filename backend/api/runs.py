@@ -89,6 +89,15 @@ def cancel_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dic
     return public_run(store, run_row(store, run_id))
 
 
+@router.post("/{run_id}/resume", response_model=RunPublic, responses=errors(404, 409))
+def resume_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dict:
+    """Queue a run that stopped before its end (failed, cancelled, killed, crashed) to continue
+    from its last checkpoint, as the same run; 409 naming ``id`` otherwise."""
+    run_row(store, run_id)
+    supervisor.resume(run_id)
+    return public_run(store, run_row(store, run_id))
+
+
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 409))
 def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep):
     run = run_row(store, run_id)

@@ -29,6 +29,19 @@ class LaunchError(Exception):
     """The executor could not start a worker (the message says why)."""
 
 
+def worker_command(
+    python: str, worker_module: str, run: dict[str, Any], run_dir: Path
+) -> list[str]:
+    """The worker's command line for ``run`` (a store row), the same for every executor:
+    ``workbench train DIR/config.json --run-dir DIR``, with ``--resume`` for a run re-queued to
+    continue from its last checkpoint (``POST /api/runs/{id}/resume``)."""
+    cmd = [python, "-m", worker_module, "train", str(run_dir / "config.json")]
+    cmd += ["--run-dir", str(run_dir)]
+    if run.get("resume"):
+        cmd.append("--resume")
+    return cmd
+
+
 @dataclass
 class Exit:
     """How a worker ended. ``rc``: its exit code, negative for a signal, None when unknown

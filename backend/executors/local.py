@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource
+from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource, worker_command
 from backend.outcome import log_tail
 from backend.settings import REPO_ROOT, Settings
 from backend.tailer import JsonlTail
@@ -37,15 +37,7 @@ class LocalExecutor(Executor):
         self.host = socket.gethostname()
 
     def submit(self, run: dict[str, Any], run_dir: Path) -> Job:
-        cmd = [
-            sys.executable,
-            "-m",
-            self.settings.worker_module,
-            "train",
-            str(run_dir / "config.json"),
-            "--run-dir",
-            str(run_dir),
-        ]
+        cmd = worker_command(sys.executable, self.settings.worker_module, run, run_dir)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
             with open(run_dir / "worker.log", "ab") as out:

@@ -35,7 +35,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource
+from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource, worker_command
 from backend.outcome import LOG_TAIL_BYTES
 from backend.settings import Settings
 from backend.tailer import JsonlTail, Line, parse_line
@@ -113,8 +113,7 @@ class RayExecutor(Executor):
     def submit(self, run: dict[str, Any], run_dir: Path) -> Job:
         device = run["device"] or "default"
         sid = submission_id(run["id"])
-        cmd = [sys.executable, "-m", self.settings.worker_module, "train"]
-        cmd += [str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+        cmd = worker_command(sys.executable, self.settings.worker_module, run, run_dir)
         runtime_env = copy.deepcopy(self.settings.ray_runtime_env or {})
         env_vars = {"PYTHONUNBUFFERED": "1", **runtime_env.get("env_vars", {})}
         if self.settings.ray_telemetry == "log":

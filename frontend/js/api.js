@@ -138,6 +138,10 @@ export const api = {
     request("GET", `/api/compare${query({ ids: ids.join(","), metrics: (metrics || []).join(",") })}`),
 
   artifacts: (id) => request("GET", `/api/runs/${enc(id)}/artifacts`),
+  /** `{lora: [{name, size, modified, url}], checkpoints: [{name, step, size, modified}], resumable}` */
+  outputs: (id) => request("GET", `/api/runs/${enc(id)}/outputs`),
+  /** Continue a run that stopped early from its last checkpoint (409 otherwise). */
+  resumeRun: (id) => request("POST", `/api/runs/${enc(id)}/resume`),
 
   /** What a diffusers pipeline folder holds (family, components, streamed blocks). */
   inspectPipeline: (body) => request("POST", "/api/pipelines/inspect", body),

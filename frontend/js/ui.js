@@ -37,6 +37,7 @@ export function fmtMB(mb) {
 
 export function fmtBytes(bytes) {
   if (bytes === null || bytes === undefined) return "–";
+  if (bytes > 0 && bytes < 2 ** 20) return `${(bytes / 1024).toFixed(bytes < 10240 ? 1 : 0)} KB`;
   return fmtMB(bytes / 2 ** 20);
 }
 

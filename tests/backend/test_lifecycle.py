@@ -211,3 +211,49 @@ def test_server_restart_reconciles_without_losing_telemetry(server_factory):
     stored, in_file = stored_records(client, adopted), file_records(srv2.data_dir, adopted)
     assert stored == in_file
     assert [r["seq"] for r in stored] == list(range(len(in_file)))
+
+
+def test_outputs_download_and_resume_from_a_checkpoint(server):
+    """A run stopped before its end lists its checkpoints, resumes from the last as the same
+    run (telemetry continuing its seq), finishes, and its LoRA downloads as safetensors."""
+    from safetensors.torch import load
+
+    client = server.client()
+    run_id = create(client, {"max_steps": 400, "checkpoint_every": 4}, name="resumable")
+    run_dir = server.data_dir / "runs" / str(run_id)
+    wait_for(lambda: (run_dir / "checkpoints" / "step-8").is_dir(), 180, 0.2, "checkpoint 8")
+    err = assert_error_body(client.post(f"/api/runs/{run_id}/resume"), 409)
+    assert err["field"] == "id" and "running" in err["message"]
+    assert client.post(f"/api/runs/{run_id}/cancel").status_code == 200
+    assert wait_status(client, run_id, TERMINAL)["status"] == "cancelled"
+    outputs = client.get(f"/api/runs/{run_id}/outputs").json()
+    assert outputs["resumable"] and outputs["checkpoints"][-1]["step"] >= 8
+    assert all(c["size"] > 0 for c in outputs["checkpoints"])
+    last = outputs["checkpoints"][-1]["step"]
+    stopped_at = stored_records(client, run_id)[-1]["seq"]
+
+    # Resumed with fewer steps left: the same run, queued, then running from its checkpoint.
+    config = run_dir / "config.json"
+    config.write_text(config.read_text().replace('"max_steps": 400', f'"max_steps": {last + 3}'))
+    resumed = client.post(f"/api/runs/{run_id}/resume").json()
+    assert resumed["id"] == run_id and resumed["status"] in ("queued", "running")
+    done = wait_status(client, run_id, ["succeeded", "failed", "crashed", "killed"])
+    assert done["status"] == "succeeded", done
+    records = stored_records(client, run_id)
+    seqs = [r["seq"] for r in records]
+    assert seqs == sorted(set(seqs)) and seqs[-1] > stopped_at  # one stream, no repeats
+    stages = [r for r in records if r["kind"] == "stage" and r["seq"] > stopped_at]
+    assert any(r["stage"] == "train" and r["done"] == last for r in stages), stages[:3]
+    trainer = [r for r in records if r["source"] == "trainer" and r["kind"] == "step"]
+    after = [r["step"] for r in trainer if r["seq"] > stopped_at]
+    assert after == [last + 1, last + 2, last + 3]  # continued from the checkpoint
+    assert_error_body(client.post(f"/api/runs/{run_id}/resume"), 409)  # succeeded: nothing left
+
+    lora = client.get(f"/api/runs/{run_id}/outputs").json()["lora"]
+    assert [f["name"] for f in lora] == ["pytorch_lora_weights.safetensors"]
+    got = client.get(lora[0]["url"])
+    assert got.status_code == 200 and "attachment" in got.headers["content-disposition"]
+    weights = load(got.content)
+    assert weights and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in weights)
+    assert_error_body(client.get(f"/api/runs/{run_id}/lora/..secret"), 422)
+    assert_error_body(client.get(f"/api/runs/{run_id}/lora/missing.safetensors"), 404)

@@ -9,7 +9,7 @@ import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
 import { scanView } from "../scan.js";
 import { RunStream, StreamState } from "../stream.js";
-import { fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
+import { fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
 
 /** The header's figures, summed from records as `store.summary` sums them in the backend:
@@ -67,7 +67,8 @@ export function mount(root, { parts }) {
   const grid = h("div", { class: "chart-grid", id: "charts" });
   const gallery = h("div", { class: "gallery", id: "samples" });
   const galleryCard = h("section", { class: "card", hidden: true }, h("h2", {}, "Samples"), gallery);
-  root.append(header, errors, banner, failure, dataCard, grid, galleryCard);
+  const outputsCard = h("section", { class: "card", id: "run-outputs", hidden: true });
+  root.append(header, errors, banner, failure, dataCard, outputsCard, grid, galleryCard);
 
   let charts = null;
   let limits = null;
@@ -144,6 +145,38 @@ export function mount(root, { parts }) {
       h("figcaption", {}, caption || name)));
   }
 
+  /** The LoRA files (download links) and checkpoints; "Resume" for a run that stopped early. */
+  async function loadOutputs() {
+    let out;
+    try {
+      out = await api.outputs(run.id);
+    } catch (err) {
+      showError(errors, err, "outputs");
+      return;
+    }
+    const lora = (out.lora || []).map((f) =>
+      h("li", {}, h("a", { href: f.url, download: "", class: "lora-link" }, f.name), ` ${fmtBytes(f.size)}`));
+    const ckpts = (out.checkpoints || []).map((c) => h("li", {}, `${c.name} (${fmtBytes(c.size)})`));
+    const last = out.checkpoints && out.checkpoints.length ? out.checkpoints[out.checkpoints.length - 1] : null;
+    const resume = out.resumable && last
+      ? h("button", { id: "resume-run", onclick: async () => {
+        try {
+          await api.resumeRun(run.id);
+          location.reload(); // the same run, queued again: its page starts over
+        } catch (err) {
+          showError(errors, err, "resume");
+        }
+      } }, `Resume from ${last.name}`)
+      : null;
+    if (!lora.length && !ckpts.length) return;
+    fill(outputsCard,
+      h("h2", {}, "Outputs"),
+      lora.length ? h("div", {}, h("h3", {}, "LoRA"), h("ul", { id: "lora-files" }, ...lora)) : null,
+      ckpts.length ? h("div", {}, h("h3", {}, "Checkpoints"), h("ul", { id: "checkpoint-list" }, ...ckpts)) : null,
+      resume);
+    outputsCard.hidden = false;
+  }
+
   async function loadSamples() {
     try {
       const list = await api.artifacts(run.id);
@@ -207,6 +240,7 @@ export function mount(root, { parts }) {
         showError(errors, err, "refresh run");
       }
       loadSamples();
+      loadOutputs();
     }
   }
 
@@ -270,6 +304,7 @@ export function mount(root, { parts }) {
     }
     if (stopped) return;
     loadSamples();
+    loadOutputs();
     stream = new RunStream(run.id, { onRecords, onRun, onState }, lastSeq, (r) => FINISHED.has((r || run).status));
     stream.start();
     const tick = setInterval(() => { if (run && run.status === "running") renderHeader(); }, 1000);

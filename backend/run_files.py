@@ -1,0 +1,62 @@
+"""The files a run's folder holds for the user, read safely: samples, LoRA files, checkpoints.
+
+Only regular files whose real path lies inside the run folder count. A folder that is a
+symlink, a file that is a symlink, or a file with a second name (a hard link: the other name may
+be ``/etc/passwd``) is left out, so nothing outside the run folder is listed or served, whatever
+a worker or a user put there.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+from pathlib import Path
+
+ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def servable(path: Path, run_dir: Path) -> bool:
+    """Whether ``path`` is a regular file with one name whose real path is inside ``run_dir``."""
+    try:
+        info = path.lstat()
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError):  # gone, or a symlink loop
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and real.is_relative_to(run_dir)
+
+
+def artifact_files(run_dir: Path, folder: str = "samples") -> list[Path]:
+    """The servable files of ``run_dir/folder``, by name."""
+    where = run_dir / folder
+    if where.is_symlink() or not where.is_dir():
+        return []
+    return sorted(p for p in where.iterdir() if ARTIFACT_RE.match(p.name) and servable(p, run_dir))
+
+
+CHECKPOINT_RE = re.compile(r"^step-(\d{1,9})$")
+
+
+def checkpoints(run_dir: Path) -> list[dict]:
+    """The run's checkpoints, oldest first: ``[{name, step, size, modified}]`` (size: bytes of
+    the servable files in ``checkpoints/step-N``)."""
+    where = run_dir / "checkpoints"
+    if where.is_symlink() or not where.is_dir():
+        return []
+    out = []
+    for folder in where.iterdir():
+        match = CHECKPOINT_RE.match(folder.name)
+        if not match or folder.is_symlink() or not folder.is_dir():
+            continue
+        files = artifact_files(run_dir, f"checkpoints/{folder.name}")
+        if not files:
+            continue
+        stats = [f.stat() for f in files]
+        out.append(
+            {
+                "name": folder.name,
+                "step": int(match.group(1)),
+                "size": sum(st.st_size for st in stats),
+                "modified": max(st.st_mtime for st in stats),
+            }
+        )
+    return sorted(out, key=lambda c: c["step"])
