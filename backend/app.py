@@ -10,6 +10,7 @@ from importlib import util as importlib_util
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -109,6 +110,9 @@ def create_app(settings: Settings | None = None, executor: Executor | None = Non
     app.mount(
         "/static", StaticFiles(directory=settings.frontend_dir, check_dir=False), name="static"
     )
+    # Telemetry pages and static assets (plotly.min.js: 4.6 MB, ~1.4 MB gzipped) compressed for
+    # clients that accept it; websockets pass through untouched.
+    app.add_middleware(GZipMiddleware, minimum_size=1024)
     app.add_middleware(
         SecurityMiddleware, token=settings.token, max_body_bytes=settings.max_body_bytes
     )

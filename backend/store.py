@@ -120,6 +120,13 @@ def _m005_run_resume(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE runs ADD COLUMN resume INTEGER NOT NULL DEFAULT 0")
 
 
+def _m006_run_ids(db: sqlite_utils.Database) -> None:
+    # The highest run id ever given: a deleted run's id (and its folder's name) is never given
+    # again, so a link or a downloaded file naming it cannot come to mean another run.
+    db.execute("CREATE TABLE run_ids (last INTEGER NOT NULL)")
+    db.execute("INSERT INTO run_ids SELECT IFNULL(MAX(id), 0) FROM runs")
+
+
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
     db.conn.executemany(
         "INSERT OR REPLACE INTO telemetry_rollup (run_id, source, kind, chunk, seq_first,"
@@ -146,6 +153,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("003_telemetry_rollup", _m003_telemetry_rollup),
     ("004_run_executor", _m004_run_executor),
     ("005_run_resume", _m005_run_resume),
+    ("006_run_ids", _m006_run_ids),
 ]
 """Append new ``(name, function)`` pairs; never edit or reorder applied ones."""
 
@@ -251,12 +259,20 @@ class Store:
 
     # -- runs ----------------------------------------------------------------------------
     def create_run(self, name: str, preset: str, config: dict, device: str) -> int:
-        cur = self.db.execute(
-            "INSERT INTO runs (name, preset, config, status, device, created_at) "
-            "VALUES (?, ?, ?, 'queued', ?, ?)",
-            [name, preset, json.dumps(config), device, time.time()],
-        )
-        return int(cur.lastrowid)
+        """A new queued run; its id is above every id ever given (deleted runs' too)."""
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(
+                "UPDATE run_ids SET last = MAX(last, (SELECT IFNULL(MAX(id), 0) FROM runs)) + 1"
+            )
+            (run_id,) = db.execute("SELECT last FROM run_ids").fetchone()
+            db.execute(
+                "INSERT INTO runs (id, name, preset, config, status, device, created_at) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?)",
+                [run_id, name, preset, json.dumps(config), device, time.time()],
+            )
+        return int(run_id)
 
     def get_run(self, run_id: int) -> dict | None:
         rows = self.db.execute_returning_dicts("SELECT * FROM runs WHERE id = ?", [run_id])

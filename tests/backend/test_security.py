@@ -90,6 +90,11 @@ def test_loopback_default_needs_no_token_and_serves_the_dashboard(server):
     js = httpx.get(server.url + "/static/vendor/plotly.min.js")
     assert js.status_code == 200 and len(js.content) > 1_000_000
     assert "javascript" in js.headers["content-type"]
+    # Served compressed to a client that accepts gzip (httpx does; it decodes for us).
+    assert js.headers["content-encoding"] == "gzip"
+    assert js.num_bytes_downloaded < len(js.content) / 2
+    plain = httpx.get(server.url + "/static/vendor/plotly.min.js", headers={"accept-encoding": ""})
+    assert "content-encoding" not in plain.headers and plain.content == js.content
 
 
 def test_settings_rule():

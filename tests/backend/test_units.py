@@ -324,3 +324,17 @@ def test_summary_peak_vram_per_stage(tmp_path):
     summary = store.summary(run_id)
     assert summary["peak_vram_mb"] == 36.0 and summary["encode_peak_vram_mb"] == 52.8
     store.close()
+
+
+def test_run_ids_are_never_given_again_after_a_delete(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    first = store.create_run("a", "p", {}, "default")
+    second = store.create_run("b", "p", {}, "default")
+    store.delete_run(second)  # the newest: plain SQLite would give its id to the next run
+    third = store.create_run("c", "p", {}, "default")
+    assert (first, second, third) == (1, 2, 3)
+    store.close()
+    reopened = Store(tmp_path / "db.sqlite")
+    reopened.delete_run(third)
+    assert reopened.create_run("d", "p", {}, "default") == 4
+    reopened.close()
