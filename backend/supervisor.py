@@ -35,6 +35,7 @@ from typing import Any
 from backend.errors import Conflict
 from backend.executors import Executor, Exit, Job, LaunchError
 from backend.outcome import classify
+from backend.outcome import log_tail as outcome_log_tail
 from backend.run_files import checkpoints
 from backend.settings import Settings
 from backend.store import ACTIVE, RESUMABLE, Store
@@ -309,6 +310,14 @@ class Supervisor:
                 job.cancel_at = time.time()
                 self.store.update_run(run_id, cancel_requested_at=job.cancel_at)
                 self.send_control(run_id, {"command": "stop"})
+
+    def log_tail(self, run_id: int) -> str | None:
+        """The end of the run's worker output (progress lines, warnings): from its executor
+        while it runs, from ``DIR/worker.log`` after (None when there is none)."""
+        job = self._workers.get(run_id)
+        if job is not None:
+            return self.executor.log_tail(job)
+        return outcome_log_tail(self.run_dir(run_id) / "worker.log")
 
     def resume(self, run_id: int) -> None:
         """Queue a run that stopped before its end to continue from its last checkpoint: the

@@ -89,6 +89,14 @@ def cancel_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dic
     return public_run(store, run_row(store, run_id))
 
 
+@router.get("/{run_id}/log", responses=errors(404))
+def get_log(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dict:
+    """The end of the worker's own output (its progress lines, warnings), while it runs and
+    after: ``{text}`` (null when the worker wrote none)."""
+    run_row(store, run_id)
+    return {"text": supervisor.log_tail(run_id)}
+
+
 @router.post("/{run_id}/resume", response_model=RunPublic, responses=errors(404, 409))
 def resume_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dict:
     """Queue a run that stopped before its end (failed, cancelled, killed, crashed) to continue

@@ -140,6 +140,8 @@ export const api = {
   artifacts: (id) => request("GET", `/api/runs/${enc(id)}/artifacts`),
   /** `{lora: [{name, size, modified, url}], checkpoints: [{name, step, size, modified}], resumable}` */
   outputs: (id) => request("GET", `/api/runs/${enc(id)}/outputs`),
+  /** The end of the worker's own output: `{text}` (null when it wrote none). */
+  workerLog: (id) => request("GET", `/api/runs/${enc(id)}/log`),
   /** Continue a run that stopped early from its last checkpoint (409 otherwise). */
   resumeRun: (id) => request("POST", `/api/runs/${enc(id)}/resume`),
 

@@ -1,5 +1,6 @@
-"""The run page's Outputs card: the LoRA downloads through its link and loads; a run stopped
-before its end lists its checkpoints and resumes from the last one with a click."""
+"""The run page's Outputs card and worker log, on one run stopped before its end: its output
+is readable on the page while it runs; once stopped, its LoRA downloads through the link and
+loads, its checkpoints are listed, and it resumes from the last one with a click."""
 
 from __future__ import annotations
 
@@ -13,46 +14,47 @@ from tests.frontend.conftest import Api
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 TERMINAL = {"succeeded", "failed", "cancelled", "killed", "crashed"}
+LOG = "document.getElementById('worker-log-text').textContent"
 
 
-def test_lora_download_and_resume_from_the_run_page(backend_server, page, shoot, tmp_path):
+def test_worker_log_lora_download_and_resume_from_the_run_page(
+    backend_server, page, shoot, tmp_path
+):
     api = Api(backend_server)
-    done = api.call(
-        "POST",
-        "/api/runs",
-        {"preset": "tiny-ci", "overrides": {"max_steps": 8, "checkpoint_every": 4}},
-    )["id"]
-    assert api.wait_run(done, TERMINAL)["status"] == "succeeded"
-    page.goto(f"{backend_server}/#/runs/{done}")
+    overrides = {"max_steps": 100000, "checkpoint_every": 4}
+    run_id = api.call("POST", "/api/runs", {"preset": "tiny-ci", "overrides": overrides})["id"]
+
+    # While it runs, the worker's own output is on its page (refreshed every 3 s).
+    page.goto(f"{backend_server}/#/runs/{run_id}")
+    page.wait_for_selector(".run-header .badge[data-status='running']", timeout=120_000)
+    page.click("#worker-log summary")
+    page.wait_for_function(f"/step \\d+\\/100000 loss/.test({LOG})", timeout=60_000)
+    first = page.text_content("#worker-log-text")
+    page.wait_for_function(f"{LOG} !== {first!r}", timeout=30_000)
+    deadline = time.monotonic() + 180
+    while not api.call("GET", f"/api/runs/{run_id}/outputs")["checkpoints"]:
+        assert time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.3)
+    api.call("POST", f"/api/runs/{run_id}/cancel")
+    assert api.wait_run(run_id, TERMINAL)["status"] == "cancelled"
+
+    # Stopped: the LoRA it saved downloads and loads; its checkpoints offer a resume.
+    page.goto(f"{backend_server}/#/runs/{run_id}")
     link = page.wait_for_selector("#lora-files a.lora-link")
     assert link.inner_text() == "pytorch_lora_weights.safetensors"
-    assert page.inner_text("#checkpoint-list").count("step-") == 2
-    assert page.query_selector("#resume-run") is None  # it ended at its last step
     with page.expect_download() as info:
         link.click()
     path = tmp_path / info.value.suggested_filename
     info.value.save_as(path)
-    assert path.name == f"run-{done}-pytorch_lora_weights.safetensors"
+    assert path.name == f"run-{run_id}-pytorch_lora_weights.safetensors"
     weights = load_file(path)
     assert weights and all("lora_A" in k or "lora_B" in k for k in weights)
-
-    stopped = api.call(
-        "POST",
-        "/api/runs",
-        {"preset": "tiny-ci", "overrides": {"max_steps": 100000, "checkpoint_every": 4}},
-    )["id"]
-    deadline = time.monotonic() + 180
-    while not api.call("GET", f"/api/runs/{stopped}/outputs")["checkpoints"]:
-        assert time.monotonic() < deadline, "no checkpoint written"
-        time.sleep(0.3)
-    api.call("POST", f"/api/runs/{stopped}/cancel")
-    assert api.wait_run(stopped, TERMINAL)["status"] == "cancelled"
-    page.goto(f"{backend_server}/#/runs/{stopped}")
+    saved = api.call("GET", f"/api/runs/{run_id}/outputs")["checkpoints"]
+    assert page.inner_text("#checkpoint-list").count("step-") == len(saved)
     button = page.wait_for_selector("#resume-run")
-    last = api.call("GET", f"/api/runs/{stopped}/outputs")["checkpoints"][-1]["name"]
-    assert button.inner_text() == f"Resume from {last}"
-    shoot(f"{backend_server}/#/runs/{stopped}", "run-outputs", ready="#resume-run")
+    assert button.inner_text() == f"Resume from {saved[-1]['name']}"
+    shoot(f"{backend_server}/#/runs/{run_id}", "run-outputs", ready="#resume-run")
     button.click()
     page.wait_for_selector(".run-header .badge[data-status='running']", timeout=120_000)
-    api.call("POST", f"/api/runs/{stopped}/cancel")
-    assert api.wait_run(stopped, TERMINAL)["status"] == "cancelled"
+    api.call("POST", f"/api/runs/{run_id}/cancel")
+    assert api.wait_run(run_id, TERMINAL)["status"] == "cancelled"

@@ -68,7 +68,9 @@ export function mount(root, { parts }) {
   const gallery = h("div", { class: "gallery", id: "samples" });
   const galleryCard = h("section", { class: "card", hidden: true }, h("h2", {}, "Samples"), gallery);
   const outputsCard = h("section", { class: "card", id: "run-outputs", hidden: true });
-  root.append(header, errors, banner, failure, dataCard, outputsCard, grid, galleryCard);
+  const logText = h("pre", { id: "worker-log-text", class: "log" }, "");
+  const logCard = h("details", { class: "card", id: "worker-log" }, h("summary", {}, "Worker log"), logText);
+  root.append(header, errors, banner, failure, dataCard, outputsCard, grid, galleryCard, logCard);
 
   let charts = null;
   let limits = null;
@@ -144,6 +146,20 @@ export function mount(root, { parts }) {
     gallery.append(h("figure", {}, h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: caption || name, loading: "lazy" })),
       h("figcaption", {}, caption || name)));
   }
+
+  /** The worker's own output, while the log card is open (every 3 s while the run goes). */
+  async function loadLog() {
+    if (!logCard.open || !run) return;
+    try {
+      const { text } = await api.workerLog(run.id);
+      const atEnd = logText.scrollTop + logText.clientHeight >= logText.scrollHeight - 4;
+      logText.textContent = text ?? "(the worker has written nothing yet)";
+      if (atEnd) logText.scrollTop = logText.scrollHeight;
+    } catch (err) {
+      showError(errors, err, "worker log");
+    }
+  }
+  logCard.addEventListener("toggle", loadLog);
 
   /** The LoRA files (download links) and checkpoints; "Resume" for a run that stopped early. */
   async function loadOutputs() {
@@ -307,7 +323,12 @@ export function mount(root, { parts }) {
     loadOutputs();
     stream = new RunStream(run.id, { onRecords, onRun, onState }, lastSeq, (r) => FINISHED.has((r || run).status));
     stream.start();
-    const tick = setInterval(() => { if (run && run.status === "running") renderHeader(); }, 1000);
+    let ticks = 0;
+    const tick = setInterval(() => {
+      if (!run || run.status !== "running") return;
+      renderHeader();
+      if (++ticks % 3 === 0) loadLog();
+    }, 1000);
     cleanup.push(() => clearInterval(tick));
   })();
 
