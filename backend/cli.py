@@ -7,6 +7,7 @@ server never imports torch):
 - ``train``        one training run, the worker the backend launches  (runtime.trainer.cli)
 - ``bench``        the benchmark suite                                (runtime.bench.cli)
 - ``demo-assets``  build the local models, digits and text encoder   (runtime.assets.cli)
+- ``plan``         predicted VRAM and step time of a preset, no weights (runtime.plan.cli)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("runtime.trainer.cli", "run one training job: workbench train PRESET --run-dir DIR"),
     "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("runtime.assets.cli", "build the local demo models, digits and encoder"),
+    "plan": ("runtime.plan.cli", "predict a preset's VRAM and step time on a device profile"),
 }
 
 
