@@ -112,7 +112,7 @@ class Simulation:
         self.h2d_free = 0.0
         self.now = 0.0
         self.acts: dict[Any, int] = {}  # segment -> kept bytes on the device
-        self.spilled: dict[Any, int] = {}  # segment -> bytes on the host
+        self.spilled: dict[Any, list[int]] = {}  # segment -> sizes on the host
 
     # -- bytes ------------------------------------------------------------------------------------
     def _add(self, nbytes: int, label: str) -> None:
@@ -202,29 +202,34 @@ class Simulation:
     def _save(self, segment: Any, sizes: list[int]) -> None:
         if not self.count_acts:
             return
-        kept = spilled = 0
+        kept = 0
+        spilled: list[int] = []
         for nbytes in sizes:
             if (
                 self.budget is not None
                 and self.budget.pressure(nbytes)
                 and nbytes >= self.act.min_spill_bytes
             ):
-                spilled += nbytes
+                spilled.append(nbytes)
             else:
                 kept += nbytes
                 self.mem.used += nbytes  # the budget reads usage per saved tensor
         self.mem.used -= kept
         self.acts[segment] = self.acts.get(segment, 0) + kept
-        self.spilled[segment] = self.spilled.get(segment, 0) + spilled
-        self.result.spilled_bytes += spilled
+        self.spilled[segment] = self.spilled.get(segment, []) + spilled
+        self.result.spilled_bytes += sum(spilled)
         if kept:
             self._add(kept, f"save {segment}")
 
     def _restore(self, segment: Any) -> None:
-        nbytes = self.spilled.pop(segment, 0)
-        if nbytes:
-            self.acts[segment] = self.acts.get(segment, 0) + nbytes
-            self._add(nbytes, f"restore {segment}")
+        # Backward restores a block's spilled tensors in reverse pack order, each freed once
+        # used: at most the one in use plus ``restore_ahead`` (predictive) are on the device.
+        sizes = self.spilled.pop(segment, [])[::-1]
+        k = 1 + (self.act.restore_ahead if self.act.predictive_restore else 0) if sizes else 0
+        window = max((sum(sizes[i : i + k]) for i in range(len(sizes))), default=0)
+        if window:
+            self.acts[segment] = self.acts.get(segment, 0) + window
+            self._add(window, f"restore {segment}")
 
     def _free(self, segment: Any) -> None:
         nbytes = self.acts.pop(segment, 0)
