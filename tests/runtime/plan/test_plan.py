@@ -188,3 +188,19 @@ def test_meta_forward_loads_no_weights(tiny_flux):
     model, _ = _model_and_inputs(tiny_flux)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert torch.device("meta") == next(model.parameters()).device
+
+
+def test_flux_dev_12b_from_its_config_on_meta():
+    """FLUX.1-dev built from its config values on meta: the blocks the weight runtime streams
+    are the flux-dev-24gb preset's derivation (19 x 648.2 MB + 38 x 270.1 MB, 122 MB resident
+    without the adapter), and at 1024 px the plan fits 24 GB with the preset's watermarks."""
+    from runtime.plan.reference import flux_dev_plan, streaming_memory
+
+    plan = flux_dev_plan("rtx4090", 1024, streaming_memory(18000, 14000, 16000))
+    inv = plan.inventory
+    sizes = sorted({round(b.nbytes / MB, 1) for b in inv.blocks})
+    assert len(inv.blocks) == 57 and sizes == [270.1, 648.2]
+    assert round((inv.resident_bytes - inv.lora_bytes) / MB) == 122
+    assert plan.fits
+    # Three blocks at most on the device (the one in use and the prefetch window of two).
+    assert plan.steady.peak_bytes < inv.resident_bytes + 3 * 648.2 * MB + 2 * 1024 * MB
