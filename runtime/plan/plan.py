@@ -275,7 +275,8 @@ def plan_preset(
     try:
         preset = validate_preset(data)
     except PresetError as exc:
-        raise PlanInputError(str(exc)) from None
+        lines = [f"{p['path']}: {p['message']}" for p in exc.problems]
+        raise PlanInputError("; ".join(lines)) from None
     if preset.training_method != "lora":
         raise PlanInputError("training_method: the planner models LoRA runs only")
     model = preset_model(preset)

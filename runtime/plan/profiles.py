@@ -17,6 +17,7 @@ Sources of the table (figures not measured here; the project's machines have no 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -72,8 +73,9 @@ def _best_ms(fn, repeat: int = 5) -> float:
     return best * 1e3
 
 
+@functools.cache
 def cpu_profile(dtype: str = "float32") -> DeviceProfile:
-    """This machine as a CPU device, measured now (about a second).
+    """This machine as a CPU device, measured at the first call in a process (under a second).
 
     TFLOPs: a 512 x 512 x 512 matmul in ``dtype`` on the threads torch uses. Copy GB/s: what the
     weight runtime does per block on CPU: a copy into a staging buffer, then a copy into a fresh
