@@ -44,7 +44,8 @@ def table(plan: dict[str, Any]) -> str:
     )
     lines.append(
         f"  step time    {ms['total']:.1f} ms = compute {ms['compute']:.1f} + exposed H2D "
-        f"{ms['exposed_h2d']:.1f} (H2D total {ms['h2d']:.1f}, stalls {ms['stall']:.1f}; "
+        f"{ms['exposed_h2d']:.1f} + spill {ms['spill']:.1f} (H2D total {ms['h2d']:.1f}, "
+        f"stalls {ms['stall']:.1f}; "
         f"trace step {ms['trace_step']:.1f}) at efficiency {plan['efficiency']}"
     )
     if plan["fits"]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from runtime.weights.convert import _resident_trainable
@@ -45,6 +46,11 @@ class BlockInfo:
     """Bytes of each activation tensor autograd saves in the block's forward (no checkpointing)."""
     input_bytes: int = 0
     """Bytes of the block's tensor inputs: what a checkpointed block keeps from its forward."""
+    forward_ops: int = 0
+    """ATen operations of its forward (each costs the device a launch, or the host a dispatch)."""
+    forward_moved: int = 0
+    """Bytes read and written by its forward's operations other than matrix products and
+    attention (bandwidth-bound: norms, activations, residual adds, RoPE)."""
 
     @property
     def saved_bytes(self) -> int:
@@ -75,6 +81,12 @@ class Inventory:
     saved_post: list[int] = field(default_factory=list)
     """Saved activations after the last block (final norm, projection, loss)."""
     outside_flops: int = 0
+    outside_ops: int = 0
+    outside_moved: int = 0
+    backward_ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Backward over forward of the whole model: (FLOPs, operations, bytes moved), measured by
+    one backward on ``meta`` (the fused attention's backward FLOPs counted as 2.5x its
+    forward's: dq, dk, dv and the recomputed scores)."""
 
     @property
     def block_bytes(self) -> int:
@@ -192,6 +204,50 @@ class _SavedCounter:
         return tensor
 
 
+_PRODUCTS = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+}
+_FREE = {"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.detach.default"}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Operations and bytes moved per segment (see ``BlockInfo.forward_moved``)."""
+
+    def __init__(self, counter: _SavedCounter) -> None:
+        super().__init__()
+        self.counter = counter
+        self.ops: dict[int | str, int] = {}
+        self.moved: dict[int | str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name in _FREE or "view" in name or name.startswith("aten.expand"):
+            return out  # metadata only: no kernel runs
+        segment = self.counter.segment
+        self.ops[segment] = self.ops.get(segment, 0) + 1
+        if name not in _PRODUCTS:
+            tensors = [
+                t
+                for t in (
+                    *args,
+                    *(kwargs or {}).values(),
+                    *(out if isinstance(out, tuple) else (out,)),
+                )
+                if isinstance(t, torch.Tensor)
+            ]
+            moved = sum(_nbytes(t) for t in tensors)
+            self.moved[segment] = self.moved.get(segment, 0) + moved
+        return out
+
+
 class _FlashAttention(TorchFunctionMode):
     """Runs ``scaled_dot_product_attention`` as the fused (flash) kernel on ``meta`` tensors.
 
@@ -237,9 +293,9 @@ def inventory(
     *,
     block_pattern: str | None = None,
     resident_trainable_max_fraction: float = 0.1,
-    loss: bool = True,
 ) -> Inventory:
-    """Measure ``model`` (on ``meta``, with its adapter added) at ``inputs`` (``meta`` tensors).
+    """Measure ``model`` (on ``meta``, with its adapter added) at ``inputs`` (``meta`` tensors):
+    one forward, a mean-square loss and one backward, all on ``meta``.
 
     Raises:
         BlockDiscoveryError: the weight runtime finds no blocks (``block_pattern``).
@@ -283,17 +339,26 @@ def inventory(
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     flops = FlopCounterMode(display=False)
     attention = _FlashAttention(counter)
+    ops = _OpCounter(counter)
     saving = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
     try:
-        with flops, attention, saving:
-            out = output_tensor(model(**inputs))
-            if loss:
-                out.float().pow(2).mean()
+        with flops, attention, ops, saving:
+            out = output_tensor(model(**inputs)).float().pow(2).mean()  # the loss
     finally:
         for h in handles:
             h.remove()
     counts = flops.get_flop_counts()
     total = sum(counts.get("Global", {}).values()) + sum(attention.flops.values())
+    forward_ops, forward_moved = sum(ops.ops.values()), sum(ops.moved.values())
+    backward_flops = FlopCounterMode(display=False)
+    counter.segment = "backward"
+    with backward_flops, ops:
+        out.backward()
+    ratio = (
+        (backward_flops.get_total_flops() + 2.5 * sum(attention.flops.values())) / max(total, 1),
+        ops.ops.get("backward", 0) / max(forward_ops, 1),
+        ops.moved.get("backward", 0) / max(forward_moved, 1),
+    )
     names = {name: i for i, (name, _) in enumerate(found)}
     for key, per_op in counts.items():
         # FlopCounterMode names modules by their path from the root class name.
@@ -304,6 +369,8 @@ def inventory(
         info.params = sum(p.numel() for p in module.parameters())
         info.saved = counter.saved[info.index]
         info.forward_flops += attention.flops.get(info.index, 0)
+        info.forward_ops = ops.ops.get(info.index, 0)
+        info.forward_moved = ops.moved.get(info.index, 0)
     dtype = next((p.dtype for p in params if not p.requires_grad), params[0].dtype)
     return Inventory(
         model_class=type(model).__name__,
@@ -318,4 +385,7 @@ def inventory(
         saved_pre=counter.saved["pre"],
         saved_post=counter.saved["post"],
         outside_flops=int(total - sum(i.forward_flops for i in infos)),
+        outside_ops=forward_ops - sum(i.forward_ops for i in infos),
+        outside_moved=forward_moved - sum(i.forward_moved for i in infos),
+        backward_ratio=ratio,
     )

@@ -14,7 +14,8 @@ activations. On a CPU device (``tracked``) activations count only when the activ
 keeps them (it is what tracks them); on a GPU every kept activation is in VRAM.
 
 Not modelled: the Conductor's grants (its slots only delay prefetch), the CUDA allocator's
-fragmentation and workspaces (the peak is of allocated bytes), layer offload.
+fragmentation and workspaces (the peak is of allocated bytes), the time of activation spills
+and restores on a GPU (their side-stream copies), layer offload.
 """
 
 from __future__ import annotations
@@ -27,11 +28,6 @@ from runtime.config import MB, MemoryConfig
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
 from runtime.weights.scheduler import BlockScheduler, make_room, release_after_use
-
-BACKWARD_FLOPS = 1.0
-"""Backward FLOPs per forward FLOP with a frozen base: only the input gradients (dgrad) are
-computed for base weights; LoRA's weight gradients are rank-sized. The CPU baseline of
-``workbench bench --quick`` measures backward at 0.74x forward."""
 
 
 class _Memory:
@@ -68,6 +64,8 @@ class StepResult:
     h2d_ms: float = 0.0
     exposed_h2d_ms: float = 0.0
     stall_ms: float = 0.0
+    spill_ms: float = 0.0
+    """Host time of activation spills and restores (a CPU device only)."""
     peak_bytes: int = 0
     low_bytes: int = 1 << 62
     """Lowest usage between the step's first and last block use (the band's floor)."""
@@ -135,7 +133,7 @@ class Simulation:
 
     def _copy_ms(self, block: _Block) -> float:
         p = self.profile
-        ms = block.nbytes / (p.h2d_gbps * 1e9) * 1e3
+        ms = block.nbytes / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
         if self.file_backed and p.disk_gbps:
             ms += block.nbytes / (p.disk_gbps * 1e9) * 1e3
         return ms
@@ -218,13 +216,25 @@ class Simulation:
         self.acts[segment] = self.acts.get(segment, 0) + kept
         self.spilled[segment] = self.spilled.get(segment, []) + spilled
         self.result.spilled_bytes += sum(spilled)
+        self._spill_time(spilled)
         if kept:
             self._add(kept, f"save {segment}")
+
+    def _spill_time(self, sizes: list[int]) -> None:
+        # A CPU device copies on the host, in line: each spill (and later its restore) is a
+        # copy through the pool plus a few operations' bookkeeping. On a GPU the copies run on
+        # the side streams under the transfer caps and are not modelled (NOTE in the docstring).
+        p = self.profile
+        if p.synchronous_copies and sizes:
+            ms = sum(sizes) / (p.h2d_gbps * 1e9) * 1e3 + len(sizes) * 4 * p.op_us * 1e-3
+            self.now += ms
+            self.result.spill_ms += ms
 
     def _restore(self, segment: Any) -> None:
         # Backward restores a block's spilled tensors in reverse pack order, each freed once
         # used: at most the one in use plus ``restore_ahead`` (predictive) are on the device.
         sizes = self.spilled.pop(segment, [])[::-1]
+        self._spill_time(sizes)
         k = 1 + (self.act.restore_ahead if self.act.predictive_restore else 0) if sizes else 0
         window = max((sum(sizes[i : i + k]) for i in range(len(sizes))), default=0)
         if window:
@@ -236,10 +246,23 @@ class Simulation:
         if nbytes:
             self._add(-nbytes, f"free {segment}")
 
-    def _compute(self, flops: float) -> None:
-        ms = flops / (self.profile.tflops * 1e12 * self.eff) * 1e3
+    def _compute(self, flops: float, ops: float = 0, moved: float = 0) -> None:
+        p = self.profile
+        ms = flops / (p.tflops * 1e12 * self.eff) * 1e3 + ops * p.op_us * 1e-3
+        if p.mem_gbps:
+            ms += moved / (p.mem_gbps * 1e9) * 1e3
         self.now += ms
         self.result.compute_ms += ms
+
+    # Each pass reads the block's weights once (its GEMMs' weight operands): with few tokens
+    # that, not the FLOPs, bounds a matrix product.
+    def _forward(self, info: BlockInfo) -> None:
+        self._compute(info.forward_flops, info.forward_ops, info.forward_moved + info.nbytes)
+
+    def _backward(self, info: BlockInfo) -> None:
+        f, o, m = self.inv.backward_ratio
+        moved = info.forward_moved * m + info.nbytes
+        self._compute(info.forward_flops * f, info.forward_ops * o, moved)
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -251,28 +274,30 @@ class Simulation:
         r.curve.append((0.0, self.mem.used, "step"))
         inv = self.inv
         self._save("pre", inv.saved_pre)
-        self._compute(inv.outside_flops / 2)
+        r_f, r_o, r_m = inv.backward_ratio
+        outside = (inv.outside_flops / 2, inv.outside_ops / 2, inv.outside_moved / 2)
+        self._compute(*outside)
         first_use = self.now
         for block in self.blocks:  # forward
             if self.streaming:
                 self._use(block)
-            self._compute(block.info.forward_flops)
+            self._forward(block.info)
             self._save(block.index, [block.info.input_bytes] if self.gc else block.info.saved)
             if self.streaming:
                 self._done(block)
         self._save("post", inv.saved_post)
-        self._compute(inv.outside_flops / 2 * (1 + BACKWARD_FLOPS))
+        self._compute(*outside)
+        self._compute(outside[0] * 2 * r_f, outside[1] * 2 * r_o, outside[2] * 2 * r_m)
         self._free("post")
         for block in reversed(self.blocks):  # backward (a recomputation is part of the use)
             if self.streaming:
                 self._use(block)
             self._restore(block.index)
-            flops = block.info.forward_flops * BACKWARD_FLOPS
             if self.gc:
-                flops += block.info.forward_flops
+                self._forward(block.info)
                 if self.count_acts:  # the recomputation's tensors are saved in backward: kept
                     self._add(block.info.saved_bytes, f"recompute {block.info.name}")
-            self._compute(flops)
+            self._backward(block.info)
             if self.gc and self.count_acts:
                 self._add(-block.info.saved_bytes, f"backward {block.info.name}")
             self._free(block.index)

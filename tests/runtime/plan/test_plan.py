@@ -137,6 +137,10 @@ def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
     assert out["model"]["resident_bytes"] <= low < high
     assert sum(e.startswith("load ") for e in curve["event"]) == plan.steady.blocks_loaded
     json.dumps(out)  # the API returns it as it is
+    # The breakdown adds up: on a GPU copies overlap compute; only stalls add to it.
+    ms = out["step_ms"]
+    assert ms["total"] == pytest.approx(ms["compute"] + ms["stall"] + ms["spill"], abs=1e-3)
+    assert ms["h2d"] > 0 and ms["exposed_h2d"] == ms["stall"]
 
 
 @pytest.mark.parametrize(
