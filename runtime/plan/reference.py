@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         f"seed (layer offload 0.9, {seed['device']}): {seed['allocated_gb']} GB allocated, "
         f"{seed['reserved_gb']} GB reserved, {seed['step_s']} s/step"
     )
-    plan = flux_dev_plan(seed["device"], 2048, cases[1][1])
+    plan = flux_dev_plan(seed["device"], 2048, cases[1][2])
     tflops = step_flops(plan) / seed["step_s"] / 1e12
     peak = plan.profile.tflops
     print(

@@ -208,3 +208,12 @@ def test_flux_dev_12b_from_its_config_on_meta():
     assert plan.fits
     # Three blocks at most on the device (the one in use and the prefetch window of two).
     assert plan.steady.peak_bytes < inv.resident_bytes + 3 * 648.2 * MB + 2 * 1024 * MB
+    # A single-stream block's forward FLOPs, counted by hand: 4096 image + 512 text tokens
+    # through q, k, v (3 x 3072^2), proj_mlp (3072 x 12288) and proj_out (15360 x 3072), plus
+    # fused attention over 24 heads of 128 (4 L^2 H D): the attention is counted once.
+    tokens, dim = 4096 + 512, 3072
+    linear = 2 * tokens * (3 * dim * dim + dim * 4 * dim + 5 * dim * dim)
+    attention = 4 * tokens * tokens * 24 * 128
+    single = inv.blocks[-1]
+    assert single.name == "single_transformer_blocks.37"
+    assert single.forward_flops == pytest.approx(linear + attention, rel=0.01)
