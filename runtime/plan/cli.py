@@ -39,7 +39,9 @@ def table(plan: dict[str, Any]) -> str:
     lines.append(f"  steady band  {low / MB:.2f} - {high / MB:.2f} MB")
     host = plan["host"]
     lines.append(
-        f"  host         pinned {host['pinned_bytes'] / MB:.0f} MB, spilled activations "
+        f"  host         RAM peak {host['ram_peak_bytes'] / MB:.0f} MB (pinned "
+        f"{host['pinned_bytes'] / MB:.0f} MB, block masters {host['block_masters_bytes'] / MB:.0f}"
+        f" MB), spilled activations "
         f"{host['spilled_activation_bytes'] / MB:.1f} MB/step"
     )
     lines.append(

@@ -70,6 +70,11 @@ class Plan:
                 counts = act.get("slabs_per_class", [512, 2, 2, 2, 2])
                 counts = [counts] * len(classes) if isinstance(counts, int) else counts
                 pinned += int(sum(c * n for c, n in zip(classes, counts, strict=False)) * MB)
+        # Host copies of the blocks: none when they stream from the safetensors files (reads land
+        # in the pinned pool; the page cache is not the process's), all of them module-backed.
+        streaming = self.memory.get("strategy") == "stagehand" and sh.get("weight_streaming", True)
+        file_backed = streaming and sh.get("file_backed", True)
+        masters = 0 if file_backed or not streaming else inv.block_bytes
         return {
             "preset": self.preset,
             "device": self.profile.to_dict(),
@@ -81,7 +86,9 @@ class Plan:
             "efficiency": self.efficiency,
             "peak_bytes": {"trace_step": first.peak_bytes, "steady": s.peak_bytes},
             "steady_band_bytes": [s.low_bytes, s.peak_bytes],
-            "host": {
+            "host": {  # stage 2; on a CPU device the device bytes are host bytes too
+                "ram_peak_bytes": pinned + masters + (s.peak_bytes if self.profile.tracked else 0),
+                "block_masters_bytes": masters,
                 "pinned_bytes": pinned,
                 "lora_and_optimizer_bytes": inv.lora_bytes + inv.optimizer_bytes,
                 "spilled_activation_bytes": s.spilled_bytes,

@@ -141,6 +141,9 @@ def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
     ms = out["step_ms"]
     assert ms["total"] == pytest.approx(ms["compute"] + ms["stall"] + ms["spill"], abs=1e-3)
     assert ms["h2d"] > 0 and ms["exposed_h2d"] == ms["stall"]
+    # File-backed streaming keeps no host copy of the blocks: the pinned pool is the host RAM.
+    assert out["host"]["block_masters_bytes"] == 0
+    assert out["host"]["ram_peak_bytes"] == out["host"]["pinned_bytes"] == 8 * MB
 
 
 @pytest.mark.parametrize(
