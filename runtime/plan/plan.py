@@ -241,6 +241,15 @@ def preset_model(preset: Any) -> torch.nn.Module:
         model = folder_model(folder, dtype)
     else:
         raise PlanInputError("model: give model.factory or model.path")
+    if m.path is not None:
+        # A pipeline folder trains its family's community targets unless the preset names some.
+        from runtime.trainer.pipelines import PipelineFolderError
+        from runtime.trainer.setup import family_targets, pipeline_family
+
+        try:
+            preset = family_targets(preset, pipeline_family(preset, torch.device("meta")))
+        except PipelineFolderError as exc:
+            raise PlanInputError(f"model.path: {exc}") from None
     try:
         add_lora(model, preset.rank, list(preset.lora.target_modules))
     except ValueError as exc:

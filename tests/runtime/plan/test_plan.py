@@ -220,3 +220,16 @@ def test_flux_dev_12b_from_its_config_on_meta():
     single = inv.blocks[-1]
     assert single.name == "single_transformer_blocks.37"
     assert single.forward_flops == pytest.approx(linear + attention, rel=0.01)
+
+
+def test_pipeline_folder_plans_its_transformer_with_the_family_targets(asset_cache):
+    """A diffusers pipeline folder: the transformer subfolder, and the family's LoRA targets
+    unless the preset names some (as the trainer does)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    folder = build_pipeline("flux", asset_cache)
+    data = {**_TINY, "model": {"path": str(folder), "dtype": "float32"}}
+    family = plan_preset(data, profile("rtx4090")).inventory
+    named = plan_preset({**data, "lora": {"target_modules": ["to_q"]}}, profile("rtx4090"))
+    assert len(family.blocks) == len(named.inventory.blocks) == 8
+    assert family.lora_bytes > 4 * named.inventory.lora_bytes > 0
