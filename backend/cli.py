@@ -8,6 +8,7 @@ server never imports torch):
 - ``bench``        the benchmark suite                                (runtime.bench.cli)
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (runtime.assets.cli)
+- ``plan``         predicted VRAM and step time of a preset, no weights (runtime.plan.cli)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("runtime.trainer.cli", "run one training job: workbench train PRESET --run-dir DIR"),
     "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("runtime.assets.cli", "build the local demo models, digits and encoder"),
+    "plan": ("runtime.plan.cli", "predict a preset's VRAM and step time on a device profile"),
 }
 
 

@@ -5,6 +5,7 @@ from backend.api import (
     compare,
     data,
     pipelines,
+    plan,
     presets,
     runs,
     stream,
@@ -22,4 +23,5 @@ ROUTERS = [
     compare.router,
     stream.router,
     pipelines.router,
+    plan.router,
 ]

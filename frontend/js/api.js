@@ -147,6 +147,7 @@ export const api = {
 
   /** What a diffusers pipeline folder holds (family, components, streamed blocks). */
   inspectPipeline: (body) => request("POST", "/api/pipelines/inspect", body),
+  plan: (body) => request("POST", "/api/plan", body),
   artifactUrl: (id, name) => `/api/runs/${enc(id)}/artifacts/${enc(name)}`,
 };
 

@@ -44,7 +44,7 @@ from runtime.weights.hooks import WeightView, wrap_outputs
 from runtime.weights.optimizer import trainable_on_device
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
-from runtime.weights.scheduler import BlockScheduler
+from runtime.weights.scheduler import BlockScheduler, make_room, release_after_use
 from runtime.weights.sources import SafetensorsCheckpoint
 from runtime.weights.transfer import TransferEngine
 
@@ -397,17 +397,11 @@ class StagehandRuntime:
             self._emit_block("load", block, prefetch=True)
 
     def _make_room(self, block: Block) -> bool:
-        """Whether ``block`` fits under the high watermark, after evicting idle blocks the order
-        needs later than it (furthest first): a block kept only because usage was under the low
-        watermark must not stop the prefetch of one needed sooner."""
-        need = self.high_mb * MB - block.nbytes
-        if self.memory.usage_bytes() <= need:
-            return True
-        for victim in self.scheduler.needed_after(self._idle(), block.index):
-            if self.memory.usage_bytes() <= need:
-                break
-            self._evict(victim)
-        return self.memory.usage_bytes() <= need
+        """Whether ``block`` fits under the high watermark (``scheduler.make_room``)."""
+        usage = self.memory.usage_bytes
+        return make_room(
+            self.scheduler, block, block.nbytes, self.high_mb * MB, usage, self._idle, self._evict
+        )
 
     def _idle(self, keep: Iterable[int] = ()) -> list[Block]:
         """Blocks on the device that may be evicted: not resident, not in use, not in ``keep``."""
@@ -424,21 +418,9 @@ class StagehandRuntime:
         self._active.discard(block.index)
         self._began.pop(block.index, None)
         if block.on_device and not block.resident:
+            usage = self.memory.usage_bytes
             low = self.low_mb * MB
-            if block.index not in self.scheduler.upcoming():
-                self._evict(block)
-            elif self.memory.usage_bytes() > low:
-                # Over the low watermark, evict whichever idle block is needed furthest ahead,
-                # this one or another: at the end of backward the block just used is the next
-                # step's first, and evicting it instead of the second makes every step begin
-                # with a stall.
-                self._evict(self.scheduler.furthest(self._idle()))
-            # Evict what the order does not need soon until usage is under the low watermark.
-            while self.memory.usage_bytes() > low:
-                victim = self.scheduler.furthest(self._idle(keep=self.scheduler.upcoming()))
-                if victim is None:
-                    break
-                self._evict(victim)
+            release_after_use(self.scheduler, block, low, usage, self._idle, self._evict)
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:

@@ -4,11 +4,13 @@
 // with, not those it started with); `#/new?preset=NAME` selects one.
 // API validation errors are shown beside the form field their `field` JSON path names.
 // Start scans the data first (POST /api/data/scan): a run that would fail on it does not start,
-// and files left out or caption warnings are shown once before "Start anyway".
+// and files left out or caption warnings are shown once before "Start anyway". "Plan" (plan.js)
+// predicts VRAM and step time of the config on a device profile before Start.
 
 import { api } from "../api.js";
 import { noteworthy, scanView } from "../scan.js";
 import { deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
+import { planPanel } from "../plan.js";
 import { pipelinePanel } from "./pipeline.js";
 
 const SH = "memory.stagehand";
@@ -109,6 +111,7 @@ export function mount(root, { params }) {
         h("div", {}, h("h2", {}, "Key fields"), form),
         h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
       scanBox,
+      planPanel({ getConfig: () => (fromJson() ? config : null) }),
       h("div", { class: "toolbar actions-row" }, startBtn, scanBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
   );
 

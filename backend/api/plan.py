@@ -1,0 +1,59 @@
+"""``POST /api/plan``: predicted VRAM and step time of a preset on a device profile, before a
+run starts (``runtime.plan``). Reads configs and safetensors headers only; no weights load."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from backend.errors import Invalid
+
+router = APIRouter(prefix="/api", tags=["plan"])
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
+
+
+class PlanRequest(BaseModel):
+    """A preset's JSON object (as the New run page composes it) and a device profile."""
+
+    model_config = ConfigDict(extra="forbid")
+    preset: dict[str, Any]
+    device: str = Field(default="cpu", max_length=32)
+    """``cpu`` (this machine, measured once per server) or a named profile: ``rtx3090``,
+    ``rtx4090``, ``rtx5090``, ``h100``."""
+    vram_gb: float | None = Field(default=None, gt=0, le=4096)
+    """Override of the profile's VRAM (GiB)."""
+    h2d_gbps: float | None = Field(default=None, gt=0, le=4096)
+    tflops: float | None = Field(default=None, gt=0, le=100000)
+
+
+@router.post("/plan")
+def plan(body: PlanRequest) -> dict:
+    """The plan (``runtime.plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
+    ``steady_band_bytes``, ``host``, ``step_ms`` and the VRAM ``curve`` of one steady step.
+
+    Raises:
+        Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
+            (``preset.memory.stagehand.vram_high_watermark_mb``, ``device``).
+    """
+    from runtime.plan import PlanInputError, plan_preset, profile
+
+    try:
+        vram = int(body.vram_gb * 2**30) if body.vram_gb else None
+        dev = profile(body.device, vram_bytes=vram, h2d_gbps=body.h2d_gbps, tflops=body.tflops)
+        name = str(body.preset.get("name") or "(new run)")
+        return plan_preset(body.preset, dev, name=name).to_dict()
+    except PlanInputError as exc:
+        message = str(exc)
+        match = _FIELD.match(message)
+        field = match.group(1) if match else None
+        if field is not None and field not in ("device", "h2d_gbps", "tflops", "vram_bytes"):
+            field = f"preset.{field}"
+        raise Invalid(message, field=field) from None
+    except (ValueError, TypeError, KeyError) as exc:
+        # A preset that validates yet names what cannot be built (a factory size, a folder's
+        # config): still the input's fault, never a server error.
+        raise Invalid(f"preset: cannot plan it: {exc}", field="preset") from None

@@ -1,0 +1,81 @@
+// The New run page's plan panel: before Start, "Plan" sends the config being edited to
+// POST /api/plan with a device profile and shows whether it fits (or the knob that makes it
+// fit), peak VRAM, the steady band, host bytes, the step time with its breakdown, and the
+// predicted VRAM over one steady step as a Plotly line.
+
+import { api } from "./api.js";
+import { BASE_LAYOUT, PLOT_CONFIG } from "./charts.js";
+import { fill, h, showError } from "./ui.js";
+
+const MB = 1024 * 1024;
+const DEVICES = ["cpu", "rtx3090", "rtx4090", "rtx5090", "h100"];
+
+const mb = (bytes) => `${(bytes / MB).toFixed(1)} MB`;
+
+/** The plan's numbers as a few lines. */
+function summary(plan) {
+  const ms = plan.step_ms;
+  const [low, high] = plan.steady_band_bytes;
+  const knob = plan.knob ? Object.entries(plan.knob).filter(([k]) => k !== "peak_bytes")
+    .map(([k, v]) => `${k} = ${JSON.stringify(v)}`).join(", ") : null;
+  const verdict = plan.fits ? "fits"
+    : knob ? `does not fit; fits with ${knob} (peak ${mb(plan.knob.peak_bytes)})` : "does not fit; no knob tried makes it fit";
+  const cap = plan.device.vram_bytes ? ` of ${mb(plan.device.vram_bytes)}` : "";
+  return h("div", { id: "plan-summary" },
+    h("p", {}, h("strong", { id: "plan-verdict", "data-fits": String(plan.fits) }, verdict),
+      ` on ${plan.device.name} (${plan.vram_source})`),
+    h("ul", {},
+      h("li", { id: "plan-peak" }, `peak VRAM ${mb(plan.peak_bytes.steady)} steady, ${mb(plan.peak_bytes.trace_step)} trace step${cap}`),
+      h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
+      h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
+      h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`)));
+}
+
+function curve(el, plan) {
+  const c = plan.curve;
+  const data = [{
+    x: c.t_ms, y: c.bytes.map((b) => b / MB), text: c.event, type: "scatter", mode: "lines",
+    line: { shape: "hv", width: 1.5 }, name: "predicted VRAM (MB)",
+  }];
+  const layout = {
+    ...BASE_LAYOUT, title: { text: "Predicted VRAM over one steady step", font: { size: 13 } },
+    xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "ms" } },
+    yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "MB" } }, hovermode: "closest",
+  };
+  if (window.Plotly) window.Plotly.react(el, data, layout, PLOT_CONFIG);
+}
+
+/**
+ * @param {{getConfig: () => object|null}} opts the config being edited (null when invalid)
+ * @returns {HTMLElement}
+ */
+export function planPanel({ getConfig }) {
+  const device = h("select", { id: "plan-device" }, DEVICES.map((d) => h("option", { value: d }, d)));
+  const errors = h("div", { class: "page-errors", id: "plan-errors" });
+  const result = h("div", { id: "plan-result" });
+  const chart = h("div", { class: "chart", id: "plan-chart", hidden: true });
+  const btn = h("button", { id: "plan-run", onclick: run }, "Plan");
+
+  async function run() {
+    fill(errors);
+    fill(result);
+    const preset = getConfig();
+    if (!preset) return;
+    btn.disabled = true;
+    try {
+      const plan = await api.plan({ preset, device: device.value });
+      fill(result, summary(plan));
+      chart.hidden = false;
+      curve(chart, plan);
+    } catch (err) {
+      showError(errors, err, "plan");
+    } finally {
+      btn.disabled = false;
+    }
+  }
+
+  return h("div", { class: "plan-panel" },
+    h("h2", {}, "Plan (predicted VRAM and step time, no weights loaded)"),
+    h("div", { class: "toolbar" }, h("label", { class: "inline" }, "Device ", device), btn),
+    errors, result, chart);
+}

@@ -1,0 +1,96 @@
+"""``workbench plan PRESET [--device cpu|rtx3090|rtx4090|rtx5090|h100] [--json OUT]``.
+
+Prints the plan's table (fits or not and the knob that makes it fit, peak VRAM of the trace
+step and the steady state, the steady band, host bytes, step time with its breakdown) and writes
+the whole plan, VRAM curve included, as JSON with ``--json``. Exit status 0 when it fits, 1 when
+it does not, 2 for a bad input (the message names the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from runtime.config import MB
+
+
+def table(plan: dict[str, Any]) -> str:
+    """The plan as a text table (MB of 2**20 bytes, ms)."""
+    dev, model, ms = plan["device"], plan["model"], plan["step_ms"]
+    vram = dev["vram_bytes"]
+    lines = [
+        f"plan: {plan['preset']} on {dev['name']} ({dev['source']})",
+        f"  model        {model['model_class']} {model['dtype']}: {model['n_blocks']} blocks, "
+        f"{model['block_bytes'] / MB:.1f} MB in blocks (largest "
+        f"{model['largest_block_bytes'] / MB:.1f} MB), {model['resident_bytes'] / MB:.1f} MB "
+        f"resident, LoRA {model['lora_bytes'] / MB:.1f} MB, AdamW "
+        f"{model['optimizer_bytes'] / MB:.1f} MB, saved activations "
+        f"{model['saved_activation_bytes'] / MB:.1f} MB",
+    ]
+    peak = plan["peak_bytes"]
+    cap = f" of {vram / MB:.0f} MB" if vram else ""
+    lines.append(
+        f"  peak VRAM    {peak['steady'] / MB:.2f} MB steady, {peak['trace_step'] / MB:.2f} MB "
+        f"trace step{cap} ({plan['vram_source']})"
+    )
+    low, high = plan["steady_band_bytes"]
+    lines.append(f"  steady band  {low / MB:.2f} - {high / MB:.2f} MB")
+    host = plan["host"]
+    lines.append(
+        f"  host         RAM peak {host['ram_peak_bytes'] / MB:.0f} MB (pinned "
+        f"{host['pinned_bytes'] / MB:.0f} MB, block masters {host['block_masters_bytes'] / MB:.0f}"
+        f" MB), spilled activations "
+        f"{host['spilled_activation_bytes'] / MB:.1f} MB/step"
+    )
+    lines.append(
+        f"  step time    {ms['total']:.1f} ms = compute {ms['compute']:.1f} + exposed H2D "
+        f"{ms['exposed_h2d']:.1f} + spill {ms['spill']:.1f} (H2D total {ms['h2d']:.1f}, "
+        f"stalls {ms['stall']:.1f}; "
+        f"trace step {ms['trace_step']:.1f}) at efficiency {plan['efficiency']}"
+    )
+    if plan["fits"]:
+        lines.append("  fits: yes")
+    elif plan["knob"]:
+        knob = {k: v for k, v in plan["knob"].items() if k != "peak_bytes"}
+        lines.append(
+            f"  fits: NO; fits with {json.dumps(knob)} "
+            f"(peak {plan['knob']['peak_bytes'] / MB:.1f} MB)"
+        )
+    else:
+        lines.append("  fits: NO; no knob tried makes it fit")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from runtime.plan.inventory import PlanInputError
+    from runtime.plan.plan import plan_preset
+    from runtime.plan.profiles import PROFILES, profile
+    from runtime.preset import load_preset
+
+    p = argparse.ArgumentParser(prog="workbench plan", description=__doc__.split("\n\n")[1])
+    p.add_argument("preset", help="a built-in preset name or a preset JSON file")
+    p.add_argument("--device", default="cpu", help=f"cpu (measured now), {', '.join(PROFILES)}")
+    p.add_argument("--vram-gb", type=float, help="override the profile's VRAM (GiB)")
+    p.add_argument("--tflops", type=float, help="override the profile's TFLOPs")
+    p.add_argument("--h2d-gbps", type=float, help="override the profile's pinned H2D GB/s")
+    p.add_argument("--efficiency", type=float, help="share of peak TFLOPs reached")
+    p.add_argument("--text-len", type=int, help="text tokens (default data.max_caption_tokens)")
+    p.add_argument("--json", help="write the plan as JSON here")
+    args = p.parse_args(argv)
+    try:
+        name, data = load_preset(args.preset)
+        vram = int(args.vram_gb * 2**30) if args.vram_gb else None
+        dev = profile(args.device, vram_bytes=vram, tflops=args.tflops, h2d_gbps=args.h2d_gbps)
+        plan = plan_preset(
+            data, dev, name=name, text_len=args.text_len, efficiency=args.efficiency
+        ).to_dict()
+    except (PlanInputError, FileNotFoundError, ValueError) as exc:
+        print(f"workbench plan: {exc}", file=sys.stderr)
+        return 2
+    print(table(plan))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan, f, indent=1)
+    return 0 if plan["fits"] else 1

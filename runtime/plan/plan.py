@@ -1,0 +1,302 @@
+"""A plan: will this preset fit on this device, how fast, and which knob makes it fit.
+
+``plan_preset`` reads a preset, builds its transformer on ``meta`` (``inventory``), runs the
+simulation (``simulate``) and, when the peak does not fit, re-runs it with the knobs a user
+would turn, in order, and names the first that fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from runtime.config import MB, MemoryConfig
+from runtime.plan.inventory import (
+    Inventory,
+    PlanInputError,
+    add_lora,
+    folder_model,
+    inventory,
+    meta_model,
+)
+from runtime.plan.profiles import DeviceProfile
+from runtime.plan.simulate import Simulation, StepResult
+
+EFFICIENCY = {"gpu": 0.45, "cpu": 1.0}
+"""Share of peak TFLOPs a block reaches. GPU: bf16 transformer training kernels at 40-50% of
+peak (flash attention, large GEMMs). CPU: 1, the profile's rate is the GEMM rate measured here,
+and the costs per operation and per load come from its calibration step."""
+
+STEPS = 3
+"""Simulated steps: step 0 traces (demand loads only), steps 1-2 follow the trace; the last is
+reported (the steady state)."""
+
+
+@dataclass
+class Plan:
+    """What ``plan`` reports (bytes, ms)."""
+
+    preset: str
+    profile: DeviceProfile
+    inventory: Inventory
+    memory: dict[str, Any]
+    steps: list[StepResult]
+    fits: bool
+    knob: dict[str, Any] | None
+    """The first change that makes a plan that does not fit fit (``None`` when it fits or
+    nothing tried does)."""
+    efficiency: float
+
+    @property
+    def steady(self) -> StepResult:
+        return self.steps[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.steady
+        first = self.steps[0]
+        inv = self.inventory
+        pinned = 0
+        sh = self.memory.get("stagehand") or {}
+        if self.memory.get("strategy") == "stagehand":
+            pinned = int(sh.get("pinned_pool_mb", 8192) * MB)
+            act = sh.get("activation_stagehand") or {}
+            if act.get("enabled", False):
+                classes = act.get("pinned_pool_classes_mb", [1, 4, 16, 64, 256])
+                counts = act.get("slabs_per_class", [512, 2, 2, 2, 2])
+                counts = [counts] * len(classes) if isinstance(counts, int) else counts
+                pinned += int(sum(c * n for c, n in zip(classes, counts, strict=False)) * MB)
+        # Host copies of the blocks: none when they stream from the safetensors files (reads land
+        # in the pinned pool; the page cache is not the process's), all of them module-backed.
+        streaming = self.memory.get("strategy") == "stagehand" and sh.get("weight_streaming", True)
+        file_backed = streaming and sh.get("file_backed", True)
+        masters = 0 if file_backed or not streaming else inv.block_bytes
+        return {
+            "preset": self.preset,
+            "device": self.profile.to_dict(),
+            "vram_source": "tracked" if self.profile.tracked else "allocated",
+            "fits": self.fits,
+            "knob": self.knob,
+            "model": inv.to_dict(),
+            "memory": self.memory,
+            "efficiency": self.efficiency,
+            "peak_bytes": {"trace_step": first.peak_bytes, "steady": s.peak_bytes},
+            "steady_band_bytes": [s.low_bytes, s.peak_bytes],
+            "host": {  # stage 2; on a CPU device the device bytes are host bytes too
+                "ram_peak_bytes": pinned + masters + (s.peak_bytes if self.profile.tracked else 0),
+                "block_masters_bytes": masters,
+                "pinned_bytes": pinned,
+                "lora_and_optimizer_bytes": inv.lora_bytes + inv.optimizer_bytes,
+                "spilled_activation_bytes": s.spilled_bytes,
+            },
+            "step_ms": {
+                "total": round(s.step_ms, 3),
+                "compute": round(s.compute_ms, 3),
+                "h2d": round(s.h2d_ms, 3),
+                "exposed_h2d": round(s.exposed_h2d_ms, 3),
+                "stall": round(s.stall_ms, 3),
+                "spill": round(s.spill_ms, 3),
+                "trace_step": round(first.step_ms, 3),
+            },
+            "blocks_loaded": s.blocks_loaded,
+            "h2d_bytes": s.h2d_bytes,
+            "curve": {
+                "t_ms": [t for t, _, _ in s.curve],
+                "bytes": [b for _, b, _ in s.curve],
+                "event": [e for _, _, e in s.curve],
+            },
+        }
+
+
+def simulate(
+    inv: Inventory, memory: MemoryConfig, profile: DeviceProfile, efficiency: float
+) -> list[StepResult]:
+    """``STEPS`` simulated steps of ``inv`` under ``memory`` on ``profile``."""
+    return Simulation(inv, memory, profile, efficiency=efficiency).run(STEPS)
+
+
+def _knobs(memory: dict[str, Any], inv: Inventory, vram: int) -> list[dict[str, Any]]:
+    """Changes to try, in the order a user would: checkpointing, then weight streaming with
+    watermarks under the card, then activation spill, then a smaller prefetch window."""
+    out: list[dict[str, Any]] = []
+    if not memory.get("gradient_checkpointing", True):
+        out.append({"gradient_checkpointing": True})
+    largest = max((b.nbytes for b in inv.blocks), default=0)
+    high = (vram - 0.15 * vram) / MB
+    low = max(0.0, high - 2 * largest / MB)
+    out.append(
+        {
+            "strategy": "stagehand",
+            "gradient_checkpointing": True,
+            "stagehand.vram_high_watermark_mb": round(high, 1),
+            "stagehand.vram_low_watermark_mb": round(low, 1),
+        }
+    )
+    out.append(
+        {
+            **out[-1],
+            "stagehand.activation_stagehand": {
+                "enabled": True,
+                "vram_high_watermark_mb": round(high, 1),
+                "vram_low_watermark_mb": round(low, 1),
+            },
+        }
+    )
+    out.append({**out[-1], "stagehand.prefetch_window_blocks": 1})
+    return out
+
+
+def _apply(memory: dict[str, Any], knob: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(memory)
+    for key, value in knob.items():
+        if key.startswith("stagehand."):
+            out.setdefault("stagehand", {})
+            if not isinstance(out["stagehand"], dict):
+                out["stagehand"] = {}
+            out["stagehand"][key.split(".", 1)[1]] = value
+        else:
+            out[key] = value
+    return out
+
+
+def check_memory(memory: Any) -> MemoryConfig:
+    """The validated memory section.
+
+    Raises:
+        PlanInputError: names the first field at fault (``memory.<path>``).
+    """
+    if not isinstance(memory, dict):
+        raise PlanInputError(f"memory: expected an object, got {type(memory).__name__}")
+    try:
+        config = MemoryConfig.model_validate(copy.deepcopy(memory))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in ("memory", *err["loc"]))
+        raise PlanInputError(f"{where}: {err['msg']}") from None
+    if config.strategy == "layer_offload":
+        raise PlanInputError(
+            "memory.strategy: layer_offload is not modelled by the planner yet (stagehand or none)"
+        )
+    return config
+
+
+def plan_model(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    memory: dict[str, Any],
+    profile: DeviceProfile,
+    *,
+    name: str = "(model)",
+    efficiency: float | None = None,
+) -> Plan:
+    """The plan of ``model`` (on ``meta``, adapter added) at ``inputs`` under ``memory``.
+
+    Raises:
+        PlanInputError: a bad memory section (naming the field), or layer offload.
+    """
+    config = check_memory(memory)
+    sh = config.stagehand
+    inv = inventory(
+        model,
+        inputs,
+        block_pattern=sh.block_pattern if sh is not None else None,
+        resident_trainable_max_fraction=sh.resident_trainable_max_fraction if sh else 0.1,
+    )
+    eff = efficiency or EFFICIENCY["cpu" if profile.tracked else "gpu"]
+    steps = simulate(inv, config, profile, eff)
+    vram = profile.vram_bytes
+    fits = not vram or steps[-1].peak_bytes <= vram and steps[0].peak_bytes <= vram
+    knob = None
+    if not fits:
+        for candidate in _knobs(memory, inv, vram):
+            trial = check_memory(_apply(memory, candidate))
+            trial_steps = simulate(inv, trial, profile, eff)
+            if max(s.peak_bytes for s in trial_steps) <= vram:
+                knob = {**candidate, "peak_bytes": trial_steps[-1].peak_bytes}
+                break
+    return Plan(name, profile, inv, memory, steps, fits, knob, eff)
+
+
+def preset_model(preset: Any) -> torch.nn.Module:
+    """The transformer of a validated ``Preset`` on ``meta``, LoRA added (rank, targets).
+
+    Raises:
+        PlanInputError: neither ``model.factory`` nor ``model.path``, or a folder without a
+            transformer config (naming ``model.path``).
+    """
+    dtype = getattr(torch, preset.model.dtype)
+    m = preset.model
+    if m.factory is not None:
+        from runtime.assets.models import MODEL_CLASSES, check_spec
+
+        model = meta_model(MODEL_CLASSES[m.factory], check_spec(m.factory, m.size), dtype)
+    elif m.path is not None:
+        folder = Path(m.path).expanduser()
+        if (folder / "model_index.json").is_file():
+            folder = folder / "transformer"
+        model = folder_model(folder, dtype)
+    else:
+        raise PlanInputError("model: give model.factory or model.path")
+    if m.path is not None:
+        # A pipeline folder trains its family's community targets unless the preset names some.
+        from runtime.trainer.pipelines import PipelineFolderError
+        from runtime.trainer.setup import family_targets, pipeline_family
+
+        try:
+            preset = family_targets(preset, pipeline_family(preset, torch.device("meta")))
+        except PipelineFolderError as exc:
+            raise PlanInputError(f"model.path: {exc}") from None
+    try:
+        add_lora(model, preset.rank, list(preset.lora.target_modules))
+    except ValueError as exc:
+        raise PlanInputError(f"lora.target_modules: {exc}") from None
+    return model
+
+
+def preset_inputs(model: torch.nn.Module, preset: Any, text_len: int | None) -> dict[str, Any]:
+    """``meta`` inputs at the preset's resolution (8x VAE), batch and caption length."""
+    from runtime.assets import example_inputs
+
+    side = preset.resolution // 8
+    side -= side % 2
+    return example_inputs(
+        model,
+        batch_size=preset.batch_size,
+        latent_hw=(side, side),
+        text_len=text_len or preset.data.max_caption_tokens,
+        frames=preset.data.frames or 2,
+        device="meta",
+    )
+
+
+def plan_preset(
+    data: dict[str, Any],
+    profile: DeviceProfile,
+    *,
+    name: str = "(preset)",
+    text_len: int | None = None,
+    efficiency: float | None = None,
+) -> Plan:
+    """The plan of a preset's JSON object on ``profile``.
+
+    Raises:
+        PlanInputError: the preset is invalid (the message lists the fields), or a field the
+            plan needs is wrong (naming it).
+    """
+    from runtime.preset import PresetError, validate_preset
+
+    try:
+        preset = validate_preset(data)
+    except PresetError as exc:
+        lines = [f"{p['path']}: {p['message']}" for p in exc.problems]
+        raise PlanInputError("; ".join(lines)) from None
+    if preset.training_method != "lora":
+        raise PlanInputError("training_method: the planner models LoRA runs only")
+    model = preset_model(preset)
+    inputs = preset_inputs(model, preset, text_len)
+    memory = data.get("memory") or {"strategy": "none"}
+    return plan_model(model, inputs, memory, profile, name=name, efficiency=efficiency)

@@ -1,0 +1,334 @@
+"""Discrete-event simulation of training steps under the weight runtime's own schedule.
+
+The simulation walks the use order the weight runtime traces (NOTE [ Block trace ]: forward
+blocks in order, then their backward in reverse; a checkpoint recomputation is part of its
+block's backward use) through a real ``BlockScheduler`` and the runtime's eviction policy
+(``make_room``, ``release_after_use`` in ``runtime/weights/scheduler.py``), and the activation
+runtime's spill decision (``ActivationBudgetManager.pressure``, hysteresis included) against a
+simulated ``DeviceMemory`` reading. What it adds is the clock: compute from FLOPs at the
+profile's TFLOPs times an efficiency, H2D copies at the profile's bandwidth on one copy engine
+with ``max_inflight_transfers`` slots and the pool's slabs, synchronous on a CPU device.
+
+Device bytes follow the runtime's accounting: resident bytes, the buffers of loaded blocks, and
+activations. On a CPU device (``tracked``) activations count only when the activation runtime
+keeps them (it is what tracks them); on a GPU every kept activation is in VRAM.
+
+Not modelled: the Conductor's grants (its slots only delay prefetch), the CUDA allocator's
+fragmentation and workspaces (the peak is of allocated bytes), the time of activation spills
+and restores on a GPU (their side-stream copies), layer offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.activations.budget import ActivationBudgetManager
+from runtime.config import MB, MemoryConfig
+from runtime.plan.inventory import BlockInfo, Inventory
+from runtime.plan.profiles import DeviceProfile
+from runtime.weights.scheduler import BlockScheduler, make_room, release_after_use
+
+
+class _Memory:
+    """The ``DeviceMemory`` face the activation budget reads (tracked bytes)."""
+
+    is_cuda = False
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def usage_bytes(self) -> int:
+        return self.used
+
+
+@dataclass
+class _Block:
+    index: int
+    info: BlockInfo
+    on_device: bool = False
+    ready_at: float = 0.0
+    prefetched: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+
+@dataclass
+class StepResult:
+    """One simulated step. Times in ms, bytes in bytes."""
+
+    step_ms: float = 0.0
+    compute_ms: float = 0.0
+    h2d_ms: float = 0.0
+    exposed_h2d_ms: float = 0.0
+    stall_ms: float = 0.0
+    spill_ms: float = 0.0
+    """Host time of activation spills and restores (a CPU device only)."""
+    peak_bytes: int = 0
+    low_bytes: int = 1 << 62
+    """Lowest usage between the step's first and last block use (the band's floor)."""
+    blocks_loaded: int = 0
+    h2d_bytes: int = 0
+    spilled_bytes: int = 0
+    curve: list[tuple[float, int, str]] = field(default_factory=list)
+    """``(t_ms, device bytes, event)`` at every change."""
+
+
+class Simulation:
+    """One model, one memory section, one device profile (see the module docstring)."""
+
+    def __init__(
+        self, inv: Inventory, memory: MemoryConfig, profile: DeviceProfile, *, efficiency: float
+    ) -> None:
+        self.inv, self.memory, self.profile = inv, memory, profile
+        self.eff = efficiency
+        self.tracked = profile.tracked
+        self.mem = _Memory()
+        sh = memory.stagehand
+        self.streaming = memory.strategy == "stagehand" and sh.weight_streaming
+        self.gc = memory.gradient_checkpointing
+        act = sh.activation_stagehand if sh is not None else None
+        self.act = act if act is not None and act.enabled else None
+        self.blocks = [_Block(i, b) for i, b in enumerate(inv.blocks)]
+        if self.streaming:
+            self.high, self.low = sh.vram_high_watermark_mb * MB, sh.vram_low_watermark_mb * MB
+            self.scheduler = BlockScheduler(sh.prefetch_window_blocks)
+            self.max_inflight = sh.max_inflight_transfers
+            self.slab_bytes = sh.pinned_slab_mb * MB
+            self.slabs = sh.pinned_pool_mb // sh.pinned_slab_mb
+            self.file_backed = sh.file_backed
+        self.budget = None
+        if self.act is not None:
+            self.budget = ActivationBudgetManager(
+                self.mem, self.act.vram_high_watermark_mb, self.act.vram_low_watermark_mb
+            )
+        self.count_acts = self.act is not None or not self.tracked or not self.streaming
+        self.active: set[int] = set()
+        self.copies: list[tuple[float, bool]] = []  # (done at, holds a slab)
+        self.h2d_free = 0.0
+        self.now = 0.0
+        self.acts: dict[Any, int] = {}  # segment -> kept bytes on the device
+        self.spilled: dict[Any, list[int]] = {}  # segment -> sizes on the host
+
+    # -- bytes ------------------------------------------------------------------------------------
+    def _add(self, nbytes: int, label: str) -> None:
+        self.mem.used += nbytes
+        r = self.result
+        r.peak_bytes = max(r.peak_bytes, self.mem.used)
+        r.curve.append((round(self.now, 4), self.mem.used, label))
+
+    # -- weights ----------------------------------------------------------------------------------
+    def _idle(self, keep=()) -> list[_Block]:
+        return [
+            b
+            for b in self.blocks
+            if b.on_device and b.index not in self.active and b.index not in keep
+        ]
+
+    def _evict(self, block: _Block) -> None:
+        block.on_device = block.prefetched = False
+        self._add(-block.nbytes, f"evict {block.info.name}")
+
+    def _copy_ms(self, block: _Block) -> float:
+        p = self.profile
+        ms = block.nbytes / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
+        if self.file_backed and p.disk_gbps:
+            ms += block.nbytes / (p.disk_gbps * 1e9) * 1e3
+        return ms
+
+    def _load(self, block: _Block, speculative: bool) -> bool:
+        self.copies = [c for c in self.copies if c[0] > self.now]
+        if speculative and len(self.copies) >= self.max_inflight:
+            return False
+        slab = block.nbytes <= self.slab_bytes
+        if speculative and slab and sum(1 for c in self.copies if c[1]) >= self.slabs:
+            return False
+        ms = self._copy_ms(block)
+        r = self.result
+        r.h2d_ms += ms
+        r.h2d_bytes += block.nbytes
+        r.blocks_loaded += 1
+        if self.profile.synchronous_copies:
+            # A CPU "device": the copy runs on the host, in line with compute.
+            self.now += ms
+            r.exposed_h2d_ms += ms
+            block.ready_at = self.now
+        else:
+            start = max(self.now, self.h2d_free)
+            self.h2d_free = block.ready_at = start + ms
+            self.copies.append((block.ready_at, slab))
+        block.on_device = True
+        self._add(block.nbytes, f"load {block.info.name}")
+        return True
+
+    def _prefetch(self) -> None:
+        # The loop of StagehandRuntime._prefetch, over the runtime's make_room.
+        for index in self.scheduler.upcoming():
+            block = self.blocks[index]
+            if block.on_device:
+                continue
+            usage = self.mem.usage_bytes
+            if not make_room(
+                self.scheduler, block, block.nbytes, self.high, usage, self._idle, self._evict
+            ):
+                return
+            if not self._load(block, speculative=True):
+                return
+            block.prefetched = True
+
+    def _use(self, block: _Block) -> None:
+        self.scheduler.record_use(block.index)
+        self.active.add(block.index)
+        if not block.on_device:
+            self._load(block, speculative=False)
+        if block.ready_at > self.now:
+            self.result.stall_ms += block.ready_at - self.now
+            self.result.exposed_h2d_ms += block.ready_at - self.now
+            self.now = block.ready_at
+        self._prefetch()
+
+    def _done(self, block: _Block) -> None:
+        self.active.discard(block.index)
+        if block.on_device:
+            usage = self.mem.usage_bytes
+            release_after_use(self.scheduler, block, self.low, usage, self._idle, self._evict)
+        self._prefetch()
+
+    # -- activations ------------------------------------------------------------------------------
+    def _save(self, segment: Any, sizes: list[int]) -> None:
+        if not self.count_acts:
+            return
+        kept = 0
+        spilled: list[int] = []
+        for nbytes in sizes:
+            if (
+                self.budget is not None
+                and self.budget.pressure(nbytes)
+                and nbytes >= self.act.min_spill_bytes
+            ):
+                spilled.append(nbytes)
+            else:
+                kept += nbytes
+                self.mem.used += nbytes  # the budget reads usage per saved tensor
+        self.mem.used -= kept
+        self.acts[segment] = self.acts.get(segment, 0) + kept
+        self.spilled[segment] = self.spilled.get(segment, []) + spilled
+        self.result.spilled_bytes += sum(spilled)
+        self._spill_time(spilled)
+        if kept:
+            self._add(kept, f"save {segment}")
+
+    def _spill_time(self, sizes: list[int]) -> None:
+        # A CPU device copies on the host, in line: each spill (and later its restore) is a
+        # copy through the pool plus a few operations' bookkeeping. On a GPU the copies run on
+        # the side streams under the transfer caps and are not modelled (NOTE in the docstring).
+        p = self.profile
+        if p.synchronous_copies and sizes:
+            ms = sum(sizes) / (p.h2d_gbps * 1e9) * 1e3 + len(sizes) * 4 * p.op_us * 1e-3
+            self.now += ms
+            self.result.spill_ms += ms
+
+    def _restore(self, segment: Any) -> None:
+        # Backward restores a block's spilled tensors in reverse pack order, each freed once
+        # used: at most the one in use plus ``restore_ahead`` (predictive) are on the device.
+        sizes = self.spilled.pop(segment, [])[::-1]
+        self._spill_time(sizes)
+        k = 1 + (self.act.restore_ahead if self.act.predictive_restore else 0) if sizes else 0
+        window = max((sum(sizes[i : i + k]) for i in range(len(sizes))), default=0)
+        if window:
+            self.acts[segment] = self.acts.get(segment, 0) + window
+            self._add(window, f"restore {segment}")
+
+    def _free(self, segment: Any) -> None:
+        nbytes = self.acts.pop(segment, 0)
+        if nbytes:
+            self._add(-nbytes, f"free {segment}")
+
+    def _compute(self, flops: float, ops: float = 0, moved: float = 0) -> None:
+        p = self.profile
+        ms = flops / (p.tflops * 1e12 * self.eff) * 1e3 + ops * p.op_us * 1e-3
+        if p.mem_gbps:
+            ms += moved / (p.mem_gbps * 1e9) * 1e3
+        self.now += ms
+        self.result.compute_ms += ms
+
+    # Each pass reads the block's weights once (its GEMMs' weight operands): with few tokens
+    # that, not the FLOPs, bounds a matrix product.
+    def _forward(self, info: BlockInfo) -> None:
+        self._compute(info.forward_flops, info.forward_ops, info.forward_moved + info.nbytes)
+
+    def _backward(self, info: BlockInfo) -> None:
+        f, o, m = self.inv.backward_ratio
+        moved = info.forward_moved * m + info.nbytes
+        self._compute(info.forward_flops * f, info.forward_ops * o, moved)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Simulate one step; the scheduler's trace carries over to the next call."""
+        self.result = r = StepResult()
+        t0 = self.now
+        if self.budget is not None:
+            self.budget.reset()
+        r.curve.append((0.0, self.mem.used, "step"))
+        inv = self.inv
+        self._save("pre", inv.saved_pre)
+        r_f, r_o, r_m = inv.backward_ratio
+        outside = (inv.outside_flops / 2, inv.outside_ops / 2, inv.outside_moved / 2)
+        self._compute(*outside)
+        first_use = self.now
+        for block in self.blocks:  # forward
+            if self.streaming:
+                self._use(block)
+            self._forward(block.info)
+            self._save(block.index, [block.info.input_bytes] if self.gc else block.info.saved)
+            if self.streaming:
+                self._done(block)
+        self._save("post", inv.saved_post)
+        self._compute(*outside)
+        self._compute(outside[0] * 2 * r_f, outside[1] * 2 * r_o, outside[2] * 2 * r_m)
+        self._free("post")
+        for block in reversed(self.blocks):  # backward (a recomputation is part of the use)
+            if self.streaming:
+                self._use(block)
+            self._restore(block.index)
+            if self.gc:
+                self._forward(block.info)
+                if self.count_acts:  # the recomputation's tensors are saved in backward: kept
+                    self._add(block.info.saved_bytes, f"recompute {block.info.name}")
+            self._backward(block.info)
+            if self.gc and self.count_acts:
+                self._add(-block.info.saved_bytes, f"backward {block.info.name}")
+            self._free(block.index)
+            if self.streaming:
+                self._done(block)
+        last_use = self.now
+        self._free("pre")
+        if self.streaming:
+            self.scheduler.end_step()
+            self._prefetch()
+        r.step_ms = self.now - t0
+        band = [b for t, b, _ in r.curve[1:] if first_use <= t <= last_use]
+        r.low_bytes = min(band, default=self.mem.used)
+        return r
+
+    def run(self, steps: int = 3) -> list[StepResult]:
+        """Steps from a cold start: step 0 traces (every block a demand load), the rest follow
+        the trace; the last is the steady state. Curve times are relative to each step."""
+        inv = self.inv
+        self.mem.used = inv.resident_bytes if self.streaming else inv.param_bytes
+        if not self.tracked or not self.streaming:
+            # LoRA gradients and AdamW's two moments live on the device from the first step on
+            # (tracked on CPU only when a streamed block holds them: not with a resident LoRA).
+            self.mem.used += inv.lora_bytes + inv.optimizer_bytes
+        out = []
+        for _ in range(steps):
+            start = self.now
+            result = self.step()
+            result.curve = [
+                (round(t - start, 4) if i else 0.0, b, e)
+                for i, (t, b, e) in enumerate(result.curve)
+            ]
+            out.append(result)
+        return out

@@ -1,0 +1,68 @@
+"""``POST /api/plan`` on the router alone (no server process): a plan of the tiny factory
+model, and the one error body naming the field for bad input."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from backend import errors
+from backend.api import plan
+
+TINY = {
+    "model": {"factory": "flux", "size": "tiny", "dtype": "float32"},
+    "adapter": {"rank": 4},
+    "resolution": 64,
+    "batch_size": 1,
+    "memory": {
+        "strategy": "stagehand",
+        "gradient_checkpointing": False,
+        "stagehand": {
+            "pinned_pool_mb": 8,
+            "pinned_slab_mb": 1,
+            "vram_high_watermark_mb": 1.5,
+            "vram_low_watermark_mb": 1.0,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    app = FastAPI()
+    errors.install(app)
+    app.include_router(plan.router)
+    return TestClient(app)
+
+
+def test_plan_of_the_tiny_model(client):
+    res = client.post("/api/plan", json={"preset": TINY, "device": "rtx4090"})
+    assert res.status_code == 200, res.text
+    out = res.json()
+    assert out["fits"] is True and out["device"]["name"] == "rtx4090"
+    assert out["model"]["n_blocks"] == 4
+    low, high = out["steady_band_bytes"]
+    assert out["model"]["resident_bytes"] <= low < high == out["peak_bytes"]["steady"]
+    # Streaming under a 1.5 MB high watermark: the peak stays below everything resident.
+    assert high < out["model"]["param_bytes"]
+    assert len(out["curve"]["t_ms"]) == len(out["curve"]["bytes"]) > 8
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"preset": TINY, "device": "gtx480"}, "device"),
+        ({"preset": {**TINY, "batch_size": 0}}, "preset.batch_size"),
+        (
+            {"preset": {**TINY, "memory": {"strategy": "stagehand", "stagehand": {"x": 1}}}},
+            "preset.memory.stagehand.x",
+        ),
+        ({"preset": TINY, "vram_gb": -1}, "vram_gb"),
+    ],
+)
+def test_bad_input_is_one_error_body_naming_the_field(client, body, field):
+    res = client.post("/api/plan", json=body)
+    assert res.status_code == 422, res.text
+    error = res.json()["error"]
+    assert field in (error["field"] or "") and error["message"]

@@ -1,0 +1,37 @@
+"""The New run page's Plan panel: the config being edited is planned through
+``POST /api/plan`` on a device profile; the verdict, the numbers and the VRAM curve show, and a
+bad field shows the API's error naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.frontend.conftest import SHOTS
+
+pytestmark = [pytest.mark.browser]
+
+
+def test_plan_panel_before_start(backend_server, page):
+    page.goto(backend_server + "/#/new")
+    page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
+    page.select_option("#preset-select", "tiny-ci")
+    page.select_option("#plan-device", "rtx4090")
+    page.click("#plan-run")
+    page.wait_for_selector("#plan-verdict")
+    assert page.get_attribute("#plan-verdict", "data-fits") == "true"
+    assert "on rtx4090" in page.inner_text("#plan-summary")
+    assert page.inner_text("#plan-peak").startswith("peak VRAM ")
+    page.wait_for_selector("#plan-chart .main-svg")
+    points = page.evaluate("document.getElementById('plan-chart').data[0].y.length")
+    assert points > 8
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "new-run-plan.png"), full_page=True)
+
+    config = json.loads(page.input_value("#config-json"))
+    config["memory"]["stagehand"]["prefetch_window_blocks"] = -1
+    page.fill("#config-json", json.dumps(config))
+    page.click("#plan-run")
+    page.wait_for_selector("#plan-errors :text('prefetch_window_blocks')")
+    assert page.is_hidden("#plan-verdict") or not page.query_selector("#plan-verdict")

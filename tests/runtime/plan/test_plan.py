@@ -1,0 +1,235 @@
+"""The planner against real runs of the tiny Flux model, and its errors on bad input.
+
+Tolerance: the predicted peak of tracked bytes is asserted within 5% of the measured one (the
+issue's bound). The weight part is computed by the runtime's own code (block layouts, the
+scheduler and its eviction policy), so it is exact; the activation part replaces the activation
+runtime's per-tensor accounting by the sizes a ``meta`` forward saves, released per block, which
+is exact up to its 64 KiB publish batches (``PUBLISH_BYTES``) and where a tensor saved between
+two blocks is counted. ``workbench bench --quick`` rows land at 0.0-0.25% (see the report).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from runtime.assets import example_inputs
+from runtime.bench.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
+from runtime.common.telemetry import Telemetry
+from runtime.config import MB
+from runtime.plan import PlanInputError, plan_model, plan_preset, profile
+from runtime.plan.cli import main
+from runtime.plan.inventory import add_lora, folder_model
+from runtime.strategy import build_strategy
+
+LATENT = (8, 8)
+NEVER_MB = 1_000_000.0
+
+
+def _stream(block_mb: float, resident_mb: float) -> dict:
+    # Room for three blocks at most: blocks really are evicted and reloaded every step.
+    return {
+        "strategy": "stagehand",
+        "gradient_checkpointing": False,
+        "stagehand": {
+            "pinned_pool_mb": 8,
+            "pinned_slab_mb": 1,
+            "vram_high_watermark_mb": round(resident_mb + 2.5 * block_mb, 4),
+            "vram_low_watermark_mb": round(resident_mb + 1.5 * block_mb, 4),
+            "prefetch_window_blocks": 2,
+            "block_events": False,
+        },
+    }
+
+
+def _measured_peak(folder, memory: dict) -> tuple[int, dict]:
+    model = load_model(folder, "flux")
+    strategy = build_strategy(
+        model, copy.deepcopy(memory), device="cpu", telemetry=Telemetry(), checkpoint_dir=folder
+    )
+    inputs = example_inputs(model, batch_size=1, seed=0, latent_hw=LATENT)
+    try:
+        figures = train_steps(strategy, model, inputs, warmup=2, steps=1)
+        counters = strategy.counters()
+    finally:
+        strategy.close()
+    return figures.vram_peak_bytes[-1], counters
+
+
+def _plan(folder, memory: dict):
+    model = folder_model(folder)
+    add_lora(model, LORA_RANK, LORA_TARGETS)
+    inputs = example_inputs(model, batch_size=1, seed=0, latent_hw=LATENT, device="meta")
+    return plan_model(model, inputs, memory, profile("rtx4090", vram_bytes=1), name="t")
+
+
+@pytest.fixture(scope="module")
+def sizes(tiny_flux):
+    inv = _plan(tiny_flux, {"strategy": "none"}).inventory
+    return max(b.nbytes for b in inv.blocks) / MB, inv.resident_bytes / MB
+
+
+@pytest.mark.sync_device
+@pytest.mark.parametrize("activations", ["none", "keep", "spill_all"])
+def test_predicted_peak_tracked_bytes_within_5_percent_of_a_real_run(tiny_flux, sizes, activations):
+    memory = _stream(*sizes)
+    if activations != "none":
+        high = 0.0 if activations == "spill_all" else NEVER_MB
+        memory["stagehand"]["activation_stagehand"] = {
+            "enabled": True,
+            "vram_high_watermark_mb": high,
+            "vram_low_watermark_mb": high,
+            "min_spill_bytes": 0 if activations == "spill_all" else 4096,
+        }
+    measured, counters = _measured_peak(tiny_flux, memory)
+    cpu = profile("cpu")
+    model = folder_model(tiny_flux)
+    add_lora(model, LORA_RANK, LORA_TARGETS)
+    inputs = example_inputs(model, batch_size=1, seed=0, latent_hw=LATENT, device="meta")
+    plan = plan_model(model, inputs, memory, cpu)
+    predicted = plan.steady.peak_bytes
+    # Not vacuous: the run streamed (blocks evicted and reloaded in the measured step) and the
+    # plan's peak is below everything resident.
+    assert counters["blocks_evicted"] > 0
+    assert plan.steady.blocks_loaded == counters["blocks_loaded"]
+    inv = plan.inventory
+    assert predicted < inv.resident_bytes + inv.block_bytes
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+    if activations == "keep":  # the kept activations are in the figure
+        assert predicted > _measured_peak(tiny_flux, _stream(*sizes))[0]
+
+
+def test_plan_names_the_knob_that_fits(tiny_flux, sizes):
+    """All resident does not fit in a budget of 70% of the weights; streaming does, and nothing
+    fits a budget smaller than the resident bytes plus one block."""
+    plan = _plan(tiny_flux, {"strategy": "none"})
+    inv = plan.inventory
+    budget = int(inv.param_bytes * 0.7)
+    plan = plan_model(
+        *_model_and_inputs(tiny_flux), {"strategy": "none"}, profile("rtx4090", vram_bytes=budget)
+    )
+    assert not plan.fits and plan.steady.peak_bytes > budget
+    assert plan.knob is not None and plan.knob["strategy"] == "stagehand"
+    assert plan.knob["peak_bytes"] <= budget
+    too_small = inv.resident_bytes + max(b.nbytes for b in inv.blocks) - 1
+    plan = plan_model(
+        *_model_and_inputs(tiny_flux), {"strategy": "none"}, profile("cpu", vram_bytes=too_small)
+    )
+    assert not plan.fits and plan.knob is None
+
+
+def _model_and_inputs(folder):
+    model = folder_model(folder)
+    add_lora(model, LORA_RANK, LORA_TARGETS)
+    return model, example_inputs(model, latent_hw=LATENT, device="meta")
+
+
+def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
+    plan = _plan(tiny_flux, _stream(*sizes))
+    out = plan.to_dict()
+    curve = out["curve"]
+    assert len(curve["t_ms"]) == len(curve["bytes"]) == len(curve["event"])
+    assert max(curve["bytes"]) == out["peak_bytes"]["steady"]
+    low, high = out["steady_band_bytes"]
+    assert out["model"]["resident_bytes"] <= low < high
+    assert sum(e.startswith("load ") for e in curve["event"]) == plan.steady.blocks_loaded
+    json.dumps(out)  # the API returns it as it is
+    # The breakdown adds up: on a GPU copies overlap compute; only stalls add to it.
+    ms = out["step_ms"]
+    assert ms["total"] == pytest.approx(ms["compute"] + ms["stall"] + ms["spill"], abs=1e-3)
+    assert ms["h2d"] > 0 and ms["exposed_h2d"] == ms["stall"]
+    # File-backed streaming keeps no host copy of the blocks: the pinned pool is the host RAM.
+    assert out["host"]["block_masters_bytes"] == 0
+    assert out["host"]["ram_peak_bytes"] == out["host"]["pinned_bytes"] == 8 * MB
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"memory": {"strategy": "nope"}}, "memory.strategy"),
+        (
+            {"memory": {"strategy": "stagehand", "stagehand": {"vram_high_watermark_mb": -1}}},
+            "memory.stagehand.vram_high_watermark_mb",
+        ),
+        ({"memory": {"strategy": "layer_offload"}}, "memory.strategy"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"lora": {"target_modules": ["no_such_module"]}}, "lora.target_modules"),
+    ],
+)
+def test_bad_input_names_the_field(change, field):
+    data = json.loads(json.dumps(_TINY))
+    data.update(change)
+    with pytest.raises(PlanInputError, match=field.replace(".", r"\.")):
+        plan_preset(data, profile("rtx4090"))
+
+
+def test_bad_device_names_the_field():
+    with pytest.raises(PlanInputError, match="device: unknown profile 'gtx480'"):
+        profile("gtx480")
+    with pytest.raises(PlanInputError, match="h2d_gbps must be a number > 0"):
+        profile("rtx4090", h2d_gbps=-3)
+
+
+def test_cli_exit_status_and_message(capsys, tmp_path):
+    assert main(["tiny-ci", "--device", "rtx4090", "--json", str(tmp_path / "p.json")]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["device"]["name"] == "rtx4090" and saved["fits"] is True
+    assert main(["tiny-ci", "--device", "gtx480"]) == 2
+    assert "device: unknown profile" in capsys.readouterr().err
+
+
+_TINY = {
+    "model": {"factory": "flux", "size": "tiny", "dtype": "float32"},
+    "adapter": {"rank": 4},
+    "resolution": 64,
+    "batch_size": 1,
+    "memory": {"strategy": "none"},
+}
+
+
+def test_meta_forward_loads_no_weights(tiny_flux):
+    model, _ = _model_and_inputs(tiny_flux)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert torch.device("meta") == next(model.parameters()).device
+
+
+def test_flux_dev_12b_from_its_config_on_meta():
+    """FLUX.1-dev built from its config values on meta: the blocks the weight runtime streams
+    are the flux-dev-24gb preset's derivation (19 x 648.2 MB + 38 x 270.1 MB, 122 MB resident
+    without the adapter), and at 1024 px the plan fits 24 GB with the preset's watermarks."""
+    from runtime.plan.reference import flux_dev_plan, streaming_memory
+
+    plan = flux_dev_plan("rtx4090", 1024, streaming_memory(18000, 14000, 16000))
+    inv = plan.inventory
+    sizes = sorted({round(b.nbytes / MB, 1) for b in inv.blocks})
+    assert len(inv.blocks) == 57 and sizes == [270.1, 648.2]
+    assert round((inv.resident_bytes - inv.lora_bytes) / MB) == 122
+    assert plan.fits
+    # Three blocks at most on the device (the one in use and the prefetch window of two).
+    assert plan.steady.peak_bytes < inv.resident_bytes + 3 * 648.2 * MB + 2 * 1024 * MB
+    # A single-stream block's forward FLOPs, counted by hand: 4096 image + 512 text tokens
+    # through q, k, v (3 x 3072^2), proj_mlp (3072 x 12288) and proj_out (15360 x 3072), plus
+    # fused attention over 24 heads of 128 (4 L^2 H D): the attention is counted once.
+    tokens, dim = 4096 + 512, 3072
+    linear = 2 * tokens * (3 * dim * dim + dim * 4 * dim + 5 * dim * dim)
+    attention = 4 * tokens * tokens * 24 * 128
+    single = inv.blocks[-1]
+    assert single.name == "single_transformer_blocks.37"
+    assert single.forward_flops == pytest.approx(linear + attention, rel=0.01)
+
+
+def test_pipeline_folder_plans_its_transformer_with_the_family_targets(asset_cache):
+    """A diffusers pipeline folder: the transformer subfolder, and the family's LoRA targets
+    unless the preset names some (as the trainer does)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    folder = build_pipeline("flux", asset_cache)
+    data = {**_TINY, "model": {"path": str(folder), "dtype": "float32"}}
+    family = plan_preset(data, profile("rtx4090")).inventory
+    named = plan_preset({**data, "lora": {"target_modules": ["to_q"]}}, profile("rtx4090"))
+    assert len(family.blocks) == len(named.inventory.blocks) == 8
+    assert family.lora_bytes > 4 * named.inventory.lora_bytes > 0
