@@ -127,6 +127,7 @@ class StagehandRuntime:
             self.source,
             config.max_inflight_transfers,
             reader_threads=readers,
+            reader_min_bytes=int(config.reader_min_block_mb * MB),
         )
         self.router = SavedTensorRouter([self.packer])
         self._by_storage: dict[int, Block] = {}

@@ -96,6 +96,7 @@ class TransferEngine:
         source: SafetensorsCheckpoint | None,
         max_inflight: int,
         reader_threads: int = 0,
+        reader_min_bytes: int = 0,
     ) -> None:
         self.device = device
         self.stream = TransferStream(device)
@@ -105,6 +106,8 @@ class TransferEngine:
             else None
         )
         """Reader threads (``reader_threads``): they stage blocks and issue their H2D copies."""
+        self.reader_min_bytes = reader_min_bytes
+        """Prefetched blocks of at least this many bytes go to the readers."""
         self.pool = pool
         self.memory = memory
         self.source = source
@@ -198,7 +201,9 @@ class TransferEngine:
         block.to(BlockState.HOST_STAGED)  # staging (here, or on a reader thread)
         # Allocated on this thread's (compute) stream, which frees it after its last use.
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
-        if self.readers is None:
+        if self.readers is None or not speculative or block.nbytes < self.reader_min_bytes:
+            # A demand load is waited on at once, and a small block reads faster than a handoff
+            # to a reader thread (which waits for Python's thread switch): read here.
             event: TransferEvent | StagedCopy = self._stage_and_copy(block, host, flat, None)
         else:
             # The copy must follow the compute work queued so far (``flat`` may be memory that
