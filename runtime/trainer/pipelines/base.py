@@ -203,6 +203,9 @@ class PipelineFamily(Family):
         lo, hi = self.sigma_range()
         return tuple(lo + (hi - lo) * s for s in fixed)
 
+    def check_caption_tokens(self, tokens: int) -> None:
+        """Raise ``ValueError`` when ``data.max_caption_tokens`` does not fit the text stack."""
+
     def check_frames(self, frames: int | None) -> None:
         """Raise ``ValueError`` when ``data.frames`` does not fit the family's VAE."""
 

@@ -208,6 +208,21 @@ class LTX2PipelineFamily(PipelineFamily):
                 f"{2 * temporal + 1}, ...)"
             )
 
+    def check_caption_tokens(self, tokens):
+        conn = read_json(self.root / "connectors" / "config.json", "the connectors' config")
+        registers = {
+            conn.get(f"{stream}_connector_num_learnable_registers", 128)
+            for stream in ("video", "audio")
+        } - {None}
+        for n in registers:
+            if tokens % n:
+                raise ValueError(
+                    f"data.max_caption_tokens is {tokens}; LTX-2's text connectors "
+                    f"({self.root / 'connectors' / 'config.json'}) replace padding with {n} "
+                    f"learnable registers, so expected a multiple of {n} (the pipeline's "
+                    "default is 1024)"
+                )
+
     def check_latents(self, shape):
         if len(shape) != 4:
             raise ValueError(f"ltx2 trains on clips: latents (C, F, h, w) expected, got {shape}")

@@ -159,3 +159,39 @@ def test_ltx2_parts_match_the_pipeline(ltx2_pipeline_dir, tmp_path):
         raw = vae.encode(clip).latent_dist.mean
     assert z.shape == (1, 4, 3, 2, 3)
     assert torch.allclose(pipe._denormalize_latents(z, *args), raw, atol=1e-5)
+
+
+def test_bad_ltx2_input_is_named(ltx2_pipeline_dir, wide_clips, tmp_path, monkeypatch, pipe_io):
+    import json
+    import shutil
+
+    from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+
+    folder = shutil.copytree(ltx2_pipeline_dir, tmp_path / "bad-pipe")
+    config = folder / "transformer" / "config.json"
+    cfg = json.loads(config.read_text())
+    config.write_text(json.dumps({**cfg, "caption_channels": 24, "audio_in_channels": 6}))
+    with pytest.raises(PipelineFolderError) as info:
+        adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
+    message = str(info.value)
+    assert message.startswith(f"{config}: does not fit the ltx2 pipeline")
+    assert (
+        "text inputs are 24 (video) and 24 (audio) wide but the connectors give 20 and 20"
+        in message
+    )
+    assert (
+        "audio_in_channels is 6; expected audio_vae latent_channels x mel_bins / 4 (4)" in message
+    )
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    cases = {
+        "tokens": ({"max_caption_tokens": 12}, "data.max_caption_tokens is 12; LTX-2's text"),
+        "frames": ({"frames": 4}, "data.frames is 4; the LTX-2 VAE compresses 2 frames"),
+    }
+    for name, (over, expected) in cases.items():
+        data = {"path": str(wide_clips), "frames": 5, "max_caption_tokens": 16, **over}
+        path = _preset(pipe_io, tmp_path, ltx2_pipeline_dir, wide_clips, name=name, data=data)
+        assert main([str(path), "--run-dir", str(tmp_path / name)]) == 1
+        last = pipe_io.records(tmp_path / name)[-1]
+        assert last["kind"] == "error" and expected in last["message"], last["message"]
+        assert not (tmp_path / name / "lora").exists()
