@@ -41,9 +41,9 @@ def test_ltx2_trains_on_clips_with_every_runtime_on_and_reuses_the_cache(ltx2_ru
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
     stage = [r["message"] for r in of(recs, "trainer", "stage")]
     assert "4 samples, 5 distinct texts" in stage and "encoding clips" in stage
-    # Stage 1 streamed Gemma's 3 decoder layers (and its 1-block vision tower).
+    # Stage 1 streamed Gemma's 3 decoder layers from its safetensors.
     stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0]
-    assert len(stage1) == 1 and stage1[0]["blocks_loaded"] >= 3 and stage1[0]["file_reads"] > 0
+    assert len(stage1) == 1 and stage1[0]["blocks_loaded"] == 3 and stage1[0]["file_reads"] > 0
     assert sum(r["blocks_evicted"] for r in of(recs, "stagehand", "step") if r["step"]) > 0
     assert sum(r["activations_spilled"] for r in of(recs, "activation_stagehand", "step")) > 0
     paths = [s["path"] for s in of(recs, "trainer", "sample")]
