@@ -17,8 +17,8 @@ takes both streams in every block. A LoRA here is trained on video latents only 
 audio track through PyAV here, and the loss is the video velocity). The audio stream gets what
 ``__call__`` starts every generation from: Gaussian audio latents, of the length the pipeline
 computes for the clip's duration at ``FRAME_RATE``; since they carry no audio, they are fed as
-pure noise at audio sigma 1 (``audio_timestep`` 1000), the only sigma at which noise is
-exactly what the model sees. The noise is fixed (seed 0) so that a step is a function of its
+pure noise at audio sigma 1 (``audio_timestep`` 1000), the only sigma at which pure noise is
+a correctly distributed audio input. The noise is fixed (seed 0) so that a step is a function of its
 seed. The LoRA targets the video modules only (``attn1``, ``attn2``, ``ff``); the audio branch
 and the audio-video cross attention stay as they are.
 """
@@ -245,7 +245,9 @@ class LTX2PipelineFamily(PipelineFamily):
         return (f // pt) * (h // p) * (w // p)
 
     def mu(self, image_seq_len):
-        """``calculate_shift`` of the packed video length with ``__call__``'s defaults."""
+        """``calculate_shift`` of the packed video length with ``__call__``'s defaults. A
+        scheduler ``shift_terminal`` is not applied to training sigmas: it stretches a whole
+        inference schedule so that its last sigma lands there, which a single draw has not."""
         calculate_shift = importlib.import_module(PIPELINE_MODULE).calculate_shift
         cfg = self.scheduler().config
         return calculate_shift(
