@@ -61,7 +61,7 @@ MODEL_TYPES: dict[str, str] = {
     "sd35": "sd3",
     "ltx": "ltx",
     "ltxv": "ltx",
-    "ltx2": "ltx",
+    "ltx2": "ltx2",
     "unet": "unet",
     "sd15": "unet",
     "sd1": "unet",

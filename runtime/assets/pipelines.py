@@ -378,12 +378,21 @@ def zimage_pipeline(seed: int = SEED):
     )
 
 
+def ltx2_pipeline(seed: int = SEED):
+    """An ``LTX2Pipeline`` (``ltx2_pipeline.py``: Gemma 3 3 layers, connectors, 3 blocks, video
+    and audio VAEs, vocoder) over this module's words."""
+    from .ltx2_pipeline import ltx2_pipeline as build
+
+    return build(WORDS, seed)
+
+
 BUILDERS = {
     "flux": flux_pipeline,
     "qwenimage": qwenimage_pipeline,
     "wan": wan_pipeline,
     "wan22": lambda: wan_pipeline(experts=2),
     "zimage": zimage_pipeline,
+    "ltx2": ltx2_pipeline,
 }
 
 
@@ -402,8 +411,10 @@ def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> P
     if family not in BUILDERS:
         raise AssetError(f"no tiny pipeline for family {family!r}; known: {list(BUILDERS)}")
     final = cache_root(cache_dir) / "pipelines" / f"{family}-tiny"
-    # Any change to the builders here rebuilds: the spec holds this file's hash.
-    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    # Any change to the builders rebuilds: the spec holds their files' hash.
+    here = Path(__file__).parent
+    sources = [here / "pipelines.py", here / "ltx2_pipeline.py"]
+    source = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
     spec = {"family": family, "seed": SEED, "source": source}
     return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))
 

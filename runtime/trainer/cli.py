@@ -166,6 +166,8 @@ class Run:
         images as one-frame clips)."""
         data = preset.data
         folder = data_folder(preset)
+        if isinstance(self.family, PipelineFamily):
+            self.family.check_caption_tokens(data.max_caption_tokens)
         if isinstance(self.family, PipelineFamily) and self.family.video:
             self.family.check_frames(data.frames)
             samples = scan_clips(

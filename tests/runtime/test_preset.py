@@ -129,7 +129,7 @@ def test_every_shipped_preset_validates():
 
 def test_ltx2_seed_block_verbatim():
     p = validate_preset(json.loads(LTX2_SEED))
-    assert (p.family, p.rank, p.alpha) == ("ltx", 32, 32.0)
+    assert (p.family, p.rank, p.alpha) == ("ltx2", 32, 32.0)
     assert p.memory.strategy == "stagehand" and p.memory.gradient_checkpointing is True
     sh = p.memory.stagehand
     assert (sh.pinned_pool_mb, sh.pinned_slab_mb, sh.prefetch_window_blocks) == (8192, 1024, 2)

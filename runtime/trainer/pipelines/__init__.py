@@ -13,6 +13,7 @@ from runtime.trainer.pipelines.folder import (
     PipelineInfo,
     inspect_pipeline,
 )
+from runtime.trainer.pipelines.ltx2 import LTX2PipelineFamily
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
 from runtime.trainer.pipelines.wan import WanPipelineFamily
 from runtime.trainer.pipelines.zimage import ZImagePipelineFamily
@@ -21,6 +22,7 @@ ADAPTERS: dict[str, PipelineFamily] = {
     "flux": FluxPipelineFamily(),
     "qwenimage": QwenImagePipelineFamily(),
     "wan": WanPipelineFamily(),
+    "ltx2": LTX2PipelineFamily(),
     "zimage": ZImagePipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""

@@ -44,6 +44,10 @@ def load_component(
     """
     index = read_json(root / "model_index.json", "a pipeline's model_index.json")
     library, class_name = index[name]
+    if library not in ("diffusers", "transformers"):
+        # A class of a pipeline's own module (LTX-2's ["ltx2", "LTX2TextConnectors"]), which
+        # diffusers' loader looks up under diffusers.pipelines.
+        library = f"diffusers.pipelines.{library}"
     try:
         cls = getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError) as exc:
@@ -68,6 +72,9 @@ class PipelineFamily(Family):
     text_passes: tuple[tuple[str, TextPass], ...] = ()
     """``(text encoder component, pass)`` in the order they run, one encoder resident at a time."""
     tokenizers: tuple[str, ...] = ()
+    text_helpers: tuple[str, ...] = ()
+    """Components a text pass needs besides its encoder (LTX-2's ``connectors``), loaded on the
+    device for stage 1 and released with it."""
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     """LoRA targets when the preset names none: what the family's community trainers target
     (diffusers' ``train_dreambooth_lora_<family>.py``)."""
@@ -195,6 +202,9 @@ class PipelineFamily(Family):
         """The fixed validation sigmas mapped into ``sigma_range``."""
         lo, hi = self.sigma_range()
         return tuple(lo + (hi - lo) * s for s in fixed)
+
+    def check_caption_tokens(self, tokens: int) -> None:
+        """Raise ``ValueError`` when ``data.max_caption_tokens`` does not fit the text stack."""
 
     def check_frames(self, frames: int | None) -> None:
         """Raise ``ValueError`` when ``data.frames`` does not fit the family's VAE."""

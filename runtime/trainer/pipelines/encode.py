@@ -29,7 +29,7 @@ from runtime.trainer.pipelines.base import PipelineFamily, load_component
 
 
 def text_cache_path(family: PipelineFamily, texts: list[str], cache_dir: Path, max_tokens: int):
-    names = [n for n, _ in family.text_passes] + list(family.tokenizers)
+    names = [n for n, _ in family.text_passes] + list(family.tokenizers) + list(family.text_helpers)
     key = cache_key(
         kind="pipeline-text",
         family=family.name,
@@ -60,16 +60,26 @@ def encode_texts(
         return load_file(str(path))
     pipe = family.pipeline()
     out: dict[str, list[torch.Tensor]] = {}
-    for i, (name, text_pass) in enumerate(family.text_passes):
-        parts = _one_encoder(
-            family, pipe, name, text_pass, texts, memory, dtype, device, telemetry, max_tokens,
-            should_stop, lambda d, n=name: progress(d, len(texts), f"{n}: {d}/{len(texts)}"),
-        )  # fmt: skip
-        if parts is None:
-            return None
-        for key, value in parts.items():
-            out.setdefault(key, []).append(value)
-        progress(len(texts), len(texts), f"{name} released ({i + 1}/{len(family.text_passes)})")
+    # Helpers (LTX-2's connectors) are small next to the encoder: resident on the device for
+    # the whole stage, released with it.
+    for name in family.text_helpers:
+        setattr(pipe, name, load_component(family.root, name, dtype).eval().to(device))
+    try:
+        for i, (name, text_pass) in enumerate(family.text_passes):
+            parts = _one_encoder(
+                family, pipe, name, text_pass, texts, memory, dtype, device, telemetry, max_tokens,
+                should_stop, lambda d, n=name: progress(d, len(texts), f"{n}: {d}/{len(texts)}"),
+            )  # fmt: skip
+            if parts is None:
+                return None
+            for key, value in parts.items():
+                out.setdefault(key, []).append(value)
+            n = len(family.text_passes)
+            progress(len(texts), len(texts), f"{name} released ({i + 1}/{n})")
+    finally:
+        for name in family.text_helpers:
+            setattr(pipe, name, None)
+        gc.collect()
     result = {k: cat_padded(v) for k, v in out.items()}
     n = len(texts)
     result.setdefault("mask", torch.ones(n, result["hidden"].shape[1], dtype=torch.int64))

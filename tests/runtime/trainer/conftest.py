@@ -104,6 +104,15 @@ def wan22_pipeline_dir(asset_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ltx2_pipeline_dir(asset_cache) -> Path:
+    """The tiny LTX2Pipeline folder (Gemma 3 3 layers + connectors, 3 blocks, video and audio
+    VAEs, vocoder)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("ltx2", asset_cache)
+
+
+@pytest.fixture(scope="session")
 def zimage_pipeline_dir(asset_cache) -> Path:
     """The tiny ZImagePipeline folder (Qwen3 3 layers, 3 layers + 1 + 1 refiners)."""
     from runtime.assets.pipelines import build_pipeline

@@ -173,3 +173,52 @@ def test_zimage_24gb_is_derived_from_zimage_blocks():
     assert (1 + sh.prefetch_window_blocks) * largest + 1388 < sh.vram_low_watermark_mb
     for figure in ("345.1 MB", "192.5 MB", "2816 MB", "30 layers", "not run here"):
         assert figure in preset.description
+
+
+def test_ltx2_24gb_is_derived_from_ltx2_blocks():
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    with torch.device("meta"):
+        transformer = LTX2VideoTransformer3DModel()  # the defaults are LTX-2's config
+        connectors = LTX2TextConnectors()
+        gemma = Gemma3ForConditionalGeneration(
+            Gemma3Config(
+                text_config={
+                    "vocab_size": 262208,
+                    "hidden_size": 3840,
+                    "intermediate_size": 15360,
+                    "num_hidden_layers": 48,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 8,
+                    "head_dim": 256,
+                },
+                vision_config={
+                    "hidden_size": 1152,
+                    "intermediate_size": 4304,
+                    "num_hidden_layers": 27,
+                    "num_attention_heads": 16,
+                    "image_size": 896,
+                    "patch_size": 14,
+                },
+            )
+        )
+    params = sum(p.numel() for p in transformer.parameters())
+    assert params / 1e9 == pytest.approx(18.88, abs=0.005)  # the seed's 18.88B
+    largest = block_mb(transformer)["transformer_blocks"]
+    assert largest == pytest.approx(736.4, abs=0.05)
+    gemma_layer = block_mb(gemma)["model.language_model.layers"]
+    assert gemma_layer == pytest.approx(427.5, abs=0.05)
+    conn_mb = sum(p.numel() for p in connectors.parameters()) * 2 / MB
+    assert conn_mb == pytest.approx(2730, abs=1)
+    preset = validate_preset(load_preset("ltx2-24gb")[1])
+    assert preset.family == "ltx2"
+    sh = preset.memory.stagehand
+    assert largest <= sh.pinned_slab_mb < largest + 16 and gemma_layer <= sh.pinned_slab_mb
+    assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
+    assert (1 + sh.prefetch_window_blocks) * largest + 657 < sh.vram_low_watermark_mb
+    assert preset.data.frames % 8 == 1  # the LTX-2 VAE's 8k + 1
+    assert preset.data.max_caption_tokens % 128 == 0  # the connectors' registers
+    for figure in ("736.4 MB", "427.5 MB", "2730 MB", "5952 MB", "48 blocks", "not run here"):
+        assert figure in preset.description
