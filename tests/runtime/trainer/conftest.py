@@ -199,9 +199,22 @@ def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe",
     return path
 
 
+def train_twice(preset: Path, tmp: Path) -> tuple[Path, Path]:
+    """Two ``workbench train`` runs of ``preset`` on one asset cache (``tmp/cache``): the second
+    must reuse what the first cached. Returns the two run folders."""
+    from runtime.trainer.cli import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, str(tmp / "cache"))
+        first, second = tmp / "first", tmp / "second"
+        assert main([str(preset), "--run-dir", str(first)]) == 0
+        assert main([str(preset), "--run-dir", str(second)]) == 0
+    return first, second
+
+
 @pytest.fixture(scope="session")
 def pipe_io():
     """Helpers of the pipeline tests, for module-scoped fixtures too."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(records=records, of=of, preset=pipeline_preset)
+    return SimpleNamespace(records=records, of=of, preset=pipeline_preset, train_twice=train_twice)

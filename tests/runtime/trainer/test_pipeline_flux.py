@@ -17,12 +17,7 @@ def flux_run(flux_pipeline_dir, wide_images, tmp_path_factory, pipe_io):
     """One run (and a second one on the same cache) of the tiny Flux pipeline."""
     tmp = tmp_path_factory.mktemp("flux-run")
     preset = pipe_io.preset(tmp, flux_pipeline_dir, wide_images)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_VAR, str(tmp / "cache"))
-        first, second = tmp / "first", tmp / "second"
-        assert main([str(preset), "--run-dir", str(first)]) == 0
-        assert main([str(preset), "--run-dir", str(second)]) == 0
-    return first, second
+    return pipe_io.train_twice(preset, tmp)
 
 
 def test_flux_pipeline_trains_with_every_runtime_on(flux_run, pipe_io):

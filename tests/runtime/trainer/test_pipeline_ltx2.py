@@ -22,12 +22,7 @@ def _preset(pipe_io, tmp, folder, clips, name="ltx2", **over):
 def ltx2_run(ltx2_pipeline_dir, wide_clips, tmp_path_factory, pipe_io):
     tmp = tmp_path_factory.mktemp("ltx2-run")
     preset = _preset(pipe_io, tmp, ltx2_pipeline_dir, wide_clips)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_VAR, str(tmp / "cache"))
-        first, second = tmp / "first", tmp / "second"
-        assert main([str(preset), "--run-dir", str(first)]) == 0
-        assert main([str(preset), "--run-dir", str(second)]) == 0
-    return first, second
+    return pipe_io.train_twice(preset, tmp)
 
 
 def test_ltx2_trains_on_clips_with_every_runtime_on_and_reuses_the_cache(ltx2_run, pipe_io):

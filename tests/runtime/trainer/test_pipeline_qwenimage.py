@@ -8,8 +8,6 @@ import math
 import pytest
 import torch
 
-from runtime.assets import ENV_VAR
-from runtime.trainer.cli import main
 from runtime.trainer.outputs import COMFY_FILE
 
 
@@ -20,12 +18,7 @@ def qwen_run(qwenimage_pipeline_dir, wide_images, tmp_path_factory, pipe_io):
     preset = pipe_io.preset(
         tmp, qwenimage_pipeline_dir, wide_images, adapter={"rank": 4, "alpha": 8}
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_VAR, str(tmp / "cache"))
-        first, second = tmp / "first", tmp / "second"
-        assert main([str(preset), "--run-dir", str(first)]) == 0
-        assert main([str(preset), "--run-dir", str(second)]) == 0
-    return first, second
+    return pipe_io.train_twice(preset, tmp)
 
 
 def test_qwenimage_trains_with_every_runtime_on_and_reuses_the_cache(qwen_run, pipe_io):

@@ -23,12 +23,7 @@ def _preset(pipe_io, tmp, folder, clips, name="wan", **over):
 def wan_run(wan_pipeline_dir, wide_clips, tmp_path_factory, pipe_io):
     tmp = tmp_path_factory.mktemp("wan-run")
     preset = _preset(pipe_io, tmp, wan_pipeline_dir, wide_clips)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_VAR, str(tmp / "cache"))
-        first, second = tmp / "first", tmp / "second"
-        assert main([str(preset), "--run-dir", str(first)]) == 0
-        assert main([str(preset), "--run-dir", str(second)]) == 0
-    return first, second
+    return pipe_io.train_twice(preset, tmp)
 
 
 def test_wan_trains_on_clips_with_every_runtime_on_and_reuses_the_cache(wan_run, pipe_io):
