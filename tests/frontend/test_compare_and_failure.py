@@ -113,14 +113,18 @@ def test_runs_table_filters_notes_tags_delete(backend_server, compared_runs, pag
     page.wait_for_selector(f"tr[data-run-id='{a}']")
     shoot(backend_server + "/#/runs", "runs", ready="#runs-body tr")
 
-    # Delete (after the confirm dialog) removes the row without a reload.
+    # No Delete while a run is queued or running; once it ended, Delete (after the confirm
+    # dialog) removes the row without a reload.
     extra = api.call(
         "POST",
         "/api/runs",
-        {"preset": "tiny-ci", "name": "to-delete", "overrides": {"max_steps": 1}},
+        {"preset": "tiny-ci", "name": "to-delete", "overrides": {"max_steps": 100000}},
     )
-    api.wait_run(extra["id"], {"succeeded", "failed", "crashed"}, timeout=240)
-    page.wait_for_selector(f"tr[data-run-id='{extra['id']}']")
+    api.wait_run(extra["id"], {"running"}, timeout=240)
+    page.wait_for_selector(f"tr[data-run-id='{extra['id']}'] .badge[data-status='running']")
+    assert page.query_selector(f"tr[data-run-id='{extra['id']}'] button.danger") is None
+    api.call("POST", f"/api/runs/{extra['id']}/cancel")
+    page.wait_for_selector(f"tr[data-run-id='{extra['id']}'] button.danger", timeout=60_000)
     page.once("dialog", lambda dialog: dialog.accept())
     page.click(f"tr[data-run-id='{extra['id']}'] button.danger")
     page.wait_for_selector(f"tr[data-run-id='{extra['id']}']", state="detached")

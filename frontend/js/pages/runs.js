@@ -2,7 +2,7 @@
 // The list is polled every POLL_MS and rows are updated in place (keyed by run id), so a
 // selection or a half-typed note survives the refresh.
 
-import { api } from "../api.js";
+import { FINISHED, api } from "../api.js";
 import {
   fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, fmtTime, h, runDuration, showError, statusBadge,
 } from "../ui.js";
@@ -125,7 +125,10 @@ export function mount(root, { params }) {
       h("td", { "data-label": "tags" }, h("span", {}, (run.tags || []).map((t) => h("span", { class: "tag" }, t)))),
       h("td", {}, h("div", { class: "actions" },
         h("button", { class: "small", title: "notes and tags", onclick: () => toggleEditor(run) }, "Notes"),
-        h("button", { class: "small danger", title: "delete run", onclick: () => remove(run) }, "Delete"))),
+        // A queued or running run is stopped first (its page), never deleted from under its worker.
+        FINISHED.has(run.status)
+          ? h("button", { class: "small danger", title: "delete run", onclick: () => remove(run) }, "Delete")
+          : null)),
     ];
   }
 
