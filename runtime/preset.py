@@ -264,7 +264,8 @@ class SamplesSection(_Strict):
     """Euler steps of the flow sampler (DDIM steps for the unet family)."""
     seed: Seed = 0
     every: Steps | None = None
-    """Pipeline families: also sample every ``every`` steps during training (None: at the end)."""
+    """Also sample every ``every`` steps during training (None: at the end only), through the
+    training strategy; the run page shows them as a grid with a step slider."""
     guidance: Annotated[float, Field(gt=0, le=100)] = 3.5
     """Pipeline families: ``guidance_scale`` of the pipeline's ``__call__`` (FLUX.1-dev's 3.5)."""
 

@@ -78,6 +78,7 @@ class Run:
         self.stop = StopFlag()
         self.progress = Progress()
         self.model: torch.nn.Module | None = None
+        self.vae_dir: Path | None = None
         self.strategy = None
         self.family = None
         self.steps_done = 0
@@ -151,6 +152,7 @@ class Run:
         if cached is None:
             return self.finish("cancelled", {"cache_s": cache_s})
         t1 = time.perf_counter()
+        self.vae_dir = vae_dir  # samples during training (factory families)
         state = self.stage2(preset, model_dir, cached)
         timings = {"cache_s": cache_s, "train_s": time.perf_counter() - t1}
         if state.stopped:
@@ -304,10 +306,12 @@ class Run:
             self.steps_done = step
             self.progress.step(step, preset.max_steps, loss, step_s)
             every = preset.samples.every
-            pipeline = isinstance(self.family, PipelineFamily)
-            if pipeline and every and preset.samples.prompts and step % every == 0:
+            if every and preset.samples.prompts and step % every == 0:
                 if step < preset.max_steps:  # the last step's samples are the final ones
-                    self.pipeline_samples(preset, data, step=step)
+                    if isinstance(self.family, PipelineFamily):
+                        self.pipeline_samples(preset, data, step=step)
+                    else:
+                        self.training_samples(preset, data, step)
 
         state = loop.run_steps(
             preset=preset,
@@ -353,6 +357,36 @@ class Run:
             names=[f"sample-{i:02d}" for i in range(len(prompts))],
             prediction_type=preset.prediction_type,
         )
+        for path, prompt in zip(paths, prompts, strict=True):
+            rel = str(path.relative_to(self.run_dir))
+            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+
+    def training_samples(self, preset: Preset, data: loop.Batchable, step: int) -> None:
+        """Factory families: samples of the model as trained so far, drawn through the training
+        strategy as an inference step ``step`` (``no_grad``: blocks loaded now serve training
+        next), written as ``samples/step-NNNNNN-ii.png``."""
+        prompts = preset.samples.prompts
+        dtype = loop.DTYPES[preset.train_dtype]
+        model, was_training = self.model, self.model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.strategy.step(step), self.strategy.forward():
+                paths = sample_images(
+                    self.family,
+                    model,
+                    data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+                    self.vae_dir,
+                    tuple(data.latents[0].shape),
+                    steps=preset.samples.steps,
+                    seed=preset.samples.seed,
+                    device=self.device,
+                    dtype=dtype,
+                    out_dir=self.run_dir / "samples",
+                    names=[f"step-{step:06d}-{i:02d}" for i in range(len(prompts))],
+                    prediction_type=preset.prediction_type,
+                )
+        finally:
+            model.train(was_training)
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)

@@ -62,6 +62,24 @@ def test_second_run_reuses_the_stage1_cache(tiny_run, tmp_path, run_io):
     assert _losses(run_io.records(again), run_io.of) == _losses(run_io.records(tiny_run), run_io.of)
 
 
+def test_samples_during_training_leave_the_losses_unchanged(
+    tiny_run, tmp_path, run_io, make_preset
+):
+    """``samples.every`` draws samples through the training strategy mid-run (steps 3 and 6
+    of tiny-ci's 8, then the final ones): files and records for each, and not one loss moves."""
+    prompts = ["a handwritten digit three", "a handwritten digit seven"]
+    preset = make_preset("every", samples={"every": 3, "prompts": prompts})
+    run_dir = tmp_path / "every"
+    assert main([str(preset), "--run-dir", str(run_dir)]) == 0
+    recs = run_io.records(run_dir)
+    n = len(prompts)
+    want = [f"samples/step-{s:06d}-{i:02d}.png" for s in (3, 6) for i in range(n)]
+    want += [f"samples/sample-{i:02d}.png" for i in range(n)]
+    assert [r["path"] for r in run_io.of(recs, "trainer", "sample")] == want
+    assert all((run_dir / path).is_file() for path in want)
+    assert _losses(recs, run_io.of) == _losses(run_io.records(tiny_run), run_io.of)
+
+
 def test_resume_continues_with_the_same_losses(tiny_run, tmp_path, run_io):
     full = _losses(run_io.records(tiny_run), run_io.of)
     resumed = tmp_path / "resumed"
