@@ -58,3 +58,28 @@ def test_worker_log_lora_download_and_resume_from_the_run_page(
     page.wait_for_selector(".run-header .badge[data-status='running']", timeout=120_000)
     api.call("POST", f"/api/runs/{run_id}/cancel")
     assert api.wait_run(run_id, TERMINAL)["status"] == "cancelled"
+
+
+def test_samples_grid_with_a_step_slider(backend_server, page, shoot):
+    """Samples drawn every 3 steps (3, 6) and at the end: one slider position per step, the
+    newest shown first, and moving the slider shows that step's images."""
+    api = Api(backend_server)
+    prompts = ["a handwritten digit three", "a handwritten digit seven"]
+    overrides = {"max_steps": 8, "samples": {"every": 3, "prompts": prompts}}
+    run_id = api.call("POST", "/api/runs", {"preset": "tiny-ci", "overrides": overrides})["id"]
+    assert api.wait_run(run_id, TERMINAL)["status"] == "succeeded"
+    page.goto(f"{backend_server}/#/runs/{run_id}")
+    page.wait_for_selector("#samples figure img")
+    page.wait_for_function("document.getElementById('sample-step').max === '2'")
+    assert page.input_value("#sample-step") == "2"
+    assert page.text_content("#sample-step-label") == "final (step 8) · 3 of 3"
+    captions = page.eval_on_selector_all(
+        "#samples figcaption", "els => els.map(e => e.textContent)"
+    )
+    assert captions == prompts
+    page.fill("#sample-step", "0")  # a range input takes fill: the value, then an input event
+    page.wait_for_function("document.querySelector('#samples figure').dataset.step === '3'")
+    srcs = page.eval_on_selector_all("#samples img", "els => els.map(e => e.getAttribute('src'))")
+    assert [s.rsplit("/", 1)[1] for s in srcs] == ["step-000003-00.png", "step-000003-01.png"]
+    assert page.text_content("#sample-step-label") == "step 3 · 1 of 3"
+    shoot(f"{backend_server}/#/runs/{run_id}", "run-samples", ready="#samples figure img")

@@ -66,7 +66,10 @@ export function mount(root, { parts }) {
   const limitsBox = h("section", { class: "card", id: "limits-panel" });
   const grid = h("div", { class: "chart-grid", id: "charts" });
   const gallery = h("div", { class: "gallery", id: "samples" });
-  const galleryCard = h("section", { class: "card", hidden: true }, h("h2", {}, "Samples"), gallery);
+  const stepSlider = h("input", { type: "range", id: "sample-step", min: "0", max: "0", step: "1", value: "0" });
+  const stepLabel = h("span", { id: "sample-step-label", class: "muted" });
+  const sliderRow = h("div", { class: "sample-controls", hidden: true }, h("label", { for: "sample-step" }, "step"), stepSlider, stepLabel);
+  const galleryCard = h("section", { class: "card", id: "samples-card", hidden: true }, h("h2", {}, "Samples"), sliderRow, gallery);
   const outputsCard = h("section", { class: "card", id: "run-outputs", hidden: true });
   const logText = h("pre", { id: "worker-log-text", class: "log" }, "");
   const logCard = h("details", { class: "card", id: "worker-log" }, h("summary", {}, "Worker log"), logText);
@@ -138,13 +141,44 @@ export function mount(root, { parts }) {
       err.log_tail ? h("details", {}, h("summary", {}, "worker.log (last lines)"), h("pre", { class: "traceback" }, err.log_tail)) : null);
   }
 
+  /** Samples by the step they were drawn at (`step-NNNNNN-ii.png` during training,
+   * `sample-ii.png` at the end), shown one step at a time with a slider; the newest by default. */
+  const sampleSteps = new Map(); // step (Infinity: the final samples) -> [{name, caption}]
+  function sampleStep(name) {
+    const m = /^step-(\d+)-/.exec(name);
+    return m ? Number(m[1]) : Infinity;
+  }
+  function stepText(step) {
+    const last = run && run.summary ? run.summary.steps_done : null;
+    return step === Infinity ? `final${last != null ? ` (step ${last})` : ""}` : `step ${step}`;
+  }
+  function showSamples(index) {
+    const steps = [...sampleSteps.keys()].sort((a, b) => a - b);
+    const step = steps[index];
+    stepLabel.textContent = `${stepText(step)} · ${index + 1} of ${steps.length}`;
+    fill(gallery, ...(sampleSteps.get(step) || []).map(({ name, caption }) => {
+      const url = api.artifactUrl(run.id, name);
+      return h("figure", { dataset: { step: String(step) } },
+        h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: caption || name, loading: "lazy" })),
+        h("figcaption", {}, caption || name));
+    }));
+  }
+  stepSlider.addEventListener("input", () => showSamples(Number(stepSlider.value)));
+
   function addSample(name, caption) {
     if (live.samples.has(name)) return;
     live.samples.add(name);
     galleryCard.hidden = false;
-    const url = api.artifactUrl(run.id, name);
-    gallery.append(h("figure", {}, h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: caption || name, loading: "lazy" })),
-      h("figcaption", {}, caption || name)));
+    const step = sampleStep(name);
+    if (!sampleSteps.has(step)) sampleSteps.set(step, []);
+    sampleSteps.get(step).push({ name, caption });
+    sampleSteps.get(step).sort((a, b) => (a.name < b.name ? -1 : 1));
+    const count = sampleSteps.size;
+    const atEnd = Number(stepSlider.value) >= Number(stepSlider.max);
+    stepSlider.max = String(count - 1);
+    sliderRow.hidden = count < 2;
+    if (atEnd) stepSlider.value = String(count - 1); // follow the newest unless the user moved
+    showSamples(Number(stepSlider.value));
   }
 
   /** The worker's own output, while the log card is open (every 3 s while the run goes). */
