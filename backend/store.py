@@ -572,9 +572,13 @@ class Store:
         return [float(v) for (v,) in rows if v is not None]
 
     def series(self, run_id: int, metric: str, source: str | None) -> list[list[float]]:
-        """``[[step, value], ...]`` of ``metric`` (a JSON path below the record) over step records."""
+        """``[[step, value], ...]`` of ``metric`` (a JSON path below the record) over step records,
+        a sampling step's left out (``sampling: true``: its number is also a training step's)."""
         path = "$." + metric
-        where = "run_id = ? AND kind = 'step' AND json_extract(data, ?) IS NOT NULL"
+        where = (
+            "run_id = ? AND kind = 'step' AND json_extract(data, ?) IS NOT NULL"
+            " AND json_extract(data, '$.sampling') IS NULL"
+        )
         args: list[Any] = [run_id, path]
         if source:
             where += " AND source = ?"

@@ -178,6 +178,9 @@ export class RunCharts {
 
   /** Feeds one record to the charts it belongs to. */
   ingest(rec) {
+    // A sampling step's records carry a training step's number: they would draw a second point
+    // at that step (the trainer tags them sampling: true).
+    if (rec.sampling && rec.kind === "step") return;
     const t = this._t(rec);
     const step = rec.step ?? rec.step_id;
     const c = this.charts;

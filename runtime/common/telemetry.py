@@ -15,12 +15,14 @@ continues from its last record, so the backend can use ``(run, seq)`` as a key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -187,6 +189,8 @@ class Telemetry:
         self._lock = threading.Lock()
         self.step: int | None = None
         self.phase: str | None = None
+        self.tags: dict[str, Any] = {}
+        """Fields added to every record while set (``tagged``), e.g. ``sampling: true``."""
         self._dirty = False
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -220,12 +224,25 @@ class Telemetry:
                 "kind": kind,
                 "step": self.step,
                 "phase": self.phase,
+                **self.tags,
                 **fields,
             }
             self._seq += 1
             self.sink.write(record)
             self._dirty = True
         return record
+
+    @contextlib.contextmanager
+    def tagged(self, **tags: Any) -> Iterator[None]:
+        """Add ``tags`` to every record emitted inside (the trainer marks the records of a
+        sampling step with ``sampling=True``: charts and Compare's series leave them out, as
+        that step's number is also a training step's)."""
+        before = self.tags
+        self.tags = {**before, **tags}
+        try:
+            yield
+        finally:
+            self.tags = before
 
     def flush(self) -> None:
         with self._lock:

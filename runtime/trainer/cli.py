@@ -308,10 +308,11 @@ class Run:
             every = preset.samples.every
             if every and preset.samples.prompts and step % every == 0:
                 if step < preset.max_steps:  # the last step's samples are the final ones
-                    if isinstance(self.family, PipelineFamily):
-                        self.pipeline_samples(preset, data, step=step)
-                    else:
-                        self.training_samples(preset, data, step)
+                    with self.telemetry.tagged(sampling=True):
+                        if isinstance(self.family, PipelineFamily):
+                            self.pipeline_samples(preset, data, step=step)
+                        else:
+                            self.training_samples(preset, data, step)
 
         state = loop.run_steps(
             preset=preset,

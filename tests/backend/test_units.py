@@ -323,6 +323,11 @@ def test_summary_peak_vram_per_stage(tmp_path):
     store.ingest(run_id, rows, 20)
     summary = store.summary(run_id)
     assert summary["peak_vram_mb"] == 36.0 and summary["encode_peak_vram_mb"] == 52.8
+    # A sampling step's records (same step number) stay out of the series Compare draws.
+    store.ingest(
+        run_id, [row(5, "stagehand", "step", step=0, vram_peak_mb=99.0, sampling=True)], 30
+    )
+    assert [v for _, v in store.series(run_id, "vram_peak_mb", "stagehand")] == [52.8, 36.0]
     store.close()
 
 

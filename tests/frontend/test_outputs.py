@@ -60,14 +60,18 @@ def test_worker_log_lora_download_and_resume_from_the_run_page(
     assert api.wait_run(run_id, TERMINAL)["status"] == "cancelled"
 
 
-def test_samples_grid_with_a_step_slider(backend_server, page, shoot):
+def test_samples_grid_with_a_step_slider_and_side_by_side_in_compare(backend_server, page, shoot):
     """Samples drawn every 3 steps (3, 6) and at the end: one slider position per step, the
-    newest shown first, and moving the slider shows that step's images."""
+    newest shown first, and moving the slider shows that step's images; Compare shows two runs'
+    samples side by side at the step its slider picks."""
     api = Api(backend_server)
     prompts = ["a handwritten digit three", "a handwritten digit seven"]
     overrides = {"max_steps": 8, "samples": {"every": 3, "prompts": prompts}}
     run_id = api.call("POST", "/api/runs", {"preset": "tiny-ci", "overrides": overrides})["id"]
+    other = {**overrides, "learning_rate": 0.01, "samples": {"every": 6, "prompts": prompts}}
+    other_id = api.call("POST", "/api/runs", {"preset": "tiny-ci", "overrides": other})["id"]
     assert api.wait_run(run_id, TERMINAL)["status"] == "succeeded"
+    assert api.wait_run(other_id, TERMINAL)["status"] == "succeeded"
     page.goto(f"{backend_server}/#/runs/{run_id}")
     page.wait_for_selector("#samples figure img")
     page.wait_for_function("document.getElementById('sample-step').max === '2'")
@@ -83,3 +87,23 @@ def test_samples_grid_with_a_step_slider(backend_server, page, shoot):
     assert [s.rsplit("/", 1)[1] for s in srcs] == ["step-000003-00.png", "step-000003-01.png"]
     assert page.text_content("#sample-step-label") == "step 3 · 1 of 3"
     shoot(f"{backend_server}/#/runs/{run_id}", "run-samples", ready="#samples figure img")
+
+    page.goto(f"{backend_server}/#/compare?ids={run_id},{other_id}")
+    page.wait_for_selector("#compare-sample-rows .compare-sample-row img")
+    rows = "#compare-sample-rows .compare-sample-row"
+    assert page.text_content("#compare-sample-label") == "final · 3 of 3"
+    assert page.eval_on_selector_all(
+        rows, "rs => rs.map(r => r.querySelectorAll('img').length)"
+    ) == [2, 2]
+    page.fill("#compare-sample-step", "0")  # step 3: only the first run sampled there
+    page.wait_for_function(
+        "document.getElementById('compare-sample-label').textContent.startsWith('step 3')"
+    )
+    texts = page.eval_on_selector_all(rows, "rs => rs.map(r => r.querySelectorAll('img').length)")
+    assert texts == [2, 0]
+    assert "no samples at step 3" in page.inner_text(f"{rows}[data-run-id='{other_id}']")
+    shoot(
+        f"{backend_server}/#/compare?ids={run_id},{other_id}",
+        "compare-samples",
+        ready="#compare-sample-rows img",
+    )

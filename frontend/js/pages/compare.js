@@ -4,6 +4,7 @@
 
 import { api } from "../api.js";
 import { LiveChart } from "../charts.js";
+import { groupSamples, stepText } from "../samples.js";
 import { fill, fmtBytes, fmtMB, fmtMs, fmtNum, h, showError, statusBadge } from "../ui.js";
 
 const METRICS = [
@@ -42,8 +43,10 @@ export function mount(root, { params }) {
   const grid = h("div", { class: "chart-grid", id: "compare-charts" });
   const summary = h("div", { class: "table-wrap", id: "compare-summary" });
   const diff = h("div", { class: "table-wrap", id: "config-diff" });
+  const samplesCard = h("section", { class: "card", id: "compare-samples", hidden: true });
   root.append(grid,
     h("section", { class: "card" }, h("h2", {}, "Summary"), summary),
+    samplesCard,
     h("section", { class: "card" }, h("h2", {}, "Config diff (fields that differ or changed during a run)"), diff));
 
   (async () => {
@@ -97,6 +100,8 @@ export function mount(root, { params }) {
           h("td", { class: "num" }, fmtNum(s.final_loss)));
       }))));
 
+    loadSamples(runs, nameOf);
+
     const entries = result.config_diff || [];
     fill(diff, entries.length
       ? h("table", { class: "diff-table" },
@@ -106,6 +111,44 @@ export function mount(root, { params }) {
           runIds.map((id) => h("td", {}, fmtDiffCell((d.values || {})[id], (d.live || {})[id])))))))
       : h("p", { class: "muted" }, "The configs are identical."));
   })();
+
+  /** The runs' samples side by side at one step, chosen with a slider over every sampled step
+   * (a run without samples at that step says so). */
+  async function loadSamples(runs, nameOf) {
+    let lists;
+    try {
+      lists = await Promise.all(runs.map((r) => api.artifacts(r.id)));
+    } catch (err) {
+      showError(errors, err, "samples");
+      return;
+    }
+    const byRun = runs.map((r, i) => [r, groupSamples((lists[i].data || []).map((a) => a.name))]);
+    const steps = [...new Set(byRun.flatMap(([, g]) => [...g.keys()]))].sort((a, b) => a - b);
+    if (!steps.length) return;
+    const slider = h("input", { type: "range", id: "compare-sample-step", min: "0", max: String(steps.length - 1), step: "1", value: String(steps.length - 1) });
+    const label = h("span", { id: "compare-sample-label", class: "muted" });
+    const rows = h("div", { id: "compare-sample-rows" });
+    const show = () => {
+      const step = steps[Number(slider.value)];
+      label.textContent = `${stepText(step)} · ${Number(slider.value) + 1} of ${steps.length}`;
+      fill(rows, byRun.map(([r, groups]) => {
+        const names = groups.get(step) || [];
+        return h("div", { class: "compare-sample-row", dataset: { runId: String(r.id) } },
+          h("h3", {}, nameOf.get(String(r.id))),
+          names.length
+            ? h("div", { class: "gallery" }, names.map((name) => {
+              const url = api.artifactUrl(r.id, name);
+              return h("figure", {}, h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: name, loading: "lazy" })));
+            }))
+            : h("p", { class: "muted" }, `no samples at ${stepText(step)}`));
+      }));
+    };
+    slider.addEventListener("input", show);
+    fill(samplesCard, h("h2", {}, "Samples"),
+      h("div", { class: "sample-controls" }, h("label", { for: "compare-sample-step" }, "step"), slider, label), rows);
+    samplesCard.hidden = false;
+    show();
+  }
 
   return () => { for (const c of charts) c.purge(); };
 }

@@ -7,6 +7,7 @@ import { FINISHED, api } from "../api.js";
 import { loadHistory } from "../history.js";
 import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
+import { sampleStep, stepText } from "../samples.js";
 import { scanView } from "../scan.js";
 import { RunStream, StreamState } from "../stream.js";
 import { fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
@@ -144,18 +145,11 @@ export function mount(root, { parts }) {
   /** Samples by the step they were drawn at (`step-NNNNNN-ii.png` during training,
    * `sample-ii.png` at the end), shown one step at a time with a slider; the newest by default. */
   const sampleSteps = new Map(); // step (Infinity: the final samples) -> [{name, caption}]
-  function sampleStep(name) {
-    const m = /^step-(\d+)-/.exec(name);
-    return m ? Number(m[1]) : Infinity;
-  }
-  function stepText(step) {
-    const last = run && run.summary ? run.summary.steps_done : null;
-    return step === Infinity ? `final${last != null ? ` (step ${last})` : ""}` : `step ${step}`;
-  }
   function showSamples(index) {
     const steps = [...sampleSteps.keys()].sort((a, b) => a - b);
     const step = steps[index];
-    stepLabel.textContent = `${stepText(step)} · ${index + 1} of ${steps.length}`;
+    const last = run && run.summary ? run.summary.steps_done : null;
+    stepLabel.textContent = `${stepText(step, last)} · ${index + 1} of ${steps.length}`;
     fill(gallery, ...(sampleSteps.get(step) || []).map(({ name, caption }) => {
       const url = api.artifactUrl(run.id, name);
       return h("figure", { dataset: { step: String(step) } },

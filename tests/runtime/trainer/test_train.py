@@ -78,6 +78,10 @@ def test_samples_during_training_leave_the_losses_unchanged(
     assert [r["path"] for r in run_io.of(recs, "trainer", "sample")] == want
     assert all((run_dir / path).is_file() for path in want)
     assert _losses(recs, run_io.of) == _losses(run_io.records(tiny_run), run_io.of)
+    # The sampling steps' runtime records share the training step's number and say so.
+    sampled = [r["step"] for r in run_io.of(recs, "stagehand", "step") if r.get("sampling")]
+    assert sampled == [3, 6]
+    assert not any(r.get("sampling") for r in run_io.of(recs, "trainer", "step"))
 
 
 def test_resume_continues_with_the_same_losses(tiny_run, tmp_path, run_io):
