@@ -337,17 +337,35 @@ class Run:
 
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
         # Sampled on the plain model after the strategy is closed (it restores resident weights).
-        prompts = preset.samples.prompts
-        dtype = loop.DTYPES[preset.train_dtype]
-        model = self.model.to(self.device).eval()
         if isinstance(self.family, PipelineFamily):
             self.pipeline_samples(preset, data, step=None)
             return
-        rows = self.prompt_rows(prompts, data)
+        self.model.to(self.device).eval()
+        self.factory_samples(preset, data, vae_dir, "sample")
+
+    def training_samples(self, preset: Preset, data: loop.Batchable, step: int) -> None:
+        """Factory families: samples of the model as trained so far, drawn through the training
+        strategy as an inference step ``step`` (``no_grad``: blocks loaded now serve training
+        next), written as ``samples/step-NNNNNN-ii.png``."""
+        model, was_training = self.model, self.model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.strategy.step(step), self.strategy.forward():
+                self.factory_samples(preset, data, self.vae_dir, f"step-{step:06d}")
+        finally:
+            model.train(was_training)
+
+    def factory_samples(
+        self, preset: Preset, data: loop.Batchable, vae_dir: Path, prefix: str
+    ) -> None:
+        """One ``samples/{prefix}-ii.png`` per prompt from ``self.model`` (its sampler and the
+        run's VAE), each with its ``trainer/sample`` record."""
+        prompts = preset.samples.prompts
+        dtype = loop.DTYPES[preset.train_dtype]
         paths = sample_images(
             self.family,
-            model,
-            data.text_rows(rows, self.device, dtype),
+            self.model,
+            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
             vae_dir,
             tuple(data.latents[0].shape),
             steps=preset.samples.steps,
@@ -355,39 +373,9 @@ class Run:
             device=self.device,
             dtype=dtype,
             out_dir=self.run_dir / "samples",
-            names=[f"sample-{i:02d}" for i in range(len(prompts))],
+            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
             prediction_type=preset.prediction_type,
         )
-        for path, prompt in zip(paths, prompts, strict=True):
-            rel = str(path.relative_to(self.run_dir))
-            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
-
-    def training_samples(self, preset: Preset, data: loop.Batchable, step: int) -> None:
-        """Factory families: samples of the model as trained so far, drawn through the training
-        strategy as an inference step ``step`` (``no_grad``: blocks loaded now serve training
-        next), written as ``samples/step-NNNNNN-ii.png``."""
-        prompts = preset.samples.prompts
-        dtype = loop.DTYPES[preset.train_dtype]
-        model, was_training = self.model, self.model.training
-        model.eval()
-        try:
-            with torch.no_grad(), self.strategy.step(step), self.strategy.forward():
-                paths = sample_images(
-                    self.family,
-                    model,
-                    data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
-                    self.vae_dir,
-                    tuple(data.latents[0].shape),
-                    steps=preset.samples.steps,
-                    seed=preset.samples.seed,
-                    device=self.device,
-                    dtype=dtype,
-                    out_dir=self.run_dir / "samples",
-                    names=[f"step-{step:06d}-{i:02d}" for i in range(len(prompts))],
-                    prediction_type=preset.prediction_type,
-                )
-        finally:
-            model.train(was_training)
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
