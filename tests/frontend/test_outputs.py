@@ -31,6 +31,17 @@ def test_worker_log_lora_download_and_resume_from_the_run_page(
     page.wait_for_function(f"/step \\d+\\/100000 loss/.test({LOG})", timeout=60_000)
     first = page.text_content("#worker-log-text")
     page.wait_for_function(f"{LOG} !== {first!r}", timeout=30_000)
+
+    # A second run waits for the worker slot: its page says behind which run.
+    queued = api.call("POST", "/api/runs", {"preset": "tiny-ci"})["id"]
+    page.goto(f"{backend_server}/#/runs/{queued}")
+    page.wait_for_function(
+        "document.querySelector('#fact-stage .fact-value')?.textContent"
+        f" === 'queued behind #{run_id}'"
+    )
+    api.call("POST", f"/api/runs/{queued}/cancel")
+    assert api.wait_run(queued, TERMINAL)["status"] == "cancelled"
+    page.goto(f"{backend_server}/#/runs/{run_id}")
     deadline = time.monotonic() + 180
     while not api.call("GET", f"/api/runs/{run_id}/outputs")["checkpoints"]:
         assert time.monotonic() < deadline, "no checkpoint written"

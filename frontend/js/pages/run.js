@@ -57,7 +57,7 @@ export function mount(root, { parts }) {
   let run = null;
   let stream = null;
   let stopped = false;
-  const live = { step: null, maxSteps: null, stepTimes: [], stage: null, samples: new Set(), figures: newFigures() };
+  const live = { step: null, maxSteps: null, stepTimes: [], stage: null, ahead: null, samples: new Set(), figures: newFigures() };
 
   const errors = h("div", { class: "page-errors" });
   const header = h("section", { class: "card run-header", id: "run-header" }, "loading run…");
@@ -88,6 +88,31 @@ export function mount(root, { parts }) {
     return ((live.maxSteps - live.step) * mean) / 1000;
   }
 
+  /** What the run is doing before its first step: queued behind which runs, starting its
+   * worker, stage 1 (caching N/M and its message), loading the model; null once it trains. */
+  function doingText() {
+    if (run.status === "queued") {
+      return live.ahead && live.ahead.length ? `queued behind ${live.ahead.map((id) => `#${id}`).join(", ")}` : "queued";
+    }
+    if (run.status !== "running" || live.step !== null) return null;
+    const st = live.stage;
+    if (!st) return "starting worker";
+    const count = st.total ? ` ${st.done ?? 0}/${st.total}` : "";
+    return `${st.stage === "cache" ? "caching" : st.stage}${count}${st.message ? `: ${st.message}` : ""}`;
+  }
+
+  /** The runs that hold the worker slots while this one is queued. */
+  async function loadAhead() {
+    if (!run || run.status !== "queued") return;
+    try {
+      const { data } = await api.runs({ status: "running" });
+      live.ahead = (data || []).map((r) => r.id).filter((id) => id !== run.id).sort((a, b) => a - b);
+      renderHeader();
+    } catch (err) {
+      showError(errors, err, "queue");
+    }
+  }
+
   function renderHeader() {
     if (!run) return;
     const running = run.status === "running";
@@ -106,8 +131,7 @@ export function mount(root, { parts }) {
       } }, "Stop run")
       : null;
     const fact = (label, value, id) => h("div", { class: "fact", id }, h("span", { class: "fact-label" }, label), h("span", { class: "fact-value" }, value));
-    const stageText = live.stage && running && live.stage.stage !== "train"
-      ? `${live.stage.stage} ${live.stage.done ?? ""}/${live.stage.total ?? ""}` : null;
+    const stageText = doingText();
     fill(header,
       h("div", { class: "toolbar" },
         h("h1", {}, run.name || `run ${run.id}`), statusBadge(run.status), h("div", { class: "spacer" }),
@@ -116,7 +140,7 @@ export function mount(root, { parts }) {
       h("div", { class: "facts" },
         fact("step", `${step}/${maxSteps ?? "?"}`, "fact-step"),
         fact("ETA", running ? fmtDuration(eta()) : "–", "fact-eta"),
-        stageText ? fact("stage", stageText, "fact-stage") : null,
+        stageText ? fact("now", stageText, "fact-stage") : null,
         fact("elapsed", fmtDuration(runDuration(run)), "fact-elapsed"),
         fact("preset", run.preset, "fact-preset"),
         run.executor ? fact("node", `${run.node || "waiting for a node"} (${run.executor})`, "fact-node") : null,
@@ -271,6 +295,7 @@ export function mount(root, { parts }) {
     const wasFinished = run && FINISHED.has(run.status);
     run = { ...run, ...fresh };
     renderHeader();
+    loadAhead();
     renderFailure();
     if (limits) limits.setStatus(run.status);
     if (FINISHED.has(run.status) && charts) charts.finished();
@@ -323,6 +348,7 @@ export function mount(root, { parts }) {
     historyLoad.catch(() => {}); // reported where it is awaited below
     renderHeader();
     renderFailure();
+    loadAhead();
     charts = new RunCharts(grid, run.config);
     // Beside the VRAM chart (under it on a narrow screen), where a user watching it looks.
     grid.firstElementChild.after(limitsBox);
