@@ -212,6 +212,21 @@ def train_twice(preset: Path, tmp: Path) -> tuple[Path, Path]:
     return first, second
 
 
+def assert_streamed_and_spilled(recs: list[dict]) -> None:
+    """Stage 2 evicted blocks and spilled activations (weight streaming and spill were on)."""
+    assert sum(r["blocks_evicted"] for r in of(recs, "stagehand", "step") if r["step"]) > 0
+    assert sum(r["activations_spilled"] for r in of(recs, "activation_stagehand", "step")) > 0
+
+
+def assert_cache_reused(second: Path, steps: list[dict]) -> None:
+    """The second run on one cache reused both stage-1 caches and repeated ``steps``' losses."""
+    messages = [r["message"] for r in of(records(second), "trainer", "stage")]
+    assert any(m.startswith("text embeddings reused") for m in messages)
+    assert any(m.startswith("latents reused") for m in messages)
+    again = [s["loss"] for s in of(records(second), "trainer", "step")]
+    assert again == [s["loss"] for s in steps]
+
+
 @pytest.fixture(scope="session")
 def pipe_io():
     """Helpers of the pipeline tests, for module-scoped fixtures too."""
