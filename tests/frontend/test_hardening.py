@@ -139,8 +139,10 @@ def test_new_run_page_scans_the_data_before_start_and_the_run_page_shows_it(
 
     # skip (the default) -> the list is shown once, then Start goes ahead.
     page.select_option("#preset-select", "synth-messy")
+    assert page.is_hidden("#data-scan") and page.inner_text("#start-run") == "Start run"
     page.click("#start-run")
-    page.wait_for_selector("#data-scan .scan-summary")
+    # The strict preset's scan is taken away when the preset changes; this is the new one.
+    page.wait_for_selector("#data-scan #scan-confirm")
     summary = page.inner_text("#data-scan .scan-summary")
     assert summary.startswith(f"{len(USABLE)} samples · 9 files left out (4 bad) · 2 warnings")
     rows = page.eval_on_selector_all(

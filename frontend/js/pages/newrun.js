@@ -117,8 +117,12 @@ export function mount(root, { params }) {
 
   function clearFieldErrors() {
     if (shownScan !== JSON.stringify([presetSel.value, deepDiff(base, config)])) {
+      // The scan on show was of another run request: take it away with its "Start anyway".
       startBtn.textContent = "Start run";
       delete startBtn.dataset.confirm;
+      fill(scanBox);
+      scanBox.hidden = true;
+      shownScan = null;
     }
     for (const { err, input } of inputs.values()) {
       err.textContent = "";
