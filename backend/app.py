@@ -60,9 +60,11 @@ async def lifespan(app: FastAPI):
             hub.publish_run(run_id, public_run(store, row))
 
     executor = app.state.executor or make_executor(settings)
-    supervisor = Supervisor(settings, store, tailer, on_change, executor)
     probe = SystemProbe(executor)
     probe.start()
+    supervisor = Supervisor(
+        settings, store, tailer, on_change, executor, default_device=probe.default_device
+    )
     app.state.store, app.state.hub, app.state.tailer = store, hub, tailer
     app.state.supervisor, app.state.probe = supervisor, probe
     supervisor.start()

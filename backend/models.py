@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.config import LiveLimits
+from runtime.config import AUTO_DEVICE, LiveLimits, check_device
 from runtime.preset import field_error
 
 RunStatus = Literal[
@@ -135,6 +135,16 @@ class RunCreate(_In):
     preset: str = Field(max_length=64)
     name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
     overrides: Overrides = Field(default_factory=dict)
+    device: str = Field(
+        default=AUTO_DEVICE,
+        description='the worker\'s device: "auto" (CUDA when present, else the CPU), "cpu", '
+        '"cuda" or "cuda:N"; runs on one device share its --max-parallel slots',
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
 
     @field_validator("name")
     @classmethod

@@ -40,17 +40,21 @@ from backend.run_files import checkpoints
 from backend.settings import Settings
 from backend.store import ACTIVE, RESUMABLE, Store
 from backend.tailer import Tailer
+from runtime.config import AUTO_DEVICE
 
 log = logging.getLogger("backend.supervisor")
 
 
-def device_of(config: dict[str, Any]) -> str:
-    """The device a run's config asks for (``device`` at the top or under ``train``)."""
-    for section in (config, config.get("train") if isinstance(config.get("train"), dict) else {}):
-        value = section.get("device") if isinstance(section, dict) else None
-        if isinstance(value, str) and value:
-            return "cuda:0" if value == "cuda" else value
-    return "default"
+def slot_device(device: str | None, default_device: str | None) -> str:
+    """The device whose ``--max-parallel`` slots a run with ``device`` (its ``POST /api/runs``
+    field; ``"default"`` in rows written before it existed) takes. ``"auto"`` is the machine's
+    default device (``default_device``, from the system probe: ``"cuda:0"`` or ``"cpu"``), so an
+    auto run and a ``cuda:0`` run share one GPU's slots. While the probe has not answered
+    (``default_device`` None) every run counts against one shared pool: fewer runs at once for
+    those seconds, never more."""
+    if default_device is None:
+        return "default"
+    return default_device if device in (None, "", "default", AUTO_DEVICE) else device
 
 
 class Supervisor:
@@ -65,6 +69,7 @@ class Supervisor:
         on_change: Callable[[int], None],
         executor: Executor,
         tick_s: float = 0.1,
+        default_device: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -72,6 +77,7 @@ class Supervisor:
         self.on_change = on_change
         self.executor = executor
         self.tick_s = tick_s
+        self.default_device = default_device
         self._workers: dict[int, Job] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -205,11 +211,13 @@ class Supervisor:
                 self.on_change(run_id)
 
     def _launch_queued(self) -> None:
+        default = self.default_device()
         busy: dict[str, int] = {}
         for w in self._workers.values():
-            busy[w.device] = busy.get(w.device, 0) + 1
+            device = slot_device(w.device, default)
+            busy[device] = busy.get(device, 0) + 1
         for run in self.store.runs_with_status("queued"):
-            device = run["device"] or "default"
+            device = slot_device(run["device"], default)
             if busy.get(device, 0) >= self.executor.slots(self.settings.max_parallel):
                 continue
             if self._launch(run):

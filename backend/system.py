@@ -65,6 +65,11 @@ class SystemProbe:
         finally:
             self._done.set()
 
+    def default_device(self) -> str | None:
+        """This machine's default worker device (``"cuda:0"`` or ``"cpu"``), without waiting:
+        None until the probe has answered, and when it failed."""
+        return self._result.get("device") if self._done.is_set() else None
+
     def info(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """``{device, device_name, vram_total_mb, ram_total_mb, torch_version, cuda_version,
         version, executor, cluster}`` (MB of 2**20 bytes); torch figures are None when the

@@ -13,6 +13,7 @@ Sources:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -23,6 +24,23 @@ MB = 2**20
 
 NonNegMB = Annotated[float, Field(ge=0)]
 PosInt = Annotated[int, Field(gt=0)]
+
+
+AUTO_DEVICE = "auto"
+"""The worker's device when a run names none: CUDA device 0 when present, else the CPU."""
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:[0-9]{1,2})?)$")
+
+
+def check_device(name: str) -> str:
+    """``name`` as a worker device: ``"auto"``, ``"cpu"`` or ``"cuda:N"`` (``"cuda"`` is
+    ``"cuda:0"``), so that one device has one name wherever runs are counted per device.
+
+    Raises ``ValueError`` naming what was expected for anything else."""
+    if name == AUTO_DEVICE:
+        return name
+    if not isinstance(name, str) or not _DEVICE_RE.match(name):
+        raise ValueError(f'device must be "auto", "cpu", "cuda" or "cuda:N", got {name!r}')
+    return "cuda:0" if name == "cuda" else name
 
 
 class _Strict(BaseModel):

@@ -32,7 +32,6 @@ from backend.models import (
 from backend.openapi import errors
 from backend.presets import run_config
 from backend.store import ACTIVE
-from backend.supervisor import device_of
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -55,7 +54,7 @@ def create_run(
     body: RunCreate, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep
 ) -> dict:
     config = run_config(store, body.preset, body.overrides)
-    run_id = store.create_run(body.name or body.preset, body.preset, config, device_of(config))
+    run_id = store.create_run(body.name or body.preset, body.preset, config, body.device)
     if body.name is None:
         store.update_run(run_id, name=f"{body.preset}-{run_id}")
     run_dir = settings.runs_dir / str(run_id)

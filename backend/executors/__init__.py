@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from backend.tailer import Line
+from runtime.config import AUTO_DEVICE
 
 EXECUTORS = ("local", "ray")
 
@@ -34,11 +35,15 @@ def worker_command(
 ) -> list[str]:
     """The worker's command line for ``run`` (a store row), the same for every executor:
     ``workbench train DIR/config.json --run-dir DIR``, with ``--resume`` for a run re-queued to
-    continue from its last checkpoint (``POST /api/runs/{id}/resume``)."""
+    continue from its last checkpoint (``POST /api/runs/{id}/resume``) and ``--device`` for a run
+    that names one (``"auto"`` and rows from before the field, ``"default"``, leave the worker's
+    own choice)."""
     cmd = [python, "-m", worker_module, "train", str(run_dir / "config.json")]
     cmd += ["--run-dir", str(run_dir)]
     if run.get("resume"):
         cmd.append("--resume")
+    if run.get("device") not in (None, "", "default", AUTO_DEVICE):
+        cmd += ["--device", run["device"]]
     return cmd
 
 

@@ -27,7 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry  # noqa: E402
-from runtime.config import MB  # noqa: E402
+from runtime.config import AUTO_DEVICE, MB, check_device  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
 from runtime.trainer import encode, loop  # noqa: E402
 from runtime.trainer.clips import scan_clips  # noqa: E402
@@ -493,12 +493,28 @@ def quiet_libraries() -> None:
     transformers_logging.disable_progress_bar()
 
 
+def device_arg(text: str) -> str:
+    """``--device``'s value, checked by the rule the backend's run request uses."""
+    try:
+        return check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
+    """The torch device for ``--device`` (``"auto"``, ``"cpu"`` or ``"cuda:N"``).
+
+    Raises ``SystemExit`` naming the device when CUDA is absent or has no device ``N``."""
+    if name == AUTO_DEVICE:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("workbench train: --device cuda but torch.cuda.is_available() is False")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is None or device.index >= count:
+            raise SystemExit(
+                f"workbench train: --device {name} but this machine has {count} CUDA device(s)"
+            )
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,7 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("preset", help="built-in preset name (presets/NAME.json) or a JSON path")
     parser.add_argument("--run-dir", required=True, type=Path, help="folder the run writes into")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        default=AUTO_DEVICE,
+        help='"auto" (CUDA device 0 when present, else the CPU), "cpu", "cuda" or "cuda:N"',
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     quiet_libraries()
