@@ -215,8 +215,9 @@ class ActivationRuntime(RestoreMixin):
         return self.metrics.record()
 
     def snapshot(self) -> dict:
-        """Live knobs, for the Conductor's runtime snapshots."""
-        return {"max_d2h": self.transfer.max_d2h, "max_h2d": self.transfer.max_h2d}
+        """The knobs in force (the user's, under the Conductor's caps), for the Conductor's
+        runtime snapshots."""
+        return {"max_d2h": self.transfer.d2h_limit, "max_h2d": self.transfer.h2d_limit}
 
     def close(self) -> None:
         """Release everything and free the pool; the packer keeps everything afterwards."""
@@ -303,7 +304,7 @@ class ActivationRuntime(RestoreMixin):
         self._poll()
         metrics = self.metrics
         if not self.transfer.can_spill():
-            if self.transfer.max_d2h == 0:
+            if self.transfer.d2h_limit == 0:
                 return self._refuse(tensor, seq)
             # The seed's inline finalize: without it only one tensor per step would spill.
             self._finalize(list(self.transfer.d2h_inflight))

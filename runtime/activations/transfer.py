@@ -2,9 +2,9 @@
 
 Source: ``shared/seeds/activation-stagehand.md`` ("transfer.py", "D2H transfer engine"). Spills
 and restores use their own streams, separate from the weight runtime's, and at most
-``max_d2h`` / ``max_h2d`` copies are in flight so the PCIe link stays shared. ``max_d2h`` and
-``max_h2d`` are live knobs the Conductor adapter writes (``max_d2h = 0`` in OPTIMIZER: no new
-spills). On CPU both streams are synchronous stand-ins: a copy is complete when it returns.
+``d2h_limit`` / ``h2d_limit`` copies are in flight so the PCIe link stays shared: the user's
+``max_d2h`` / ``max_h2d`` (live knobs) under the Conductor's caps (``set_caps``; a D2H cap of 0 in
+OPTIMIZER: no new spills). On CPU both streams are synchronous stand-ins: a copy is complete when it returns.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ class ActivationTransferEngine:
 
     def __init__(self, device: torch.device | str, max_d2h: int = 1, max_h2d: int = 1) -> None:
         self.device = torch.device(device)
-        self.max_d2h = max_d2h
-        self.max_h2d = max_h2d
+        self._d2h_cap: int | None = None
+        self._h2d_cap: int | None = None
+        self._max_d2h = _check_cap("max_inflight_d2h", max_d2h, 0)
+        self._max_h2d = _check_cap("max_inflight_h2d", max_h2d, 1)
+        self._refresh_limits()
         self.d2h = TransferStream(self.device)
         self.h2d = TransferStream(self.device)
         self.d2h_inflight: list[Any] = []
@@ -57,6 +60,7 @@ class ActivationTransferEngine:
     @max_d2h.setter
     def max_d2h(self, value: int) -> None:
         self._max_d2h = _check_cap("max_inflight_d2h", value, 0)
+        self._refresh_limits()
 
     @property
     def max_h2d(self) -> int:
@@ -65,11 +69,31 @@ class ActivationTransferEngine:
     @max_h2d.setter
     def max_h2d(self, value: int) -> None:
         self._max_h2d = _check_cap("max_inflight_h2d", value, 1)
+        self._refresh_limits()
+
+    def set_caps(self, d2h: int | None, h2d: int | None) -> None:
+        """The Conductor's caps (its adapter publishes them; None: no cap). The limits in force
+        are ``d2h_limit = min(max_d2h, d2h)`` and ``h2d_limit = min(max_h2d, h2d)``; the user's
+        ``max_d2h``/``max_h2d`` are never written, so a live change of them survives a cap.
+
+        Raises:
+            ValueError: a negative ``d2h`` or an ``h2d`` below 1.
+        """
+        self._d2h_cap = None if d2h is None else _check_cap("d2h cap", d2h, 0)
+        self._h2d_cap = None if h2d is None else _check_cap("h2d cap", h2d, 1)
+        self._refresh_limits()
+
+    def _refresh_limits(self) -> None:
+        # Computed when a setting or a cap changes, not per saved tensor: the pack hook reads
+        # ``d2h_limit`` once per tensor.
+        d2h, h2d = self._d2h_cap, self._h2d_cap
+        self.d2h_limit = self._max_d2h if d2h is None else min(self._max_d2h, d2h)
+        self.h2d_limit = self._max_h2d if h2d is None else min(self._max_h2d, h2d)
 
     # -- D2H ---------------------------------------------------------------------------------------
     def can_spill(self) -> bool:
-        """True when one more D2H copy fits under ``max_d2h``."""
-        return len(self.d2h_inflight) < self._max_d2h
+        """True when one more D2H copy fits under ``d2h_limit``."""
+        return len(self.d2h_inflight) < self.d2h_limit
 
     def spill_copy(self, source: torch.Tensor, buffer: torch.Tensor) -> TransferEvent:
         """Copy ``source`` (1-D, contiguous, uint8 view of the device span) into the host
@@ -97,8 +121,8 @@ class ActivationTransferEngine:
 
     # -- H2D ---------------------------------------------------------------------------------------
     def can_restore(self) -> bool:
-        """True when one more H2D copy fits under ``max_h2d``."""
-        return len(self.h2d_inflight) < self._max_h2d
+        """True when one more H2D copy fits under ``h2d_limit``."""
+        return len(self.h2d_inflight) < self.h2d_limit
 
     def restore_copy(self, buffer: torch.Tensor) -> tuple[torch.Tensor, TransferEvent]:
         """A new device tensor (uint8, same length) filled from the host ``buffer`` on the H2D

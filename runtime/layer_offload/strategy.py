@@ -24,23 +24,25 @@ pool, transfer and file-backing fields, ``activation_stagehand`` and ``conductor
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.common.phases import Phase
 from runtime.common.telemetry import Telemetry
 from runtime.config import (
     MB,
     ActivationStagehandConfig,
-    LiveLimits,
     MemoryConfig,
     StagehandConfig,
     StagehandSection,
 )
 from runtime.layer_offload.manager import LayerOffloadManager
 from runtime.strategy.composed import StagehandStrategy
+from runtime.strategy.parts import ActivationsPart, WeightsPart
 from runtime.weights.registry import find_blocks
 
 NO_BUDGET_MB = 1e9
@@ -137,6 +139,43 @@ def layer_offload_section(
     )
 
 
+class LayerOffloadPart(WeightsPart):
+    """The weight runtime under the layer-offload schedule (``LayerOffloadManager``): the
+    manager's per-step tensor ids are dropped before each forward and after each step, and the
+    VRAM watermarks are not live limits (layers are kept by ``layer_offload_fraction``)."""
+
+    name = "layer_offload"
+
+    def __init__(self, manager: LayerOffloadManager) -> None:
+        super().__init__(manager.weights)
+        self.manager = manager
+
+    def phase(
+        self, phase: Phase, optimizer: torch.optim.Optimizer | None
+    ) -> contextlib.AbstractContextManager[Any]:
+        if phase is Phase.FORWARD:
+            self.manager.forward_begin()
+        return super().phase(phase, optimizer)
+
+    def end_step(self) -> None:
+        try:
+            super().end_step()
+        finally:
+            self.manager.forward_begin()  # drop the step's tensor ids
+
+    def check_limits(self, given: dict[str, Any], merged: dict[str, Any]) -> None:
+        """Raises ``ValueError`` for ``vram_high_watermark_mb`` / ``vram_low_watermark_mb``."""
+        if "vram_high_watermark_mb" in given or "vram_low_watermark_mb" in given:
+            raise ValueError(
+                "vram_high_watermark_mb / vram_low_watermark_mb: the layer_offload strategy "
+                "keeps layers by memory.layer_offload_fraction, not by watermarks"
+            )
+
+    def close(self) -> None:
+        """Put the original blocks back and close the weight runtime (``manager.close``)."""
+        self.manager.close()
+
+
 class LayerOffloadStrategy(StagehandStrategy):
     """Layer offload behind the ``MemoryStrategy`` phases (see the module docstring).
 
@@ -148,7 +187,8 @@ class LayerOffloadStrategy(StagehandStrategy):
     Raises:
         pydantic.ValidationError: ``memory`` is invalid (``layer_offload_fraction`` outside
             [0, 1] names ``layer_offload_fraction``).
-        ValueError: bad ``mode``; pools above the Conductor's ``pinned_budget_mb``.
+        ValueError: bad ``mode``; pools above the Conductor's ``pinned_budget_mb``; live
+            limits setting the VRAM watermarks (``LayerOffloadPart``).
         runtime.weights.StagehandSetupError: block discovery or pool set-up failed.
     """
 
@@ -178,7 +218,7 @@ class LayerOffloadStrategy(StagehandStrategy):
             mode=mode,
         )
 
-    def _build_runtimes(
+    def _build_parts(
         self,
         model: torch.nn.Module,
         section: StagehandSection,
@@ -198,48 +238,9 @@ class LayerOffloadStrategy(StagehandStrategy):
             **shared,
         )
         self.weights = self.manager.weights
+        self.parts.append(LayerOffloadPart(self.manager))
         if mode == "training":
             self.activations = ActivationRuntime(
                 section.activation_stagehand, model=model, **shared
             )
-
-    # -- phases -----------------------------------------------------------------------------------
-    def _on_forward_begin(self) -> None:
-        if self.manager is not None:
-            self.manager.forward_begin()
-        super()._on_forward_begin()
-
-    def _on_step_end(self, step: int, ok: bool) -> None:
-        try:
-            super()._on_step_end(step, ok)
-        finally:
-            if self.manager is not None:
-                self.manager.forward_begin()  # drop the step's tensor ids
-
-    def set_limits(
-        self, limits: LiveLimits | dict[str, Any], request_id: str | None = None
-    ) -> None:
-        """As ``StagehandStrategy.set_limits``; weight watermarks are refused.
-
-        Raises:
-            pydantic.ValidationError / ValueError: as the composed strategy; ``ValueError`` for
-                ``vram_high_watermark_mb`` / ``vram_low_watermark_mb``.
-        """
-        if not isinstance(limits, LiveLimits):
-            limits = LiveLimits.model_validate(limits)
-        if limits.vram_high_watermark_mb is not None or limits.vram_low_watermark_mb is not None:
-            raise ValueError(
-                "vram_high_watermark_mb / vram_low_watermark_mb: the layer_offload strategy "
-                "keeps layers by memory.layer_offload_fraction, not by watermarks"
-            )
-        super().set_limits(limits, request_id)
-
-    def close(self) -> None:
-        """Detach the Conductor, close the runtimes, put the original blocks back."""
-        if self._closed:
-            return
-        try:
-            super().close()
-        finally:
-            if self.manager is not None:
-                self.manager.close()
+            self.parts.append(ActivationsPart(self.activations))

@@ -82,11 +82,11 @@ class MemoryStrategy:
             raise PhaseError(f"{phase.name} outside a step: wrap it in `with strategy.step(i):`")
         self._enter(phase)
         t0 = time.perf_counter()
-        getattr(self, f"_on_{phase.value}_begin")()
+        self._phase_begin(phase)
         try:
             yield
         finally:
-            getattr(self, f"_on_{phase.value}_end")()
+            self._phase_end(phase)
             self.phase_ms[phase.value] = (
                 self.phase_ms.get(phase.value, 0.0) + (time.perf_counter() - t0) * 1e3
             )
@@ -193,6 +193,22 @@ class MemoryStrategy:
     # -- hooks for subclasses -------------------------------------------------------------------
     def _on_step_begin(self, step: int) -> None:
         self.memory.reset_peak()
+
+    def _phase_begin(self, phase: Phase) -> None:
+        """FORWARD, BACKWARD or OPTIMIZER begins: the ``_on_<phase>_begin`` hook."""
+        {
+            Phase.FORWARD: self._on_forward_begin,
+            Phase.BACKWARD: self._on_backward_begin,
+            Phase.OPTIMIZER: self._on_optimizer_begin,
+        }[phase]()
+
+    def _phase_end(self, phase: Phase) -> None:
+        """FORWARD, BACKWARD or OPTIMIZER ends (errors included): ``_on_<phase>_end``."""
+        {
+            Phase.FORWARD: self._on_forward_end,
+            Phase.BACKWARD: self._on_backward_end,
+            Phase.OPTIMIZER: self._on_optimizer_end,
+        }[phase]()
 
     def _on_step_end(self, step: int, ok: bool) -> None:
         pass

@@ -10,16 +10,17 @@ Each part is on or off independently:
   training mode only (inference saves nothing for backward);
 - Conductor: ``memory.stagehand.conductor_config.enabled``.
 
-One step, as ``MemoryStrategy`` drives it::
+Each runtime that is on is a ``MemoryPart`` (``runtime/strategy/parts.py``), in the order
+conductor, weights, activations; one step, as ``MemoryStrategy`` drives it::
 
-    STEP_BEGIN  conductor.begin_step -> weights.begin_step -> activations.step_begin
-    FORWARD     conductor.enter_forward; ONE SavedTensorRouter([weights.packer,
-                activations.packer]) installed; weights/activations managed_forward
-    BACKWARD    conductor.enter_backward; activations.backward_begin; the router again (a
-                gradient-checkpoint recomputation saves tensors inside backward);
-                weights.managed_backward
-    OPTIMIZER   conductor.enter_optimizer; weights.optimizer_context(optimizer)
-    STEP_END    activations.step_end -> weights.end_step -> conductor.end_step
+    STEP_BEGIN  part.begin_step for each part, in order
+    FORWARD     ONE SavedTensorRouter over the parts' packers installed, then each part's
+    BACKWARD    phase context (the router in BACKWARD too: a gradient-checkpoint
+    OPTIMIZER   recomputation saves tensors inside backward)
+    STEP_END    part.end_step for each part, in reverse order (every part ends its step;
+                the first error is raised after)
+
+A live limit belongs to the part that has it: the part reads, checks and sets it.
 
 ``phase_ms`` gets a ``step_begin`` entry besides the three phases: STEP_BEGIN prefetches the
 step's first blocks, and with it the phases add up to ``step_ms``.
@@ -40,27 +41,13 @@ import torch
 
 from runtime.common.device import own_storage
 from runtime.common.memory import DeviceMemory
+from runtime.common.phases import Phase
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry
-from runtime.conductor import (
-    ActStagehandConductorAdapter,
-    ConductorRuntime,
-    StagehandConductorAdapter,
-)
-from runtime.config import MB, LiveLimits, StagehandSection, Watermarks
+from runtime.conductor import ConductorRuntime
+from runtime.config import MB, LiveLimits, StagehandSection
 from runtime.strategy.base import MemoryStrategy
-
-# LiveLimits field -> (runtime attribute, adapter knob)
-_KNOBS = {
-    "prefetch_window_blocks": ("weights", "prefetch_window"),
-    "max_inflight_transfers": ("weights", "max_inflight"),
-    "max_inflight_d2h": ("activations", "max_d2h"),
-    "max_inflight_h2d": ("activations", "max_h2d"),
-}
-_WATERMARKS = {
-    "weights": ("vram_high_watermark_mb", "vram_low_watermark_mb"),
-    "activations": ("activation_vram_high_watermark_mb", "activation_vram_low_watermark_mb"),
-}
+from runtime.strategy.parts import ActivationsPart, ConductorPart, MemoryPart, WeightsPart
 
 
 class StagehandStrategy(MemoryStrategy):
@@ -73,6 +60,9 @@ class StagehandStrategy(MemoryStrategy):
         telemetry: the run's one stream (None writes nowhere).
         checkpoint_dir: the model's safetensors folder: frozen block weights stream from it.
         mode: ``"training"`` or ``"inference"`` (stage-1 text encoders: no activation runtime).
+
+    ``weights``, ``activations`` and ``conductor`` are the runtimes that are on (None when off),
+    for callers that inspect them; the strategy itself only goes through ``parts``.
 
     Raises:
         ValueError: bad ``mode``; the pools need more pinned memory than the Conductor's
@@ -97,34 +87,26 @@ class StagehandStrategy(MemoryStrategy):
         super().__init__(model, device=device, telemetry=telemetry, memory=DeviceMemory(device))
         self.section, self.mode = section, mode
         self.weights = self.activations = self.conductor = None
-        self._adapters: dict[str, Any] = {}
-        self._pageable_at_begin = 0
+        self.parts: list[MemoryPart] = []
+        self.router = SavedTensorRouter([])
         self._stack: contextlib.ExitStack | None = None
         try:
-            self._build(model, section, checkpoint_dir, mode)
+            self._build_parts(model, section, checkpoint_dir, mode)
+            self._wire(section)
         except BaseException:
             self.close()
             raise
 
-    def _build(
+    def _build_parts(
         self,
         model: torch.nn.Module,
         section: StagehandSection,
         checkpoint_dir: str | Path | None,
         mode: str,
     ) -> None:
-        self._build_runtimes(model, section, checkpoint_dir, mode)
-        self._wire(section)
-
-    def _build_runtimes(
-        self,
-        model: torch.nn.Module,
-        section: StagehandSection,
-        checkpoint_dir: str | Path | None,
-        mode: str,
-    ) -> None:
-        """Set ``self.weights`` and ``self.activations`` (the runtimes that are on); a strategy
-        with another weight schedule (layer offload) overrides this and keeps the wiring."""
+        """Append the runtime parts that are on to ``parts`` (each as soon as it is built, so
+        ``close`` frees it if a later one fails); a strategy with another weight schedule
+        (layer offload) overrides this and keeps the wiring."""
         from runtime.activations import ActivationRuntime
         from runtime.weights import StagehandRuntime
 
@@ -133,39 +115,33 @@ class StagehandStrategy(MemoryStrategy):
             self.weights = StagehandRuntime(
                 model, section, mode=mode, checkpoint_dir=checkpoint_dir, **shared
             )
+            self.parts.append(WeightsPart(self.weights))
         else:
             own_storage(model, self.device)
         act = section.activation_stagehand
         if act is not None and act.enabled and mode == "training":
             self.activations = ActivationRuntime(act, model=model, **shared)
+            self.parts.append(ActivationsPart(self.activations))
 
     def _wire(self, section: StagehandSection) -> None:
-        """The Conductor (its adapters and pinned reservations) and the saved-tensor router
-        over the runtimes ``_build_runtimes`` set.
+        """The Conductor (first part; an adapter and a pinned reservation per runtime part) and
+        the saved-tensor router over the parts' packers.
 
         Raises:
             ValueError: a pool above the Conductor's ``pinned_budget_mb``.
         """
+        runtime_parts = list(self.parts)
         cond = section.conductor_config
         if cond is not None and cond.enabled:
             self.conductor = ConductorRuntime(cond, memory=self.memory, telemetry=self.telemetry)
-            if self.weights is not None:
-                self._attach("weights", StagehandConductorAdapter(self.weights))
-                self._reserve_pinned("stagehand", self.weights.pool.pool_bytes)
-            if self.activations is not None:
-                self._attach("activations", ActStagehandConductorAdapter(self.activations))
-                self._reserve_pinned("activation_stagehand", self.activations.pool.total_bytes())
-        # Lambdas, not bound packers: a runtime swaps its packer on close.
-        packers = []
-        if self.weights is not None:
-            packers.append(lambda t: self.weights.packer(t))
-        if self.activations is not None:
-            packers.append(lambda t: self.activations.packer(t))
-        self.router = SavedTensorRouter(packers)
-
-    def _attach(self, part: str, adapter: Any) -> None:
-        self.conductor.register_adapter(adapter)
-        self._adapters[part] = adapter
+            self.parts.insert(0, ConductorPart(self.conductor))
+            for part in runtime_parts:
+                adapter = part.adapter()
+                if adapter is not None:
+                    self.conductor.register_adapter(adapter)
+                if part.pinned_owner is not None:
+                    self._reserve_pinned(part.pinned_owner, part.pinned_bytes())
+        self.router = SavedTensorRouter([p.packer for p in runtime_parts if p.packer is not None])
 
     def _reserve_pinned(self, owner: str, nbytes: int) -> None:
         res = self.conductor.reserve(
@@ -183,120 +159,66 @@ class StagehandStrategy(MemoryStrategy):
     def _on_step_begin(self, step: int) -> None:
         t0 = time.perf_counter()
         super()._on_step_begin(step)
-        if self.conductor is not None:
-            self.conductor.begin_step(step)
-        if self.weights is not None:
-            self.weights.begin_step(step)  # prefetches the step's first blocks
-        if self.activations is not None:
-            self.activations.step_begin(step)
-            self._pageable_at_begin = self._activation_pageable()
+        for part in self.parts:
+            part.begin_step(step)
         # STEP_BEGIN is timed too: with the first blocks' prefetch it is part of the step, and
         # without it the phases would not add up to ``step_ms``.
         self.phase_ms["step_begin"] = (time.perf_counter() - t0) * 1e3
 
-    def _open(self, *contexts: contextlib.AbstractContextManager[Any]) -> None:
-        self._stack = contextlib.ExitStack()
-        for ctx in contexts:
-            self._stack.enter_context(ctx)
+    def _phase_begin(self, phase: Phase) -> None:
+        optimizer = getattr(self, "_optimizer", None)
+        stack = contextlib.ExitStack()
+        self._stack = stack
+        if phase is not Phase.OPTIMIZER:
+            stack.enter_context(self.router.hooks())
+        for part in self.parts:
+            stack.enter_context(part.phase(phase, optimizer))
+
+    def _phase_end(self, phase: Phase) -> None:
+        self._close_stack()
 
     def _close_stack(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
 
-    def _on_forward_begin(self) -> None:
-        if self.conductor is not None:
-            self.conductor.enter_forward()
-        contexts = [self.router.hooks()]
-        if self.weights is not None:
-            contexts.append(self.weights.managed_forward(install_hooks=False))
-        if self.activations is not None:
-            contexts.append(self.activations.managed_forward(install_hooks=False))
-        self._open(*contexts)
-
-    def _on_forward_end(self) -> None:
-        self._close_stack()
-
-    def _on_backward_begin(self) -> None:
-        if self.conductor is not None:
-            self.conductor.enter_backward()
-        if self.activations is not None:
-            self.activations.backward_begin()
-        contexts = [self.router.hooks()]
-        if self.weights is not None:
-            contexts.append(self.weights.managed_backward())
-        self._open(*contexts)
-
-    def _on_backward_end(self) -> None:
-        self._close_stack()
-
-    def _on_optimizer_begin(self) -> None:
-        if self.conductor is not None:
-            self.conductor.enter_optimizer()
-        if self.weights is not None:
-            self._open(self.weights.optimizer_context(getattr(self, "_optimizer", None)))
-
-    def _on_optimizer_end(self) -> None:
-        self._close_stack()
-
     def _on_step_end(self, step: int, ok: bool) -> None:
         self._close_stack()  # a phase left by an error
-        try:
-            if self.activations is not None:
-                self.activations.step_end()
-            if self.weights is not None:
-                self.weights.end_step()
-        finally:
-            if self.conductor is not None:
-                self.conductor.end_step()
+        first: BaseException | None = None
+        for part in reversed(self.parts):
+            try:
+                part.end_step()
+            except BaseException as exc:  # every part ends its step; the first error wins
+                first = first or exc
+        if first is not None:
+            raise first
 
     # -- live limits ----------------------------------------------------------------------------
     def limits(self) -> dict[str, Any]:
-        """The current value of every live limit of the runtimes that are on (user settings:
-        the Conductor's temporary tightening is not shown)."""
+        """The user's value of every live limit of the parts that are on (the Conductor's caps
+        are not shown)."""
         out: dict[str, Any] = {}
-        for part, (high, low) in _WATERMARKS.items():
-            runtime = getattr(self, part)
-            if runtime is not None:
-                out[high], out[low] = self._watermarks(part)
-        for field, (part, knob) in _KNOBS.items():
-            if getattr(self, part) is not None:
-                out[field] = self._knob(part, knob)
+        for part in self.parts:
+            out.update(part.get_limits())
         return out
 
-    def _watermarks(self, part: str) -> tuple[float, float]:
-        if part == "weights":
-            return self.weights.high_mb, self.weights.low_mb
-        budget = self.activations.budget
-        return budget.high_mb, budget.low_mb
-
-    def _knob(self, part: str, knob: str) -> Any:
-        adapter = self._adapters.get(part)
-        if adapter is not None and adapter.attached:
-            return adapter.originals[knob]
-        runtime = getattr(self, part)
-        return {
-            "prefetch_window": lambda: runtime.scheduler.prefetch_window,
-            "max_inflight": lambda: runtime.transfer.max_inflight,
-            "max_d2h": lambda: runtime.transfer.max_d2h,
-            "max_h2d": lambda: runtime.transfer.max_h2d,
-        }[knob]()
-
     def _resolve(self, limits: LiveLimits, current: dict[str, Any]) -> dict[str, Any]:
-        """``current`` with ``limits`` applied: each field changes only itself (the weight
-        runtime's watermarks never move the activation runtime's).
+        """``current`` with ``limits`` applied, checked by the parts that own the fields: each
+        field changes only itself (the weight runtime's watermarks never move the activation
+        runtime's).
 
         Raises:
-            ValueError: a field for a runtime that is off, or a low watermark above a high one.
+            ValueError: a field no part has (its runtime is off), or a part refuses the change.
         """
-        new = dict(current)
-        for field, value in limits.given().items():
-            if field not in current:  # only runtimes that are on
+        given = limits.given()
+        for field in given:
+            if field not in current:
                 raise ValueError(f"{field}: no runtime of this strategy has that limit")
-            new[field] = value
-        for high, low in _WATERMARKS.values():
-            if high in new:
-                Watermarks(new[high], new[low], (high, low))
+        new = {**current, **given}
+        for part in self.parts:
+            mine = {f: given[f] for f in part.limits if f in given}
+            if mine:
+                part.check_limits(mine, {f: new[f] for f in part.limits})
         return new
 
     def set_limits(
@@ -307,7 +229,8 @@ class StagehandStrategy(MemoryStrategy):
 
         Raises:
             pydantic.ValidationError: a field is unknown or out of range.
-            ValueError: a field for a runtime that is off; low above high once combined.
+            ValueError: a field for a runtime that is off; a part refuses it (low above high
+                once combined...).
         """
         if not isinstance(limits, LiveLimits):
             limits = LiveLimits.model_validate(limits)
@@ -320,74 +243,39 @@ class StagehandStrategy(MemoryStrategy):
     def _apply_limits(self, limits: LiveLimits) -> dict[str, list[Any]]:
         before = self.limits()
         after = self._resolve(limits, before)
-        for part, (high, low) in _WATERMARKS.items():
-            if high in after and (after[high], after[low]) != (before[high], before[low]):
-                getattr(self, part).set_watermarks(after[high], after[low])
-        for field, (part, knob) in _KNOBS.items():
-            if field in after and after[field] != before[field]:
-                self._set_knob(part, knob, after[field])
+        for part in self.parts:
+            if any(after[f] != before[f] for f in part.limits):
+                part.set_limits({f: after[f] for f in part.limits})
         return {k: [before[k], after[k]] for k in after if after[k] != before[k]}
-
-    def _set_knob(self, part: str, knob: str, value: Any) -> None:
-        adapter = self._adapters.get(part)
-        if adapter is not None and adapter.attached:
-            adapter.set_original(knob, value)  # detach then restores the user's new value
-            return
-        runtime = getattr(self, part)
-        owner = runtime.scheduler if knob == "prefetch_window" else runtime.transfer
-        setattr(owner, knob, value)
 
     # -- figures and teardown -------------------------------------------------------------------
     def counters(self) -> dict[str, int]:
-        """``MemoryStrategy.counters`` from the runtimes that are on."""
+        """``MemoryStrategy.counters``, summed over the parts."""
         out = super().counters()
-        if self.weights is not None:
-            out.update(self.weights.counters())
-        if self.activations is not None:
-            m = self.activations.metrics
-            out["pageable_copies"] += self._activation_pageable() - self._pageable_at_begin
-            out.update(
-                tensors_spilled=m.activations_spilled,
-                tensors_restored=m.activations_restored,
-                spill_bytes=m.spill_bytes,
-            )
-        if self.conductor is not None:
-            out.update(self.conductor.counters())
+        for part in self.parts:
+            for key, value in part.counters().items():
+                out[key] += value
         return out
 
-    def _activation_pageable(self) -> int:
-        transfer = self.activations.transfer
-        return transfer.d2h.pageable_copies + transfer.h2d.pageable_copies
-
     def _needs_optimizer(self) -> bool:
-        return self.weights is not None and any(
-            slot.trainable for block in self.weights.blocks for slot in block.layout
-        )
+        return any(part.needs_optimizer() for part in self.parts)
 
     def pinned_bytes(self) -> int:
         """Host bytes held by the pools (pinned on CUDA), for the trainer's ``pinned_mb``."""
-        total = 0
-        if self.weights is not None:
-            total += self.weights.pool.pool_bytes
-        if self.activations is not None:
-            total += self.activations.pool.total_bytes()
-        return total
+        return sum(part.pinned_bytes() for part in self.parts)
 
     def snapshot(self) -> dict[str, Any]:
         """VRAM figures (MB, with their source), plus the live limits in force."""
         return {**self.memory.snapshot(), "limits": self.limits()}
 
     def close(self) -> None:
-        """Detach the Conductor (knobs restored), close both runtimes: the model's weights are
-        ordinary resident tensors again and the pools are freed."""
+        """Close the parts in reverse order (the Conductor last: caps cleared, reservations
+        released): the model's weights are ordinary resident tensors again and the pools are
+        freed."""
         if self._closed:
             return
         self._closed = True
         self._close_stack()
-        if self.conductor is not None:
-            self.conductor.shutdown()
-        if self.activations is not None:
-            self.activations.close()
-        if self.weights is not None:
-            self.weights.close()
+        for part in reversed(self.parts):
+            part.close()
         self.telemetry.flush()

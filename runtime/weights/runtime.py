@@ -162,10 +162,11 @@ class StagehandRuntime:
         self.high_mb, self.low_mb = marks.high_mb, marks.low_mb
 
     def snapshot(self) -> dict[str, int]:
-        """Live knobs for the Conductor's ``runtime_snapshots``."""
+        """The knobs in force (the user's, under the Conductor's caps) for the Conductor's
+        ``runtime_snapshots``."""
         return {
-            "max_inflight": self.transfer.max_inflight,
-            "prefetch_window": self.scheduler.prefetch_window,
+            "max_inflight": self.transfer.inflight_limit,
+            "prefetch_window": self.scheduler.window,
         }
 
     # -- steps ----------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ class StagehandRuntime:
             "pool_locked_mb": self.pool.locked_bytes / MB,
             "vram_high_watermark_mb": self.high_mb,
             "vram_low_watermark_mb": self.low_mb,
-            "prefetch_window_blocks": self.scheduler.prefetch_window,
+            "prefetch_window_blocks": self.scheduler.prefetch_window,  # the user's setting
             "trace_updated": traced,
             "step_time_ms": (time.perf_counter() - self._t_step) * 1e3,
         }

@@ -28,17 +28,27 @@ B = TypeVar("B", bound=_Indexed)
 
 
 class BlockScheduler:
-    """Traced block order, cursor and window. ``prefetch_window`` is a live knob (the Conductor
-    adapter and live limits write it)."""
+    """Traced block order, cursor and window.
+
+    ``prefetch_window`` is the user's setting (live limits write it); ``window_cap`` is the
+    Conductor's (its adapter publishes it, None when no Conductor is attached). The window in
+    force is the smaller of the two (``window``), so neither ever overwrites the other."""
 
     def __init__(self, prefetch_window: int) -> None:
         self.prefetch_window = prefetch_window
+        self.window_cap: int | None = None
         self.order: list[int] | None = None
         """The traced use order of one step (block indices), None until the trace step ended."""
         self.pos = -1
         self.current: list[int] = []
         """Uses recorded in the running step."""
         self.retraces = 0
+
+    @property
+    def window(self) -> int:
+        """Blocks loaded ahead in force: ``prefetch_window``, at most ``window_cap``."""
+        cap = self.window_cap
+        return self.prefetch_window if cap is None else min(self.prefetch_window, cap)
 
     @property
     def traced(self) -> bool:
@@ -62,7 +72,7 @@ class BlockScheduler:
 
     def upcoming(self, count: int | None = None) -> list[int]:
         """The next ``count`` (default: the window) distinct blocks after the cursor, in order."""
-        count = self.prefetch_window if count is None else count
+        count = self.window if count is None else count
         order = self.order
         if not order or count <= 0:
             return []

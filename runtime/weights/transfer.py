@@ -86,7 +86,8 @@ class InFlight:
 
 
 class TransferEngine:
-    """Loads and evicts blocks; at most ``max_inflight`` H2D copies in flight (live knob)."""
+    """Loads and evicts blocks; at most ``inflight_limit`` H2D copies in flight: the user's
+    ``max_inflight`` (live limits write it), at most the Conductor's ``inflight_cap``."""
 
     def __init__(
         self,
@@ -112,6 +113,8 @@ class TransferEngine:
         self.memory = memory
         self.source = source
         self.max_inflight = max_inflight
+        self.inflight_cap: int | None = None
+        """The Conductor's cap (published by its adapter, >= 1); None without a Conductor."""
         self.inflight: deque[InFlight] = deque()
         """Issued copies in issue order (a stream completes them in that order)."""
         self.h2d_bytes = 0
@@ -154,9 +157,15 @@ class TransferEngine:
         self.retire()
         self.synchronize_d2h()
 
+    @property
+    def inflight_limit(self) -> int:
+        """H2D copies allowed in flight: ``max_inflight``, at most ``inflight_cap``."""
+        cap = self.inflight_cap
+        return self.max_inflight if cap is None else min(self.max_inflight, cap)
+
     def has_capacity(self) -> bool:
         self.retire()
-        return len(self.inflight) < self.max_inflight
+        return len(self.inflight) < self.inflight_limit
 
     def synchronize_d2h(self) -> None:
         """Block the host until every D2H copy back to host masters finished."""
@@ -175,7 +184,7 @@ class TransferEngine:
         """
         if speculative and not self.has_capacity():
             return False
-        while len(self.inflight) >= self.max_inflight:
+        while len(self.inflight) >= self.inflight_limit:
             self._wait_oldest()
         if block.nbytes > self.pool.slab_bytes:
             # Direct path (seed): one contiguous host staging buffer, one copy; pinned like the

@@ -160,7 +160,7 @@ def test_conductor_denial_keeps_the_tensor_and_grants_are_released():
     spilled = runtime.packer(t)
     assert isinstance(spilled, SpilledTensor)
     assert manager.inflight("d2h") == 0  # released once the copy completed
-    runtime.transfer.max_d2h = 0  # the Conductor adapter's "no new spills" (OPTIMIZER)
+    runtime.transfer.set_caps(0, None)  # the Conductor's "no new spills" cap (OPTIMIZER)
     assert not isinstance(runtime.packer(t), SpilledTensor)
     assert runtime.metrics.spills_denied == 2
     runtime.step_end()

@@ -1,7 +1,5 @@
 """HeuristicPolicyBridgeV0: the three rules on synthetic pressure, and monotone hints."""
 
-from types import SimpleNamespace
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +10,7 @@ from runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
 from runtime.conductor.runtime import ConductorRuntime
 from runtime.conductor.types import DenialReason
 from runtime.config import MB, ConductorConfig
+from tests.runtime.conductor.runtimes import weight_runtime
 
 CONFIG = ConductorConfig(
     enabled=True, vram_soft_cap_mb=1000, vram_hard_cap_mb=1200, h2d_slots=2, d2h_slots=2
@@ -97,15 +96,13 @@ step_plan = st.tuples(
 def test_hints_are_monotone_within_a_step_and_reset_at_the_next(steps, window):
     memory = DeviceMemory("cpu")
     conductor = ConductorRuntime(CONFIG, memory=memory)
-    weights = SimpleNamespace(
-        scheduler=SimpleNamespace(prefetch_window=window), transfer=SimpleNamespace(max_inflight=2)
-    )
+    weights = weight_runtime(window=window, inflight=2)
     conductor.register_adapter(StagehandConductorAdapter(weights))
     base = RuntimeLimitHints(2, 2, window, False)
     for step, (reached, per_phase) in enumerate(steps):
         conductor.begin_step(step)
         assert conductor.hints == base
-        assert weights.scheduler.prefetch_window == window
+        assert weights.scheduler.window == window
         seen = [conductor.hints]
         knob = [window]
         for phase, (usage_mb, full_checks) in zip(PHASES[:reached], per_phase, strict=False):
@@ -113,12 +110,12 @@ def test_hints_are_monotone_within_a_step_and_reset_at_the_next(steps, window):
             memory.track(int(usage_mb * MB))
             getattr(conductor, f"enter_{phase.value}")()
             seen.append(conductor.hints)
-            knob.append(weights.scheduler.prefetch_window)
+            knob.append(weights.scheduler.window)
             held = [conductor.request_transfer("h2d", "critical") for _ in range(2)]
             for _ in range(full_checks):
                 conductor.request_transfer("h2d", "critical")
                 seen.append(conductor.hints)
-                knob.append(weights.scheduler.prefetch_window)
+                knob.append(weights.scheduler.window)
             for grant in held:
                 grant.release()
             if phase is Phase.BACKWARD and usage_mb > 800:
@@ -132,4 +129,5 @@ def test_hints_are_monotone_within_a_step_and_reset_at_the_next(steps, window):
             assert later.prefetch_window_cap >= min(1, earlier.prefetch_window_cap)
         assert knob == sorted(knob, reverse=True)  # the knob follows the hints
     conductor.shutdown()
-    assert weights.scheduler.prefetch_window == window
+    assert weights.scheduler.window == window and weights.scheduler.window_cap is None
+    weights.close()

@@ -1,7 +1,5 @@
 """ConductorRuntime: zero-cost disable, phase order, telemetry records and debug events."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from runtime.common.memory import DeviceMemory
@@ -12,6 +10,7 @@ from runtime.conductor.runtime import ConductorRuntime
 from runtime.conductor.telemetry import STEP_FIELDS
 from runtime.conductor.types import DenialReason
 from runtime.config import MB, ConductorConfig
+from tests.runtime.conductor.runtimes import weight_runtime
 
 
 def test_disabled_conductor_allocates_nothing_and_returns_at_once():
@@ -28,9 +27,10 @@ def test_disabled_conductor_allocates_nothing_and_returns_at_once():
     assert rt.request_transfer("h2d", "background") is rt.request_transfer("h2d", "background")
     assert rt.reserve("vram", 10**6, mode="hard").granted_mb == 10**6
     assert rt.hints is None and rt.phase is None
-    weights = SimpleNamespace(scheduler=SimpleNamespace(prefetch_window=2), conductor=None)
+    weights = weight_runtime(window=2)
     rt.register_adapter(StagehandConductorAdapter(weights))
-    assert weights.conductor is None
+    assert weights.conductor is None and weights.scheduler.window_cap is None
+    weights.close()
     rt.shutdown()
     assert vars(rt) == {"_enabled": False}
 
@@ -71,11 +71,7 @@ def test_step_record_has_the_seed_fields_at_the_configured_interval():
         telemetry_interval_steps=2,
     )
     rt = ConductorRuntime(config, memory=memory, telemetry=Telemetry(sink))
-    weights = SimpleNamespace(
-        scheduler=SimpleNamespace(prefetch_window=2),
-        transfer=SimpleNamespace(max_inflight=2),
-        snapshot=lambda: {"blocks_loaded": 3},
-    )
+    weights = weight_runtime(window=2, inflight=2)
     rt.register_adapter(StagehandConductorAdapter(weights))
     rt.reserve("pinned", 512, mode="hard", owner="stagehand")
     for step in range(3):
@@ -101,11 +97,11 @@ def test_step_record_has_the_seed_fields_at_the_configured_interval():
     assert (last["grant_count"], last["deny_count"], last["partial_count"]) == (2, 1, 1)
     assert set(last["phase_durations"]) == {"forward", "backward", "optimizer"}
     assert all(v >= 0 for v in last["phase_durations"].values())
-    assert last["runtime_snapshots"] == {
-        "stagehand": {"blocks_loaded": 3, "prefetch_window": 1, "max_inflight": 1}
-    }
+    assert last["runtime_snapshots"] == {"stagehand": {"prefetch_window": 1, "max_inflight": 1}}
     assert last["rules_fired"] == ["backward_pressure", "optimizer_protection"]
     assert sink.of("conductor", "event") == []  # debug trace off
+    rt.shutdown()
+    weights.close()
 
 
 def test_debug_event_trace():

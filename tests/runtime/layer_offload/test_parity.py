@@ -90,7 +90,8 @@ def test_async_file_backed_and_conductor_match(folders, references):
     conductor = sink.of("conductor", "step")
     assert len(conductor) == 2 and "stagehand" in conductor[-1]["runtime_snapshots"]
     strategy.close()
-    assert strategy.weights.scheduler.prefetch_window == 1  # the adapter restored the knob
+    # The Conductor capped the window in force, never the setting; its cap is gone now.
+    assert strategy.weights.scheduler.window == 1 and strategy.weights.scheduler.window_cap is None
 
 
 def test_without_checkpointing_matches(folders, references):

@@ -184,7 +184,7 @@ def test_live_knobs_survive_the_conductor_and_bad_limits_are_refused(tiny_flux):
     assert strategy.limits()["prefetch_window_blocks"] == 3
     assert strategy.limits()["max_inflight_d2h"] == 2
     weights, activations = strategy.weights, strategy.activations
-    strategy.close()  # the Conductor detaches: the user's values come back, not the seed's
+    strategy.close()  # the Conductor capped them in force; the user's values were never written
     assert weights.scheduler.prefetch_window == 3
     assert activations.transfer.max_d2h == 2
 
