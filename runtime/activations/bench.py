@@ -75,7 +75,7 @@ def train_steps(
         inputs = example_inputs(model, seed=step, latent_hw=latent_hw)
         t0, c0 = time.perf_counter(), time.process_time()
         if runtime is not None:
-            runtime.step_begin(step)
+            runtime.begin_step(step)
         hooks = runtime.managed_forward() if runtime is not None else contextlib.nullcontext()
         with hooks:
             loss = output_tensor(model(**inputs)).float().square().mean()
@@ -83,7 +83,7 @@ def train_steps(
                 runtime.backward_begin()
             loss.backward()
         if runtime is not None:
-            runtime.step_end()
+            runtime.end_step()
             out["metrics"].append(runtime.step_metrics())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -99,7 +99,7 @@ def _keep_cost_us(runtime: ActivationRuntime, tracked: bool, n: int = 20000) -> 
     """Microseconds (process CPU time) per saved tensor through the KEEP path, pack and
     release, on distinct (16, 16) tensors; best of 5."""
     tensors = [torch.randn(16, 16) for _ in range(n)]
-    runtime.step_begin(-1)
+    runtime.begin_step(-1)
     runtime.set_watermarks(OUT_OF_REACH_MB, OUT_OF_REACH_MB)
     saved = runtime._track_kept
     runtime._track_kept = tracked
@@ -110,7 +110,7 @@ def _keep_cost_us(runtime: ActivationRuntime, tracked: bool, n: int = 20000) -> 
         del handles
         best = min(best, time.process_time() - t0)
     runtime._track_kept = saved
-    runtime.step_end()
+    runtime.end_step()
     return best / n * 1e6
 
 

@@ -162,6 +162,6 @@ class RestoreMixin:
 def _released_error(record: ActivationRecord) -> ActivationStateError:
     return ActivationStateError(
         f"activation record {record.id} (seq {record.seq}) was unpacked in state "
-        f"{record.state.name}: it was released (step_end before backward?) and expected "
+        f"{record.state.name}: it was released (end_step before backward?) and expected "
         f"SPILLED, RESTORING or RESTORED"
     )

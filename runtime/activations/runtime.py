@@ -6,12 +6,12 @@ standalone::
 
     runtime = ActivationRuntime(config, device=device, model=model)
     for step in range(n):
-        runtime.step_begin(step)
+        runtime.begin_step(step)
         with runtime.managed_forward():
             loss = loss_fn(model(**inputs))
             runtime.backward_begin()  # optional: restores the first tensors before backward asks
             loss.backward()
-        runtime.step_end()           # releases every record, emits the step record
+        runtime.end_step()           # releases every record, emits the step record
     runtime.close()
 
 Composed (one ``SavedTensorRouter([weights.packer, activations.packer])`` installed by the
@@ -151,8 +151,9 @@ class ActivationRuntime(RestoreMixin):
         """
         self.budget.set_watermarks(high_mb, low_mb)
 
-    def step_begin(self, step: int) -> None:
-        """Start step ``step``: fresh counters, a new peak window, the model's weight storages.
+    def begin_step(self, step: int) -> None:
+        """Start step ``step``: fresh counters, a new peak window, the model's weight storages
+        (the seed's ``step_begin``; named as the weight runtime and the Conductor name it).
 
         Raises:
             RuntimeError: a step is already open, or the runtime is closed.
@@ -160,7 +161,7 @@ class ActivationRuntime(RestoreMixin):
         if self._closed:
             raise RuntimeError("ActivationRuntime is closed")
         if self._step is not None:
-            raise RuntimeError(f"step_begin({step}) while step {self._step} is open")
+            raise RuntimeError(f"begin_step({step}) while step {self._step} is open")
         self._step = step
         self.metrics = ActivationStepMetrics(step=step)
         self._seq = 0
@@ -186,10 +187,10 @@ class ActivationRuntime(RestoreMixin):
         if not self.planner.active:
             self._start_plan()
 
-    def step_end(self) -> None:
+    def end_step(self) -> None:
         """End the step: finish every copy, release every record of the step, untrack what was
         kept, grow the pool if it missed too often, emit the ``activation_stagehand/step``
-        record. Safe without ``step_begin`` (releases what the hooks created)."""
+        record. Safe without ``begin_step`` (releases what the hooks created)."""
         self._finalize(list(self.transfer.d2h_inflight))
         for record in self.transfer.completed_restores(block=True):
             self._restored(record)
@@ -223,7 +224,7 @@ class ActivationRuntime(RestoreMixin):
         """Release everything and free the pool; the packer keeps everything afterwards."""
         if self._closed:
             return
-        self.step_end()
+        self.end_step()
         self.pool.close()
         self._weights = {}
         if self._owns_telemetry:

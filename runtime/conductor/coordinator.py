@@ -1,4 +1,4 @@
-"""PhaseCoordinator: the step's phase, its legal order, phase timing and the adapter broadcast.
+"""PhaseCoordinator: the Conductor's phase machine and the adapter broadcast.
 
 Source: ``shared/seeds/conductor.md`` ("Phase Broadcasting"). Phases and their legal order are
 ``runtime.common.phases``; an illegal order raises ``PhaseError`` naming the phase expected and
@@ -7,10 +7,9 @@ the phase found, before anything changes.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Protocol
 
-from runtime.common.phases import Phase, check_transition
+from runtime.common.phases import Phase, PhaseMachine
 
 if TYPE_CHECKING:
     from runtime.conductor.policy import RuntimeLimitHints
@@ -23,17 +22,21 @@ class PhaseListener(Protocol):
 
 
 class PhaseCoordinator:
-    """Holds the current phase, times each phase (seconds) and broadcasts to adapters.
-
-    ``durations`` maps phase value (``"forward"``...) to seconds spent in it in the current
-    step; a phase lasts from its entry to the entry of the next one.
-    """
+    """The Conductor's ``PhaseMachine`` (a phase lasts from its entry to the entry of the next
+    one) and the broadcast of the phase and hints to the adapters."""
 
     def __init__(self) -> None:
-        self.phase: Phase | None = None
+        self.machine = PhaseMachine()
         self.adapters: list[PhaseListener] = []
-        self.durations: dict[str, float] = {}
-        self._entered = 0.0
+
+    @property
+    def phase(self) -> Phase | None:
+        return self.machine.phase
+
+    @property
+    def durations_ms(self) -> dict[str, float]:
+        """Milliseconds spent in each phase of the current step (``PhaseMachine``)."""
+        return self.machine.durations_ms
 
     def register(self, adapter: PhaseListener) -> None:
         if adapter not in self.adapters:
@@ -49,15 +52,7 @@ class PhaseCoordinator:
         Raises:
             PhaseError: ``new`` may not follow the current phase.
         """
-        check_transition(self.phase, new)
-        now = time.perf_counter()
-        old = self.phase
-        if new is Phase.STEP_BEGIN:
-            self.durations = {}
-        elif old is not None:
-            self.durations[old.value] = self.durations.get(old.value, 0.0) + now - self._entered
-        self.phase, self._entered = new, now
-        return old
+        return self.machine.advance(new)
 
     def broadcast(self, hints: RuntimeLimitHints) -> None:
         """Tell every adapter the current phase and hints, in registration order."""

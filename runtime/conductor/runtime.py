@@ -247,9 +247,9 @@ class ConductorRuntime:
             "grant_count": counters["grants"],
             "deny_count": counters["denials"],
             "partial_count": self.budget.counts["partial"],
-            "phase_durations": {
-                k: v
-                for k, v in self.coordinator.durations.items()
+            "phase_durations": {  # seconds, as the seed's record has them
+                k: ms / 1e3
+                for k, ms in self.coordinator.durations_ms.items()
                 if k in ("forward", "backward", "optimizer")
             },
             "runtime_snapshots": {a.name: a.snapshot() for a in self.adapters},

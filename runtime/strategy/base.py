@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from runtime.common.memory import DeviceMemory
-from runtime.common.phases import Phase, PhaseError, check_transition
+from runtime.common.phases import Phase, PhaseError, PhaseMachine
 from runtime.common.telemetry import Telemetry
 from runtime.config import LiveLimits
 
@@ -62,18 +62,27 @@ class MemoryStrategy:
         self.device = torch.device(device)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.memory = memory if memory is not None else DeviceMemory(self.device)
-        self.phase: Phase | None = None
+        self.phases = PhaseMachine()
         self.step_index: int | None = None
-        self.phase_ms: dict[str, float] = {}
-        """Milliseconds spent in each phase of the current (or last) step."""
         self.step_ms: float = 0.0
         self._pending: list[tuple[str | None, LiveLimits]] = []
         self._closed = False
 
     # -- phases -------------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase | None:
+        """The current phase (``PhaseMachine``)."""
+        return self.phases.phase
+
+    @property
+    def phase_ms(self) -> dict[str, float]:
+        """Milliseconds spent in STEP_BEGIN (limits applied, first blocks prefetched), FORWARD,
+        BACKWARD and OPTIMIZER of the current (or last) step, each from its entry to the end of
+        its context: they add up to at most ``step_ms``."""
+        return {k: v for k, v in self.phases.durations_ms.items() if k != Phase.STEP_END.value}
+
     def _enter(self, phase: Phase) -> None:
-        check_transition(self.phase, phase)
-        self.phase = phase
+        self.phases.advance(phase)
         self.telemetry.phase = phase.value
 
     @contextlib.contextmanager
@@ -81,15 +90,12 @@ class MemoryStrategy:
         if self.step_index is None:
             raise PhaseError(f"{phase.name} outside a step: wrap it in `with strategy.step(i):`")
         self._enter(phase)
-        t0 = time.perf_counter()
         self._phase_begin(phase)
         try:
             yield
         finally:
             self._phase_end(phase)
-            self.phase_ms[phase.value] = (
-                self.phase_ms.get(phase.value, 0.0) + (time.perf_counter() - t0) * 1e3
-            )
+            self.phases.leave()
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -100,18 +106,17 @@ class MemoryStrategy:
             raise PhaseError(f"step {step} begun inside step {self.step_index}: steps do not nest")
         self.step_index = step
         self.telemetry.step = step
-        self.phase_ms = {}
         self._enter(Phase.STEP_BEGIN)
-        t0 = time.perf_counter()
         self._apply_pending_limits()
         self._on_step_begin(step)
+        self.phases.leave()
         ok = False
         try:
             yield
             ok = True
         finally:
             self._enter(Phase.STEP_END)
-            self.step_ms = (time.perf_counter() - t0) * 1e3
+            self.step_ms = (time.perf_counter() - self.phases.step_started) * 1e3
             try:
                 self._on_step_end(step, ok)
             finally:

@@ -22,9 +22,6 @@ conductor, weights, activations; one step, as ``MemoryStrategy`` drives it::
 
 A live limit belongs to the part that has it: the part reads, checks and sets it.
 
-``phase_ms`` gets a ``step_begin`` entry besides the three phases: STEP_BEGIN prefetches the
-step's first blocks, and with it the phases add up to ``step_ms``.
-
 The Conductor steps first so its STEP_BEGIN hints (reset to the user's knobs) are in force when
 the weight runtime prefetches the step's first blocks. Every record goes through the one
 ``Telemetry`` (``stagehand``, ``activation_stagehand``, ``conductor``, ``strategy`` sources).
@@ -33,7 +30,6 @@ the weight runtime prefetches the step's first blocks. Every record goes through
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import Any
 
@@ -157,13 +153,9 @@ class StagehandStrategy(MemoryStrategy):
 
     # -- phases ---------------------------------------------------------------------------------
     def _on_step_begin(self, step: int) -> None:
-        t0 = time.perf_counter()
         super()._on_step_begin(step)
         for part in self.parts:
             part.begin_step(step)
-        # STEP_BEGIN is timed too: with the first blocks' prefetch it is part of the step, and
-        # without it the phases would not add up to ``step_ms``.
-        self.phase_ms["step_begin"] = (time.perf_counter() - t0) * 1e3
 
     def _phase_begin(self, phase: Phase) -> None:
         optimizer = getattr(self, "_optimizer", None)

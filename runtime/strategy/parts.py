@@ -226,7 +226,7 @@ class ActivationsPart(MemoryPart):
         self._pageable_at_begin = 0
 
     def begin_step(self, step: int) -> None:
-        self.runtime.step_begin(step)
+        self.runtime.begin_step(step)
         self._pageable_at_begin = self._pageable()
 
     def phase(
@@ -239,7 +239,7 @@ class ActivationsPart(MemoryPart):
         return _NOTHING
 
     def end_step(self) -> None:
-        self.runtime.step_end()
+        self.runtime.end_step()
 
     def get_limits(self) -> dict[str, Any]:
         rt = self.runtime

@@ -36,13 +36,13 @@ def _step(model, x, runtime=None, hold_d2h=False):
         forward_peak = torch.cuda.max_memory_allocated() - start
         loss.backward()
     else:
-        runtime.step_begin(0)
+        runtime.begin_step(0)
         with runtime.managed_forward():
             loss = model(x).square().mean()
             forward_peak = torch.cuda.max_memory_allocated() - start
             runtime.backward_begin()
             loss.backward()
-        runtime.step_end()
+        runtime.end_step()
     torch.cuda.synchronize()
     step_peak = torch.cuda.max_memory_allocated() - start
     return [p.grad.clone() for p in model.parameters()], forward_peak, step_peak
@@ -85,7 +85,7 @@ def test_cuda_keep_path_returns_none():
     runtime = ActivationRuntime(
         ActivationStagehandConfig(pinned_pool_classes_mb=(1,), slabs_per_class=1), device="cuda"
     )
-    runtime.step_begin(0)
+    runtime.begin_step(0)
     assert runtime.packer(torch.zeros(1024, device="cuda")) is None
-    runtime.step_end()
+    runtime.end_step()
     runtime.close()

@@ -112,10 +112,10 @@ def test_runtime_grows_pool_after_a_step_with_many_misses():
     runtime = ActivationRuntime(config, device="cpu", model=model)
     misses = []
     for step in range(3):
-        runtime.step_begin(step)
+        runtime.begin_step(step)
         with runtime.managed_forward():
             model(x).sum().backward()
-        runtime.step_end()
+        runtime.end_step()
         m = runtime.step_metrics()
         assert m["pool_hits"] + m["pool_misses"] == m["activations_spilled"] == 12
         misses.append(m["pool_misses"])

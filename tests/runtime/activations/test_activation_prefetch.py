@@ -38,13 +38,13 @@ def _mlp_steps(runtime, model, backward_begin=True):
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
     grads, metrics = [], []
     for step in range(STEPS):
-        runtime.step_begin(step)
+        runtime.begin_step(step)
         with runtime.managed_forward():
             loss = model(x).square().mean()
             if backward_begin:
                 runtime.backward_begin()
             loss.backward()
-        runtime.step_end()
+        runtime.end_step()
         metrics.append(runtime.step_metrics())
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)

@@ -134,12 +134,12 @@ def test_config_accepts_the_seed_json_block_verbatim():
 
 def test_step_lifecycle_errors():
     runtime = ActivationRuntime(ActivationStagehandConfig(**SMALL_POOL), device="cpu")
-    runtime.step_begin(0)
-    with pytest.raises(RuntimeError, match=r"step_begin\(1\) while step 0 is open"):
-        runtime.step_begin(1)
-    runtime.step_end()
+    runtime.begin_step(0)
+    with pytest.raises(RuntimeError, match=r"begin_step\(1\) while step 0 is open"):
+        runtime.begin_step(1)
+    runtime.end_step()
     runtime.close()
     with pytest.raises(RuntimeError, match="closed"):
-        runtime.step_begin(2)
+        runtime.begin_step(2)
     # A closed runtime keeps everything (the packer claims nothing).
     assert runtime.packer(torch.zeros(1024)) is None

@@ -78,7 +78,7 @@ def _view(t, kind):
 @pytest.mark.sync_device  # a spill is SPILLED when pack returns
 def test_unpack_of_pack_equals_the_tensor(shape, dtype, kind, seed):
     runtime = ActivationRuntime(ActivationStagehandConfig(**SPILL_ALL), device="cpu")
-    runtime.step_begin(0)
+    runtime.begin_step(0)
     base = _base(tuple(shape), dtype, seed)
     t = _view(base, kind)
     handle = runtime.packer(t)
@@ -95,7 +95,7 @@ def test_unpack_of_pack_equals_the_tensor(shape, dtype, kind, seed):
     assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     del handle, out
     assert record.state is ActivationState.RELEASED
-    runtime.step_end()
+    runtime.end_step()
     m = runtime.step_metrics()
     assert (m["activations_spilled"], m["activations_restored"], m["stall_count"]) == (1, 1, 1)
     assert runtime.pool.in_use() == 0
@@ -105,44 +105,44 @@ def test_parameters_buffers_and_their_views_are_never_spilled():
     model = nn.Linear(64, 64)
     model.register_buffer("scale", torch.ones(4096))
     runtime = ActivationRuntime(ActivationStagehandConfig(**SPILL_ALL), device="cpu", model=model)
-    runtime.step_begin(0)
+    runtime.begin_step(0)
     for weight in (model.weight, model.weight.t(), model.weight[2:], model.scale, model.bias):
         assert not isinstance(runtime.packer(weight), SpilledTensor)
     assert runtime.memory.tracked_bytes("activations") == 0  # weights are not activations
     assert isinstance(runtime.packer(torch.randn(64, 64)), SpilledTensor)
-    runtime.step_end()
+    runtime.end_step()
     m = runtime.step_metrics()
     assert (m["activations_saved"], m["activations_kept"], m["activations_spilled"]) == (6, 5, 1)
     # Without the model, a leaf that requires grad is taken for a parameter.
     bare = ActivationRuntime(ActivationStagehandConfig(**SPILL_ALL), device="cpu")
-    bare.step_begin(0)
+    bare.begin_step(0)
     assert not isinstance(bare.packer(torch.randn(64, 64, requires_grad=True)), SpilledTensor)
     assert isinstance(bare.packer(torch.randn(64, 64)), SpilledTensor)
-    bare.step_end()
+    bare.end_step()
 
 
 def test_small_tensors_stay_below_min_spill_and_recompute_threshold():
     fields = dict(SPILL_ALL, min_spill_bytes=1024, recompute_threshold_bytes=4096)
     runtime = ActivationRuntime(ActivationStagehandConfig(**fields), device="cpu")
-    runtime.step_begin(0)
+    runtime.begin_step(0)
     assert not isinstance(runtime.packer(torch.zeros(256)), SpilledTensor)  # 1 KB < 4 KB
     assert not isinstance(runtime.packer(torch.zeros(1023)), SpilledTensor)
     assert isinstance(runtime.packer(torch.zeros(1024)), SpilledTensor)  # 4 KB
-    runtime.step_end()
+    runtime.end_step()
 
 
 @pytest.mark.sync_device  # corrupts the host copy right after the spill
 def test_checksum_mismatch_raises_with_record_id():
     fields = dict(SPILL_ALL, debug_checksums=True)
     runtime = ActivationRuntime(ActivationStagehandConfig(**fields), device="cpu")
-    runtime.step_begin(0)
+    runtime.begin_step(0)
     good = runtime.packer(torch.randn(32, 32))
     assert torch.equal(good.unpack(), good.unpack())
     bad = runtime.packer(torch.randn(32, 32))
     bad.record.buffer[17] ^= 0xFF  # the host copy is corrupted while spilled
     with pytest.raises(ChecksumError, match=rf"activation record {bad.record.id} .*CRC32"):
         bad.unpack()
-    runtime.step_end()
+    runtime.end_step()
 
 
 @pytest.mark.sync_device  # D2H grants released when pack returns
@@ -150,7 +150,7 @@ def test_conductor_denial_keeps_the_tensor_and_grants_are_released():
     manager = TransferManager(h2d_slots=1, d2h_slots=1)
     runtime = ActivationRuntime(ActivationStagehandConfig(**SPILL_ALL), device="cpu")
     runtime.conductor = manager
-    runtime.step_begin(0)
+    runtime.begin_step(0)
     held = manager.request_transfer("d2h", "required")  # someone else holds the only slot
     t = torch.randn(64, 64)
     kept = runtime.packer(t)
@@ -163,7 +163,7 @@ def test_conductor_denial_keeps_the_tensor_and_grants_are_released():
     runtime.transfer.set_caps(0, None)  # the Conductor's "no new spills" cap (OPTIMIZER)
     assert not isinstance(runtime.packer(t), SpilledTensor)
     assert runtime.metrics.spills_denied == 2
-    runtime.step_end()
+    runtime.end_step()
     m = runtime.step_metrics()
     assert (m["activations_saved"], m["activations_kept"], m["activations_spilled"]) == (3, 2, 1)
     assert len(runtime.registry) == 0
@@ -174,9 +174,9 @@ def test_step_end_releases_records_and_emits_the_seed_record():
     runtime = ActivationRuntime(
         ActivationStagehandConfig(**SPILL_ALL), device="cpu", telemetry=Telemetry(sink)
     )
-    runtime.step_begin(7)
+    runtime.begin_step(7)
     handle = runtime.packer(torch.randn(64, 64))
-    runtime.step_end()  # backward never ran
+    runtime.end_step()  # backward never ran
     assert handle.record.state is ActivationState.RELEASED
     assert runtime.pool.in_use() == 0
     with pytest.raises(ActivationStateError, match="was released"):

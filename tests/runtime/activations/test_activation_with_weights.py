@@ -52,7 +52,7 @@ def test_weights_and_activations_together_match_plain_training(tiny_flux, checkp
     for step in range(3):
         inputs = example_inputs(model, seed=step)
         weights.begin_step(step)
-        acts.step_begin(step)
+        acts.begin_step(step)
         with router.hooks():
             with weights.managed_forward(install_hooks=False), acts.managed_forward(False):
                 loss = output_tensor(model(**inputs)).float().square().mean()
@@ -65,7 +65,7 @@ def test_weights_and_activations_together_match_plain_training(tiny_flux, checkp
         with weights.optimizer_context(optimizer):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        acts.step_end()
+        acts.end_step()
         weights.end_step()
         m = acts.step_metrics()
         assert m["activations_spilled"] > 0

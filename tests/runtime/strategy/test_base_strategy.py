@@ -29,7 +29,7 @@ def test_none_strategy_runs_a_step_and_times_phases():
         with strategy.optimizer(opt):
             opt.step()
     assert not torch.equal(before, model.weight)
-    assert set(strategy.phase_ms) == {"forward", "backward", "optimizer"}
+    assert set(strategy.phase_ms) == {"step_begin", "forward", "backward", "optimizer"}
     assert sum(strategy.phase_ms.values()) <= strategy.step_ms
 
 
