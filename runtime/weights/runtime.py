@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -48,14 +49,22 @@ from runtime.weights.scheduler import BlockScheduler, make_room, release_after_u
 from runtime.weights.sources import SafetensorsCheckpoint
 from runtime.weights.transfer import TransferEngine
 
-_COUNTERS = (
-    "blocks_loaded",
-    "blocks_evicted",
-    "prefetch_hits",
-    "prefetch_misses",
-    "prefetch_skipped",
-    "stall_time_ms",
-)
+
+@dataclass
+class StepCounts:
+    """The weight runtime's work in one step (reset at each step's start)."""
+
+    blocks_loaded: int = 0
+    """Blocks whose H2D copy was issued (demand loads and prefetches)."""
+    blocks_evicted: int = 0
+    prefetch_hits: int = 0
+    """Uses that found the block prefetched."""
+    prefetch_misses: int = 0
+    """Uses that had to load the block on demand."""
+    prefetch_skipped: int = 0
+    """Prefetches not issued: the high watermark, no slab or slot, or the Conductor said no."""
+    stall_time_ms: float = 0.0
+    """Host time the compute waited for demand loads (ms)."""
 
 
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
@@ -149,7 +158,7 @@ class StagehandRuntime:
         self.step: int | None = None
         self._open = self._explicit = self._saw_backward = False
         self._first_block: int | None = None
-        self._counts: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self.counts = StepCounts()
         self._h2d_at_begin = self._reads_at_begin = self._pageable_at_begin = 0
         self._last: dict[str, Any] = {}
         self._closed = False
@@ -179,7 +188,7 @@ class StagehandRuntime:
     def _start(self, step: int, explicit: bool) -> None:
         self.step, self._open, self._explicit = step, True, explicit
         self._saw_backward, self._first_block = False, None
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self.counts = StepCounts()
         self._h2d_at_begin = self.transfer.h2d_bytes
         self._reads_at_begin = self._file_reads()
         self._pageable_at_begin = self.transfer.stream.pageable_copies
@@ -198,11 +207,10 @@ class StagehandRuntime:
         traced = self.scheduler.end_step()
         self._open = False
         mem = self.memory.snapshot()
-        c = self._counts
         self._last = {
             **self.counters(),
-            "prefetch_skipped": int(c["prefetch_skipped"]),
-            "stall_time_ms": c["stall_time_ms"],
+            "prefetch_skipped": self.counts.prefetch_skipped,
+            "stall_time_ms": self.counts.stall_time_ms,
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
@@ -222,12 +230,12 @@ class StagehandRuntime:
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
         from the safetensors files), ``h2d_bytes`` (bytes copied to the device) and
         ``pageable_copies`` (copies a pageable host buffer made synchronous; 0 expected)."""
-        c = self._counts
+        c = self.counts
         return {
-            "blocks_loaded": int(c["blocks_loaded"]),
-            "blocks_evicted": int(c["blocks_evicted"]),
-            "prefetch_hits": int(c["prefetch_hits"]),
-            "prefetch_misses": int(c["prefetch_misses"]),
+            "blocks_loaded": c.blocks_loaded,
+            "blocks_evicted": c.blocks_evicted,
+            "prefetch_hits": c.prefetch_hits,
+            "prefetch_misses": c.prefetch_misses,
             "file_reads": self._file_reads() - self._reads_at_begin,
             "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
             "pageable_copies": self.transfer.stream.pageable_copies - self._pageable_at_begin,
@@ -348,9 +356,9 @@ class StagehandRuntime:
         t0 = time.perf_counter()
         miss = block.state is BlockState.UNLOADED
         if miss:
-            self._counts["prefetch_misses"] += 1
+            self.counts.prefetch_misses += 1
             self.transfer.load(block, speculative=False)
-            self._counts["blocks_loaded"] += 1
+            self.counts.blocks_loaded += 1
             self._emit_block("load", block, prefetch=False)
         else:
             self._count_hit(block)
@@ -358,13 +366,13 @@ class StagehandRuntime:
         # Host time the compute waited: a demand load (on CUDA a prefetched block's event wait
         # is on the device and costs the host nothing).
         stall_ms = (time.perf_counter() - t0) * 1e3
-        self._counts["stall_time_ms"] += stall_ms
+        self.counts.stall_time_ms += stall_ms
         if miss:
             self._emit_block("stall", block, stall_ms=stall_ms)
 
     def _count_hit(self, block: Block) -> None:
         if block.prefetched:
-            self._counts["prefetch_hits"] += 1
+            self.counts.prefetch_hits += 1
             block.prefetched = False
 
     def _ready(self, block: Block) -> None:
@@ -379,23 +387,21 @@ class StagehandRuntime:
             if block.state is not BlockState.UNLOADED:
                 continue
             if not self._make_room(block):
-                self._counts["prefetch_skipped"] += (
-                    1  # can_prefetch: would cross the high watermark
-                )
+                self.counts.prefetch_skipped += 1  # would cross the high watermark
                 return
             grant = None
             if self.conductor is not None:
                 grant = self.conductor.request_transfer("h2d", "speculative")
                 if not grant.granted:
-                    self._counts["prefetch_skipped"] += 1
+                    self.counts.prefetch_skipped += 1
                     return
             if not self.transfer.load(block, speculative=True, grant=grant):
                 if grant is not None:
                     grant.release()
-                self._counts["prefetch_skipped"] += 1
+                self.counts.prefetch_skipped += 1
                 return
             block.prefetched = True
-            self._counts["blocks_loaded"] += 1
+            self.counts.blocks_loaded += 1
             self._emit_block("load", block, prefetch=True)
 
     def _make_room(self, block: Block) -> bool:
@@ -431,7 +437,7 @@ class StagehandRuntime:
         for slot in block.layout:
             self._by_ptr.pop(slot.param.data_ptr(), None)
         self.transfer.evict(block)
-        self._counts["blocks_evicted"] += 1
+        self.counts.blocks_evicted += 1
         self._emit_block("evict", block, **fields)
 
     # -- policy hooks (layer offload: runtime/layer_offload) ------------------------------------
