@@ -11,8 +11,8 @@ from runtime.activations.registry import (
     ActivationState,
     ActivationStateError,
 )
-from runtime.activations.restore import ChecksumError
 from runtime.activations.runtime import ActivationRuntime
+from runtime.activations.spill import ChecksumError, SpillTable
 from runtime.activations.telemetry import STEP_FIELDS, ActivationStepMetrics
 from runtime.activations.transfer import ActivationTransferEngine
 
@@ -30,6 +30,7 @@ __all__ = [
     "ChecksumError",
     "KeptTensor",
     "RestorePlanner",
+    "SpillTable",
     "SpilledTensor",
     "check_watermarks",
 ]

@@ -55,6 +55,7 @@ from runtime.common.saved_tensors import SavedTensorRouter
 if TYPE_CHECKING:
     from runtime.activations.registry import ActivationRecord
     from runtime.activations.runtime import ActivationRuntime
+    from runtime.activations.spill import SpillTable
 
 
 def span_elements(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -80,26 +81,26 @@ def rebuild(span_u8: torch.Tensor, record: ActivationRecord) -> torch.Tensor:
 
 
 class SpilledTensor:
-    """What autograd holds for a spilled tensor: the record and the runtime that owns it.
+    """What autograd holds for a spilled tensor: the record and the ``SpillTable`` that owns it.
 
     ``unpack`` returns the restored tensor (restoring on demand when no prefetch got there
     first). Freed by autograd once the node's backward ran: the record is released and its
     memory returned.
     """
 
-    __slots__ = ("record", "runtime")
+    __slots__ = ("record", "table")
 
-    def __init__(self, record: ActivationRecord, runtime: ActivationRuntime) -> None:
+    def __init__(self, record: ActivationRecord, table: SpillTable) -> None:
         self.record = record
-        self.runtime = runtime
+        self.table = table
 
     def unpack(self) -> torch.Tensor:
-        return self.runtime._unpack_record(self.record)
+        return self.table.unpack(self.record)
 
     def __del__(self) -> None:
-        runtime = self.runtime
-        if runtime is not None:
-            runtime._release_record(self.record)
+        table = self.table
+        if table is not None:
+            table.release(self.record)
 
     def __repr__(self) -> str:
         return f"SpilledTensor({self.record!r})"

@@ -22,25 +22,15 @@ the seed nests this runtime's step inside the weight runtime's.
 from __future__ import annotations
 
 import contextlib
-import zlib
-from collections import Counter
 from itertools import chain
+from typing import Any
 
 import torch
 
 from runtime.activations.budget import ActivationBudgetManager
-from runtime.activations.hooks import (
-    KeptTensor,
-    SpilledTensor,
-    managed_forward,
-    span_bytes_view,
-    span_elements,
-)
+from runtime.activations.hooks import KeptTensor, SpilledTensor, managed_forward, span_elements
 from runtime.activations.pool import CPUSpillBackend
-from runtime.activations.prefetch import RestorePlanner
-from runtime.activations.registry import ActivationRecord, ActivationRegistry
-from runtime.activations.registry import ActivationState as S
-from runtime.activations.restore import CATEGORY, RestoreMixin
+from runtime.activations.spill import CATEGORY, SpillTable
 from runtime.activations.telemetry import SOURCE, ActivationStepMetrics
 from runtime.activations.transfer import ActivationTransferEngine
 from runtime.common.memory import DeviceMemory
@@ -54,8 +44,10 @@ dict updates per saved tensor would double the KEEP path's cost); watermark deci
 unreported bytes, so only the tracked *peak* can lag the truth, by less than this."""
 
 
-class ActivationRuntime(RestoreMixin):
-    """Saved-tensor spill runtime (Activation Stagehand).
+class ActivationRuntime:
+    """Saved-tensor spill runtime (Activation Stagehand): the pack decision (watermark, size,
+    weights) and the kept tensors' accounting here; the spilled side in ``self.table``
+    (``SpillTable``: records, copies, restores, release).
 
     Args:
         config: ``ActivationStagehandConfig`` (or its JSON block as a dict).
@@ -94,8 +86,6 @@ class ActivationRuntime(RestoreMixin):
             else default_telemetry(config.telemetry_file if config.telemetry_enabled else None)
         )
         self.model = model
-        self.conductor: object | None = None
-        """Set by the Conductor adapter: each spill then asks it for a D2H slot first."""
         self.transfer = ActivationTransferEngine(
             self.device, config.max_inflight_d2h, config.max_inflight_h2d
         )
@@ -118,13 +108,19 @@ class ActivationRuntime(RestoreMixin):
                 f"could not page-lock the activation pool ({total:g} MB: "
                 f"pinned_pool_classes_mb x slabs_per_class): {exc}. Lower slabs_per_class"
             ) from exc
-        self.registry = ActivationRegistry()
-        self.planner = RestorePlanner()
         self.metrics = ActivationStepMetrics()
         self.min_spill_bytes = max(config.recompute_threshold_bytes, config.min_spill_bytes, 1)
-        self.predictive_restore = config.predictive_restore
-        self.restore_ahead = config.restore_ahead
         self._track_kept = not self.memory.is_cuda
+        self.table = SpillTable(
+            config,
+            memory=self.memory,
+            transfer=self.transfer,
+            pool=self.pool,
+            track_restored=self._track_kept,
+            packs=lambda: self._seq,
+            publish=self._publish,
+        )
+        self.registry, self.planner = self.table.registry, self.table.planner
         self._live: dict[int, list[int]] = {}
         """Kept storages counted in tracked memory: data_ptr -> [saved refs, bytes]."""
         self._unpublished = 0
@@ -132,15 +128,20 @@ class ActivationRuntime(RestoreMixin):
         self._generation = 0
         self._weights: dict[int, torch.Tensor] = {}
         """id -> the model's parameters and buffers: never spilled, never counted."""
-        self._spilled: list[ActivationRecord] = []
-        self._pending: list[tuple[object, torch.Tensor]] = []
-        """(H2D event, host buffer) of restores released before their copy was seen done."""
-        self._misses = Counter()
         self._seq = 0
         self._step: int | None = None
         self._closed = False
         self.packer = self._pack if config.enabled else _keep
         """``packer(tensor) -> Packed | None`` for ``SavedTensorRouter``."""
+
+    @property
+    def conductor(self) -> Any:
+        """The Conductor, set by its adapter: each spill then asks it for a D2H slot first."""
+        return self.table.conductor
+
+    @conductor.setter
+    def conductor(self, conductor: Any) -> None:
+        self.table.conductor = conductor
 
     # -- lifecycle -------------------------------------------------------------------------------
     def set_watermarks(self, high_mb: float, low_mb: float) -> None:
@@ -164,8 +165,8 @@ class ActivationRuntime(RestoreMixin):
             raise RuntimeError(f"begin_step({step}) while step {self._step} is open")
         self._step = step
         self.metrics = ActivationStepMetrics(step=step)
+        self.table.begin_step(self.metrics)
         self._seq = 0
-        self._misses.clear()
         if self.model is not None:
             # By identity, not storage address: a weight runtime swaps the storages of streamed
             # weights, and a freed address may come back as an activation. Refreshed each step
@@ -183,26 +184,17 @@ class ActivationRuntime(RestoreMixin):
         """Backward is about to start: finish in-flight spills, plan the backward order and
         restore its first ``restore_ahead`` tensors (the seed's strategy calls this from its
         BACKWARD phase; without it the first unpack starts the plan, and stalls once)."""
-        self._finalize(list(self.transfer.d2h_inflight))
-        if not self.planner.active:
-            self._start_plan()
+        self.table.begin_backward()
 
     def end_step(self) -> None:
         """End the step: finish every copy, release every record of the step, untrack what was
         kept, grow the pool if it missed too often, emit the ``activation_stagehand/step``
         record. Safe without ``begin_step`` (releases what the hooks created)."""
-        self._finalize(list(self.transfer.d2h_inflight))
-        for record in self.transfer.completed_restores(block=True):
-            self._restored(record)
-        self._retire_pending(block=True)
-        for record in self.registry:
-            self._release_record(record)
+        self.table.end_step()
         self._unpublished -= sum(nbytes for _count, nbytes in self._live.values())
         self._live.clear()
         self._publish()
         self._generation += 1
-        self._spilled = []
-        self.planner.end_step(self._seq)
         self.metrics.vram_peak_mb = self.memory.peak_bytes() / MB
         self._grow_pool()
         if self.config.telemetry_enabled and self._step is not None:
@@ -302,58 +294,7 @@ class ActivationRuntime(RestoreMixin):
         nbytes = span * tensor.element_size()
         if nbytes <= 0:
             return None
-        self._poll()
-        metrics = self.metrics
-        if not self.transfer.can_spill():
-            if self.transfer.d2h_limit == 0:
-                return self._refuse(tensor, seq)
-            # The seed's inline finalize: without it only one tensor per step would spill.
-            self._finalize(list(self.transfer.d2h_inflight))
-            metrics.inline_finalizes += 1
-        grant = None
-        if self.conductor is not None:
-            grant = self.conductor.request_transfer("d2h", "required")
-            if not grant.granted:
-                return self._refuse(tensor, seq)
-        buffer, pooled = self.pool.acquire(nbytes)
-        record = self.registry.create(seq, S.SPILLING, tensor)
-        record.span, record.nbytes, record.buffer, record.pooled = span, nbytes, buffer, pooled
-        record.grant = grant
-        source = span_bytes_view(tensor, span)
-        record.device_tensor = source  # held until the D2H copy completes
-        record.event = self.transfer.spill_copy(source, buffer)
-        self.transfer.d2h_inflight.append(record)
-        metrics.activations_spilled += 1
-        metrics.spill_bytes += nbytes
-        if pooled:
-            metrics.pool_hits += 1
-        else:
-            metrics.pool_misses += 1
-            self._misses[self.pool.class_for(nbytes)] += 1
-        self._spilled.append(record)
-        if self.planner.active:
-            self.planner.active = False  # a new forward after a backward: plan again
-        if not self.transfer.asynchronous:
-            self._finalize([record])  # the copy was synchronous
-        return SpilledTensor(record, self)
-
-    def _refuse(self, tensor: torch.Tensor, seq: int) -> None:
-        self.registry.create(seq, S.KEPT, tensor)
-        self.metrics.spills_denied += 1
-        return None
-
-    def _finalize(self, records: list[ActivationRecord]) -> None:
-        for record in self.transfer.finalize(records):
-            self._spilled_done(record)
-
-    def _spilled_done(self, record: ActivationRecord) -> None:
-        self.registry.transition(record, S.SPILLED)
-        record.device_tensor = None  # the device memory is free once forward drops it too
-        if record.grant is not None:
-            record.grant.release()
-            record.grant = None
-        if self.config.debug_checksums:
-            record.crc32 = zlib.crc32(record.buffer.numpy())
+        return self.table.spill(tensor, seq, span, nbytes)
 
     # -- pool growth -------------------------------------------------------------------------------
     def _grow_pool(self) -> None:
@@ -363,7 +304,8 @@ class ActivationRuntime(RestoreMixin):
         threshold = self.config.pool_growth_miss_threshold
         if threshold <= 0 or self.metrics.pool_misses <= threshold:
             return
-        for index, misses in sorted((i, n) for i, n in self._misses.items() if i is not None):
+        misses_by_class = self.table.misses.items()
+        for index, misses in sorted((i, n) for i, n in misses_by_class if i is not None):
             class_mb = self.pool.class_sizes_mb[index]
             try:
                 added = self.pool.grow(class_mb, misses)
