@@ -20,10 +20,8 @@ from pydantic import (
 
 from runtime.config import AUTO_DEVICE, LiveLimits, check_device
 from runtime.preset import field_error
+from runtime.status import RunStatus
 
-RunStatus = Literal[
-    "queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"
-]
 MAX_ID = 2**62
 """Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
 RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62")]

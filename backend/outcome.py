@@ -19,6 +19,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from runtime.status import RunStatus
+
 LOG_TAIL_BYTES = 4000
 
 
@@ -71,7 +73,7 @@ def classify(
     if rc is not None and rc < 0:
         name = signal_name(-rc)
         out["signal"] = name
-        out["status"] = "cancelled" if cancel_requested else "killed"
+        out["status"] = RunStatus.CANCELLED if cancel_requested else RunStatus.KILLED
         if not cancel_requested:
             oom = " (the kernel's OOM killer sends SIGKILL when host RAM runs out)"
             out["error"] = {
@@ -81,9 +83,13 @@ def classify(
             }
     elif finished is not None and rc in (0, None):
         status = finished.get("status")
-        out["status"] = status if status in ("succeeded", "cancelled") else "succeeded"
+        out["status"] = (
+            RunStatus(status)
+            if status in (RunStatus.SUCCEEDED, RunStatus.CANCELLED)
+            else RunStatus.SUCCEEDED
+        )
     elif last is not None and last.get("kind") == "error":
-        out["status"] = "failed"
+        out["status"] = RunStatus.FAILED
         out["error"] = {
             "message": str(last.get("message", "")),
             "error_type": last.get("error_type"),
@@ -94,7 +100,7 @@ def classify(
     elif rc is None:
         when = "was gone when the server started" if gone_at_start else "disappeared"
         who = f"worker process (pid {pid})" if pid else "worker"
-        out["status"] = "crashed"
+        out["status"] = RunStatus.CRASHED
         out["error"] = {
             "message": f"{who} {when}; its telemetry last said {describe(last)}",
             "last_record": last,
@@ -102,7 +108,7 @@ def classify(
         }
     else:
         missing = "" if rc else " without a run_finished record"
-        out["status"] = "failed"
+        out["status"] = RunStatus.FAILED
         out["error"] = {
             "message": f"worker exited with code {rc} after {describe(last)}{missing}",
             "log_tail": tail,

@@ -22,12 +22,9 @@ from typing import Any
 import sqlite_utils
 
 from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
+from runtime.status import check_status_transition
 
-ACTIVE = ("running", "stalled")
-"""Statuses of a run whose worker process is (believed to be) alive."""
-TERMINAL = ("succeeded", "failed", "cancelled", "killed", "crashed")
-RESUMABLE = ("failed", "cancelled", "killed", "crashed")
-"""Ended before their last step: with a checkpoint, such a run can continue from it."""
+# Run statuses and their legal moves: runtime/status.py (shared with the worker and the API).
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:
@@ -309,8 +306,17 @@ class Store:
         self.db.execute(f"UPDATE runs SET {sets} WHERE id = ?", [*fields.values(), run_id])
 
     def set_status_if(self, run_id: int, expected: Iterable[str], **fields: Any) -> bool:
-        """Update only while the run's status is one of ``expected``; True if it changed."""
+        """Update only while the run's status is one of ``expected``; True if it changed.
+
+        Raises:
+            runtime.status.RunStatusError: ``fields["status"]`` is not a legal next status of
+                every status in ``expected`` (``runtime.status.LEGAL_NEXT``), before anything
+                is written.
+        """
         exp = list(expected)
+        if "status" in fields:
+            for old in exp:
+                check_status_transition(old, fields["status"])
         for key in ("error", "summary"):
             if key in fields and fields[key] is not None and not isinstance(fields[key], str):
                 fields[key] = json.dumps(fields[key])

@@ -38,9 +38,10 @@ from backend.outcome import classify
 from backend.outcome import log_tail as outcome_log_tail
 from backend.run_files import checkpoints
 from backend.settings import Settings
-from backend.store import ACTIVE, RESUMABLE, Store
+from backend.store import Store
 from backend.tailer import Tailer
 from runtime.config import AUTO_DEVICE
+from runtime.status import ACTIVE, RESUMABLE, RunStatus
 
 log = logging.getLogger("backend.supervisor")
 
@@ -197,8 +198,8 @@ class Supervisor:
             )
         else:
             limit = self.settings.startup_stall_s
-        if run["status"] == "running" and quiet_s > limit:
-            if self.store.set_status_if(run_id, ["running"], status="stalled"):
+        if run["status"] == RunStatus.RUNNING and quiet_s > limit:
+            if self.store.set_status_if(run_id, [RunStatus.RUNNING], status=RunStatus.STALLED):
                 log.warning(
                     "run %d: no telemetry for %.1f s (limit %.1f s): stalled",
                     run_id,
@@ -206,8 +207,8 @@ class Supervisor:
                     limit,
                 )
                 self.on_change(run_id)
-        elif run["status"] == "stalled" and quiet_s <= limit:
-            if self.store.set_status_if(run_id, ["stalled"], status="running"):
+        elif run["status"] == RunStatus.STALLED and quiet_s <= limit:
+            if self.store.set_status_if(run_id, [RunStatus.STALLED], status=RunStatus.RUNNING):
                 self.on_change(run_id)
 
     def _launch_queued(self) -> None:
@@ -216,7 +217,7 @@ class Supervisor:
         for w in self._workers.values():
             device = slot_device(w.device, default)
             busy[device] = busy.get(device, 0) + 1
-        for run in self.store.runs_with_status("queued"):
+        for run in self.store.runs_with_status(RunStatus.QUEUED):
             device = slot_device(run["device"], default)
             if busy.get(device, 0) >= self.executor.slots(self.settings.max_parallel):
                 continue
@@ -231,8 +232,8 @@ class Supervisor:
         except LaunchError as exc:
             self.store.set_status_if(
                 run_id,
-                ["queued"],
-                status="failed",
+                [RunStatus.QUEUED],
+                status=RunStatus.FAILED,
                 finished_at=time.time(),
                 error={"message": str(exc), "error_type": type(exc.__cause__ or exc).__name__},
             )
@@ -240,8 +241,8 @@ class Supervisor:
             return False
         started = self.store.set_status_if(
             run_id,
-            ["queued"],
-            status="running",
+            [RunStatus.QUEUED],
+            status=RunStatus.RUNNING,
             started_at=time.time(),
             **self.executor.store_fields(job),
         )
@@ -281,7 +282,7 @@ class Supervisor:
         )
         fields["finished_at"] = time.time()
         fields["summary"] = self.store.summary(run_id)
-        if self.store.set_status_if(run_id, [*ACTIVE, "queued"], **fields):
+        if self.store.set_status_if(run_id, [*ACTIVE, RunStatus.QUEUED], **fields):
             log.info(
                 "run %d: %s (exit %s, signal %s)",
                 run_id,
@@ -304,7 +305,7 @@ class Supervisor:
         """
         with self._lock:
             if self.store.set_status_if(
-                run_id, ["queued"], status="cancelled", finished_at=time.time()
+                run_id, [RunStatus.QUEUED], status=RunStatus.CANCELLED, finished_at=time.time()
             ):
                 self.on_change(run_id)
                 return
@@ -353,7 +354,7 @@ class Supervisor:
             if self.store.set_status_if(
                 run_id,
                 list(RESUMABLE),
-                status="queued",
+                status=RunStatus.QUEUED,
                 resume=1,
                 cancel_requested_at=None,
                 **fields,

@@ -16,9 +16,10 @@ from backend.hub import Hub
 from backend.limits import effective_limits
 from backend.models import run_public
 from backend.settings import Settings
-from backend.store import ACTIVE, Store
+from backend.store import Store
 from backend.supervisor import Supervisor
 from backend.system import SystemProbe
+from runtime.status import ACTIVE
 
 
 def get_store(conn: HTTPConnection) -> Store:

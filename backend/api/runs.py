@@ -26,12 +26,11 @@ from backend.models import (
     RunId,
     RunPublic,
     RunsPublic,
-    RunStatus,
     RunUpdate,
 )
 from backend.openapi import errors
 from backend.presets import run_config
-from backend.store import ACTIVE
+from runtime.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -108,7 +107,7 @@ def resume_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep) -> dic
 @router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 409))
 def delete_run(run_id: RunId, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep):
     run = run_row(store, run_id)
-    if run["status"] in (*ACTIVE, "queued") or supervisor.is_live(run_id):
+    if run["status"] in (*ACTIVE, RunStatus.QUEUED) or supervisor.is_live(run_id):
         raise Conflict(f"run {run_id} is {run['status']}; cancel it before deleting", field="id")
     run_dir = (settings.runs_dir / str(run_id)).resolve()
     if run_dir.parent == settings.runs_dir.resolve() and run_dir.is_dir():

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry  # noqa: E402
 from runtime.config import AUTO_DEVICE, MB, check_device  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
+from runtime.status import RunStatus  # noqa: E402
 from runtime.trainer import encode, loop  # noqa: E402
 from runtime.trainer.clips import scan_clips  # noqa: E402
 from runtime.trainer.control import ControlDir, StopFlag  # noqa: E402
@@ -150,16 +151,16 @@ class Run:
         cached = self.stage1(preset, vae_dir, encoder_dir, samples)
         cache_s = time.perf_counter() - t0
         if cached is None:
-            return self.finish("cancelled", {"cache_s": cache_s})
+            return self.finish(RunStatus.CANCELLED, {"cache_s": cache_s})
         t1 = time.perf_counter()
         self.vae_dir = vae_dir  # samples during training (factory families)
         state = self.stage2(preset, model_dir, cached)
         timings = {"cache_s": cache_s, "train_s": time.perf_counter() - t1}
         if state.stopped:
-            return self.finish("cancelled", timings)
+            return self.finish(RunStatus.CANCELLED, timings)
         if preset.samples.prompts:
             self.samples(preset, vae_dir, cached)
-        return self.finish("succeeded", timings)
+        return self.finish(RunStatus.SUCCEEDED, timings)
 
     def scan(self, preset: Preset) -> list[Sample]:
         """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
