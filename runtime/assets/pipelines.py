@@ -393,12 +393,22 @@ BUILDERS = {
     "wan22": lambda: wan_pipeline(experts=2),
     "zimage": zimage_pipeline,
     "ltx2": ltx2_pipeline,
+    "sd3": lambda: _sd("sd3_pipeline"),
 }
+
+
+def _sd(builder: str):
+    """A builder of ``sd_pipelines.py`` (SD 3.5, SDXL), imported on use (it imports this
+    module's tokenizers)."""
+    from . import sd_pipelines
+
+    return getattr(sd_pipelines, builder)()
 
 
 def save_pipeline(pipe, folder: Path) -> None:
     """``save_pretrained`` with shards small enough that the transformer has several."""
-    total = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    denoiser = getattr(pipe, "transformer", None) or pipe.unet
+    total = sum(p.numel() * p.element_size() for p in denoiser.parameters())
     pipe.save_pretrained(folder, safe_serialization=True, max_shard_size=max(total // 3, 1))
 
 
@@ -413,7 +423,7 @@ def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> P
     final = cache_root(cache_dir) / "pipelines" / f"{family}-tiny"
     # Any change to the builders rebuilds: the spec holds their files' hash.
     here = Path(__file__).parent
-    sources = [here / "pipelines.py", here / "ltx2_pipeline.py"]
+    sources = [here / "pipelines.py", here / "ltx2_pipeline.py", here / "sd_pipelines.py"]
     source = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
     spec = {"family": family, "seed": SEED, "source": source}
     return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))

@@ -15,6 +15,7 @@ from runtime.trainer.pipelines.folder import (
 )
 from runtime.trainer.pipelines.ltx2 import LTX2PipelineFamily
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
+from runtime.trainer.pipelines.sd3 import SD3PipelineFamily
 from runtime.trainer.pipelines.wan import WanPipelineFamily
 from runtime.trainer.pipelines.zimage import ZImagePipelineFamily
 
@@ -24,6 +25,7 @@ ADAPTERS: dict[str, PipelineFamily] = {
     "wan": WanPipelineFamily(),
     "ltx2": LTX2PipelineFamily(),
     "zimage": ZImagePipelineFamily(),
+    "sd3": SD3PipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 
