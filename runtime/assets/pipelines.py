@@ -394,6 +394,7 @@ BUILDERS = {
     "zimage": zimage_pipeline,
     "ltx2": ltx2_pipeline,
     "sd3": lambda: _sd("sd3_pipeline"),
+    "sdxl": lambda: _sd("sdxl_pipeline"),
 }
 
 

@@ -117,3 +117,55 @@ def sd3_pipeline(seed: int = SEED):
         text_encoder_3=t5,
         tokenizer_3=tok3,
     )
+
+
+def sdxl_pipeline(seed: int = SEED):
+    """A ``StableDiffusionXLPipeline`` (SDXL base layout): CLIP-L 3 layers hidden 20, CLIP-G 5
+    layers hidden 28 (projection 14), UNet of 2 levels (8, 16 channels; one resnet per down
+    level, transformer depths 1, 3 where SDXL has 1, 2, 10: the deepest level and the mid
+    block are the deep ones), ``text_time`` added
+    conditioning of 6 x 4 time features + 14 pooled, VAE with 4 latent channels and a 4x
+    downscale, Euler on the scaled-linear betas with ``prediction_type`` v_prediction (the
+    non-default branch: SDXL base predicts epsilon, v-prediction finetunes exist)."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    tok, tok2 = clip_tokenizer(), clip_tokenizer()
+    torch.manual_seed(seed)
+    clip_l = _clip(tok, hidden=20, layers=3, projection=None)
+    clip_g = _clip(tok2, hidden=28, layers=5, projection=14)
+    unet = UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        transformer_layers_per_block=(1, 3),
+        attention_head_dim=(2, 4),  # heads per level, as SDXL's config names them
+        cross_attention_dim=48,  # CLIP-L + CLIP-G hidden sizes
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=6 * 4 + 14,
+        norm_num_groups=4,
+    )
+    vae = _vae(4, scaling_factor=0.13025, shift_factor=None)
+    scheduler = EulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="v_prediction",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=clip_l,
+        text_encoder_2=clip_g,
+        tokenizer=tok,
+        tokenizer_2=tok2,
+        unet=unet,
+        scheduler=scheduler,
+    )

@@ -16,6 +16,7 @@ from runtime.trainer.pipelines.folder import (
 from runtime.trainer.pipelines.ltx2 import LTX2PipelineFamily
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
 from runtime.trainer.pipelines.sd3 import SD3PipelineFamily
+from runtime.trainer.pipelines.sdxl import SDXLPipelineFamily
 from runtime.trainer.pipelines.wan import WanPipelineFamily
 from runtime.trainer.pipelines.zimage import ZImagePipelineFamily
 
@@ -26,6 +27,7 @@ ADAPTERS: dict[str, PipelineFamily] = {
     "ltx2": LTX2PipelineFamily(),
     "zimage": ZImagePipelineFamily(),
     "sd3": SD3PipelineFamily(),
+    "sdxl": SDXLPipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 

@@ -130,6 +130,15 @@ def sd3_pipeline_dir(asset_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sdxl_pipeline_dir(asset_cache) -> Path:
+    """The tiny StableDiffusionXLPipeline folder (CLIP-L 3 + CLIP-G 5 layers, UNet of 2 levels,
+    v-prediction)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("sdxl", asset_cache)
+
+
+@pytest.fixture(scope="session")
 def wide_images(tmp_path_factory) -> Path:
     """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
     in the 64x128 bucket (non-square latents)."""
