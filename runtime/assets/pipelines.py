@@ -395,6 +395,7 @@ BUILDERS = {
     "ltx2": ltx2_pipeline,
     "sd3": lambda: _sd("sd3_pipeline"),
     "sdxl": lambda: _sd("sdxl_pipeline"),
+    "flux2": lambda: _flux2(),
 }
 
 
@@ -404,6 +405,13 @@ def _sd(builder: str):
     from . import sd_pipelines
 
     return getattr(sd_pipelines, builder)()
+
+
+def _flux2():
+    """``flux2_pipeline.py``'s FLUX.2 [klein], imported on use (it imports this module)."""
+    from .flux2_pipeline import flux2_klein_pipeline
+
+    return flux2_klein_pipeline()
 
 
 def save_pipeline(pipe, folder: Path) -> None:
@@ -424,7 +432,10 @@ def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> P
     final = cache_root(cache_dir) / "pipelines" / f"{family}-tiny"
     # Any change to the builders rebuilds: the spec holds their files' hash.
     here = Path(__file__).parent
-    sources = [here / "pipelines.py", here / "ltx2_pipeline.py", here / "sd_pipelines.py"]
+    sources = [
+        here / name
+        for name in ("pipelines.py", "ltx2_pipeline.py", "sd_pipelines.py", "flux2_pipeline.py")
+    ]
     source = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
     spec = {"family": family, "seed": SEED, "source": source}
     return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from runtime.trainer.pipelines.base import PipelineFamily
 from runtime.trainer.pipelines.flux import FluxPipelineFamily
+from runtime.trainer.pipelines.flux2 import Flux2PipelineFamily
 from runtime.trainer.pipelines.folder import (
     PIPELINE_FAMILIES,
     PipelineFolderError,
@@ -28,6 +29,7 @@ ADAPTERS: dict[str, PipelineFamily] = {
     "zimage": ZImagePipelineFamily(),
     "sd3": SD3PipelineFamily(),
     "sdxl": SDXLPipelineFamily(),
+    "flux2": Flux2PipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 

@@ -139,6 +139,14 @@ def sdxl_pipeline_dir(asset_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def flux2_pipeline_dir(asset_cache) -> Path:
+    """The tiny Flux2KleinPipeline folder (Qwen3 28 tiny layers, 3 double + 5 single blocks)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("flux2", asset_cache)
+
+
+@pytest.fixture(scope="session")
 def wide_images(tmp_path_factory) -> Path:
     """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
     in the 64x128 bucket (non-square latents)."""
