@@ -17,6 +17,15 @@ the pooled output from the first encoder whose output 0 is 2-D, i.e. CLIP-G's ``
 ``join_text`` concatenates the two hidden states along features as ``encode_prompt`` does. The
 UNet's cross-attention takes no mask (the cached mask is all ones).
 
+ComfyUI-layout copy: kohya's names over the original (SGM) UNet, what SDXL LoRAs are
+distributed in and ComfyUI loads (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``
+with ``.lora_down`` / ``.lora_up`` / ``.alpha``); ``StableDiffusionXLLoraLoaderMixin`` maps them
+back with ``_maybe_map_sgm_blocks_to_diffusers`` from the UNet's own ``layers_per_block``::
+
+    down_blocks.i.{resnets,attentions}.j  ->  input_blocks.(1 + i (L + 1) + j).{0,1}
+    mid_block.resnets.0 / attentions.0 / resnets.1  ->  middle_block.0 / 1 / 2
+    up_blocks.i.{resnets,attentions}.j    ->  output_blocks.(i (L + 1) + j).{0,1}
+
 ``add_time_ids`` are the pipeline's ``_get_add_time_ids`` for original size = target size = the
 bucket's pixel size and crop (0, 0), what ``__call__`` passes by default (the cache keeps no
 original sizes or crop offsets). Latents: ``z * scaling_factor``, or with the VAE's
@@ -26,6 +35,7 @@ inverts before decoding).
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import torch
@@ -52,6 +62,28 @@ def _clip_pass(index: int):
         return parts
 
     return clip_pass
+
+
+_STAGE = re.compile(r"(down_blocks|up_blocks)\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)")
+_MID = {"resnets.0": "0", "attentions.0": "1", "resnets.1": "2"}
+
+
+def sgm_name(module: str, layers_per_block: int) -> str | None:
+    """The original (SGM) UNet's name of the diffusers module ``module`` (module doc), or None
+    for a module outside the down, mid and up blocks' resnets and attentions."""
+    m = _STAGE.fullmatch(module)
+    if m:
+        kind, i, part, j, rest = m.groups()
+        inner = "0" if part == "resnets" else "1"
+        if kind == "down_blocks":
+            return f"input_blocks.{1 + int(i) * (layers_per_block + 1) + int(j)}.{inner}.{rest}"
+        return f"output_blocks.{int(i) * (layers_per_block + 1) + int(j)}.{inner}.{rest}"
+    if module.startswith("mid_block."):
+        part, _, rest = module.removeprefix("mid_block.").partition(".")
+        part = f"{part}.{rest.partition('.')[0]}"
+        if part in _MID:
+            return f"middle_block.{_MID[part]}.{rest.partition('.')[2]}"
+    return None
 
 
 class SDXLPipelineFamily(PipelineFamily):
@@ -217,6 +249,27 @@ class SDXLPipelineFamily(PipelineFamily):
             added_cond_kwargs={"text_embeds": text.pooled, "time_ids": time_ids},
             return_dict=False,
         )[0]
+
+    def comfy_state_dict(self, state, alpha):
+        """The LoRA in kohya's SGM names (module doc), or None when the UNet's
+        ``layers_per_block`` differs per level or a module has no SGM name."""
+        layers = read_json(self.transformer_dir / "config.json", "the UNet's config").get(
+            "layers_per_block"
+        )
+        if isinstance(layers, list):
+            if len(set(layers)) != 1:
+                return None
+            layers = layers[0]
+        out = {}
+        for key, value in state.items():
+            module, _, part = key.removeprefix(f"{self.lora_prefix}.").rpartition(".lora_")
+            name = sgm_name(module, int(layers))
+            if name is None:
+                return None
+            kohya = "lora_unet_" + name.replace(".", "_")
+            out[f"{kohya}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+            out[f"{kohya}.alpha"] = torch.tensor(float(alpha))
+        return out
 
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
         vae = load_component(self.root, "vae", torch.float32).to(device)

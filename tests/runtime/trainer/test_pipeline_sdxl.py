@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
+from runtime.trainer.outputs import COMFY_FILE
 from tests.runtime.trainer.conftest import assert_cache_reused, assert_streamed_and_spilled
 
 
 @pytest.fixture(scope="module")
 def sdxl_run(sdxl_pipeline_dir, wide_images, tmp_path_factory, pipe_io):
     tmp = tmp_path_factory.mktemp("sdxl-run")
-    preset = pipe_io.preset(tmp, sdxl_pipeline_dir, wide_images)
+    preset = pipe_io.preset(tmp, sdxl_pipeline_dir, wide_images, adapter={"rank": 4, "alpha": 8})
     return pipe_io.train_twice(preset, tmp)
 
 
@@ -43,9 +44,10 @@ def test_sdxl_trains_with_every_runtime_on_and_reuses_the_cache(sdxl_run, pipe_i
     assert_cache_reused(second, steps)
 
 
-def test_sdxl_lora_loads_into_the_pipeline_and_changes_it(sdxl_run, sdxl_pipeline_dir):
+def test_sdxl_lora_and_its_comfyui_copy_load_and_agree(sdxl_run, sdxl_pipeline_dir):
     from diffusers import StableDiffusionXLPipeline
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     run_dir, _ = sdxl_run
     lora = run_dir / "lora"
@@ -69,9 +71,18 @@ def test_sdxl_lora_loads_into_the_pipeline_and_changes_it(sdxl_run, sdxl_pipelin
         ).images
 
     base = generate()
-    pipe.load_lora_weights(lora)
+    pipe.load_lora_weights(lora, adapter_name="diffusers")
     tuned = generate()
     assert tuned.shape == (1, 3, 64, 128) and (tuned - base).abs().max() > 1e-4
+    # kohya's names over the original UNet (down_blocks.1.attentions.0 is input_blocks.3.1 with
+    # one resnet per level), with alpha 8 for rank 4, as ComfyUI and diffusers' converter read.
+    comfy = load_file(str(lora / COMFY_FILE))
+    key = "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q"
+    assert comfy[f"{key}.alpha"].item() == 8.0 and comfy[f"{key}.lora_down.weight"].shape[0] == 4
+    assert "lora_unet_middle_block_1_transformer_blocks_2_attn2_to_out_0.lora_up.weight" in comfy
+    pipe.delete_adapters("diffusers")
+    pipe.load_lora_weights(lora, weight_name=COMFY_FILE, adapter_name="comfyui")
+    assert torch.allclose(generate(), tuned, atol=1e-6)
 
 
 def test_sdxl_text_time_ids_and_targets_are_the_pipelines(sdxl_run, sdxl_pipeline_dir, tmp_path):
