@@ -128,3 +128,35 @@ def test_flux2_text_latents_and_predict_are_the_pipelines(flux2_run, flux2_pipel
     want = pipe._unpatchify_latents((x - v) * std + bn.running_mean.view(1, -1, 1, 1))
     assert torch.allclose(out, want, atol=1e-5) and (v.abs() > 0).any()
     assert adapter.mu(24) == compute_empirical_mu(24, 50)
+
+
+def test_flux2_folders_that_do_not_fit_are_named(flux2_pipeline_dir, tmp_path):
+    """A transformer whose text input is not 3 stacked Qwen3 hidden states; a FLUX.2 [dev]
+    (``Flux2Pipeline``) folder; a token limit the chat template alone fills."""
+    import shutil
+
+    from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+
+    folder = shutil.copytree(flux2_pipeline_dir, tmp_path / "copy")
+    config_path = folder / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "joint_attention_dim": 24}))
+    with pytest.raises(PipelineFolderError, match=r"joint_attention_dim is 24; expected 3 stacked"):
+        adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
+    config_path.write_text(json.dumps(config))
+
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
+    info = inspect_pipeline(folder)
+    assert info.family == "flux2"
+    with pytest.raises(PipelineFolderError, match=r"Flux2Pipeline \(FLUX.2 \[dev\], Mistral 3"):
+        adapter_for(info, tmp_path, torch.float32)
+    index_path.write_text(json.dumps(index))
+
+    adapter = adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
+    with pytest.raises(
+        ValueError, match=r"data.max_caption_tokens is 16 but .*chat template alone is 25"
+    ):
+        adapter.check_caption_tokens(16)
+    adapter.check_caption_tokens(26)

@@ -114,3 +114,34 @@ def test_sd3_text_and_predict_are_the_pipelines(sd3_run, sd3_pipeline_dir, tmp_p
     assert torch.allclose(out, x - v, atol=1e-5) and (v.abs() > 0).any()
     u = torch.tensor([0.2, 0.5, 0.8])
     assert torch.allclose(adapter.shift_sigmas(u, x.shape), 3 * u / (1 + 2 * u))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "joint_attention_dim",
+            64,
+            r"joint_attention_dim is 64 but text_encoder_3/config.json d_mo",
+        ),
+        (
+            "pooled_projection_dim",
+            20,
+            r"pooled_projection_dim is 20; expected text_encoder \+ text_",
+        ),
+        ("in_channels", 16, r"in_channels is 16; expected vae latent_channels \(4\)"),
+    ],
+)
+def test_sd3_transformer_that_does_not_fit_is_named(
+    sd3_pipeline_dir, tmp_path, field, value, message
+):
+    import shutil
+
+    from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+
+    folder = shutil.copytree(sd3_pipeline_dir, tmp_path / "copy")
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(PipelineFolderError, match=message) as err:
+        adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
+    assert f"{folder}/transformer/config.json: does not fit the sd3 pipeline" in str(err.value)

@@ -155,3 +155,32 @@ def test_the_real_sdxl_unet_streams_its_seven_stages():
     # What stays resident (embeddings, conv in/out) is 14 MB of 4897 MB.
     streamed = sum(mb.values())
     assert streamed / (2_567_463_684 * 2 / 2**20) > 0.99
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "cross_attention_dim",
+            32,
+            r"cross_attention_dim is 32; expected text_encoder \+ text_enc",
+        ),
+        (
+            "projection_class_embeddings_input_dim",
+            40,
+            r"projection_class_embeddings_input_dim is 40",
+        ),
+        ("addition_embed_type", None, r"addition_embed_type is None; expected 'text_time'"),
+    ],
+)
+def test_sdxl_unet_that_does_not_fit_is_named(sdxl_pipeline_dir, tmp_path, field, value, message):
+    import shutil
+
+    from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+
+    folder = shutil.copytree(sdxl_pipeline_dir, tmp_path / "copy")
+    config = json.loads((folder / "unet" / "config.json").read_text())
+    (folder / "unet" / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(PipelineFolderError, match=message) as err:
+        adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
+    assert f"{folder}/unet/config.json: does not fit the sdxl pipeline" in str(err.value)
