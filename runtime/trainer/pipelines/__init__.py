@@ -43,7 +43,15 @@ __all__ = [
     "inspect_pipeline",
     "is_pipeline_folder",
     "inspect_preset",
+    "trainable",
 ]
+
+
+def trainable(info: PipelineInfo) -> bool:
+    """Whether the folder ``info`` describes trains here: its family has an adapter for its
+    pipeline class (the ``flux2`` adapter trains ``Flux2KleinPipeline``, not ``Flux2Pipeline``)."""
+    adapter = ADAPTERS.get(info.family)
+    return adapter is not None and adapter.pipeline_class == info.pipeline_class
 
 
 def is_pipeline_folder(path: str | Path | None) -> bool:

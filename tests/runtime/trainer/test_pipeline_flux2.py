@@ -135,9 +135,15 @@ def test_flux2_folders_that_do_not_fit_are_named(flux2_pipeline_dir, tmp_path):
     (``Flux2Pipeline``) folder; a token limit the chat template alone fills."""
     import shutil
 
-    from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from runtime.trainer.pipelines import (
+        PipelineFolderError,
+        adapter_for,
+        inspect_pipeline,
+        trainable,
+    )
 
     folder = shutil.copytree(flux2_pipeline_dir, tmp_path / "copy")
+    assert trainable(inspect_pipeline(folder))
     config_path = folder / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "joint_attention_dim": 24}))
@@ -149,7 +155,7 @@ def test_flux2_folders_that_do_not_fit_are_named(flux2_pipeline_dir, tmp_path):
     index = json.loads(index_path.read_text())
     index_path.write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
     info = inspect_pipeline(folder)
-    assert info.family == "flux2"
+    assert info.family == "flux2" and not trainable(info)  # the New run page says so
     with pytest.raises(PipelineFolderError, match=r"Flux2Pipeline \(FLUX.2 \[dev\], Mistral 3"):
         adapter_for(info, tmp_path, torch.float32)
     index_path.write_text(json.dumps(index))
