@@ -62,6 +62,11 @@ class Family:
         """The sigmas of the validation loss (a pipeline expert maps them into its range)."""
         return fixed
 
+    def check_validation(self) -> None:
+        """Raise ``ValueError`` when the family has no validation loss (``validation_every``)."""
+        if self.objective != "flow":
+            raise ValueError(f"validation_every: the {self.name} family has no flow validation")
+
     def validation_pair(
         self, x0: torch.Tensor, noise: torch.Tensor, s: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,8 +76,7 @@ class Family:
         Raises:
             ValueError: the family has no validation loss (a factory DDPM family).
         """
-        if self.objective != "flow":
-            raise ValueError(f"validation_every: the {self.name} family has no flow validation")
+        self.check_validation()
         sigma = torch.full((x0.shape[0],), s, device=x0.device, dtype=x0.dtype)
         x_t, target = flow_pair(x0, noise, sigma)
         return x_t, sigma, target

@@ -255,6 +255,7 @@ def validation_loss(
     Raises:
         ValueError: the family has no validation loss (the factory UNet family).
     """
+    family.check_validation()  # before the strategy's step opens
     device = strategy.device
     losses = []
     was_training = model.training

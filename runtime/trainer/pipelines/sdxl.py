@@ -218,6 +218,9 @@ class SDXLPipelineFamily(PipelineFamily):
         t = torch.randint(0, n, (x0.shape[0],), generator=generator).to(x0.device)
         return self._pair(sched, x0, noise, t)
 
+    def check_validation(self) -> None:
+        """SDXL's validation loss is DDPM's at fixed timesteps (module doc)."""
+
     def validation_pair(self, x0, noise, s):
         sched = self.noise_schedule()
         t = round(s * (sched.config.num_train_timesteps - 1))

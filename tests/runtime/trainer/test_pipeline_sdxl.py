@@ -125,6 +125,11 @@ def test_sdxl_text_time_ids_and_targets_are_the_pipelines(sdxl_run, sdxl_pipelin
     assert torch.allclose(x_t, a.sqrt() * x0 + (1 - a).sqrt() * noise, atol=1e-6)
     assert torch.allclose(target, a.sqrt() * noise - (1 - a).sqrt() * x0, atol=1e-6)
     assert adapter.validation_pair(x0, noise, 0.75)[1].tolist() == [749, 749]
+    adapter.check_validation()  # DDPM with a validation loss, unlike the factory UNet family
+    from runtime.trainer.families import family
+
+    with pytest.raises(ValueError, match="validation_every: the unet family has no flow valid"):
+        family("unet").check_validation()
 
 
 def test_the_real_sdxl_unet_streams_its_seven_stages():
