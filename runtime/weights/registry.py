@@ -1,7 +1,8 @@
 """Block registry: find a model's repeated blocks and lay out each block's parameters.
 
 A *block* is one entry of a repeated ``ModuleList`` (``transformer_blocks.3``,
-``encoder.layer.0``, ``model.language_model.layers.17``). Each block has a *layout*: its
+``encoder.layer.0``, ``model.language_model.layers.17``, a UNet's ``down_blocks.1``), or a
+stage beside such a list built of the same parts (a UNet's ``mid_block``). Each block has a *layout*: its
 parameters' names, shapes, dtypes and byte offsets inside one contiguous buffer, so a block is
 loaded with one allocation and one H2D copy. Everything outside the blocks stays resident.
 
