@@ -32,7 +32,7 @@ def _field(message: str) -> str:
 @router.post("/inspect")
 def inspect(body: PipelineInspect) -> dict:
     from runtime.preset import MODEL_TYPES
-    from runtime.trainer.pipelines import ADAPTERS, PipelineFolderError, inspect_pipeline
+    from runtime.trainer.pipelines import PipelineFolderError, inspect_pipeline, trainable
 
     try:
         info = inspect_pipeline(
@@ -43,4 +43,4 @@ def inspect(body: PipelineInspect) -> dict:
         )
     except PipelineFolderError as exc:
         raise Invalid(str(exc), field=_field(str(exc))) from None
-    return {**info.as_dict(), "trainable": info.family in ADAPTERS}
+    return {**info.as_dict(), "trainable": trainable(info)}

@@ -393,12 +393,31 @@ BUILDERS = {
     "wan22": lambda: wan_pipeline(experts=2),
     "zimage": zimage_pipeline,
     "ltx2": ltx2_pipeline,
+    "sd3": lambda: _sd("sd3_pipeline"),
+    "sdxl": lambda: _sd("sdxl_pipeline"),
+    "flux2": lambda: _flux2(),
 }
+
+
+def _sd(builder: str):
+    """A builder of ``sd_pipelines.py`` (SD 3.5, SDXL), imported on use (it imports this
+    module's tokenizers)."""
+    from . import sd_pipelines
+
+    return getattr(sd_pipelines, builder)()
+
+
+def _flux2():
+    """``flux2_pipeline.py``'s FLUX.2 [klein], imported on use (it imports this module)."""
+    from .flux2_pipeline import flux2_klein_pipeline
+
+    return flux2_klein_pipeline()
 
 
 def save_pipeline(pipe, folder: Path) -> None:
     """``save_pretrained`` with shards small enough that the transformer has several."""
-    total = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    denoiser = getattr(pipe, "transformer", None) or pipe.unet
+    total = sum(p.numel() * p.element_size() for p in denoiser.parameters())
     pipe.save_pretrained(folder, safe_serialization=True, max_shard_size=max(total // 3, 1))
 
 
@@ -413,7 +432,10 @@ def build_pipeline(family: str, cache_dir: str | os.PathLike | None = None) -> P
     final = cache_root(cache_dir) / "pipelines" / f"{family}-tiny"
     # Any change to the builders rebuilds: the spec holds their files' hash.
     here = Path(__file__).parent
-    sources = [here / "pipelines.py", here / "ltx2_pipeline.py"]
+    sources = [
+        here / name
+        for name in ("pipelines.py", "ltx2_pipeline.py", "sd_pipelines.py", "flux2_pipeline.py")
+    ]
     source = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
     spec = {"family": family, "seed": SEED, "source": source}
     return build_once(final, spec, lambda tmp: save_pipeline(BUILDERS[family](), tmp))

@@ -62,6 +62,25 @@ class Family:
         """The sigmas of the validation loss (a pipeline expert maps them into its range)."""
         return fixed
 
+    def check_validation(self) -> None:
+        """Raise ``ValueError`` when the family has no validation loss (``validation_every``)."""
+        if self.objective != "flow":
+            raise ValueError(f"validation_every: the {self.name} family has no flow validation")
+
+    def validation_pair(
+        self, x0: torch.Tensor, noise: torch.Tensor, s: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, t, target)`` of the validation loss at the fixed noise level ``s`` in (0, 1)
+        (flow: the sigma ``s``; ``x0``, ``noise``: (1, C, [F,] h, w)).
+
+        Raises:
+            ValueError: the family has no validation loss (a factory DDPM family).
+        """
+        self.check_validation()
+        sigma = torch.full((x0.shape[0],), s, device=x0.device, dtype=x0.dtype)
+        x_t, target = flow_pair(x0, noise, sigma)
+        return x_t, sigma, target
+
     def text_dim(self, model: torch.nn.Module) -> int | None:
         """The text hidden size the model takes, or None when it does not say."""
         cfg = model.config

@@ -247,17 +247,15 @@ def validation_loss(
     step: int,
     dtype: torch.dtype,
 ) -> float:
-    """Mean flow-matching loss on ``data.held_out`` at ``VALIDATION_SIGMAS`` with noise drawn
-    from ``preset.seed`` alone (the same noise at every validation), as one inference step of
-    the strategy (STEP_BEGIN -> FORWARD -> STEP_END) under ``torch.no_grad``.
+    """Mean training loss on ``data.held_out`` at ``VALIDATION_SIGMAS`` (a DDPM family maps
+    them to timesteps: ``family.validation_pair``) with noise drawn from ``preset.seed`` alone
+    (the same noise at every validation), as one inference step of the strategy (STEP_BEGIN ->
+    FORWARD -> STEP_END) under ``torch.no_grad``.
 
     Raises:
-        ValueError: the family does not train with flow matching.
+        ValueError: the family has no validation loss (the factory UNet family).
     """
-    from runtime.trainer.families import flow_pair
-
-    if family.objective != "flow":
-        raise ValueError(f"validation_every: the {family.name} family has no flow validation")
+    family.check_validation()  # before the strategy's step opens
     device = strategy.device
     losses = []
     was_training = model.training
@@ -269,9 +267,8 @@ def validation_loss(
             noise = torch.randn(x0.shape, generator=g).to(device, dtype)
             text = data.text_rows([data.caption_rows[i]], device, dtype)
             for s in family.validation_sigmas(VALIDATION_SIGMAS):
-                sigma = torch.full((1,), s, device=device, dtype=dtype)
-                x_t, target = flow_pair(x0, noise, sigma)
-                pred = family.predict(model, x_t, sigma, text)
+                x_t, t, target = family.validation_pair(x0, noise, s)
+                pred = family.predict(model, x_t, t, text)
                 losses.append(torch.nn.functional.mse_loss(pred.float(), target.float()))
     model.train(was_training)
     return float(torch.stack(losses).mean())

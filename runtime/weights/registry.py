@@ -1,7 +1,8 @@
 """Block registry: find a model's repeated blocks and lay out each block's parameters.
 
 A *block* is one entry of a repeated ``ModuleList`` (``transformer_blocks.3``,
-``encoder.layer.0``, ``model.language_model.layers.17``). Each block has a *layout*: its
+``encoder.layer.0``, ``model.language_model.layers.17``, a UNet's ``down_blocks.1``), or a
+stage beside such a list built of the same parts (a UNet's ``mid_block``). Each block has a *layout*: its
 parameters' names, shapes, dtypes and byte offsets inside one contiguous buffer, so a block is
 loaded with one allocation and one H2D copy. Everything outside the blocks stays resident.
 
@@ -139,10 +140,14 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
     """The model's blocks as ``(qualified name, module)`` in registration order.
 
     With ``pattern`` (a regex, ``re.fullmatch`` on module names) the outermost matching modules
-    are the blocks. Without it, every ``ModuleList`` of >= 2 modules of one class that holds
-    parameters and is not inside another such list is a candidate; candidates holding at least
+    are the blocks. Without it, every ``ModuleList`` of >= 2 modules that each hold parameters
+    and is not inside another such list is a candidate; candidates holding at least
     ``MIN_SHARE`` of the largest candidate's bytes are streamed (Flux: ``transformer_blocks`` and
-    ``single_transformer_blocks``; BERT: ``encoder.layer``; Gemma 3: ``model.language_model.layers``).
+    ``single_transformer_blocks``; BERT: ``encoder.layer``; Gemma 3:
+    ``model.language_model.layers``; a UNet: ``down_blocks`` and ``up_blocks``, whose entries
+    are of different classes). A module beside a streamed list that is built like the list's
+    entries (it holds lists of the same kinds of part: a UNet's ``mid_block`` of resnets and
+    attentions beside its down and up blocks) is one more block (NOTE [ Stage siblings ]).
 
     Raises:
         BlockDiscoveryError: nothing matched (names the pattern or the model class).
@@ -166,26 +171,78 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
-        if len({type(child) for child in module}) != 1:
-            continue
+        if not all(_holds_parameters(child) for child in module):
+            continue  # e.g. attn.to_out: [Linear, Dropout]
         if any(name.startswith(c + ".") for c, _, _ in candidates):
-            continue  # nested inside a list already chosen (e.g. attn.to_out)
-        nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        if nbytes:
-            candidates.append((name, module, nbytes))
+            continue  # nested inside a list already chosen
+        candidates.append((name, module, _nbytes(module)))
     if not candidates:
         raise BlockDiscoveryError(
             f"no repeated blocks found in {type(model).__name__}: no ModuleList of >= 2 modules "
-            "of one class holds parameters; pass block_pattern"
+            "that hold parameters; pass block_pattern"
         )
     largest = max(c[2] for c in candidates)
-    blocks = []
-    for name, module, nbytes in candidates:
-        if nbytes >= MIN_SHARE * largest:
-            blocks.extend(
-                (f"{name}.{i}" if name else str(i), child) for i, child in enumerate(module)
-            )
-    return blocks
+    chosen = [
+        (name, module) for name, module, nbytes in candidates if nbytes >= MIN_SHARE * largest
+    ]
+    stages = _stage_siblings(model, chosen)
+    blocks = [
+        (f"{name}.{i}" if name else str(i), child)
+        for name, module in chosen
+        if not any(name.startswith(s + ".") for s, _ in stages)
+        for i, child in enumerate(module)
+    ]
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(blocks + stages, key=lambda b: order[b[0]])
+
+
+# NOTE [ Stage siblings ]
+# A UNet streams its stages: ``down_blocks`` and ``up_blocks`` are lists, but ``mid_block``, the
+# stage between them, is a plain attribute. What marks it as a stage rather than an embedding
+# or a norm is what it is made of: lists of resnets and attentions, the kinds of part the down
+# and up blocks hold in their own lists. A transformer's embedders hold no such lists, so its
+# blocks are unchanged. Sizes are never assumed: the sibling is found from the model alone.
+
+
+def _stage_siblings(
+    model: nn.Module, chosen: list[tuple[str, nn.ModuleList]]
+) -> list[tuple[str, nn.Module]]:
+    """Modules beside a chosen list that hold lists of the same kinds of part as its entries."""
+    modules = dict(model.named_modules())
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in chosen:
+        kinds = set().union(*(_part_kinds(child) for child in module))
+        parent = name.rpartition(".")[0]
+        for child_name, child in modules[parent].named_children():
+            qual = f"{parent}.{child_name}" if parent else child_name
+            if (
+                isinstance(child, nn.ModuleList)
+                or any(qual == c for c, _ in chosen)
+                or any(qual == s for s, _ in out)
+            ):
+                continue
+            if _part_kinds(child) & kinds and _holds_parameters(child):
+                out.append((qual, child))
+    return out
+
+
+def _part_kinds(module: nn.Module) -> set[type]:
+    """Classes of the parameter-holding entries of the lists that are ``module``'s children."""
+    return {
+        type(entry)
+        for child in module.children()
+        if isinstance(child, nn.ModuleList)
+        for entry in child
+        if _holds_parameters(entry)
+    }
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def build_layout(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from runtime.trainer.pipelines.base import PipelineFamily
 from runtime.trainer.pipelines.flux import FluxPipelineFamily
+from runtime.trainer.pipelines.flux2 import Flux2PipelineFamily
 from runtime.trainer.pipelines.folder import (
     PIPELINE_FAMILIES,
     PipelineFolderError,
@@ -15,6 +16,8 @@ from runtime.trainer.pipelines.folder import (
 )
 from runtime.trainer.pipelines.ltx2 import LTX2PipelineFamily
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
+from runtime.trainer.pipelines.sd3 import SD3PipelineFamily
+from runtime.trainer.pipelines.sdxl import SDXLPipelineFamily
 from runtime.trainer.pipelines.wan import WanPipelineFamily
 from runtime.trainer.pipelines.zimage import ZImagePipelineFamily
 
@@ -24,6 +27,9 @@ ADAPTERS: dict[str, PipelineFamily] = {
     "wan": WanPipelineFamily(),
     "ltx2": LTX2PipelineFamily(),
     "zimage": ZImagePipelineFamily(),
+    "sd3": SD3PipelineFamily(),
+    "sdxl": SDXLPipelineFamily(),
+    "flux2": Flux2PipelineFamily(),
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 
@@ -37,7 +43,15 @@ __all__ = [
     "inspect_pipeline",
     "is_pipeline_folder",
     "inspect_preset",
+    "trainable",
 ]
+
+
+def trainable(info: PipelineInfo) -> bool:
+    """Whether the folder ``info`` describes trains here: its family has an adapter for its
+    pipeline class (the ``flux2`` adapter trains ``Flux2KleinPipeline``, not ``Flux2Pipeline``)."""
+    adapter = ADAPTERS.get(info.family)
+    return adapter is not None and adapter.pipeline_class == info.pipeline_class
 
 
 def is_pipeline_folder(path: str | Path | None) -> bool:

@@ -140,6 +140,12 @@ class PipelineFamily(Family):
     def check_components(self) -> None:
         """Raise ``PipelineFolderError`` when the components' configs do not fit each other."""
 
+    def join_text(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The cached ``{hidden, mask, pooled}`` from every text pass's outputs (each (U, ...)),
+        for families whose ``encode_prompt`` combines several encoders' sequences (SD3,
+        SDXL); by default the passes' outputs are the cache's keys already."""
+        return parts
+
     def check_tokenizers(self) -> None:
         """Load every tokenizer and check that its ids fit its text encoder's embedding
         (``tokenizer_2`` feeds ``text_encoder_2``).

@@ -80,7 +80,7 @@ def encode_texts(
         for name in family.text_helpers:
             setattr(pipe, name, None)
         gc.collect()
-    result = {k: cat_padded(v) for k, v in out.items()}
+    result = family.join_text({k: cat_padded(v) for k, v in out.items()})
     n = len(texts)
     result.setdefault("mask", torch.ones(n, result["hidden"].shape[1], dtype=torch.int64))
     result.setdefault("pooled", torch.zeros(n, 0))

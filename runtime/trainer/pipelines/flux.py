@@ -52,10 +52,16 @@ class FluxPipelineFamily(PatchedLatents, PipelineFamily):
         "ff_context.net.0.proj",
         "ff_context.net.2",
     )
-    """diffusers' ``train_dreambooth_lora_flux.py`` targets. No ComfyUI-layout copy: ComfyUI's
-    Flux names fuse q/k/v (``double_blocks.N.img_attn.qkv``), and diffusers reads that layout
-    only for the full-size model (its converter has 19/38 blocks and 3072 wide built in);
-    ComfyUI reads this diffusers-layout file (``transformer.`` keys) as it is."""
+    """diffusers' ``train_dreambooth_lora_flux.py`` targets. The ComfyUI-layout copy is kohya's
+    FLUX.1 layout (``flux_comfy.py``), written for a FLUX.1-wide transformer only: diffusers'
+    converter has FLUX.1's 3072 built in and could not read it for any other width."""
+
+    def comfy_state_dict(self, state, alpha):
+        from runtime.trainer.pipelines.flux_comfy import kohya_flux_state_dict
+
+        cfg = read_json(self.transformer_dir / "config.json", "the transformer's config")
+        width = cfg.get("num_attention_heads", 0) * cfg.get("attention_head_dim", 0)
+        return kohya_flux_state_dict(state, alpha, width, self.lora_prefix)
 
     def check_components(self) -> None:
         """The transformer's text and latent inputs must be what the encoders and VAE give."""

@@ -27,6 +27,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionXLPipeline": "sdxl",
     "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2",
 }
 """``model_index.json`` ``_class_name`` -> family (issue 15's list, in its priority order)."""
 

@@ -11,7 +11,12 @@ from pathlib import Path
 import torch
 
 from runtime.trainer.encode import cache_key
-from runtime.trainer.pipelines.folder import PipelineFolderError, PipelineInfo, safetensors_header
+from runtime.trainer.pipelines.folder import (
+    DENOISERS,
+    PipelineFolderError,
+    PipelineInfo,
+    safetensors_header,
+)
 
 SHARD_BYTES = 2 * 1024**3
 """Shard size of the converted copy (the Hub's usual 2-10 GB shards; any size streams)."""
@@ -32,15 +37,15 @@ def convert_single_file(info: PipelineInfo, cache_dir: Path, dtype: torch.dtype)
     out = cache_dir / f"transformer-{key}"
     if (out / "config.json").is_file():
         return out
-    comp = info.component("transformer")
+    comp = next(c for c in info.components if c.name in DENOISERS)  # transformer / unet
     cls = getattr(diffusers, comp.class_name)
     try:
         model = cls.from_single_file(
-            str(single), config=info.path, subfolder="transformer", torch_dtype=dtype
+            str(single), config=info.path, subfolder=comp.name, torch_dtype=dtype
         )
     except Exception as exc:  # the loaders raise anything from KeyError to IndexError
         found = sorted(safetensors_header(single))[:5]
-        config = cls.load_config(Path(info.path) / "transformer")
+        config = cls.load_config(Path(info.path) / comp.name)
         with torch.device("meta"):
             expected = sorted(cls.from_config(config).state_dict())[:5]
         raise PipelineFolderError(

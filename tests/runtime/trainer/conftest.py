@@ -121,6 +121,32 @@ def zimage_pipeline_dir(asset_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sd3_pipeline_dir(asset_cache) -> Path:
+    """The tiny StableDiffusion3Pipeline folder (CLIP-L 3 + CLIP-G 5 layers, T5 3 layers,
+    3 joint blocks)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("sd3", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def sdxl_pipeline_dir(asset_cache) -> Path:
+    """The tiny StableDiffusionXLPipeline folder (CLIP-L 3 + CLIP-G 5 layers, UNet of 2 levels,
+    v-prediction)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("sdxl", asset_cache)
+
+
+@pytest.fixture(scope="session")
+def flux2_pipeline_dir(asset_cache) -> Path:
+    """The tiny Flux2KleinPipeline folder (Qwen3 28 tiny layers, 3 double + 5 single blocks)."""
+    from runtime.assets.pipelines import build_pipeline
+
+    return build_pipeline("flux2", asset_cache)
+
+
+@pytest.fixture(scope="session")
 def wide_images(tmp_path_factory) -> Path:
     """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
     in the 64x128 bucket (non-square latents)."""

@@ -57,6 +57,8 @@ def test_flux_pipeline_trains_with_every_runtime_on(flux_run, pipe_io):
 
     with Image.open(run_dir / "samples" / "sample-00.png") as img:
         assert img.size == (128, 64)  # width, height of the 64x128 bucket
+    # 16 wide, not FLUX.1's 3072: diffusers' converter could not read a ComfyUI copy back.
+    assert not (run_dir / "lora" / "comfyui-lora.safetensors").exists()
 
 
 def test_second_flux_run_reuses_the_cache_and_repeats_the_losses(flux_run, pipe_io):
@@ -144,3 +146,53 @@ def test_every_text_encoder_is_released_before_the_transformer_loads(
     )
     assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 0
     assert alive == {"encoders": [], "strategies": []}
+
+
+@pytest.mark.parametrize("alpha", [4.0, 8.0])
+def test_flux1_comfyui_copy_round_trips_through_diffusers_converter(alpha):
+    """FLUX.1's real width (3072, the converter has it built in) with 1 double + 2 single
+    blocks, on meta; rank-4 LoRAs on the Flux targets. The kohya-layout copy read back by
+    ``FluxPipeline.lora_state_dict`` gives every A and B again, bit for bit (A times
+    alpha / rank, a power of two here, which the converter folds in), plus zero LoRAs on the
+    single blocks' ``proj_mlp`` (the zero block of the fused ``linear1``)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from runtime.trainer.pipelines.flux import FluxPipelineFamily
+    from runtime.trainer.pipelines.flux_comfy import kohya_flux_state_dict
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(
+            in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+            guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+        )  # fmt: skip
+    targets = FluxPipelineFamily.lora_targets
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name.endswith("." + t) for t in targets):
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn(
+                4, module.in_features, generator=g
+            )
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn(
+                module.out_features, 4, generator=g
+            )
+    assert len(state) == 2 * (12 + 2 * 3)  # 12 targets in the double block, q/k/v in singles
+
+    comfy = kohya_flux_state_dict(state, alpha, width=3072)
+    qkv = "lora_unet_double_blocks_0_img_attn_qkv"
+    assert comfy[f"{qkv}.lora_down.weight"].shape == (12, 3072)  # q, k, v stacked
+    assert comfy[f"{qkv}.alpha"].item() == 3 * alpha
+    assert comfy["lora_unet_single_blocks_1_linear1.lora_up.weight"].shape == (3 * 3072 + 12288, 16)
+    back = FluxPipeline.lora_state_dict(comfy)
+    for key, value in state.items():
+        want = value * (alpha / 4) if ".lora_A." in key else value
+        assert torch.equal(back[key], want), key
+    extra = sorted(set(back) - set(state))
+    assert extra == [
+        f"transformer.single_transformer_blocks.{i}.proj_mlp.lora_{ab}.weight"
+        for i in range(2)
+        for ab in "AB"
+    ]
+    assert all(not back[k].any() for k in extra)
+    assert kohya_flux_state_dict(state, alpha, width=16) is None  # not readable back: no copy

@@ -222,3 +222,56 @@ def test_ltx2_24gb_is_derived_from_ltx2_blocks():
     assert preset.data.max_caption_tokens % 128 == 0  # the connectors' registers
     for figure in ("736.4 MB", "427.5 MB", "2730 MB", "5952 MB", "48 blocks", "not run here"):
         assert figure in preset.description
+
+
+def test_sd35_large_24gb_is_derived_from_sd35_large_blocks():
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel(  # stabilityai/stable-diffusion-3.5-large
+            sample_size=128,
+            in_channels=16,
+            num_layers=38,
+            attention_head_dim=64,
+            num_attention_heads=38,
+            joint_attention_dim=4096,
+            caption_projection_dim=2432,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=192,
+            qk_norm="rms_norm",
+        )
+        clip_g = CLIPTextModelWithProjection(
+            CLIPTextConfig(
+                vocab_size=49408,
+                hidden_size=1280,
+                intermediate_size=5120,
+                num_hidden_layers=32,
+                num_attention_heads=20,
+                projection_dim=1280,
+            )
+        )
+    total = sum(p.numel() for p in transformer.parameters())
+    assert total == 8_056_627_520  # "8.1B parameters", as Stability AI gives it
+    sizes = {
+        n: sum(p.numel() for p in m.parameters()) * 2 / MB for n, m in find_blocks(transformer)
+    }
+    largest = max(sizes.values())
+    assert len(sizes) == 38 and largest == pytest.approx(406.3, abs=0.05)
+    assert sizes["transformer_blocks.37"] == pytest.approx(259.6, abs=0.05)  # context-pre-only
+    resident = total * 2 / MB - sum(sizes.values())
+    assert resident == pytest.approx(75.4, abs=0.05)
+    assert block_mb(clip_g)["text_model.encoder.layers"] == pytest.approx(37.5, abs=0.05)
+
+    preset = validate_preset(load_preset("sd35-large-24gb")[1])
+    sh = preset.memory.stagehand
+    assert largest <= sh.pinned_slab_mb < largest + 16
+    assert 368.0 <= sh.pinned_slab_mb  # T5-XXL's blocks (test_flux_dev_24gb...) fit a slab
+    assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
+    assert (1 + sh.prefetch_window_blocks) * largest + resident < sh.vram_low_watermark_mb
+    cond = sh.conductor_config
+    assert sh.vram_high_watermark_mb < cond.vram_soft_cap_mb < cond.vram_hard_cap_mb <= 24000
+    for figure in ("8.06B", "15367 MB", "406.3 MB", "259.6 MB", "75.4 MB", "3328 MB", "37.5 MB"):
+        assert figure in preset.description
+    assert "not run here" in preset.description
