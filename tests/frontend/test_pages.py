@@ -5,6 +5,8 @@ Runs list's sorting and search, Compare across runs of different lengths, error 
 from __future__ import annotations
 
 import copy
+import csv
+import re
 import shutil
 
 import pytest
@@ -69,3 +71,116 @@ def test_api_docs_render_with_the_network_blocked(synthetic_server, browser, tmp
     SHOTS.mkdir(parents=True, exist_ok=True)
     for name in ("docs-offline-desktop.png", "redoc-offline-desktop.png"):
         shutil.copy(tmp_path / name, SHOTS / name)
+
+
+def ema(values: list[float], w: float) -> list[float]:
+    out, s = [], None
+    for v in values:
+        s = v if s is None else w * s + (1 - w) * v
+        out.append(s)
+    return out
+
+
+def read_csv(download) -> list[list[str]]:
+    with open(download.path(), newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_run_charts_window_linked_axes_smoothing_log_and_csv(synthetic_server, page, tmp_path):
+    api = Api(synthetic_server)
+    make_preset(api, "synth-window", steps=30)
+    run = api.call("POST", "/api/runs", {"preset": "synth-window", "name": "window"})
+    api.wait_run(run["id"], {"succeeded"}, timeout=60)
+    records = api.call("GET", f"/api/runs/{run['id']}/telemetry?limit=5000")["data"]
+    steps = [r for r in records if (r["source"], r["kind"]) == ("trainer", "step")]
+    steps = [r for r in steps if not r.get("sampling")]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    t0 = records[0]["time"]
+    page.goto(synthetic_server + f"/#/runs/{run['id']}")
+    page.wait_for_selector("#charts[data-all-drawn-ms]", state="attached", timeout=30_000)
+
+    # The last 10 steps: step charts show steps 21-30, the time charts from the end of step 20.
+    page.fill("#chart-window", "10")
+    page.press("#chart-window", "Enter")
+    page.evaluate("window.__runView.charts.flush()")
+    ranges = page.evaluate(
+        "Object.fromEntries(['loss', 'phases', 'vram', 'residency'].map((id) =>"
+        " [id, Array.from(document.getElementById(id).layout.xaxis.range)]))"
+    )
+    assert ranges["loss"] == ranges["phases"] == [20.5, 30.5]
+    shown = page.evaluate(
+        "(() => { const t = document.getElementById('loss').data[0];"
+        " const [lo, hi] = document.getElementById('loss').layout.xaxis.range;"
+        " return Array.from(t.x).filter((x) => x >= lo && x <= hi); })()"
+    )
+    assert shown == list(range(21, 31))
+    end_of_20 = round((steps[19]["time"] - t0) * 1000) / 1000
+    last_drawn = max(r["time"] for r in records if r["kind"] in ("block", "step"))
+    assert ranges["vram"] == pytest.approx([end_of_20, round((last_drawn - t0) * 1000) / 1000])
+    assert ranges["residency"] == ranges["vram"]
+
+    box = page.locator("#vram .nsewdrag").first.bounding_box()
+    y = box["y"] + box["height"] / 2
+    # Pixels of the VRAM points in the window, at 30%, 45% and 60% of them (a step_s=0 run
+    # has gaps of no records: the mouse goes where there are some).
+    px = page.evaluate(
+        "(() => { const d = document.getElementById('vram'); const xa = d._fullLayout.xaxis;"
+        " const [lo, hi] = xa.range; const xs = Array.from(d.data[0].x).filter((x) => x >= lo && x <= hi);"
+        " return [0.3, 0.45, 0.6].map((f) => xa.l2p(xs[Math.floor(f * xs.length)])); })()"
+    )
+    # Hover: the figure in MB, the block and the event of the record under the mouse.
+    page.mouse.move(box["x"] + px[1] - 3, y)
+    page.mouse.move(box["x"] + px[1], y, steps=3)
+    page.wait_for_selector("#vram .hoverlayer text", state="attached")
+    hover = page.eval_on_selector("#vram .hoverlayer", "h => h.textContent")
+    assert re.search(r"\d MB", hover) and "(block " in hover and "event: " in hover, hover
+
+    # Dragging a zoom on the VRAM chart moves the residency map with it; a double-click goes
+    # back to the window on both.
+    page.mouse.move(box["x"] + px[0], y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + px[2], y, steps=5)
+    page.mouse.up()
+    zoomed = page.evaluate("Array.from(document.getElementById('vram').layout.xaxis.range)")
+    assert ranges["vram"][0] < zoomed[0] < zoomed[1] < ranges["vram"][1]
+    page.wait_for_function(
+        "JSON.stringify(Array.from(document.getElementById('residency').layout.xaxis.range))"
+        f" === JSON.stringify({zoomed})"
+    )
+    page.mouse.dblclick(box["x"] + px[1], y)
+    page.wait_for_function(
+        "document.getElementById('residency').layout.xaxis.range[0]"
+        f" === {ranges['vram'][0]} && document.getElementById('vram').layout.xaxis.range[0]"
+        f" === {ranges['vram'][0]}"
+    )
+
+    # Smoothing 0.5: the EMA line is the losses' EMA with that weight; log y on the loss chart.
+    page.evaluate(
+        "(() => { const s = document.getElementById('loss-ema'); s.value = '0.5';"
+        " s.dispatchEvent(new Event('input')); })()"
+    )
+    page.evaluate("window.__runView.charts.flush()")
+    smooth = page.evaluate("document.getElementById('loss').data[1]")
+    losses = [r["loss"] for r in steps]
+    assert smooth["name"] == "loss (EMA 0.5)"
+    assert smooth["y"] == pytest.approx(ema(losses, 0.5), rel=1e-12)
+    page.check("#loss-log")
+    page.wait_for_function("document.getElementById('loss').layout.yaxis.type === 'log'")
+
+    # CSV: one row per step, the losses exactly as the API gave them.
+    with page.expect_download() as dl:
+        page.click("#loss-csv")
+    assert dl.value.suggested_filename == f"run-{run['id']}-loss.csv"
+    rows = read_csv(dl.value)
+    assert rows[0] == ["step", "loss", "loss (EMA 0.5)", "grad norm"]
+    assert [int(r[0]) for r in rows[1:]] == list(range(1, 31))
+    assert [float(r[1]) for r in rows[1:]] == losses
+    assert [float(r[3]) for r in rows[1:]] == [r["grad_norm"] for r in steps]
+    with page.expect_download() as dl:
+        page.click("#residency-csv")
+    rows = read_csv(dl.value)
+    assert rows[0][:2] == ["time (s)", "block"]
+    assert {int(r[1]) for r in rows[1:]} == set(range(12))
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.mouse.move(0, 0)
+    page.screenshot(path=str(SHOTS / "run-window-desktop.png"), full_page=True)

@@ -349,7 +349,8 @@ export function mount(root, { parts }) {
     renderHeader();
     renderFailure();
     loadAhead();
-    charts = new RunCharts(grid, run.config);
+    charts = new RunCharts(grid, run.config, `run-${run.id}`);
+    grid.before(charts.controls);
     // Beside the VRAM chart (under it on a narrow screen), where a user watching it looks.
     grid.firstElementChild.after(limitsBox);
     limits = new LimitsPanel(limitsBox, run, errors);
