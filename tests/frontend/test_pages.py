@@ -184,3 +184,82 @@ def test_run_charts_window_linked_axes_smoothing_log_and_csv(synthetic_server, p
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.mouse.move(0, 0)
     page.screenshot(path=str(SHOTS / "run-window-desktop.png"), full_page=True)
+
+
+def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, page, shoot):
+    api = Api(synthetic_server)
+    make_preset(api, "synth-list", steps=8)
+    ids = {}
+    for name, steps in (("sortme-b", 5), ("sortme-a", 8), ("sortme-c", 3)):
+        ids[name] = api.call(
+            "POST",
+            "/api/runs",
+            {"preset": "synth-list", "name": name, "overrides": {"max_steps": steps}},
+        )["id"]
+    api.call("PATCH", f"/api/runs/{ids['sortme-c']}", {"tags": ["Sweep-42", "x"]})
+    # A long name, notes and many tags must still fit 1440 px.
+    long_name = "sortme-a-flux-dev-lora-sweep-high-watermark-28-low-20-spill-on-prefetch-4"
+    api.call(
+        "PATCH",
+        f"/api/runs/{ids['sortme-a']}",
+        {"name": long_name, "notes": "n " * 200, "tags": [f"tag-{i}" for i in range(8)]},
+    )
+    for run_id in ids.values():
+        api.wait_run(run_id, {"succeeded"}, timeout=60)
+    total = api.call("GET", "/api/runs")["count"]
+    page.set_viewport_size({"width": 1440, "height": 900})
+    page.goto(synthetic_server + "/#/runs")
+    page.wait_for_selector(f"tr[data-run-id='{ids['sortme-c']}']")
+
+    # Substring search over names and tags, any case; kept in the URL.
+    page.fill("#filter-tag", "ortme")
+    rows = "Array.from(document.querySelectorAll('#runs-body tr[data-run-id]')).map(r => +r.dataset.runId)"
+    page.wait_for_function(
+        f"document.getElementById('runs-count').textContent === '3 of {total} runs'"
+    )
+    assert len(page.evaluate(rows)) == 3
+    page.fill("#filter-tag", "sweep-4")
+    page.wait_for_function(f"{rows}.join() === '{ids['sortme-c']}'")
+    assert "q=sweep-4" in page.url
+
+    # Sort by final loss, then reversed: the order of the runs' real final losses.
+    page.fill("#filter-tag", "sortme")
+    page.wait_for_function(f"{rows}.length === 3 && location.hash.endsWith('q=sortme')")
+    losses = {i: api.call("GET", f"/api/runs/{i}")["summary"]["final_loss"] for i in ids.values()}
+    ascending = sorted(ids.values(), key=losses.get)
+    assert len(set(losses.values())) == 3
+    page.click("th[data-sort='loss'] button")
+    assert page.evaluate(rows) == ascending
+    assert page.get_attribute("th[data-sort='loss']", "aria-sort") == "ascending"
+    page.click("th[data-sort='loss'] button")
+    assert page.evaluate(rows) == ascending[::-1]
+    page.click("th[data-sort='steps'] button")
+    assert page.evaluate(rows) == [ids["sortme-c"], ids["sortme-b"], ids["sortme-a"]]
+    assert page.url.endswith("#/runs?q=sortme&sort=steps&dir=asc")
+
+    # No horizontal overflow at 1440 px, the table included.
+    widths = page.evaluate(
+        "[document.documentElement.scrollWidth, document.querySelector('.table-wrap').scrollWidth,"
+        " document.querySelector('.table-wrap').clientWidth]"
+    )
+    assert widths[0] <= 1440 and widths[1] <= widths[2], widths
+
+    # The URL alone gives the same rows in the same order (a reload, a shared link).
+    url = page.url
+    page.goto(synthetic_server + "/#/new")
+    page.goto(url)
+    page.wait_for_function(f"{rows}.length === 3")
+    assert page.evaluate(rows) == [ids["sortme-c"], ids["sortme-b"], ids["sortme-a"]]
+    assert page.input_value("#filter-tag") == "sortme"
+
+    # Filters that hide every run say so, with the total, and clear in one click.
+    page.select_option("#filter-status", "failed")
+    page.wait_for_selector("#runs-empty:not([hidden])")
+    assert page.inner_text("#runs-empty").startswith(f"0 of {total} runs match these filters")
+    assert page.inner_text("#runs-count") == f"0 of {total} runs"
+    page.click("#clear-filters")
+    page.wait_for_function(f"{rows}.length === {total}")
+    assert page.url.endswith("#/runs?sort=steps&dir=asc")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "runs-1440-desktop.png"), full_page=True)
+    shoot(url, "runs-sorted", ready="#runs-body tr[data-run-id]")
