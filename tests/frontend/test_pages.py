@@ -263,3 +263,82 @@ def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, pag
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "runs-1440-desktop.png"), full_page=True)
     shoot(url, "runs-sorted", ready="#runs-body tr[data-run-id]")
+
+
+def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(synthetic_server, page, shoot):
+    api = Api(synthetic_server)
+    make_preset(api, "synth-cmp", steps=8)
+    spill = {"memory": {"stagehand": {"activation_stagehand": {"min_spill_bytes": 2048}}}}
+    runs = {
+        "long": {"max_steps": 8},
+        "short": {"max_steps": 3, **spill},
+        "third": {"max_steps": 5},
+    }
+    ids = {
+        name: api.call(
+            "POST", "/api/runs", {"preset": "synth-cmp", "name": f"cmp-{name}", "overrides": o}
+        )["id"]
+        for name, o in runs.items()
+    }
+    for run_id in ids.values():
+        api.wait_run(run_id, {"succeeded"}, timeout=60)
+    a, b, c = ids["long"], ids["short"], ids["third"]
+    gone = 4_000_000  # never created
+    cmp = api.call("GET", f"/api/compare?ids={a},{b},{gone}&metrics=loss")
+    assert cmp["missing"] == [gone] and [r["id"] for r in cmp["runs"]] == [a, b]
+
+    # A missing id: the others are compared, and a notice names it.
+    page.goto(synthetic_server + f"/#/compare?ids={a},{b},{gone}")
+    page.wait_for_selector("#config-diff tr[data-path]")
+    assert page.inner_text("#compare-missing").startswith(f"No run with id #{gone} (deleted?)")
+    charts = ("cmp-vram", "cmp-step", "cmp-loss", "cmp-spill")
+    for chart in charts:
+        assert page.evaluate(f"document.getElementById('{chart}').data.length") == 2
+
+    # Runs of 8 and 3 steps share steps 1-8 on every chart; zooming one moves them all.
+    ranges = page.evaluate(
+        f"{list(charts)}.map((id) => Array.from(document.getElementById(id).layout.xaxis.range))"
+    )
+    assert ranges == [[1, 8]] * 4
+    assert page.evaluate("Array.from(document.getElementById('cmp-loss').data[1].x)") == [1, 2, 3]
+    page.evaluate("Plotly.relayout('cmp-loss', {'xaxis.range': [2, 5]})")
+    page.wait_for_function(
+        f"{list(charts)}.every((id) => document.getElementById(id).layout.xaxis.range[1] === 5)"
+    )
+
+    # Summary: changes against the first run, and the loss at the last step both reached.
+    losses = {i: [p[1] for p in cmp["series"]["loss"][str(i)]] for i in (a, b)}
+    pct = 100 * (losses[b][-1] - losses[a][-1]) / abs(losses[a][-1])
+    cell = page.inner_text(f"#compare-summary tr[data-run-id='{b}'] td[data-figure='final_loss']")
+    assert cell.endswith(f"({'+' if pct >= 0 else '−'}{abs(pct):.1f}%)"), cell
+    assert losses[a][2] == losses[b][2]  # the synthetic loss depends on the step alone
+    at3 = page.inner_text(f"#compare-summary tr[data-run-id='{b}'] td[data-figure='loss_at']")
+    assert at3.endswith("(+0.0%)"), at3
+    assert "loss at step 3" in page.text_content("#compare-summary thead")
+    assert page.query_selector(f"#compare-summary tr[data-run-id='{a}'] .delta") is None
+
+    # Add a run from the page, then remove one: the ids in the URL follow.
+    page.select_option("#compare-add", str(c))
+    page.wait_for_url(f"**/#/compare?ids={a},{b},{c}")
+    page.wait_for_function("document.getElementById('cmp-loss')?.data?.length === 3")
+    page.click(f".run-chip[data-run-id='{b}'] .remove-run")
+    page.wait_for_url(f"**/#/compare?ids={a},{c}")
+    page.wait_for_function("document.getElementById('cmp-loss')?.data?.length === 2")
+
+    # A long config path wraps between its segments on a phone, never inside a name.
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(synthetic_server + f"/#/compare?ids={a},{b}")
+    path = "memory.stagehand.activation_stagehand.min_spill_bytes"
+    segs = page.wait_for_selector(f"#config-diff tr[data-path='{path}'] .diff-path")
+    lines = segs.evaluate(
+        "code => Array.from(code.querySelectorAll('.seg')).map((s) =>"
+        " [s.textContent, s.getClientRects().length, Math.round(s.getBoundingClientRect().top)])"
+    )
+    assert "".join(t for t, _, _ in lines) == path
+    assert all(n == 1 for _, n, _ in lines), lines
+    assert len({top for _, _, top in lines}) > 1, lines  # it did wrap
+    shoot(
+        synthetic_server + f"/#/compare?ids={a},{b},{gone}",
+        "compare-lengths",
+        ready="#config-diff tr",
+    )
