@@ -342,3 +342,34 @@ def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(synthetic_se
         "compare-lengths",
         ready="#config-diff tr",
     )
+
+
+def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page):
+    # A refused field: the banner is a sentence naming it, and goes once the field is fixed.
+    page.goto(synthetic_server + "/#/new")
+    page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
+    page.fill("#field-max_steps", "0")
+    page.click("#start-run")
+    box = page.wait_for_selector(".page-errors .error-box")
+    text = box.inner_text().removeprefix("×").strip()
+    assert re.search(
+        r"^check data: overrides\.max_steps is 0; expected greater than 0\. \(HTTP 422, \w+\)$",
+        text,
+    ), text
+    assert box.get_attribute("data-fields") == "max_steps"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "new-run-error-desktop.png"))
+    page.fill("#field-max_steps", "4")
+    page.wait_for_selector(".page-errors .error-box", state="detached")
+    assert page.inner_text("#error-max_steps") == ""
+
+    # The runs list while the backend refuses: one banner (not one per poll), gone when the
+    # list loads again.
+    page.route("**/api/runs", lambda r: r.fulfill(status=503, body="down for maintenance"))
+    page.goto(synthetic_server + "/#/runs")
+    box = page.wait_for_selector(".page-errors .error-box[data-key='loading runs']")
+    assert "Down for maintenance. (HTTP 503, http_503)" in box.inner_text()
+    page.screenshot(path=str(SHOTS / "runs-error-desktop.png"))
+    page.unroute("**/api/runs")
+    page.wait_for_selector(".page-errors .error-box", state="detached", timeout=10_000)
+    page.wait_for_selector("#runs-count:has-text('run')")

@@ -7,7 +7,7 @@
 
 import { FINISHED, api } from "../api.js";
 import {
-  fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, fmtTime, h, runDuration, showError, statusBadge, toDate,
+  clearErrors, fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, fmtTime, h, runDuration, showError, statusBadge, toDate,
 } from "../ui.js";
 
 const POLL_MS = 3000;
@@ -264,19 +264,17 @@ export function mount(root, { params }) {
 
   let stopped = false;
   let timer = null;
-  let lastError = null;
   async function refresh() {
     clearTimeout(timer);
     try {
       const list = await api.runs({});
       if (stopped) return;
-      if (lastError) { lastError.remove(); lastError = null; }
+      clearErrors(errors, "loading runs"); // the backend answers again
       allRuns = list.data || [];
       show();
     } catch (err) {
       if (stopped) return;
-      if (lastError) lastError.remove();
-      lastError = showError(errors, err, "loading runs");
+      showError(errors, err, "loading runs");
     }
     if (!stopped) timer = setTimeout(refresh, POLL_MS);
   }
