@@ -186,15 +186,21 @@ def test_run_charts_window_linked_axes_smoothing_log_and_csv(synthetic_server, p
     page.screenshot(path=str(SHOTS / "run-window-desktop.png"), full_page=True)
 
 
-def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, page, shoot):
+@pytest.fixture(scope="module")
+def three_runs(synthetic_server) -> dict[str, int]:
+    """Finished runs of 8 ("sortme-a", a long name, notes, 8 tags), 5 ("sortme-b") and 3 steps
+    ("sortme-c", tagged Sweep-42, a long config path changed) for the Runs list and Compare."""
     api = Api(synthetic_server)
     make_preset(api, "synth-list", steps=8)
+    spill = {"memory": {"stagehand": {"activation_stagehand": {"min_spill_bytes": 2048}}}}
     ids = {}
-    for name, steps in (("sortme-b", 5), ("sortme-a", 8), ("sortme-c", 3)):
+    for name, overrides in (
+        ("sortme-b", {"max_steps": 5}),
+        ("sortme-a", {"max_steps": 8}),
+        ("sortme-c", {"max_steps": 3, **spill}),
+    ):
         ids[name] = api.call(
-            "POST",
-            "/api/runs",
-            {"preset": "synth-list", "name": name, "overrides": {"max_steps": steps}},
+            "POST", "/api/runs", {"preset": "synth-list", "name": name, "overrides": overrides}
         )["id"]
     api.call("PATCH", f"/api/runs/{ids['sortme-c']}", {"tags": ["Sweep-42", "x"]})
     # A long name, notes and many tags must still fit 1440 px.
@@ -206,6 +212,12 @@ def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, pag
     )
     for run_id in ids.values():
         api.wait_run(run_id, {"succeeded"}, timeout=60)
+    return ids
+
+
+def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, three_runs, page):
+    api = Api(synthetic_server)
+    ids = three_runs
     total = api.call("GET", "/api/runs")["count"]
     page.set_viewport_size({"width": 1440, "height": 900})
     page.goto(synthetic_server + "/#/runs")
@@ -262,26 +274,16 @@ def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, pag
     assert page.url.endswith("#/runs?sort=steps&dir=asc")
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "runs-1440-desktop.png"), full_page=True)
-    shoot(url, "runs-sorted", ready="#runs-body tr[data-run-id]")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.screenshot(path=str(SHOTS / "runs-phone.png"), full_page=True)
 
 
-def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(synthetic_server, page, shoot):
+def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(
+    synthetic_server, three_runs, page
+):
     api = Api(synthetic_server)
-    make_preset(api, "synth-cmp", steps=8)
-    spill = {"memory": {"stagehand": {"activation_stagehand": {"min_spill_bytes": 2048}}}}
-    runs = {
-        "long": {"max_steps": 8},
-        "short": {"max_steps": 3, **spill},
-        "third": {"max_steps": 5},
-    }
-    ids = {
-        name: api.call(
-            "POST", "/api/runs", {"preset": "synth-cmp", "name": f"cmp-{name}", "overrides": o}
-        )["id"]
-        for name, o in runs.items()
-    }
-    for run_id in ids.values():
-        api.wait_run(run_id, {"succeeded"}, timeout=60)
+    ids = {"long": three_runs["sortme-a"], "short": three_runs["sortme-c"]}
+    ids["third"] = three_runs["sortme-b"]
     a, b, c = ids["long"], ids["short"], ids["third"]
     gone = 4_000_000  # never created
     cmp = api.call("GET", f"/api/compare?ids={a},{b},{gone}&metrics=loss")
@@ -301,6 +303,8 @@ def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(synthetic_se
     )
     assert ranges == [[1, 8]] * 4
     assert page.evaluate("Array.from(document.getElementById('cmp-loss').data[1].x)") == [1, 2, 3]
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "compare-lengths-desktop.png"), full_page=True)
     page.evaluate("Plotly.relayout('cmp-loss', {'xaxis.range': [2, 5]})")
     page.wait_for_function(
         f"{list(charts)}.every((id) => document.getElementById(id).layout.xaxis.range[1] === 5)"
@@ -337,11 +341,7 @@ def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(synthetic_se
     assert "".join(t for t, _, _ in lines) == path
     assert all(n == 1 for _, n, _ in lines), lines
     assert len({top for _, _, top in lines}) > 1, lines  # it did wrap
-    shoot(
-        synthetic_server + f"/#/compare?ids={a},{b},{gone}",
-        "compare-lengths",
-        ready="#config-diff tr",
-    )
+    page.screenshot(path=str(SHOTS / "compare-lengths-phone.png"), full_page=True)
 
 
 def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page):

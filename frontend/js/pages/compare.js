@@ -33,7 +33,8 @@ function fmtDiffCell(value, changes) {
 export function pctDelta(value, base) {
   if (typeof value !== "number" || typeof base !== "number" || base === 0) return null;
   const pct = (100 * (value - base)) / Math.abs(base);
-  return `${pct >= 0 ? "+" : "−"}${Math.abs(pct).toFixed(1)}%`;
+  const shown = Math.abs(pct).toFixed(1);
+  return `${pct >= 0 || Number(shown) === 0 ? "+" : "−"}${shown}%`; // no "−0.0%"
 }
 
 /** A config path that wraps only between its segments ("memory.stagehand.x" breaks after a
