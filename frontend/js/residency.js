@@ -163,7 +163,7 @@ export class ResidencyMap extends ChartPanel {
 function addEvent(ev, block, event) {
   if (typeof block === "number" && event) {
     if (!ev.has(block)) ev.set(block, new Set());
-    ev.get(block).add(event);
+    ev.get(block).add(plotText(event));
   }
   return ev;
 }

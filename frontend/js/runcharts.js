@@ -8,7 +8,7 @@
 // last-N+1, the time charts from the time step last-N ended (its `trainer/step` record); the
 // two time charts (VRAM, residency) zoom and pan together.
 
-import { LiveChart, WAITING, afterPaint, chartTools } from "./charts.js";
+import { LiveChart, WAITING, afterPaint, chartTools, plotText } from "./charts.js";
 import { ResidencyMap } from "./residency.js";
 import { h } from "./ui.js";
 
@@ -277,7 +277,8 @@ export class RunCharts {
         this.blockRecords += 1;
         if (this.blockRecords === 1) this._vramTitle();
         this._setSource(rec.vram_source);
-        this._vramPoint(t, rec, `<br>${rec.block_name ?? "block"} (block ${rec.block})<br>event: ${rec.event ?? "?"}`);
+        // Hover text is read as Plotly's pseudo-HTML: the record's strings as text.
+        this._vramPoint(t, rec, `<br>${plotText(rec.block_name ?? "block")} (block ${plotText(rec.block)})<br>event: ${plotText(rec.event ?? "?")}`);
         c.residency.add(t, rec);
         break;
       case "stagehand/step":
