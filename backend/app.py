@@ -14,7 +14,7 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from backend import errors, openapi
+from backend import apidocs, errors, openapi
 from backend.api import ROUTERS
 from backend.api.deps import public_run
 from backend.errors import NotFound
@@ -86,12 +86,15 @@ def create_app(settings: Settings | None = None, executor: Executor | None = Non
         title="Stagehand Workbench",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # apidocs serves /docs and /redoc from local assets
+        redoc_url=None,
         description="Runs, presets and live telemetry of LoRA training runs (docs/contracts.md).",
     )
     app.state.settings = settings
     app.state.executor = executor
     errors.install(app)
     openapi.install(app)
+    apidocs.install(app)
     for router in ROUTERS:
         app.include_router(router)
 

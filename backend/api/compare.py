@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from backend.api.deps import StoreDep, public_run, run_limits, run_row
-from backend.errors import Invalid
+from backend.api.deps import StoreDep, public_run, run_limits
+from backend.errors import Invalid, NotFound
 from backend.models import MAX_ID, bounded_int
 from backend.openapi import errors
 from backend.presets import normalized
@@ -87,16 +87,22 @@ def compare(
     ],
     metrics: Annotated[str, Query(max_length=500)] = DEFAULT_METRICS,
 ) -> dict:
-    """``{runs, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path, values,
-    live?}],
-    summary: [{run_id, name, status, ...summary}]}``.
+    """``{runs, missing, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path,
+    values, live?}], summary: [{run_id, name, status, ...summary}]}``.
+
+    Ids of runs that do not exist (deleted) are listed in ``missing`` and the others compared;
+    404 naming ``ids`` when none exists.
 
     A metric is a field of ``step`` records (``loss``, ``phase_ms.forward``), optionally
     qualified by its source (``stagehand.h2d_bytes``); unqualified, the trainer's record wins
     when several sources carry the field (``vram_peak_mb``).
     """
-    run_ids = _ids(ids)
-    rows = {run_id: run_row(store, run_id) for run_id in run_ids}
+    found = {run_id: store.get_run(run_id) for run_id in _ids(ids)}
+    missing = [run_id for run_id, row in found.items() if row is None]
+    rows = {run_id: row for run_id, row in found.items() if row is not None}
+    if not rows:
+        raise NotFound(f"ids: no run with id {', '.join(map(str, missing))}", field="ids")
+    run_ids = list(rows)
     runs = {run_id: public_run(store, row) for run_id, row in rows.items()}
     names = [m.strip() for m in metrics.split(",") if m.strip()]
     if not names or len(names) > 20:
@@ -113,6 +119,7 @@ def compare(
         series[metric] = {str(i): store.series(i, field, source) for i in run_ids}
     return {
         "runs": list(runs.values()),
+        "missing": missing,
         "series": series,
         "config_diff": config_diff(
             {i: normalized(r["config"]) for i, r in runs.items()},

@@ -18,11 +18,35 @@ export class ApiError extends Error {
     this.details = Array.isArray(body.details) ? body.details : [];
   }
 
-  /** One line for a banner: "409 run_not_running: run 3 is succeeded (field: x)". */
+  /**
+   * One sentence for a banner that names the field, then the status and code in brackets:
+   * "overrides.max_steps is 0; expected greater than 0. (HTTP 422, validation_error)",
+   * "Run 3 is succeeded; limits apply to running runs. (HTTP 409, conflict)".
+   */
   describe() {
-    const where = this.field ? ` (field: ${this.field})` : "";
-    const status = this.status ? `${this.status} ` : "";
-    return `${status}${this.code}: ${this.message}${where}`;
+    const status = this.status ? `HTTP ${this.status}, ` : "";
+    return `${this.sentence()} (${status}${this.code})`;
+  }
+
+  /** The message as a sentence naming the field: "FIELD: found 0, expected greater than 0"
+   * (the backend's config checks) reads "FIELD is 0; expected greater than 0", pydantic's
+   * "FIELD: Input should be…" reads "FIELD should be…", "FIELD: Field required" reads "FIELD is
+   * required"; another message that does not name its field gets "(field FIELD)". */
+  sentence() {
+    let text = this.message.trim();
+    const f = this.field;
+    if (f && text.startsWith(`${f}: `)) {
+      const rest = text.slice(f.length + 2);
+      if (/^Input should /.test(rest)) text = `${f} should ${rest.slice("Input should ".length)}`;
+      else if (/^Field required/.test(rest)) text = `${f} is required`;
+      else if (/^Extra inputs are not permitted/.test(rest)) text = `${f} is not a known field`;
+      else if (/^found .*, expected /.test(rest)) text = rest.replace(/^found (.*?), expected (.*)$/, `${f} is $1; expected $2`);
+      else text = `${f}: ${rest}`;
+    } else {
+      if (/^[a-z]+ /.test(text)) text = text[0].toUpperCase() + text.slice(1);
+      if (f && !text.includes(f)) text = `${text.replace(/[.]$/, "")} (field ${f})`;
+    }
+    return /[.!?)]$/.test(text) ? text : `${text}.`;
   }
 }
 

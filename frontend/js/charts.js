@@ -3,12 +3,19 @@
 // Every change (points, title, markers, the empty note) marks a chart dirty and schedules one
 // redraw per FLUSH_MS, however many records came in; nothing is drawn before the first flush,
 // so a chart filled from history is drawn once, with its data, not empty and then again full.
-// When a trace passes its cap it is compressed in place with min/max downsampling: each bucket
-// keeps its lowest and its highest point, so a VRAM spike that lasted one block is still drawn
-// after 100k blocks. Compressing already-compressed data keeps the same guarantee (the max of
-// bucket maxima is the global max).
+// When a trace passes its cap it is compressed in place (downsample.js): the newest points as
+// they are, the older ones min/max downsampled, so a VRAM spike that lasted one block is still
+// drawn after 100k blocks.
+// What a user sets on a chart lives here too: the x range shown (a user's zoom, else a "last N
+// steps" window, else everything), two charts whose x axes move together, a log y axis, and
+// the chart's data as a CSV download.
 
 /* global Plotly */
+
+import { capSeries, minMaxDownsample } from "./downsample.js";
+import { h } from "./ui.js";
+
+export { minMaxDownsample };
 
 /**
  * `text` as Plotly shows it literally. Plotly reads titles, legend names, hover text and
@@ -48,7 +55,11 @@ export function afterPaint(fn) {
 /** The note of an empty chart until something says why it is empty. */
 export const WAITING = "waiting for records…";
 
-export const PLOT_CONFIG = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+// A double-click asks for autorange (ChartPanel then draws its window, or everything), never
+// Plotly's "reset" to whatever range the chart was first drawn with.
+export const PLOT_CONFIG = {
+  responsive: true, displaylogo: false, doubleClick: "autosize", modeBarButtonsToRemove: ["lasso2d", "select2d"],
+};
 
 /** The cheap-to-draw form of a trace once it holds many points. */
 function denseTrace(trace) {
@@ -102,52 +113,36 @@ export function markerShapes(markers, xRange = null) {
 }
 
 /**
- * Min/max downsampling of one series.
- *
- * Splits the points into `buckets` runs of consecutive indices and keeps, per run, the point
- * with the lowest y and the point with the highest y, in x order. The result has at most
- * 2 * buckets points; the global minimum and maximum are always kept. Null/NaN y values are
- * skipped (they are gaps, not extremes).
- *
- * @param {Array<number>} x
- * @param {Array<number>} y same length as x
- * @param {number} buckets > 0
- * @returns {{x: Array<number>, y: Array<number>}}
+ * One CSV line: numbers as JavaScript writes them (every digit the API sent), text quoted
+ * when it holds a comma, a quote or a line break.
  */
-export function minMaxDownsample(x, y, buckets) {
-  const n = y.length;
-  if (n <= 2 * buckets) return { x: Array.from(x), y: Array.from(y) };
-  const outX = [];
-  const outY = [];
-  const size = n / buckets;
-  for (let b = 0; b < buckets; b++) {
-    const start = Math.floor(b * size);
-    const end = Math.min(n, Math.floor((b + 1) * size));
-    let lo = -1;
-    let hi = -1;
-    for (let i = start; i < end; i++) {
-      const v = y[i];
-      if (v === null || v === undefined || Number.isNaN(v)) continue;
-      if (lo < 0 || v < y[lo]) lo = i;
-      if (hi < 0 || v > y[hi]) hi = i;
-    }
-    if (lo < 0) continue;
-    const first = Math.min(lo, hi);
-    const second = Math.max(lo, hi);
-    outX.push(x[first]);
-    outY.push(y[first]);
-    if (second !== first) {
-      outX.push(x[second]);
-      outY.push(y[second]);
-    }
-  }
-  return { x: outX, y: outY };
+export function csvRow(cells) {
+  return cells.map((v) => {
+    if (v === null || v === undefined || (typeof v === "number" && Number.isNaN(v))) return "";
+    const text = String(v);
+    return /[",\n\r]/.test(text) ? `"${text.replace(/"/g, '""')}"` : text;
+  }).join(",");
+}
+
+/** Saves `text` as the file `filename` through the browser's download. */
+export function download(filename, text, type = "text/csv") {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const a = h("a", { href: url, download: filename, hidden: true });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 0);
 }
 
 /**
  * What every chart panel shares: its layout (title, axes, legend, limit markers, the note of an
- * empty chart) and one draw path. Subclasses give `_traces()` (the data drawn), `empty`, and
- * may fold queued points into their model in `_fold()` before a draw.
+ * empty chart), one draw path, and what a user sets on it (x range, log y, CSV). Subclasses give
+ * `_traces()` (the data drawn), `empty`, `csv()`, and may fold queued points into their model in
+ * `_fold()` before a draw.
+ *
+ * The x range drawn is, first to last that applies: the range a user zoomed to (`view`; a
+ * double-click drops it), the `xWindow()` of a "last N steps" window (it follows the newest
+ * records), everything (Plotly's autorange).
  */
 export class ChartPanel {
   /**
@@ -169,6 +164,10 @@ export class ChartPanel {
     this.dirty = true;
     this.timer = null;
     this.revision = 0;
+    this.view = null; // [lo, hi] a user zoomed to
+    this.xWindow = null; // () => [lo, hi] | null: the "last N steps" window
+    this.linked = []; // charts whose x axis follows this one's
+    this.listening = false;
     this.layout = {
       ...BASE_LAYOUT,
       ...legendFit(width ?? el.clientWidth, legendItems),
@@ -201,6 +200,11 @@ export class ChartPanel {
     return null;
   }
 
+  /** The chart's data as CSV text (header line first). */
+  csv() {
+    return "";
+  }
+
   /** Schedules a redraw (at most one per `flushMs`). */
   invalidate() {
     this.dirty = true;
@@ -213,6 +217,11 @@ export class ChartPanel {
     this.timer = null;
   }
 
+  /** The x range to draw: a user's zoom, else the window's, else null (everything). */
+  shownRange() {
+    return this.view || (this.xWindow && this.xWindow()) || null;
+  }
+
   /** Draws now whatever changed (tests and history loads call it to avoid waiting). */
   flush() {
     this.unschedule();
@@ -223,8 +232,54 @@ export class ChartPanel {
     const notes = this.empty && this.emptyText ? [emptyNote(this.emptyText)] : [];
     const data = this._traces();
     const shapes = markerShapes(this.markers, this.markers.length ? this._xRange() : null);
-    this.layout = { ...this.layout, shapes, annotations: notes, datarevision: this.revision };
+    const { range, autorange, ...xaxis } = this.layout.xaxis;
+    const shown = this.shownRange();
+    xaxis.autorange = !shown;
+    if (shown) xaxis.range = [...shown];
+    this.layout = { ...this.layout, xaxis, shapes, annotations: notes, datarevision: this.revision };
     Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
+    if (!this.listening && this.el.on) {
+      this.listening = true;
+      this.el.on("plotly_relayout", (ev) => this._userRange(ev));
+    }
+  }
+
+  /** A zoom, pan or double-click on the chart: kept as `view`, and given to linked charts. */
+  _userRange(ev) {
+    let view;
+    if (ev["xaxis.autorange"]) view = null;
+    else if (ev["xaxis.range[0]"] !== undefined) view = [ev["xaxis.range[0]"], ev["xaxis.range[1]"]];
+    else if (Array.isArray(ev["xaxis.range"])) view = [...ev["xaxis.range"]];
+    else return;
+    // Drawn once Plotly has finished its own relayout (it writes into the layout it was given).
+    for (const chart of [this, ...this.linked]) chart._setView(view);
+  }
+
+  /** Draws x range `view` (null: the window or everything), over whatever the user did. */
+  _setView(view) {
+    this.view = view;
+    // A new uirevision: Plotly would otherwise keep the user's last zoom over the range given.
+    this.uirev = (this.uirev || 0) + 1;
+    this.layout = { ...this.layout, uirevision: `keep-${this.uirev}` };
+    this.invalidate();
+  }
+
+  /** `other`'s x axis follows this one's and the other way round (same x unit, e.g. seconds). */
+  link(other) {
+    this.linked.push(other);
+    other.linked.push(this);
+  }
+
+  /** A "last N steps" window: `fn()` gives the [lo, hi] x range of it now (null: everything). */
+  setWindow(fn) {
+    this.xWindow = fn;
+    this._setView(null);
+  }
+
+  /** A log (true) or linear y axis. */
+  setLogY(on) {
+    this.layout = { ...this.layout, yaxis: { ...this.layout.yaxis, type: on ? "log" : "linear" } };
+    this.invalidate();
   }
 
   setTitle(title) {
@@ -252,19 +307,39 @@ export class ChartPanel {
   }
 }
 
+/**
+ * The controls above a chart: "log y" and "CSV" (the chart's data, downloaded as
+ * `filename`), then `extra` elements (e.g. the loss chart's smoothing).
+ */
+export function chartTools(chart, filename, ...extra) {
+  const id = chart.el.id;
+  const log = h("input", { type: "checkbox", class: "log-y", id: `${id}-log`, onchange: () => chart.setLogY(log.checked) });
+  return h("div", { class: "chart-tools" },
+    ...extra,
+    h("label", { class: "inline", for: `${id}-log` }, log, "log y"),
+    h("button", { class: "small csv", id: `${id}-csv`, title: "download this chart's data as CSV", onclick: () => {
+      chart.flush();
+      download(filename, chart.csv());
+    } }, "CSV"));
+}
+
 /** A line/bar chart fed point by point (`push`) or whole series at a time (`setSeries`). */
 export class LiveChart extends ChartPanel {
   /**
    * @param {HTMLElement} el
    * @param {object} opts as ChartPanel's, plus:
-   * @param {Array<object>} opts.traces Plotly trace specs without x/y
+   * @param {Array<object>} opts.traces Plotly trace specs without x/y; `text: []` keeps a hover
+   *   text per point (`push`'s `text`)
    * @param {number} [opts.cap] most points per trace before compression
+   * @param {string} [opts.xName] the x column's name in the CSV (the x axis title otherwise)
    */
-  constructor(el, { traces, cap = DEFAULT_CAP, ...opts }) {
+  constructor(el, { traces, cap = DEFAULT_CAP, xName, ...opts }) {
     super(el, { ...opts, legendItems: traces.length });
     this.cap = cap;
     this.pending = new Map();
     this.hasPoints = false;
+    this.xName = xName || opts.layout?.xaxis?.title?.text || "x";
+    this.names = traces.map((t) => t.name);
     this.data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, name: plotText(t.name), x: [], y: [] }));
   }
 
@@ -282,46 +357,68 @@ export class LiveChart extends ChartPanel {
     return xs.length ? [Math.min(...xs), Math.max(...xs)] : null;
   }
 
+  /** Every x of any trace, one row each in x order: `x, trace 1, trace 2…` (empty where a
+   * trace has no point at that x). */
+  csv() {
+    this._fold();
+    const rows = new Map();
+    this.data.forEach((t, i) => t.x.forEach((x, j) => {
+      if (!rows.has(x)) rows.set(x, new Array(this.data.length).fill(null));
+      rows.get(x)[i] = t.y[j];
+    }));
+    const xs = [...rows.keys()].sort((a, b) => a - b);
+    return [csvRow([this.xName, ...this.names]), ...xs.map((x) => csvRow([x, ...rows.get(x)]))].join("\n") + "\n";
+  }
+
+  /** Renames trace `index` (legend and CSV). */
+  setName(index, name) {
+    this.names[index] = name;
+    this.data[index] = { ...this.data[index], name: plotText(name) };
+    this.invalidate();
+  }
+
   /** Queues points for trace `index`; drawn at the next flush. */
-  push(index, x, y) {
+  push(index, x, y, text) {
     let entry = this.pending.get(index);
     if (!entry) {
-      entry = { x: [], y: [] };
+      entry = { x: [], y: [], text: [] };
       this.pending.set(index, entry);
     }
     entry.x.push(x);
     entry.y.push(y);
+    entry.text.push(text ?? "");
     this.invalidate();
   }
 
   /** Replaces all points of trace `index` (history load); compressed when over the cap. */
-  setSeries(index, x, y) {
+  setSeries(index, x, y, text) {
     this.pending.delete(index);
-    const ds = minMaxDownsample(x, y, Math.floor(this.cap / 2));
-    this._set(index, ds.x, ds.y);
+    const withText = Array.isArray(this.data[index].text);
+    this._set(index, capSeries({ x, y, text: withText ? text || x.map(() => "") : undefined }, this.cap));
     this.invalidate();
   }
 
-  /** Puts `x`/`y` before the points trace `index` already has (history arriving late). */
-  prependSeries(index, x, y) {
+  /** Puts `x`/`y` (and hover `text`) before the points trace `index` already has (history
+   * arriving late). */
+  prependSeries(index, x, y, text0) {
     this._fold();
     const trace = this.data[index];
-    this.setSeries(index, x.concat(trace.x), y.concat(trace.y));
+    const text = Array.isArray(trace.text) ? (text0 || x.map(() => "")).concat(trace.text) : undefined;
+    this.setSeries(index, x.concat(trace.x), y.concat(trace.y), text);
   }
 
-  _set(index, x, y) {
-    this.data[index] = { ...this.data[index], x, y };
+  _set(index, { x, y, text }) {
+    this.data[index] = { ...this.data[index], x, y, ...(text ? { text } : {}) };
     if (!this.hasPoints && y.some((v) => v !== undefined && v !== null)) this.hasPoints = true;
   }
 
-  /** Appends the queued points; a trace over its cap keeps half of it (min/max per bucket). */
+  /** Appends the queued points; a trace over its cap is compressed (`capSeries`). */
   _fold() {
     if (!this.pending.size) return;
     for (const [i, p] of this.pending) {
-      let x = this.data[i].x.concat(p.x);
-      let y = this.data[i].y.concat(p.y);
-      if (x.length > this.cap) ({ x, y } = minMaxDownsample(x, y, Math.floor(this.cap / 4)));
-      this._set(i, x, y);
+      const t = this.data[i];
+      const text = Array.isArray(t.text) ? t.text.concat(p.text) : undefined;
+      this._set(i, capSeries({ x: t.x.concat(p.x), y: t.y.concat(p.y), text }, this.cap));
     }
     this.pending = new Map();
   }

@@ -1,6 +1,6 @@
 // Block residency chart: which blocks are on the device over time (stagehand/block records).
 
-import { ChartPanel, FLUSH_MS, plotText } from "./charts.js";
+import { ChartPanel, FLUSH_MS, csvRow, plotText } from "./charts.js";
 
 /**
  * Block residency over time: a heatmap of blocks (rows) x time (columns), 0 = off the device,
@@ -34,11 +34,22 @@ export class ResidencyMap extends ChartPanel {
     this.maxColumns = maxColumns;
     this.maxMarks = maxMarks;
     this.state = new Map(); // block -> 0/1/2 right now
-    this.names = new Map(); // block -> block_name
-    this.columns = []; // {t, z: Map(block -> value)}
+    this.names = new Map(); // block -> block_name, as Plotly shows it literally
+    this.rawNames = new Map(); // block -> block_name
+    this.columns = []; // {t, z: Map(block -> value), ev: Map(block -> the events folded in)}
     this.perColumn = 1; // events folded into one column
     this.inColumn = 0;
     this.marks = { prefetch: { x: [], y: [] }, demand: { x: [], y: [] }, stall: { x: [], y: [] } };
+  }
+
+  /** One row per column and block: `time (s), block, block name, state, events`. */
+  csv() {
+    const blocks = [...this.state.keys()].sort((a, b) => a - b);
+    const rows = [csvRow(["time (s)", "block", "block name", "state (0 off, 1 resident, 2 executing)", "events"])];
+    for (const c of this.columns) {
+      for (const b of blocks) rows.push(csvRow([c.t, b, this.rawNames.get(b) ?? "", c.z.get(b) ?? 0, [...(c.ev.get(b) || [])].join(" ")]));
+    }
+    return `${rows.join("\n")}\n`;
   }
 
   get empty() {
@@ -54,7 +65,10 @@ export class ResidencyMap extends ChartPanel {
   add(t, rec) {
     const block = rec.block;
     if (typeof block !== "number") return;
-    if (rec.block_name) this.names.set(block, plotText(rec.block_name));
+    if (rec.block_name && !this.rawNames.has(block)) {
+      this.rawNames.set(block, rec.block_name);
+      this.names.set(block, plotText(rec.block_name));
+    }
     const current = this.state.get(block) ?? 0;
     switch (rec.event) {
       case "load":
@@ -77,7 +91,7 @@ export class ResidencyMap extends ChartPanel {
       default:
         if (!this.state.has(block)) this.state.set(block, 0);
     }
-    this._snapshot(t);
+    this._snapshot(t, block, rec.event);
     this.invalidate();
   }
 
@@ -93,14 +107,15 @@ export class ResidencyMap extends ChartPanel {
     }
   }
 
-  _snapshot(t) {
+  _snapshot(t, block, event) {
     const last = this.columns[this.columns.length - 1];
     if (last && this.inColumn < this.perColumn) {
       for (const [b, v] of this.state) last.z.set(b, Math.max(last.z.get(b) ?? 0, v));
+      addEvent(last.ev, block, event);
       this.inColumn += 1;
       return;
     }
-    this.columns.push({ t, z: new Map(this.state) });
+    this.columns.push({ t, z: new Map(this.state), ev: addEvent(new Map(), block, event) });
     this.inColumn = 1;
     if (this.columns.length > this.maxColumns) {
       const merged = [];
@@ -108,6 +123,7 @@ export class ResidencyMap extends ChartPanel {
         const a = this.columns[i];
         const b = this.columns[i + 1];
         if (b) for (const [k, v] of b.z) a.z.set(k, Math.max(a.z.get(k) ?? 0, v));
+        if (b) for (const [k, evs] of b.ev) for (const e of evs) addEvent(a.ev, k, e);
         merged.push(a);
       }
       this.columns = merged;
@@ -119,9 +135,14 @@ export class ResidencyMap extends ChartPanel {
   _traces() {
     const blocks = [...this.state.keys()].sort((a, b) => a - b);
     const z = blocks.map((b) => this.columns.map((c) => c.z.get(b) ?? 0));
-    const text = blocks.map((b) => this.columns.map(() => this.names.get(b) ?? `block ${b}`));
+    const nameOf = (b) => this.names.get(b) ?? `block ${b}`;
+    const text = blocks.map((b) => this.columns.map((c) => {
+      const evs = c.ev.get(b);
+      return `${nameOf(b)} (block ${b})${evs ? `<br>event: ${[...evs].join(", ")}` : ""}`;
+    }));
     const scatter = (name, m, symbol, color, size) => ({
-      type: "scatter", mode: "markers", name, x: m.x, y: m.y,
+      type: "scatter", mode: "markers", name, x: m.x, y: m.y, text: m.y.map(nameOf),
+      hovertemplate: `%{text} (block %{y})<br>t=%{x:.3f} s<br>event: ${name}<extra></extra>`,
       marker: { symbol, color, size, opacity: 0.85, line: { width: 0.5, color: "#ffffff" } },
     });
     return [
@@ -129,11 +150,20 @@ export class ResidencyMap extends ChartPanel {
         type: "heatmap", name: "on device", x: this.columns.map((c) => c.t), y: blocks, z, text,
         zmin: 0, zmax: 2, showscale: false, hoverongaps: false,
         colorscale: [[0, "#eef1f5"], [0.5, "#7fb3e6"], [1, "#1f5fa8"]],
-        hovertemplate: "%{text}<br>t=%{x:.2f} s<br>state %{z} (0 off, 1 resident, 2 executing)<extra></extra>",
+        hovertemplate: "%{text}<br>t=%{x:.3f} s<br>state %{z} (0 off, 1 resident, 2 executing)<extra></extra>",
       },
       scatter("prefetch load", this.marks.prefetch, "triangle-up", "#2e9e5b", 5),
       scatter("on-demand load", this.marks.demand, "circle", "#e08a1e", 5),
       scatter("stall", this.marks.stall, "x", "#d3262f", 7),
     ];
   }
+}
+
+/** Adds `event` to the events of `block` in a column's `ev` map (a Set keeps each once). */
+function addEvent(ev, block, event) {
+  if (typeof block === "number" && event) {
+    if (!ev.has(block)) ev.set(block, new Set());
+    ev.get(block).add(plotText(event));
+  }
+  return ev;
 }

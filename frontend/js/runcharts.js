@@ -4,12 +4,15 @@
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
 // becomes a marker on every chart, at its time or its step; a limits request the worker
 // refused (`trainer/event` `control_rejected`) one of another colour.
+// A "last N steps" window shows the same steps on every chart: the step charts from step
+// last-N+1, the time charts from the time step last-N ended (its `trainer/step` record); the
+// two time charts (VRAM, residency) zoom and pan together.
 
-import { LiveChart, WAITING, afterPaint } from "./charts.js";
+import { LiveChart, WAITING, afterPaint, chartTools, plotText } from "./charts.js";
 import { ResidencyMap } from "./residency.js";
 import { h } from "./ui.js";
 
-const EMA = 0.9; // loss smoothing, as TensorBoard's default slider
+const EMA = 0.9; // loss smoothing by default, as TensorBoard's slider
 
 const COLORS = {
   allocated: "#1f5fa8", reserved: "#7fb3e6", high: "#d3262f", low: "#e08a1e",
@@ -42,29 +45,47 @@ function stepAxis() {
   return { title: { text: "step" } };
 }
 
+// Hover of the VRAM lines: the figure with its unit, then what the record was (block, event).
+const VRAM_HOVER = "%{y:.1f} MB%{text}";
+
+/** Exponential moving average of `ys` with weight `w` on the past (the first value as is). */
+export function ema(ys, w) {
+  let s = null;
+  return ys.map((y) => (s = s === null ? y : w * s + (1 - w) * y));
+}
+
 export class RunCharts {
   /**
    * @param {HTMLElement} container grid the chart panels are appended to
    * @param {object} [config] the run's config: says which sources will stay silent, and why
+   * @param {string} [filePrefix] start of the CSV files' names ("run-3" -> "run-3-loss.csv")
    */
-  constructor(container, config = {}) {
+  constructor(container, config = {}, filePrefix = "run") {
     const divs = Object.fromEntries(CHART_IDS.map((id) => [id, h("div", { id, class: "chart" })]));
-    container.append(...CHART_IDS.map((id) => h("div", { class: "chart-panel" }, divs[id])));
+    const panels = Object.fromEntries(CHART_IDS.map((id) => [id, h("div", { class: "chart-panel" }, divs[id])]));
+    container.append(...Object.values(panels));
     const width = divs.vram.clientWidth; // the grid's panels are all as wide: one layout read
     this.t0 = null;
+    this.tLast = null; // s, the newest record drawn on the time charts
     this.vramSource = null;
     this.blockRecords = 0;
     this.stagehandSteps = 0;
+    this.emaWeight = EMA;
     this.smoothed = null;
+    this.losses = { x: [], y: [] }; // every loss, unsmoothed: the EMA is redrawn from them
+    this.stepEnds = new Map(); // step -> s its trainer/step record was written at
+    this.firstStep = null;
+    this.lastStep = null;
+    this.windowSteps = null;
     this.charts = {
       vram: new LiveChart(divs.vram, {
         title: "VRAM (MB)",
         width,
         traces: [
-          { name: "allocated", line: { color: COLORS.allocated, width: 1.5 } },
-          { name: "reserved (CUDA)", line: { color: COLORS.reserved, width: 1.5 } },
-          { name: "high watermark", line: { color: COLORS.high, dash: "dot", width: 1, shape: "hv" } },
-          { name: "low watermark", line: { color: COLORS.low, dash: "dot", width: 1, shape: "hv" } },
+          { name: "allocated", line: { color: COLORS.allocated, width: 1.5 }, text: [], hovertemplate: VRAM_HOVER },
+          { name: "reserved (CUDA)", line: { color: COLORS.reserved, width: 1.5 }, text: [], hovertemplate: VRAM_HOVER },
+          { name: "high watermark", line: { color: COLORS.high, dash: "dot", width: 1, shape: "hv" }, hovertemplate: "%{y} MB" },
+          { name: "low watermark", line: { color: COLORS.low, dash: "dot", width: 1, shape: "hv" }, hovertemplate: "%{y} MB" },
         ],
         layout: { xaxis: { title: { text: "time since start (s)" } }, yaxis: { title: { text: "MB" } } },
       }),
@@ -135,7 +156,62 @@ export class RunCharts {
         layout: { xaxis: stepAxis(), yaxis: { title: { text: "count" } }, yaxis2: { title: { text: "transfers in flight" } } },
       }),
     };
+    this.charts.vram.link(this.charts.residency);
     this._explainSilence(config || {});
+    this._tools(panels, filePrefix);
+  }
+
+  /** The controls: the "last N steps" window (`controls`, placed by the page above the grid);
+   * log y and CSV on every chart; the loss chart's smoothing. */
+  _tools(panels, filePrefix) {
+    const win = h("input", {
+      type: "number", id: "chart-window", min: "1", step: "1", placeholder: "all", class: "window-input",
+      onchange: () => this.setWindow(win.value ? Number(win.value) : null),
+    });
+    this.controls = h("div", { class: "toolbar chart-controls", id: "chart-controls" },
+      h("label", { class: "inline", for: "chart-window" }, "show the last", win, "steps"),
+      h("span", { class: "muted" }, "(empty: the whole run; drag on a chart to zoom, double-click to return)"));
+    const emaLabel = h("span", { id: "loss-ema-value", class: "muted" }, EMA.toFixed(2));
+    const emaInput = h("input", {
+      type: "range", id: "loss-ema", min: "0", max: "0.99", step: "0.01", value: String(EMA),
+      oninput: () => {
+        emaLabel.textContent = Number(emaInput.value).toFixed(2);
+        this.setEma(Number(emaInput.value));
+      },
+    });
+    for (const [id, panel] of Object.entries(panels)) {
+      const extra = id === "loss" ? [h("label", { class: "inline", for: "loss-ema" }, "smoothing", emaInput, emaLabel)] : [];
+      panel.prepend(chartTools(this.charts[id], `${filePrefix}-${id}.csv`, ...extra));
+    }
+  }
+
+  /** Every chart shows the last `n` steps (null: the whole run), following new records. */
+  setWindow(n) {
+    this.windowSteps = n && n > 0 ? Math.floor(n) : null;
+    for (const [id, chart] of Object.entries(this.charts)) {
+      const timeBased = id === "vram" || id === "residency";
+      chart.setWindow(this.windowSteps ? () => (timeBased ? this._timeWindow() : this._stepWindow()) : null);
+    }
+  }
+
+  _stepWindow() {
+    if (this.lastStep === null) return null;
+    return [Math.max(this.lastStep - this.windowSteps, this.firstStep - 1) + 0.5, this.lastStep + 0.5];
+  }
+
+  /** From the end of step last-N (the run's start when it has fewer steps) to the newest record. */
+  _timeWindow() {
+    if (this.lastStep === null) return null;
+    return [this.stepEnds.get(this.lastStep - this.windowSteps) ?? 0, this.tLast];
+  }
+
+  /** Loss smoothing: the EMA line redrawn with weight `w` (0: none, 0.99: heavy). */
+  setEma(w) {
+    this.emaWeight = w;
+    const smooth = ema(this.losses.y, w);
+    this.smoothed = smooth.length ? smooth[smooth.length - 1] : null;
+    this.charts.loss.setName(1, `loss (EMA ${w})`);
+    this.charts.loss.setSeries(1, [...this.losses.x], smooth);
   }
 
   /** Empty-chart notes that say why a source will not report in this run. */
@@ -185,6 +261,9 @@ export class RunCharts {
     const step = rec.step ?? rec.step_id;
     const c = this.charts;
     const key = `${rec.source}/${rec.kind}`;
+    if (key === "stagehand/block" || key === "stagehand/step" || key === "trainer/step") {
+      if (this.tLast === null || t > this.tLast) this.tLast = t;
+    }
     switch (key) {
       case "trainer/run_started":
         this._setSource(rec.vram_source);
@@ -198,7 +277,8 @@ export class RunCharts {
         this.blockRecords += 1;
         if (this.blockRecords === 1) this._vramTitle();
         this._setSource(rec.vram_source);
-        this._vramPoint(t, rec);
+        // Hover text is read as Plotly's pseudo-HTML: the record's strings as text.
+        this._vramPoint(t, rec, `<br>${plotText(rec.block_name ?? "block")} (block ${plotText(rec.block)})<br>event: ${plotText(rec.event ?? "?")}`);
         c.residency.add(t, rec);
         break;
       case "stagehand/step":
@@ -206,7 +286,7 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
         if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
-        if (this.blockRecords === 0) this._vramPoint(t, rec);
+        if (this.blockRecords === 0) this._vramPoint(t, rec, `<br>step ${step}`);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);
@@ -215,14 +295,22 @@ export class RunCharts {
         this._setSource(rec.vram_source);
         // Without block records (block_events off, or no weight streaming) the step figures
         // are the best VRAM timeline there is.
-        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramPoint(t, rec);
+        if (this.blockRecords === 0 && this.stagehandSteps === 0) this._vramPoint(t, rec, `<br>step ${step}`);
+        if (typeof step === "number") {
+          this.stepEnds.set(step, t);
+          if (this.firstStep === null) this.firstStep = step;
+          if (this.lastStep === null || step > this.lastStep) this.lastStep = step;
+        }
         const ph = rec.phase_ms || {};
         c.phases.push(0, step, ph.forward);
         c.phases.push(1, step, ph.backward);
         c.phases.push(2, step, ph.optimizer);
         c.phases.push(3, step, rec.step_time_ms);
         if (typeof rec.loss === "number") {
-          this.smoothed = this.smoothed === null ? rec.loss : EMA * this.smoothed + (1 - EMA) * rec.loss;
+          const w = this.emaWeight;
+          this.smoothed = this.smoothed === null ? rec.loss : w * this.smoothed + (1 - w) * rec.loss;
+          this.losses.x.push(step);
+          this.losses.y.push(rec.loss);
           c.loss.push(0, step, rec.loss);
           c.loss.push(1, step, this.smoothed);
         }
@@ -271,27 +359,29 @@ export class RunCharts {
     const x = [];
     const alloc = [];
     const reserved = [];
+    const text = [];
     buckets.forEach((b, i) => {
       const t = this._t(b);
       const next = buckets[i + 1] ? this._t(buckets[i + 1]) : t;
       const mid = t + (next - t) / 2; // the bucket's max drawn inside its own span
       x.push(t, mid);
+      text.push(`<br>lowest of ${b.count ?? "its"} block records`, `<br>highest of ${b.count ?? "its"} block records`);
       alloc.push(b.min?.vram_allocated_mb, b.max?.vram_allocated_mb);
       reserved.push(b.min?.vram_reserved_mb, b.max?.vram_reserved_mb);
     });
-    this.charts.vram.prependSeries(0, x, alloc);
+    this.charts.vram.prependSeries(0, x, alloc, text);
     // Tracked memory reports reserved = allocated (see _vramPoint).
-    if (reserved.some((v, i) => v !== alloc[i])) this.charts.vram.prependSeries(1, x, reserved);
+    if (reserved.some((v, i) => v !== alloc[i])) this.charts.vram.prependSeries(1, x, reserved, text);
   }
 
   /**
    * Allocated and reserved VRAM of one record. Tracked memory (no CUDA) has no allocator cache:
    * its reserved figure is the allocated one, and drawing it would only hide that line.
    */
-  _vramPoint(t, rec) {
-    if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb);
+  _vramPoint(t, rec, text) {
+    if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb, text);
     if (rec.vram_reserved_mb !== undefined && rec.vram_source !== "tracked") {
-      this.charts.vram.push(1, t, rec.vram_reserved_mb);
+      this.charts.vram.push(1, t, rec.vram_reserved_mb, text);
     }
   }
 

@@ -92,22 +92,54 @@ export function statusBadge(status) {
   return h("span", { class: `badge badge-${status}`, "data-status": status }, status);
 }
 
-/** Shows an ApiError (or any Error) in `container` as a visible, dismissable message. */
+/**
+ * Shows an ApiError (or any Error) in `container` as a visible, dismissable message, keyed by
+ * `prefix` (what was being done): a second error of the same kind replaces the first rather than
+ * stacking, and `clearErrors(container, prefix)` takes it away once that works again. The box
+ * lists the fields the error names (`data-fields`), so fixing a field can clear it
+ * (`clearErrors(container, null, field)`).
+ */
 export function showError(container, err, prefix = "") {
-  const text = typeof err.describe === "function" ? err.describe() : err.message || String(err);
+  const text = typeof err.describe === "function" ? err.describe() : sentence(err.message || String(err));
   const details = Array.isArray(err.details) && err.details.length > 1
     ? h("ul", {}, err.details.map((d) => h("li", {}, typeof d === "object" ? `${d.field ?? ""}: ${d.message ?? JSON.stringify(d)}` : String(d))))
     : null;
+  const fields = [err.field, ...(Array.isArray(err.details) ? err.details.map((d) => d && d.field) : [])]
+    .filter(Boolean).map(fieldPath);
   const box = h(
     "div",
-    { class: "error-box", role: "alert" },
+    { class: "error-box", role: "alert", dataset: { key: prefix, fields: [...new Set(fields)].join(" ") } },
     h("button", { class: "close", title: "dismiss", onclick: () => box.remove() }, "×"),
     h("strong", {}, prefix ? `${prefix}: ` : "Error: "),
     text,
     details,
   );
+  clearErrors(container, prefix);
   container.prepend(box);
   return box;
+}
+
+/** Removes the error boxes of `container` shown for `prefix` (any, when null) and, when
+ * `field` is given, only those naming that field (a config path, "overrides." or not). */
+export function clearErrors(container, prefix = null, field = null) {
+  for (const box of container.querySelectorAll(":scope > .error-box")) {
+    if (prefix !== null && box.dataset.key !== prefix) continue;
+    if (field !== null && !box.dataset.fields.split(" ").includes(fieldPath(field))) continue;
+    box.remove();
+  }
+}
+
+/** A field's config path as the error names it, without the request body's head. */
+function fieldPath(field) {
+  return String(field).replace(/^(overrides|config|limits)\./, "");
+}
+
+/** `text` as a sentence: a capital first letter (unless it starts with a field path) and a
+ * full stop. */
+export function sentence(text) {
+  let out = String(text).trim();
+  if (/^[a-z]+ /.test(out)) out = out[0].toUpperCase() + out.slice(1);
+  return /[.!?)]$/.test(out) ? out : `${out}.`;
 }
 
 /** Get/set a value in a nested object by a dotted JSON path ("memory.stagehand.x", "a[0]"). */

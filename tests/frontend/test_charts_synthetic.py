@@ -67,6 +67,16 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     first = page.evaluate(vram_len)
     page.wait_for_function(f"{vram_len} > {first}", timeout=30_000)
     assert "source: cuda" in page.evaluate("document.getElementById('vram').layout.title.text")
+    # A "last 5 steps" window follows the live records (the data underneath stays whole).
+    page.fill("#chart-window", "5")
+    page.press("#chart-window", "Enter")
+    follows = (
+        "(() => { const d = document.getElementById('loss'); const x = d.data[0].x;"
+        " const r = d.layout.xaxis.range; return x.length >= {n} && !!r"
+        " && r[1] === x[x.length - 1] + 0.5 && r[0] === r[1] - 5; })()"
+    )
+    page.wait_for_function(follows.replace("{n}", "6"), timeout=30_000)
+    page.wait_for_function(follows.replace("{n}", "9"), timeout=30_000)
 
     page.fill("#limit-vram_high_watermark_mb", "10000")
     page.click("#apply-limits")

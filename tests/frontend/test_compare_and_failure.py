@@ -97,7 +97,7 @@ def test_runs_table_filters_notes_tags_delete(backend_server, compared_runs, pag
     page.wait_for_selector(f"tr[data-run-id='{a}'] .tag:has-text('wide')")
     assert api.call("GET", f"/api/runs/{a}")["tags"] == ["sweep", "wide"]
 
-    # Filters go to the API: by tag, by preset.
+    # Filters: a search over names and tags, a preset.
     page.fill("#filter-tag", "wide")
     page.wait_for_function(
         f"document.querySelectorAll('#runs-body tr[data-run-id]').length === 1"

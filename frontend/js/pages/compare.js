@@ -1,11 +1,17 @@
 // Compare page (#/compare?ids=1,2): runs overlaid on the same axes (VRAM, step time, loss,
 // spill), a summary table and the config diff (the fields that differ, and the live limits a
 // run changed while it ran: the config's value, then "→ new at step N" per change).
+// Runs of different lengths share one step range on every chart (zoom one, the others follow);
+// the summary gives each figure's change against the first run, and the loss at the last step
+// every run reached. Runs are added and removed here (the ids in the URL change); an id that
+// no longer exists is named in a notice and the others compared.
 
 import { api } from "../api.js";
 import { LiveChart } from "../charts.js";
 import { groupSamples, stepText } from "../samples.js";
 import { fill, fmtBytes, fmtMB, fmtMs, fmtNum, h, showError, statusBadge } from "../ui.js";
+
+const MAX_RUNS = 6;
 
 const METRICS = [
   { id: "vram_peak_mb", chart: "cmp-vram", title: "Peak VRAM per step (MB)", y: "MB", scale: 1 },
@@ -22,6 +28,24 @@ function fmtDiffCell(value, changes) {
   return cell;
 }
 
+/** `value` against the baseline's as a signed percentage ("+12.5%"), or null when either is
+ * missing or the baseline is 0. */
+export function pctDelta(value, base) {
+  if (typeof value !== "number" || typeof base !== "number" || base === 0) return null;
+  const pct = (100 * (value - base)) / Math.abs(base);
+  const shown = Math.abs(pct).toFixed(1);
+  return `${pct >= 0 || Number(shown) === 0 ? "+" : "−"}${shown}%`; // no "−0.0%"
+}
+
+/** A config path that wraps only between its segments ("memory.stagehand.x" breaks after a
+ * dot, never inside a name). */
+function pathCell(path) {
+  const parts = path.split(".");
+  return h("code", { class: "diff-path" }, parts.flatMap((p, i) => [
+    h("span", { class: "seg" }, i < parts.length - 1 ? `${p}.` : p), i < parts.length - 1 ? h("wbr") : null,
+  ]));
+}
+
 function fmtValue(v) {
   if (v === undefined) return h("span", { class: "muted" }, "(unset)");
   if (v === null) return "null";
@@ -29,9 +53,10 @@ function fmtValue(v) {
 }
 
 export function mount(root, { params }) {
-  const ids = (params.get("ids") || "").split(",").map((s) => s.trim()).filter(Boolean);
+  const ids = [...new Set((params.get("ids") || "").split(",").map((s) => s.trim()).filter(Boolean))];
   const errors = h("div", { class: "page-errors" });
-  const card = h("section", { class: "card" }, h("div", { class: "toolbar" }, h("h1", {}, "Compare runs")), errors);
+  const runsBar = h("div", { class: "toolbar compare-runs", id: "compare-runs" });
+  const card = h("section", { class: "card" }, h("div", { class: "toolbar" }, h("h1", {}, "Compare runs")), errors, runsBar);
   root.append(card);
   const charts = [];
 
@@ -61,6 +86,19 @@ export function mount(root, { params }) {
     const nameOf = new Map(runs.map((r) => [String(r.id), `${r.name || `run ${r.id}`} (#${r.id})`]));
     card.querySelector("h1").textContent = `Compare ${runs.map((r) => `#${r.id}`).join(", ")}`;
     const runIds = runs.map((r) => String(r.id));
+    const missing = result.missing || [];
+    if (missing.length) {
+      errors.after(h("div", { class: "banner warn", id: "compare-missing", role: "status" },
+        `No run with id ${missing.map((id) => `#${id}`).join(", ")} (deleted?): `
+        + `comparing the other${runs.length === 1 ? "" : "s"}.`));
+    }
+    runsToolbar(runs, nameOf);
+
+    // One step range for every chart: the first and the last step any run reached.
+    const allSteps = METRICS.flatMap((m) => runIds.flatMap((id) => (((result.series || {})[m.id] || {})[id] || []).map((p) => p[0])));
+    const range = allSteps.length ? [Math.min(...allSteps), Math.max(...allSteps)] : null;
+    const lastSteps = runIds.map((id) => ((result.series || {}).loss?.[id] || []).reduce((a, p) => Math.max(a, p[0]), -Infinity));
+    const common = lastSteps.length && lastSteps.every(Number.isFinite) ? Math.min(...lastSteps) : null;
 
     for (const metric of METRICS) {
       const div = h("div", { id: metric.chart, class: "chart" });
@@ -78,27 +116,48 @@ export function mount(root, { params }) {
         const points = series[id] || [];
         chart.setSeries(i, points.map((p) => p[0]), points.map((p) => p[1] * metric.scale));
       });
+      if (range && range[1] > range[0]) chart.setWindow(() => range);
+      for (const other of charts) chart.link(other);
       chart.flush();
       charts.push(chart);
+    }
+    if (range && new Set(lastSteps).size > 1) {
+      grid.before(h("p", { class: "muted", id: "compare-range" },
+        `Runs of ${lastSteps.map((n) => (Number.isFinite(n) ? n : "no")).join(", ")} steps: every chart shows steps ${range[0]}–${range[1]}; `
+        + `drag to zoom (all charts follow), double-click to return.`));
     }
 
     const rows = result.summary || [];
     const byId = new Map(runs.map((r) => [String(r.id), r]));
+    // The loss each run had at the last step all of them reached (final losses of runs of
+    // different lengths are not comparable).
+    const lossAt = (id) => (((result.series || {}).loss || {})[id] || []).find((p) => p[0] === common)?.[1] ?? null;
+    const figures = [
+      { label: "peak VRAM", key: "peak_vram_mb", fmt: fmtMB },
+      { label: "mean step", key: "mean_step_time_ms", fmt: fmtMs },
+      { label: "spill", key: "spill_bytes", fmt: fmtBytes },
+      { label: "stall", key: "stall_ms", fmt: fmtMs },
+      { label: "final loss", key: "final_loss", fmt: fmtNum },
+      ...(common !== null ? [{ label: `loss at step ${common}`, key: "loss_at", fmt: fmtNum }] : []),
+    ];
+    const valueOf = (s, key) => (key === "loss_at" ? lossAt(String(s.run_id)) : s[key]);
+    const base = rows[0];
     fill(summary, h("table", { class: "runs-table" },
-      h("thead", {}, h("tr", {}, ["run", "preset", "status", "steps", "peak VRAM", "mean step", "spill", "stall", "final loss"].map((c) => h("th", {}, c)))),
-      h("tbody", {}, rows.map((s) => {
+      h("thead", {}, h("tr", {}, ["run", "preset", "status", "steps", ...figures.map((f) => f.label)].map((c) => h("th", {}, c)))),
+      h("tbody", {}, rows.map((s, i) => {
         const r = byId.get(String(s.run_id)) || {};
         return h("tr", { "data-run-id": s.run_id },
           h("td", {}, h("a", { href: `#/runs/${s.run_id}` }, nameOf.get(String(s.run_id)) || s.run_id)),
           h("td", {}, r.preset || "–"),
           h("td", {}, r.status ? statusBadge(r.status) : "–"),
           h("td", { class: "num" }, `${s.steps_done ?? "–"}/${s.max_steps ?? "?"}`),
-          h("td", { class: "num" }, fmtMB(s.peak_vram_mb)),
-          h("td", { class: "num" }, fmtMs(s.mean_step_time_ms)),
-          h("td", { class: "num" }, fmtBytes(s.spill_bytes)),
-          h("td", { class: "num" }, fmtMs(s.stall_ms)),
-          h("td", { class: "num" }, fmtNum(s.final_loss)));
-      }))));
+          figures.map((f) => {
+            const delta = i > 0 ? pctDelta(valueOf(s, f.key), valueOf(base, f.key)) : null;
+            return h("td", { class: "num", dataset: { figure: f.key } }, f.fmt(valueOf(s, f.key)),
+              delta ? h("span", { class: "delta", title: `against ${nameOf.get(String(base.run_id))}` }, ` (${delta})`) : null);
+          }));
+      }))),
+    rows.length > 1 ? h("p", { class: "muted" }, `Changes in brackets are against the first run, ${nameOf.get(String(base.run_id))}.`) : null);
 
     loadSamples(runs, nameOf);
 
@@ -107,7 +166,7 @@ export function mount(root, { params }) {
       ? h("table", { class: "diff-table" },
         h("thead", {}, h("tr", {}, h("th", {}, "field"), runIds.map((id) => h("th", {}, nameOf.get(id))))),
         h("tbody", {}, entries.map((d) => h("tr", { "data-path": d.path },
-          h("td", {}, h("code", {}, d.path)),
+          h("td", { class: "path" }, pathCell(d.path)),
           runIds.map((id) => h("td", {}, fmtDiffCell((d.values || {})[id], (d.live || {})[id])))))))
       : h("p", { class: "muted" }, "The configs are identical."));
   })();
@@ -148,6 +207,24 @@ export function mount(root, { params }) {
       h("div", { class: "sample-controls" }, h("label", { for: "compare-sample-step" }, "step"), slider, label), rows);
     samplesCard.hidden = false;
     show();
+  }
+
+  /** The compared runs with a remove button each, and a list to add another. */
+  function runsToolbar(runs, nameOf) {
+    const go = (list) => { location.hash = `#/compare?ids=${list.join(",")}`; };
+    const shown = runs.map((r) => String(r.id));
+    const add = h("select", { id: "compare-add", "aria-label": "add a run", disabled: shown.length >= MAX_RUNS, onchange: () => {
+      if (add.value) go([...shown, add.value]);
+    } }, h("option", { value: "" }, shown.length >= MAX_RUNS ? `at most ${MAX_RUNS} runs` : "add a run…"));
+    fill(runsBar, ...runs.map((r) => h("span", { class: "run-chip", dataset: { runId: String(r.id) } },
+      nameOf.get(String(r.id)),
+      h("button", { class: "small remove-run", title: `remove ${nameOf.get(String(r.id))} from the comparison`,
+        "aria-label": `remove run ${r.id}`, onclick: () => go(shown.filter((id) => id !== String(r.id))) }, "×"))), add);
+    api.runs({}).then((res) => {
+      for (const r of res.data || []) {
+        if (!shown.includes(String(r.id))) add.append(h("option", { value: r.id }, `#${r.id} ${r.name} (${r.status})`));
+      }
+    }).catch((err) => showError(errors, err, "loading runs"));
   }
 
   return () => { for (const c of charts) c.purge(); };

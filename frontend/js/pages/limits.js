@@ -5,7 +5,7 @@
 // draw a marker for either.
 
 import { api } from "../api.js";
-import { fill, getPath, h, showError } from "../ui.js";
+import { clearErrors, fill, getPath, h, showError } from "../ui.js";
 
 const SH = "memory.stagehand";
 const AS = `${SH}.activation_stagehand`;
@@ -48,6 +48,13 @@ export class LimitsPanel {
     for (const { field, label, hint } of LIMITS) {
       const input = h("input", { type: "text", inputmode: "decimal", id: `limit-${field}`, value: this.current[field] ?? "", placeholder: "unchanged" });
       const err = h("div", { class: "field-error" });
+      // Editing a field the API refused takes its error (and the banner naming it) away.
+      input.addEventListener("input", () => {
+        if (!input.classList.contains("invalid")) return;
+        err.textContent = "";
+        input.classList.remove("invalid");
+        clearErrors(this.box, null, field);
+      });
       this.inputs.set(field, { input, err });
       grid.append(h("label", { class: "field" }, h("span", { class: "label" }, label), input,
         h("span", { class: "hint" }, hint), err));
@@ -96,6 +103,7 @@ export class LimitsPanel {
     }
     try {
       const { request_id: requestId } = await api.setLimits(this.run.id, body);
+      clearErrors(this.box, "limits");
       const item = h("li", { "data-request-id": requestId, class: "pending" },
         `${describe(body)}: sent, waiting for the worker…`);
       this.log.prepend(item);
@@ -109,7 +117,7 @@ export class LimitsPanel {
       if (err.field) {
         const target = this.inputs.get(err.field.replace(/^limits\./, ""));
         if (target) {
-          target.err.textContent = err.message;
+          target.err.textContent = err.sentence();
           target.input.classList.add("invalid");
         }
       }

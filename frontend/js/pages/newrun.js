@@ -9,7 +9,7 @@
 
 import { api } from "../api.js";
 import { noteworthy, scanView } from "../scan.js";
-import { deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
+import { clearErrors, deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
 import { planPanel } from "../plan.js";
 import { pipelinePanel } from "./pipeline.js";
 
@@ -163,6 +163,8 @@ export function mount(root, { params }) {
       else setPath(config, bound.get(field.id), value);
       err.textContent = "";
       input.classList.remove("invalid");
+      // The value changed: an error that named this field no longer holds until asked again.
+      clearErrors(errors, null, bound.get(field.id));
       toJson();
     } catch (exc) {
       err.textContent = exc.message;
@@ -240,11 +242,13 @@ export function mount(root, { params }) {
   async function scanData(body = null) {
     clearFieldErrors();
     if (!body) {
+      clearErrors(errors);
       if (!fromJson()) return null;
       body = runRequest();
     }
     try {
       const scan = await api.scanData({ preset: body.preset, overrides: body.overrides });
+      clearErrors(errors, "check data");
       // Files left out or warned about: the next Start goes ahead, now that they were shown.
       const confirm = !scan.problem && noteworthy(scan);
       fill(scanBox, h("h2", {}, "Data"), scanView(scan, { open: confirm }),
@@ -263,6 +267,7 @@ export function mount(root, { params }) {
 
   async function start() {
     clearFieldErrors();
+    clearErrors(errors); // a new attempt: the last one's errors come back if they still hold
     if (!fromJson()) return;
     const body = runRequest();
     const seen = shownScan === JSON.stringify([body.preset, body.overrides]);
@@ -284,6 +289,7 @@ export function mount(root, { params }) {
 
   async function savePreset() {
     clearFieldErrors();
+    clearErrors(errors); // a new attempt: the last one's errors come back if they still hold
     if (!fromJson()) return;
     const name = presetName.value.trim();
     if (!name) {

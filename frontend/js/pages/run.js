@@ -10,7 +10,7 @@ import { RunCharts } from "../runcharts.js";
 import { sampleStep, stepText } from "../samples.js";
 import { scanView } from "../scan.js";
 import { RunStream, StreamState } from "../stream.js";
-import { fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
+import { clearErrors, fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
 
 /** The header's figures, summed from records as `store.summary` sums them in the backend:
@@ -107,6 +107,7 @@ export function mount(root, { parts }) {
     try {
       const { data } = await api.runs({ status: "running" });
       live.ahead = (data || []).map((r) => r.id).filter((id) => id !== run.id).sort((a, b) => a - b);
+      clearErrors(errors, "queue");
       renderHeader();
     } catch (err) {
       showError(errors, err, "queue");
@@ -204,6 +205,7 @@ export function mount(root, { parts }) {
     if (!logCard.open || !run) return;
     try {
       const { text } = await api.workerLog(run.id);
+      clearErrors(errors, "worker log");
       const atEnd = logText.scrollTop + logText.clientHeight >= logText.scrollHeight - 4;
       logText.textContent = text ?? "(the worker has written nothing yet)";
       if (atEnd) logText.scrollTop = logText.scrollHeight;
@@ -218,6 +220,7 @@ export function mount(root, { parts }) {
     let out;
     try {
       out = await api.outputs(run.id);
+      clearErrors(errors, "outputs");
     } catch (err) {
       showError(errors, err, "outputs");
       return;
@@ -248,6 +251,7 @@ export function mount(root, { parts }) {
   async function loadSamples() {
     try {
       const list = await api.artifacts(run.id);
+      clearErrors(errors, "samples");
       for (const item of list.data || []) {
         const name = typeof item === "string" ? item : item.name;
         if (name && /\.(png|jpe?g|webp|gif)$/i.test(name)) addSample(name, item.prompt);
@@ -303,6 +307,7 @@ export function mount(root, { parts }) {
       // The summary is computed by the backend: read the final one.
       try {
         run = await api.run(run.id);
+        clearErrors(errors, "refresh run");
         renderHeader();
         renderFailure();
       } catch (err) {
@@ -349,7 +354,8 @@ export function mount(root, { parts }) {
     renderHeader();
     renderFailure();
     loadAhead();
-    charts = new RunCharts(grid, run.config);
+    charts = new RunCharts(grid, run.config, `run-${run.id}`);
+    grid.before(charts.controls);
     // Beside the VRAM chart (under it on a narrow screen), where a user watching it looks.
     grid.firstElementChild.after(limitsBox);
     limits = new LimitsPanel(limitsBox, run, errors);

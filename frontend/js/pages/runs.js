@@ -1,15 +1,54 @@
 // Runs page: the table of runs with filters, selection for Compare, delete, notes and tags.
 // The list is polled every POLL_MS and rows are updated in place (keyed by run id), so a
 // selection or a half-typed note survives the refresh.
+// Filters (status, preset, a search over names and tags) and the sort column are applied here,
+// to the whole list, and kept in the URL (#/runs?status=…&q=…&sort=…&dir=…): a reload or a
+// shared link shows the same rows, and "0 of N runs" says when the filters hide every run.
 
 import { FINISHED, api } from "../api.js";
 import {
-  fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, fmtTime, h, runDuration, showError, statusBadge,
+  clearErrors, fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, fmtTime, h, runDuration, showError, statusBadge, toDate,
 } from "../ui.js";
 
 const POLL_MS = 3000;
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"];
 const MAX_COMPARE = 6;
+
+// Sortable columns: the key in the URL, the header, and the value a run sorts by (null last).
+const COLUMNS = [
+  { key: "name", label: "name", value: (r) => (r.name || "").toLowerCase() },
+  { key: "preset", label: "preset", value: (r) => r.preset || null },
+  { key: "status", label: "status", value: (r) => r.status },
+  { key: "started", label: "started", value: (r) => toDate(r.started_at || r.created_at)?.getTime() ?? null },
+  { key: "duration", label: "duration", value: (r) => runDuration(r) },
+  { key: "steps", label: "steps", value: (r) => r.summary?.steps_done ?? null },
+  { key: "loss", label: "final loss", value: (r) => r.summary?.final_loss ?? null },
+  { key: "vram", label: "peak VRAM", value: (r) => r.summary?.peak_vram_mb ?? null },
+  { key: "step", label: "mean step", value: (r) => r.summary?.mean_step_time_ms ?? null },
+  { key: "spill", label: "spill", value: (r) => r.summary?.spill_bytes ?? null },
+];
+
+/** `runs` ordered by column `key` (`dir` "asc" or "desc"); runs without a value go last, ties
+ * keep the newest first. */
+export function sortRuns(runs, key, dir) {
+  const col = COLUMNS.find((c) => c.key === key);
+  if (!col) return runs;
+  const sign = dir === "desc" ? -1 : 1;
+  return runs.map((r) => [r, col.value(r)]).sort(([a, va], [b, vb]) => {
+    const none = (v) => v === null || v === undefined || Number.isNaN(v);
+    if (none(va) || none(vb)) return none(va) - none(vb) || b.id - a.id;
+    if (va < vb) return -sign;
+    if (va > vb) return sign;
+    return b.id - a.id;
+  }).map(([r]) => r);
+}
+
+/** True when `run`'s name or one of its tags holds `text` (any case). */
+export function matches(run, text) {
+  if (!text) return true;
+  const needle = text.toLowerCase();
+  return [run.name || "", ...(run.tags || [])].some((s) => s.toLowerCase().includes(needle));
+}
 
 export function mount(root, { params }) {
   const selected = new Set();
@@ -18,19 +57,24 @@ export function mount(root, { params }) {
   const filters = {
     status: params.get("status") || "",
     preset: params.get("preset") || "",
-    tag: params.get("tag") || "",
+    q: params.get("q") || params.get("tag") || "",
+    sort: COLUMNS.some((c) => c.key === params.get("sort")) ? params.get("sort") : "",
+    dir: params.get("dir") === "desc" ? "desc" : "asc",
   };
+  let allRuns = null; // the last list the backend gave, every run
 
-  const statusSel = h("select", { id: "filter-status", onchange: () => { filters.status = statusSel.value; refresh(); } },
+  const statusSel = h("select", { id: "filter-status", "aria-label": "status", onchange: () => { filters.status = statusSel.value; show(); } },
     h("option", { value: "" }, "any status"), STATUSES.map((s) => h("option", { value: s }, s)));
   statusSel.value = filters.status;
-  const presetSel = h("select", { id: "filter-preset", onchange: () => { filters.preset = presetSel.value; refresh(); } },
+  const presetSel = h("select", { id: "filter-preset", "aria-label": "preset", onchange: () => { filters.preset = presetSel.value; show(); } },
     h("option", { value: "" }, "any preset"));
-  const tagInput = h("input", { id: "filter-tag", type: "search", placeholder: "tag", value: filters.tag });
+  if (filters.preset) presetSel.append(h("option", { value: filters.preset }, filters.preset));
+  presetSel.value = filters.preset;
+  const tagInput = h("input", { id: "filter-tag", type: "search", placeholder: "search names and tags", "aria-label": "search names and tags", value: filters.q });
   let tagTimer = null;
   tagInput.addEventListener("input", () => {
     clearTimeout(tagTimer);
-    tagTimer = setTimeout(() => { filters.tag = tagInput.value.trim(); refresh(); }, 300);
+    tagTimer = setTimeout(() => { filters.q = tagInput.value.trim(); show(); }, 200);
   });
   const compareBtn = h("button", { id: "compare-selected", class: "primary", disabled: true, onclick: () => {
     location.hash = `#/compare?ids=${[...selected].join(",")}`;
@@ -38,9 +82,12 @@ export function mount(root, { params }) {
   const selInfo = h("span", { class: "muted", id: "selection-info" }, "select 2–6 runs to compare");
   const count = h("span", { class: "muted", id: "runs-count" });
   const tbody = h("tbody", { id: "runs-body" });
-  const empty = h("p", { class: "muted empty", hidden: true }, "No runs yet. Start one from ", h("a", { href: "#/new" }, "New run"), ".");
+  const empty = h("p", { class: "muted empty", id: "runs-empty", hidden: true });
 
-  const head = ["", "name", "preset", "status", "started", "duration", "steps", "final loss", "peak VRAM", "mean step", "spill", "tags", ""];
+  const head = ["", ...COLUMNS.map((c) => c.label), "tags", ""];
+  const headCells = [h("th", {}), ...COLUMNS.map((c) => h("th", { dataset: { sort: c.key } },
+    h("button", { class: "sort", type: "button", title: `sort by ${c.label}`, onclick: () => sortBy(c.key) }, c.label))),
+  h("th", {}, "tags"), h("th", {})];
   root.append(
     h("section", { class: "card" },
       h("div", { class: "toolbar" },
@@ -52,7 +99,7 @@ export function mount(root, { params }) {
       h("div", { class: "toolbar" }, compareBtn, selInfo),
       h("div", { class: "table-wrap" },
         h("table", { class: "runs-table", id: "runs-table" },
-          h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))), tbody)),
+          h("thead", {}, h("tr", {}, headCells)), tbody)),
       empty),
   );
 
@@ -132,9 +179,56 @@ export function mount(root, { params }) {
     ];
   }
 
+  /** A second click on the sorted column reverses it. */
+  function sortBy(key) {
+    filters.dir = filters.sort === key && filters.dir === "asc" ? "desc" : "asc";
+    filters.sort = key;
+    show();
+  }
+
+  function clearFilters() {
+    Object.assign(filters, { status: "", preset: "", q: "" });
+    statusSel.value = "";
+    presetSel.value = "";
+    tagInput.value = "";
+    show();
+  }
+
+  /** The filters and sort in the address (replaceState: no new page, no history entry). */
+  function keepInUrl() {
+    const q = new URLSearchParams();
+    for (const key of ["status", "preset", "q", "sort"]) if (filters[key]) q.set(key, filters[key]);
+    if (filters.sort) q.set("dir", filters.dir);
+    const hash = `#/runs${q.toString() ? `?${q}` : ""}`;
+    if (location.hash !== hash) history.replaceState(null, "", hash);
+  }
+
+  /** The rows the filters let through, in the chosen order, and "k of N runs". */
+  function show() {
+    keepInUrl();
+    for (const th of headCells.slice(1, COLUMNS.length + 1)) {
+      const sorted = th.dataset.sort === filters.sort;
+      th.setAttribute("aria-sort", sorted ? (filters.dir === "asc" ? "ascending" : "descending") : "none");
+    }
+    if (allRuns === null) return;
+    const shown = sortRuns(allRuns.filter((r) =>
+      (!filters.status || r.status === filters.status)
+      && (!filters.preset || r.preset === filters.preset)
+      && matches(r, filters.q)), filters.sort, filters.dir);
+    const total = allRuns.length;
+    const plural = total === 1 ? "run" : "runs";
+    const filtered = filters.status || filters.preset || filters.q;
+    count.textContent = filtered ? `${shown.length} of ${total} ${plural}` : `${total} ${plural}`;
+    if (!total) fill(empty, "No runs yet. Start one from ", h("a", { href: "#/new" }, "New run"), ".");
+    else if (!shown.length) {
+      fill(empty, `0 of ${total} ${plural} match these filters. `,
+        h("button", { class: "small", id: "clear-filters", onclick: clearFilters }, "Clear filters"));
+    }
+    empty.hidden = shown.length > 0;
+    render(shown);
+  }
+
   function render(runs) {
-    count.textContent = `${runs.length} run${runs.length === 1 ? "" : "s"}`;
-    empty.hidden = runs.length > 0;
     const seen = new Set();
     let prev = null;
     for (const run of runs) {
@@ -170,24 +264,23 @@ export function mount(root, { params }) {
 
   let stopped = false;
   let timer = null;
-  let lastError = null;
   async function refresh() {
     clearTimeout(timer);
     try {
-      const list = await api.runs(filters);
+      const list = await api.runs({});
       if (stopped) return;
-      if (lastError) { lastError.remove(); lastError = null; }
-      render(list.data || []);
+      clearErrors(errors, "loading runs"); // the backend answers again
+      allRuns = list.data || [];
+      show();
     } catch (err) {
       if (stopped) return;
-      if (lastError) lastError.remove();
-      lastError = showError(errors, err, "loading runs");
+      showError(errors, err, "loading runs");
     }
     if (!stopped) timer = setTimeout(refresh, POLL_MS);
   }
 
   api.presets().then((list) => {
-    const names = (list.data || []).map((p) => p.name);
+    const names = (list.data || []).map((p) => p.name).filter((n) => n !== filters.preset);
     presetSel.append(...names.map((n) => h("option", { value: n }, n)));
     presetSel.value = filters.preset;
   }).catch((err) => showError(errors, err, "loading presets"));
