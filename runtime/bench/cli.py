@@ -37,9 +37,10 @@ JSON written to ``--out`` (sizes in bytes, times in ms)::
       "vram_source": "cuda"|"tracked"|"counted", "vram_method": str,
       "rss_after_imports_bytes", "rss_peak_bytes", "rss_growth_bytes",
       "rss_setup_peak_bytes", "rss_train_peak_bytes",
-      "h2d_bytes_per_step", "d2h_bytes_per_step": float|null,
+      "h2d_bytes_per_step", "d2h_bytes_per_step": float|null, "file_read_bytes_per_step",
       "bytes_source": "telemetry"|"counted"|"estimated"|"none"|"missing ...",
-      "stall_ms_per_step": float|null, "bound_ms", "ratio_to_bound": float|null (CUDA),
+      "stall_ms_per_step": float|null, "bound_ms", "ratio_to_bound": float|null
+        (bench/report.py add_ratios: overlapped H2D on CUDA; baseline + copies + reads on CPU),
       "telemetry": {source: {field: mean over measured steps}},
       "keep_path": {"us_per_tensor", ...} (spill_keep only), "vram_counted": {...} (counted),
       "summary": {"steps_done", "max_steps", "final_loss", "peak_vram_mb",
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             log,
             rounds,
         )
-        add_ratios(part, hw.get("h2d_gbps"))
+        add_ratios(part, hw)
         scale_rows += part
     large_rows: list[dict[str, Any]] = []
     if large and "large" in prep:
@@ -242,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             log,
             rounds,
         )
-        add_ratios(large_rows, hw.get("h2d_gbps"))
-    add_ratios(rows, hw.get("h2d_gbps"))
+        add_ratios(large_rows, hw)
+    add_ratios(rows, hw)
 
     keep = next((r for r in rows if r["name"] == "spill_keep" and r["status"] == "ok"), None)
     result: dict[str, Any] = {
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": hw.get("torch"),
             "cuda": hw.get("cuda"),
             "h2d_gbps": hw.get("h2d_gbps"),
+            "memcpy_gbps": hw.get("memcpy_gbps"),
+            "file_read_gbps": hw.get("file_read_gbps"),
         },
         "model": prep["main"],
         "large_model": prep.get("large") if large else None,
@@ -280,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['param_bytes'] / 2**20:.1f} MB fp32), device {result['device']['name']}, "
         f"{warmup} warm-up + {steps} measured LoRA steps per row, {rounds} round(s)"
         + (f", pinned H2D {bw:.1f} GB/s" if bw else "")
+        + (
+            f", memcpy {hw['memcpy_gbps']:.1f} GB/s, page-cache read "
+            f"{hw['file_read_gbps']:.1f} GB/s"
+            if hw.get("memcpy_gbps")
+            else ""
+        )
     )
     print(table(rows))
     if not cuda:

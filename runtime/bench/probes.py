@@ -3,7 +3,9 @@ weight runtime's cost per block transition."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -34,6 +36,43 @@ def pinned_h2d_bandwidth(
         end.synchronize()
         gbps.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
     return {"h2d_gbps": statistics.median(gbps), "bytes": float(nbytes), "repeats": repeats}
+
+
+def host_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 7) -> dict[str, float]:
+    """This machine's host copy and page-cache read bandwidth in GB/s (1e9 bytes/s), medians
+    of ``repeats``: ``memcpy_gbps`` (``Tensor.copy_`` between two host buffers, the copy a CPU
+    "H2D" is) and ``file_read_gbps`` (``os.preadv`` of a file already in the page cache into a
+    host buffer, the read a file-backed block load is). The CPU rows' bound uses both."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # fault the pages in
+    copy_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copy_s.append(time.perf_counter() - t0)
+    read_s = []
+    with tempfile.NamedTemporaryFile(prefix="stagehand-bw-") as f:
+        f.write(src.numpy().tobytes())
+        f.flush()
+        fd = os.open(f.name, os.O_RDONLY)
+        try:
+            view = memoryview(dst.numpy())
+            os.preadv(fd, [view], 0)  # into the page cache
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                got = os.preadv(fd, [view], 0)
+                read_s.append(time.perf_counter() - t0)
+                if got != nbytes:
+                    raise RuntimeError(f"short read: {got} of {nbytes} bytes")
+        finally:
+            os.close(fd)
+    return {
+        "memcpy_gbps": nbytes / statistics.median(copy_s) / 1e9,
+        "file_read_gbps": nbytes / statistics.median(read_s) / 1e9,
+        "bytes": float(nbytes),
+        "repeats": repeats,
+    }
 
 
 def _chain(x: torch.Tensor, w: torch.Tensor, n_ops: int) -> torch.Tensor:

@@ -21,7 +21,12 @@ import torch
 from runtime.assets import build_model, model_class
 from runtime.bench.configs import BenchConfig, ModelInfo
 from runtime.bench.peers import GroupOffloadPeer, SaveOnCpuPeer, build_peer
-from runtime.bench.probes import keep_path_cost, pinned_h2d_bandwidth, transition_cost
+from runtime.bench.probes import (
+    host_bandwidth,
+    keep_path_cost,
+    pinned_h2d_bandwidth,
+    transition_cost,
+)
 from runtime.bench.workload import (
     build_scale_model,
     counted_device_bytes,
@@ -86,6 +91,8 @@ def hardware(job: dict[str, Any]) -> dict[str, Any]:
         out["name"] = torch.cuda.get_device_name(device)
         out["cuda"] = torch.version.cuda
         out.update(pinned_h2d_bandwidth(device))
+    else:
+        out.update(host_bandwidth())
     out["transition"] = transition_cost(device)
     return out
 
@@ -140,6 +147,7 @@ def _bytes_and_stall(strategy: Any, means: dict[str, dict[str, float]], steps: i
     d2h = sum(f.get(k, 0.0) for f in means.values() for k in D2H_FIELDS)
     stall = sum(f.get("stall_time_ms", 0.0) for f in means.values())
     return {
+        "file_read_bytes_per_step": sum(f.get("file_read_bytes", 0.0) for f in means.values()),
         "h2d_bytes_per_step": h2d,
         "d2h_bytes_per_step": d2h,
         "bytes_source": "telemetry",

@@ -160,6 +160,7 @@ class StagehandRuntime:
         self._first_block: int | None = None
         self.counts = StepCounts()
         self._h2d_at_begin = self._reads_at_begin = self._pageable_at_begin = 0
+        self._read_bytes_at_begin = 0
         self._last: dict[str, Any] = {}
         self._closed = False
 
@@ -191,6 +192,7 @@ class StagehandRuntime:
         self.counts = StepCounts()
         self._h2d_at_begin = self.transfer.h2d_bytes
         self._reads_at_begin = self._file_reads()
+        self._read_bytes_at_begin = self.source.read_bytes if self.source is not None else 0
         self._pageable_at_begin = self.transfer.stream.pageable_copies
         self._t_step = time.perf_counter()
         if self._owns_memory:
@@ -211,6 +213,9 @@ class StagehandRuntime:
             **self.counters(),
             "prefetch_skipped": self.counts.prefetch_skipped,
             "stall_time_ms": self.counts.stall_time_ms,
+            "file_read_bytes": (
+                self.source.read_bytes - self._read_bytes_at_begin if self.source is not None else 0
+            ),
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
