@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             "cuda": hw.get("cuda"),
             "h2d_gbps": hw.get("h2d_gbps"),
             "memcpy_gbps": hw.get("memcpy_gbps"),
+            "memcpy_fresh_gbps": hw.get("memcpy_fresh_gbps"),
             "file_read_gbps": hw.get("file_read_gbps"),
         },
         "model": prep["main"],
@@ -284,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{warmup} warm-up + {steps} measured LoRA steps per row, {rounds} round(s)"
         + (f", pinned H2D {bw:.1f} GB/s" if bw else "")
         + (
-            f", memcpy {hw['memcpy_gbps']:.1f} GB/s, page-cache read "
-            f"{hw['file_read_gbps']:.1f} GB/s"
+            f", memcpy {hw['memcpy_gbps']:.1f} GB/s ({hw['memcpy_fresh_gbps']:.1f} into fresh "
+            f"memory), page-cache read {hw['file_read_gbps']:.1f} GB/s"
             if hw.get("memcpy_gbps")
             else ""
         )

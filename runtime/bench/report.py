@@ -23,8 +23,11 @@ def add_ratios(rows: list[dict[str, Any]], hw: dict[str, Any]) -> None:
     - CUDA (``hw["h2d_gbps"]``, pinned H2D measured): copies overlap compute, so
       ``max(baseline, H2D bytes / bandwidth)``;
     - CPU (``hw["memcpy_gbps"]``, ``hw["file_read_gbps"]``, ``probes.host_bandwidth``): copies are
-      synchronous, so ``baseline + (H2D + D2H bytes) / memcpy + file bytes read / read
-      bandwidth`` (issue 20's "bound = baseline + bytes moved per step / measured bandwidth").
+      synchronous, so ``baseline + bytes copied / memcpy + bytes read / read bandwidth`` (issue
+      20's "bound = baseline + bytes moved per step / measured bandwidth"). A load moves its
+      bytes twice, as on a GPU: into a pool slab (read from the file, or copied from the host
+      masters: H2D minus file bytes) and from the slab to the device buffer (H2D); spills and
+      write-backs add their D2H bytes.
     """
     h2d_gbps = hw.get("h2d_gbps")
     memcpy_gbps, read_gbps = hw.get("memcpy_gbps"), hw.get("file_read_gbps")
@@ -46,8 +49,8 @@ def add_ratios(rows: list[dict[str, Any]], hw: dict[str, Any]) -> None:
             transfer_ms = h2d / (h2d_gbps * 1e9) * 1e3
             row["bound_ms"] = max(base["step_ms_median"], transfer_ms)
         elif memcpy_gbps and read_gbps:
-            copied = h2d + (row.get("d2h_bytes_per_step") or 0.0)
             read = row.get("file_read_bytes_per_step") or 0.0
+            copied = 2 * h2d - read + (row.get("d2h_bytes_per_step") or 0.0)
             row["bound_ms"] = (
                 base["step_ms_median"]
                 + (copied / (memcpy_gbps * 1e9) + read / (read_gbps * 1e9)) * 1e3

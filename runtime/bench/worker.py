@@ -36,6 +36,7 @@ from runtime.bench.workload import (
     model_sizes,
     train_steps,
 )
+from runtime.common.memory import cache_host_allocations
 from runtime.common.telemetry import ListSink, Telemetry
 from runtime.config import MB
 from runtime.strategy import build_strategy
@@ -172,6 +173,8 @@ def run_row(job: dict[str, Any]) -> dict[str, Any]:
         return {**row, "status": "n/a", "reason": "needs CUDA"}
     warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if device.type == "cpu":
+        cache_host_allocations()  # as the trainer's worker does: every row, the baseline too
     rss0 = psutil.Process().memory_info().rss
     try:
         return {**row, **_measure(config, info, device, job, rss0)}

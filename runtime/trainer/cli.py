@@ -26,6 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from runtime.common.memory import cache_host_allocations  # noqa: E402
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry  # noqa: E402
 from runtime.config import AUTO_DEVICE, MB, check_device  # noqa: E402
 from runtime.preset import Preset, load_preset, validate_preset  # noqa: E402
@@ -538,7 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     try:
         args.run_dir.mkdir(parents=True, exist_ok=True)
-        run = Run(args.preset, args.run_dir, pick_device(args.device), args.resume)
+        device = pick_device(args.device)
+        if device.type == "cpu":
+            cache_host_allocations()  # block loads reuse freed buffers (runtime.common.memory)
+        run = Run(args.preset, args.run_dir, device, args.resume)
     except OSError as exc:
         print(
             f"workbench train: {folder_problem(args.run_dir, exc, started=False)}", file=sys.stderr

@@ -204,10 +204,15 @@ def test_ratios_are_exact_for_the_baseline():
     assert rows[1]["ratio_to_bound"] == 6.0 / 2000.0
     assert rows[2]["ratio_to_baseline"] is None
     # CPU: copies and reads do not overlap compute; they add to the baseline.
+    # File-backed: read into the slab, copied to the device, plus the spills' D2H bytes.
     rows[1].update(h2d_bytes_per_step=1e9, d2h_bytes_per_step=5e8, file_read_bytes_per_step=1e9)
     add_ratios(rows, {"memcpy_gbps": 1.0, "file_read_gbps": 2.0})
     assert rows[1]["bound_ms"] == 3.0 + 1500.0 + 500.0
     assert rows[1]["ratio_to_bound"] == 6.0 / 2003.0
+    # Module-backed: copied from the host masters into the slab, then to the device.
+    rows[1].update(d2h_bytes_per_step=0.0, file_read_bytes_per_step=0.0)
+    add_ratios(rows, {"memcpy_gbps": 1.0, "file_read_gbps": 2.0})
+    assert rows[1]["bound_ms"] == 3.0 + 2000.0
 
 
 @pytest.mark.parametrize(
