@@ -28,7 +28,16 @@ function summary(plan) {
       h("li", { id: "plan-peak" }, `peak VRAM ${mb(plan.peak_bytes.steady)} steady, ${mb(plan.peak_bytes.trace_step)} trace step${cap}`),
       h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
       h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
-      h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`)));
+      h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
+      plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
+}
+
+const RATIO_NAMES = { peak_vram_mb: "VRAM", step_ms: "step", host_ram_mb: "host RAM", pinned_mb: "pinned" };
+
+/** "calibrated by run #N on cpu/flux: VRAM ×1.004, step ×0.910" (runtime/plan/feedback.py). */
+function calibrationText(cal) {
+  const ratios = Object.entries(cal.ratios).map(([k, v]) => `${RATIO_NAMES[k] || k} ×${v.toFixed(3)}`).join(", ");
+  return h("span", {}, "calibrated by ", h("a", { href: `#/runs/${cal.run_id}` }, `run #${cal.run_id}`), ` on ${cal.device}/${cal.family}: ${ratios}`);
 }
 
 function curve(el, plan) {
