@@ -282,8 +282,11 @@ class Store:
         self.db.execute("DELETE FROM presets WHERE name = ? AND builtin = 0", [name])
 
     # -- runs ----------------------------------------------------------------------------
-    def create_run(self, name: str, preset: str, config: dict, device: str) -> int:
-        """A new queued run; its id is above every id ever given (deleted runs' too)."""
+    def create_run(
+        self, name: str, preset: str, config: dict, device: str, group_id: int | None = None
+    ) -> int:
+        """A new queued run; its id is above every id ever given (deleted runs' too).
+        ``group_id``: the tune it is a trial of."""
         db = self.db
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
@@ -292,9 +295,9 @@ class Store:
             )
             (run_id,) = db.execute("SELECT last FROM run_ids").fetchone()
             db.execute(
-                "INSERT INTO runs (id, name, preset, config, status, device, created_at) "
-                "VALUES (?, ?, ?, ?, 'queued', ?, ?)",
-                [run_id, name, preset, json.dumps(config), device, time.time()],
+                "INSERT INTO runs (id, name, preset, config, status, device, created_at,"
+                " group_id) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                [run_id, name, preset, json.dumps(config), device, time.time(), group_id],
             )
         return int(run_id)
 
@@ -467,6 +470,17 @@ class Store:
             "SELECT MAX(json_extract(data, ?)) FROM telemetry WHERE run_id = ? AND source = ?"
             " AND kind = 'step' AND json_extract(data, '$.sampling') IS NULL",
             ["$." + path, run_id, source],
+        ).fetchone()
+        return value
+
+    def mean_step_ms_after(self, run_id: int, step: int) -> float | None:
+        """Mean ``step_time_ms`` of the trainer's step records after ``step`` (1: past the
+        trace step), sampling steps left out."""
+        (value,) = self.db.execute(
+            "SELECT AVG(json_extract(data, '$.step_time_ms')) FROM telemetry WHERE run_id = ?"
+            " AND source = 'trainer' AND kind = 'step' AND step > ?"
+            " AND json_extract(data, '$.sampling') IS NULL",
+            [run_id, step],
         ).fetchone()
         return value
 

@@ -1,6 +1,6 @@
 // A finished run's plan next to what it measured (GET /api/runs/{id}/calibration): the plan's
 // VRAM over one steady step beside the weight runtime's allocated MB at each block record of the
-// run's last step (both in ms from the step's first event), their peaks, and a table of the
+// run's last step (each over its own step's span), their peaks, and a table of the
 // predicted and measured figures with their ratios (what later plans on this device and family
 // are scaled by).
 
@@ -29,18 +29,24 @@ export function drawOverlay(el, cal) {
   const measured = cal.measured.curve || { t_ms: [], mb: [] };
   const predictedPeak = cal.predicted.peak_vram_mb;
   const measuredPeak = cal.measured.peak_vram_mb;
-  const span = Math.max(plan.t_ms[plan.t_ms.length - 1] || 0, measured.t_ms[measured.t_ms.length - 1] || 0);
-  const flat = (y, name, color) => ({ x: [0, span], y: [y, y], mode: "lines", name, line: { color, dash: "dot", width: 1 } });
+  // Each curve over its own step, as a share of it: a plan on a GPU profile and a run that took
+  // far longer (or a CPU run's host overheads) still overlay; hover gives each point's ms.
+  const share = (t) => {
+    const end = t[t.length - 1] || 1;
+    return t.map((v) => (100 * v) / end);
+  };
+  const hover = (events, t) => events.map((e, i) => `${e} at ${t[i].toFixed(2)} ms`);
+  const flat = (y, name, color) => ({ x: [0, 100], y: [y, y], mode: "lines", name, line: { color, dash: "dot", width: 1 } });
   const data = [
-    { x: plan.t_ms, y: plan.bytes.map((b) => b / MB), text: plan.event, mode: "lines", name: "predicted (plan, one steady step)", line: { shape: "hv", color: "#e08a1e", width: 1.5 } },
-    { x: measured.t_ms, y: measured.mb, text: measured.event, mode: "lines", name: `measured (block records, step ${measured.step ?? "?"})`, line: { shape: "hv", color: "#1f5fa8", width: 1.5 } },
+    { x: share(plan.t_ms), y: plan.bytes.map((b) => b / MB), text: hover(plan.event, plan.t_ms), mode: "lines", name: "predicted (plan, one steady step)", line: { shape: "hv", color: "#e08a1e", width: 1.5 } },
+    { x: share(measured.t_ms), y: measured.mb, text: hover(measured.event, measured.t_ms), mode: "lines", name: `measured (block records, step ${measured.step ?? "?"})`, line: { shape: "hv", color: "#1f5fa8", width: 1.5 } },
   ];
   if (predictedPeak != null) data.push(flat(predictedPeak, "predicted peak", "#e08a1e"));
   if (measuredPeak != null) data.push(flat(measuredPeak, "measured peak", "#1f5fa8"));
   const layout = {
     ...BASE_LAYOUT,
     title: { text: "VRAM over one step: predicted vs measured", font: { size: 13 } },
-    xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "ms from the step's first event" } },
+    xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "% of the step (first to last event)" }, range: [0, 100] },
     yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "MB" } },
     hovermode: "closest",
   };

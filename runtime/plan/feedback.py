@@ -65,7 +65,8 @@ def ratios(predicted: dict[str, float], measured: dict[str, float | None]) -> di
 
 def apply(plan: dict[str, Any], calibration: dict[str, Any]) -> dict[str, Any]:
     """``plan`` (``Plan.to_dict``) with ``calibration``'s ratios applied: device bytes (peaks,
-    band, curve, the knob's peak) times the VRAM ratio, every step time times the step ratio,
+    band, curve, the knob's peak) times the VRAM ratio, every step time (the curve's times too)
+    times the step ratio,
     host RAM and pinned bytes times theirs; ``fits`` is decided again on the scaled peaks.
     ``calibration`` is a stored row (``run_id``, ``device``, ``family``, ``ratios``); the
     result's ``calibration`` says which run the ratios came from and keeps the figures before.
@@ -91,6 +92,7 @@ def apply(plan: dict[str, Any], calibration: dict[str, Any]) -> dict[str, Any]:
     step = r.get("step_ms")
     if step:
         out["step_ms"] = {k: round(v * step, 3) for k, v in plan["step_ms"].items()}
+        out["curve"]["t_ms"] = [round(t * step, 4) for t in plan["curve"]["t_ms"]]
     for key, figure in (("ram_peak_bytes", "host_ram_mb"), ("pinned_bytes", "pinned_mb")):
         if r.get(figure):
             out["host"][key] = round(plan["host"][key] * r[figure])

@@ -104,6 +104,7 @@ def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_
     }
     assert out["curve"]["bytes"] == [round(b * r["peak_vram_mb"]) for b in raw["curve"]["bytes"]]
     assert out["step_ms"]["total"] == round(raw["step_ms"]["total"] * r["step_ms"], 3)
+    assert out["curve"]["t_ms"] == [round(t * r["step_ms"], 4) for t in raw["curve"]["t_ms"]]
     assert out["host"]["pinned_bytes"] == round(raw["host"]["pinned_bytes"] * r["pinned_mb"])
     # Another device has no calibration: its plan is as modelled.
     assert "calibration" not in client.post("/api/plan", json={**body, "device": "h100"}).json()
