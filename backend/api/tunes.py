@@ -48,14 +48,16 @@ def _propose(body: TuneCreate, config: dict[str, Any], store: Store) -> dict[str
 
 
 def _trial_figures(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
-    """A trial's measured peak (MB, the training stage's) and mean step time past its trace
-    step (ms); None until it succeeded."""
+    """A trial's measured peak (MB, the training stage's), mean step time past its trace step
+    (ms) and blocks loaded in its last step; None until it succeeded."""
     if run["status"] != "succeeded":
         return None
     summary = run["summary"] or {}
+    weights = store.last_record(run["id"], "stagehand", "step") or {}
     return {
         "peak_mb": summary.get("peak_vram_mb"),
         "step_ms": store.mean_step_ms_after(run["id"], 1),
+        "blocks_loaded": weights.get("blocks_loaded"),  # in its last step
     }
 
 

@@ -128,7 +128,8 @@ def propose(
 ) -> dict[str, Any]:
     """Trials for a preset's JSON object within ``budget_mb`` (MB of 2**20 bytes) on
     ``profile``: ``{budget_mb, device, min_peak_mb, searched, feasible, trials: [{label,
-    preset, limits, memory, predicted: {peak_mb, step_ms, trace_step_ms}, predicted_pareto}],
+    preset, limits, memory, predicted: {peak_mb, step_ms, trace_step_ms, blocks_loaded},
+    predicted_pareto}],
     not_tuned}``, at most ``max_trials`` (the preset's own first when it fits). ``ratios`` (a
     calibration's, ``runtime.plan.feedback``) scale the predicted peaks and step times.
 
@@ -173,6 +174,7 @@ def propose(
             "peak_mb": round(max(s.peak_bytes for s in steps) / MB * r_peak, 4),
             "step_ms": round(steps[-1].step_ms * r_step, 3),
             "trace_step_ms": round(steps[0].step_ms * r_step, 3),
+            "blocks_loaded": steps[-1].blocks_loaded,  # per steady step: no timing noise
         }
 
     # The smallest peak there is: everything evicted after use, no prefetch, every activation

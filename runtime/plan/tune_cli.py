@@ -31,9 +31,17 @@ def _limits(lim: dict[str, Any]) -> str:
     )
 
 
+def _n(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
 def table(tune: dict[str, Any]) -> str:
-    """Trials as text: label, limits (MB), predicted and (once run) measured peak MB and step
-    ms, and ``*`` on the measured Pareto front."""
+    """Trials as text: label, limits (MB), predicted and (once run) measured peak MB, step ms
+    and blocks loaded per step (a count, free of timing noise), ``*`` on the measured front."""
     head = (
         f"tune of {tune.get('preset', '(preset)')} within {tune['budget_mb']:g} MB on "
         f"{tune['device']}: {tune['searched']} candidates simulated, {tune['feasible']} fit "
@@ -41,16 +49,18 @@ def table(tune: dict[str, Any]) -> str:
     )
     lines = [
         head,
-        f"{'trial':<8}{'run':>5}  {'status':<10}{'pred MB':>9}{'pred ms':>10}"
-        f"{'meas MB':>9}{'meas ms':>10}  P  limits (MB)",
+        f"{'trial':<8}{'run':>5}  {'status':<10}{'pred MB':>9}{'pred ms':>10}{'loads':>6}"
+        f"{'meas MB':>9}{'meas ms':>10}{'loads':>6}  P  limits (MB)",
     ]
     for t in tune["trials"]:
         m = t.get("measured") or {}
         peak, step = m.get("peak_mb"), m.get("step_ms")
         lines.append(
             f"{t['label']:<8}{t.get('run_id') or '':>5}  {t.get('status', 'planned'):<10}"
-            f"{t['predicted']['peak_mb']:>9.2f}{t['predicted']['step_ms']:>10.1f}"
+            f"{t['predicted']['peak_mb']:>9.2f}{_ms(t['predicted']['step_ms']):>10}"
+            f"{_n(t['predicted'].get('blocks_loaded')):>6}"
             f"{'' if peak is None else f'{peak:.2f}':>9}{'' if step is None else f'{step:.1f}':>10}"
+            f"{_n(m.get('blocks_loaded')):>6}"
             f"  {'*' if t.get('pareto') else ' '}  {_limits(t['limits'])}"
         )
     if tune.get("best_run_id"):

@@ -131,7 +131,7 @@ export function mount(root, { parts }) {
   }
 
   function renderTable(tune) {
-    const head = ["trial", "run", "status", "limits", "predicted peak", "predicted step", "measured peak", "measured step", "Pareto", ""];
+    const head = ["trial", "run", "status", "limits", "predicted peak", "predicted step", "measured peak", "measured step", "loads / step pred / meas", "Pareto", ""];
     fill(tableBox, h("table", { class: "runs-table", id: "tune-table" },
       h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
       h("tbody", {}, tune.trials.map((t) => h("tr", { dataset: { runId: String(t.run_id), pareto: String(t.pareto), label: t.label } },
@@ -143,6 +143,8 @@ export function mount(root, { parts }) {
         h("td", { class: "num", "data-label": "predicted step" }, fmtStep(t.predicted.step_ms)),
         h("td", { class: "num", "data-label": "measured peak" }, t.measured ? fmtMB(t.measured.peak_mb) : "–"),
         h("td", { class: "num", "data-label": "measured step" }, t.measured ? fmtMs(t.measured.step_ms) : "–"),
+        h("td", { class: "num", "data-label": "block loads per step (predicted / measured)" },
+          `${t.predicted.blocks_loaded ?? "–"} / ${t.measured?.blocks_loaded ?? "–"}`),
         h("td", { class: "pareto", "data-label": "Pareto" }, t.pareto ? "★ front" : "–"),
         saveCell(tune, t))))));
   }

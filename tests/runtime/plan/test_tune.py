@@ -42,6 +42,7 @@ def test_candidates_fit_the_budget_as_the_plan_predicts():
         peak = max(plan["peak_bytes"].values()) / MB
         assert peak == pytest.approx(t["predicted"]["peak_mb"], abs=1e-4)
         assert plan["step_ms"]["total"] == pytest.approx(t["predicted"]["step_ms"], abs=1e-3)
+        assert plan["blocks_loaded"] == t["predicted"]["blocks_loaded"]
     # The candidates are the predicted front's fastest: none slower than the preset's own.
     assert min(t["predicted"]["step_ms"] for t in trials[1:]) < trials[0]["predicted"]["step_ms"]
     over = trial_overrides(data, trials[1]["memory"], 2)
