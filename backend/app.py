@@ -62,9 +62,8 @@ async def lifespan(app: FastAPI):
 
     executor = app.state.executor or make_executor(settings)
     calibrator = Calibrator(store)
-    supervisor = Supervisor(
-        settings, store, tailer, on_change, executor, on_finished=calibrator.submit
-    )
+    finished = calibrator.submit if settings.calibrate else None
+    supervisor = Supervisor(settings, store, tailer, on_change, executor, on_finished=finished)
     probe = SystemProbe(executor)
     probe.start()
     app.state.store, app.state.hub, app.state.tailer = store, hub, tailer

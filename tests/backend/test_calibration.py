@@ -124,3 +124,12 @@ def test_no_calibration_when_limits_changed_or_no_profile(store, client):
         res = client.get(f"/api/runs/{run_id}/calibration")
         assert res.status_code == 404 and res.json()["error"]["field"] == "id"
     assert store.latest_calibration("rtx4090", "flux") is None
+
+
+def test_calibration_is_on_unless_the_environment_turns_it_off(monkeypatch, tmp_path):
+    from backend.settings import Settings
+
+    monkeypatch.delenv("STAGEHAND_WORKBENCH_CALIBRATE", raising=False)
+    assert Settings(data_dir=tmp_path).calibrate is True
+    monkeypatch.setenv("STAGEHAND_WORKBENCH_CALIBRATE", "0")
+    assert Settings(data_dir=tmp_path).calibrate is False
