@@ -136,12 +136,19 @@ def create_tune(
     base = run_config(store, body.preset, body.overrides)
     proposal = _propose(body, base, store)
     proposal["base_config"] = base
+    # Every trial's config validated before anything is stored: a tune is queued whole or not.
+    configs = [
+        run_config(
+            store,
+            body.preset,
+            deep_merge(body.overrides, trial_overrides(base, t["memory"], body.trial_steps)),
+        )
+        for t in proposal["trials"]
+    ]
     tune_id = store.create_tune(
         body.preset, body.budget_mb, proposal["device"], body.trial_steps, proposal
     )
-    for trial in proposal["trials"]:
-        changes = trial_overrides(base, trial["memory"], body.trial_steps)
-        config = run_config(store, body.preset, deep_merge(body.overrides, changes))
+    for trial, config in zip(proposal["trials"], configs, strict=True):
         name = f"tune{tune_id}-{trial['label']}"
         run_id = store.create_run(name, body.preset, config, device_of(config), group_id=tune_id)
         run_dir = settings.runs_dir / str(run_id)

@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "cuda": hw.get("cuda"),
             "h2d_gbps": hw.get("h2d_gbps"),
         },
+        "cpu_profile": hw.get("cpu_profile"),
         "model": prep["main"],
         "large_model": prep.get("large") if large else None,
         "keep_path_us_per_tensor": (keep or {}).get("keep_path", {}).get("us_per_tensor"),

@@ -181,7 +181,9 @@ def propose(
     # spilled (the floor under the grid, which scales with the budget).
     floor = {"high_mb": 0.0, "low_mb": 0.0, "window": 0, "inflight": 1}
     floor.update(spill_high_mb=0.0, spill_low_mb=0.0)
-    floor_mb = predict(floor, _merge(memory, _changes(memory, floor, largest_mb)))["peak_mb"]
+    floor_changes = _changes(memory, floor, largest_mb)
+    floor_predicted = predict(floor, _merge(memory, floor_changes))
+    floor_mb = floor_predicted["peak_mb"]
     if budget_mb < floor_mb:
         raise PlanInputError(
             f"budget_mb: {budget_mb:g} MB is below the smallest feasible plan of this preset on "
@@ -198,6 +200,9 @@ def propose(
             continue
         key = (predicted["peak_mb"], predicted["step_ms"])
         seen.setdefault(key, {"limits": limits, "memory": changes, "predicted": predicted})
+    # The floor fits whenever anything does: a budget just above it still gets a trial.
+    key = (floor_predicted["peak_mb"], floor_predicted["step_ms"])
+    seen.setdefault(key, {"limits": floor, "memory": floor_changes, "predicted": floor_predicted})
     feasible = list(seen.values())
     trials: list[dict[str, Any]] = []
     if sh is not None and base.strategy == "stagehand" and sh.weight_streaming:
