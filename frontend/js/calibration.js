@@ -4,7 +4,7 @@
 // predicted and measured figures with their ratios (what later plans on this device and family
 // are scaled by).
 
-import { BASE_LAYOUT, PLOT_CONFIG } from "./charts.js";
+import { BASE_LAYOUT, PLOT_CONFIG, legendFit } from "./charts.js";
 import { fmtMB, fmtMs, h } from "./ui.js";
 
 const MB = 1024 * 1024;
@@ -45,6 +45,7 @@ export function drawOverlay(el, cal) {
   if (measuredPeak != null) data.push(flat(measuredPeak, "measured peak", "#1f5fa8"));
   const layout = {
     ...BASE_LAYOUT,
+    ...legendFit(el.clientWidth, data.length), // a phone's legend in rows below the axis title
     title: { text: "VRAM over one step: predicted vs measured", font: { size: 13 } },
     xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "% of the step (first to last event)" }, range: [0, 100] },
     yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "MB" } },

@@ -5,7 +5,7 @@
 // for the chosen trial. Refreshed every 2 s while trials are active.
 
 import { FINISHED, api } from "../api.js";
-import { BASE_LAYOUT, PLOT_CONFIG } from "../charts.js";
+import { BASE_LAYOUT, PLOT_CONFIG, legendFit } from "../charts.js";
 import { fill, fmtMB, fmtMs, fmtTime, h, showError, statusBadge } from "../ui.js";
 
 // A GPU profile's predictions of a tiny model are fractions of a millisecond.
@@ -48,6 +48,7 @@ function drawChart(el, tune) {
   const log = ys.length && Math.max(...ys) / Math.min(...ys) > 50;
   const layout = {
     ...BASE_LAYOUT,
+    ...legendFit(el.clientWidth, 3),
     height: 380,
     title: { text: "Step time against peak VRAM", font: { size: 13 } },
     xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "peak VRAM (MB)" } },
