@@ -133,3 +133,28 @@ def test_calibration_is_on_unless_the_environment_turns_it_off(monkeypatch, tmp_
     assert Settings(data_dir=tmp_path).calibrate is True
     monkeypatch.setenv("STAGEHAND_WORKBENCH_CALIBRATE", "0")
     assert Settings(data_dir=tmp_path).calibrate is False
+
+
+def test_a_database_from_before_calibration_and_tunes_migrates(tmp_path, monkeypatch):
+    import backend.store as store_module
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:6])
+    old = Store(tmp_path / "workbench.db")
+    old.db.execute(
+        "INSERT INTO runs (id, name, preset, config, status) VALUES (1, 'r', 'p', '{}', 'succeeded')"
+    )
+    old.close()
+    monkeypatch.undo()
+    store = Store(tmp_path / "workbench.db")
+    names = [r["name"] for r in store.db["_migrations"].rows]
+    assert names[-2:] == ["007_calibrations", "008_tunes"]
+    assert store.get_run(1)["group_id"] is None
+    trial = store.create_run(
+        "t", "p", {}, "default", group_id=store.create_tune("p", 8, "cpu", 2, {})
+    )
+    assert [r["id"] for r in store.list_runs(group_id=1)] == [trial]
+    store.insert_calibration(1, "cpu", "flux", {}, {}, {"step_ms": 2.0}, {})
+    assert store.latest_calibration("cpu", "flux")["run_id"] == 1
+    store.delete_run(1)  # its calibration goes with it
+    assert store.latest_calibration("cpu", "flux") is None
+    store.close()
