@@ -7,7 +7,8 @@ the prefetch window, the in-flight transfer cap (a GPU's; on a CPU device copies
 and the cap changes nothing), and, where the preset spills activations, the spill watermarks
 at fractions of the weight watermark. The candidates whose predicted peak fits the budget form a
 predicted Pareto front (step time against peak); the trials are the fastest on it, spread along
-it, and the preset's own limits when they fit (the reference a tune has to beat).
+it, and the preset's own limits when they fit (the reference a tune has to beat), first and
+again last (the load of a shared machine drifts while the trials run one after another).
 
 Not tuned: the layer-offload fraction (the planner does not model layer offload; a layer
 offload preset is refused), and the Conductor (not modelled: its caps are raised to stay above a
@@ -129,8 +130,8 @@ def propose(
     """Trials for a preset's JSON object within ``budget_mb`` (MB of 2**20 bytes) on
     ``profile``: ``{budget_mb, device, min_peak_mb, searched, feasible, trials: [{label,
     preset, limits, memory, predicted: {peak_mb, step_ms, trace_step_ms, blocks_loaded},
-    predicted_pareto}],
-    not_tuned}``, at most ``max_trials`` (the preset's own first when it fits). ``ratios`` (a
+    predicted_pareto}], not_tuned}``: the preset's own limits first and last when they fit,
+    candidates in between, ``max_trials`` in all (at least one candidate). ``ratios`` (a
     calibration's, ``runtime.plan.feedback``) scale the predicted peaks and step times.
 
     Raises:
@@ -221,10 +222,14 @@ def propose(
     front = [c for c, on in zip(feasible, _front(feasible), strict=True) if on]
     front.sort(key=lambda c: c["predicted"]["step_ms"])
     rest = sorted((c for c in feasible if c not in front), key=lambda c: c["predicted"]["step_ms"])
-    room = max_trials - len(trials)
+    # The preset's own limits run first and again last: trials run one after another, and on a
+    # shared machine the load drifts in between (as the bench runs its baseline first and last).
+    room = max(1, max_trials - 2 * len(trials))
     picks = _spread(front, room) + rest[: max(0, room - len(front))]
     for i, c in enumerate(picks, 1):
         trials.append({"label": f"t{i}", "preset": False, **c})
+    if trials and trials[0]["preset"]:
+        trials.append({**copy.deepcopy(trials[0]), "label": "preset-last"})
     for t, on in zip(trials, _front(trials), strict=True):
         t["predicted_pareto"] = on
     return {

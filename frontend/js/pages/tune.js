@@ -104,6 +104,10 @@ export function mount(root, { parts }) {
       } }, `Cancel ${tune.active} active trial${tune.active === 1 ? "" : "s"}`)
       : null;
     const best = tune.trials.find((t) => t.run_id === tune.best_run_id);
+    const own = tune.trials.filter((t) => t.preset && t.measured);
+    const drift = own.length === 2
+      ? h("p", { class: "muted", id: "tune-drift" }, `The preset's own limits, run first and last: ${fmtMs(own[0].measured.step_ms)} and ${fmtMs(own[1].measured.step_ms)} (the machine's drift while the trials ran).`)
+      : null;
     fill(header,
       h("div", { class: "toolbar" }, h("h1", {}, `Tune #${tune.id}: ${tune.preset} within ${fmtMB(tune.budget_mb)}`),
         h("div", { class: "spacer" }), cancel,
@@ -113,6 +117,7 @@ export function mount(root, { parts }) {
       h("p", { id: "tune-best" }, best
         ? `Fastest within the budget (measured): ${best.label}, run #${best.run_id}: ${fmtMs(best.measured.step_ms)} at ${fmtMB(best.measured.peak_mb)}.`
         : tune.active ? "Trials are running…" : "No trial succeeded within the budget."),
+      drift,
       h("p", { class: "muted" }, `Not tuned: layer-offload fraction (${tune.not_tuned.layer_offload_fraction}); Conductor (${tune.not_tuned.conductor}).`));
   }
 
@@ -136,7 +141,7 @@ export function mount(root, { parts }) {
     fill(tableBox, h("table", { class: "runs-table", id: "tune-table" },
       h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
       h("tbody", {}, tune.trials.map((t) => h("tr", { dataset: { runId: String(t.run_id), pareto: String(t.pareto), label: t.label } },
-        h("td", { class: "trial" }, h("strong", {}, t.preset ? `${t.label} (the preset's own)` : t.label)),
+        h("td", { class: "trial" }, h("strong", {}, t.preset ? `${t.label} (the preset's own limits)` : t.label)),
         h("td", { "data-label": "run" }, t.run_id ? h("a", { href: `#/runs/${t.run_id}` }, `#${t.run_id}`) : "–"),
         h("td", { "data-label": "status" }, statusBadge(t.status)),
         h("td", { class: "limits" }, limitsText(t.limits)),
