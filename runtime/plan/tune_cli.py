@@ -49,14 +49,14 @@ def table(tune: dict[str, Any]) -> str:
     )
     lines = [
         head,
-        f"{'trial':<8}{'run':>5}  {'status':<10}{'pred MB':>9}{'pred ms':>10}{'loads':>6}"
+        f"{'trial':<12}{'run':>5}  {'status':<10}{'pred MB':>9}{'pred ms':>10}{'loads':>6}"
         f"{'meas MB':>9}{'meas ms':>10}{'loads':>6}  P  limits (MB)",
     ]
     for t in tune["trials"]:
         m = t.get("measured") or {}
         peak, step = m.get("peak_mb"), m.get("step_ms")
         lines.append(
-            f"{t['label']:<8}{t.get('run_id') or '':>5}  {t.get('status', 'planned'):<10}"
+            f"{t['label']:<12}{t.get('run_id') or '':>5}  {t.get('status', 'planned'):<10}"
             f"{t['predicted']['peak_mb']:>9.2f}{_ms(t['predicted']['step_ms']):>10}"
             f"{_n(t['predicted'].get('blocks_loaded')):>6}"
             f"{'' if peak is None else f'{peak:.2f}':>9}{'' if step is None else f'{step:.1f}':>10}"
