@@ -52,7 +52,8 @@ function drawChart(el, tune) {
     height: 380,
     title: { text: "Step time against peak VRAM", font: { size: 13 } },
     xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "peak VRAM (MB)" } },
-    yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "step time (ms)" }, type: log ? "log" : "linear" },
+    // Not from zero: trials differ by a few percent.
+    yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "step time (ms)" }, type: log ? "log" : "linear", rangemode: "normal" },
     shapes: [{ type: "line", xref: "x", yref: "paper", x0: tune.budget_mb, x1: tune.budget_mb, y0: 0, y1: 1, line: { color: "#d3262f", dash: "dot", width: 1 } }],
     annotations: [{ x: tune.budget_mb, y: 1, xref: "x", yref: "paper", text: "budget", showarrow: false, font: { color: "#d3262f", size: 11 }, yanchor: "bottom" }],
     hovermode: "closest",
@@ -141,7 +142,7 @@ export function mount(root, { parts }) {
     fill(tableBox, h("table", { class: "runs-table", id: "tune-table" },
       h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
       h("tbody", {}, tune.trials.map((t) => h("tr", { dataset: { runId: String(t.run_id), pareto: String(t.pareto), label: t.label } },
-        h("td", { class: "trial" }, h("strong", {}, t.preset ? `${t.label} (the preset's own limits)` : t.label)),
+        h("td", { class: "trial" }, h("strong", {}, t.preset ? `${t.label} (preset's own)` : t.label)),
         h("td", { "data-label": "run" }, t.run_id ? h("a", { href: `#/runs/${t.run_id}` }, `#${t.run_id}`) : "–"),
         h("td", { "data-label": "status" }, statusBadge(t.status)),
         h("td", { class: "limits" }, limitsText(t.limits)),
