@@ -17,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from backend import apidocs, errors, openapi
 from backend.api import ROUTERS
 from backend.api.deps import public_run
+from backend.calibration import Calibrator
 from backend.errors import NotFound
 from backend.executors import Executor, make_executor
 from backend.hub import Hub
@@ -60,19 +61,29 @@ async def lifespan(app: FastAPI):
             hub.publish_run(run_id, public_run(store, row))
 
     executor = app.state.executor or make_executor(settings)
+    calibrator = Calibrator(store)
+    finished = calibrator.submit if settings.calibrate else None
     probe = SystemProbe(executor)
     probe.start()
     supervisor = Supervisor(
-        settings, store, tailer, on_change, executor, default_device=probe.default_device
+        settings,
+        store,
+        tailer,
+        on_change,
+        executor,
+        on_finished=finished,
+        default_device=probe.default_device,
     )
     app.state.store, app.state.hub, app.state.tailer = store, hub, tailer
     app.state.supervisor, app.state.probe = supervisor, probe
+    calibrator.start()
     supervisor.start()
     tailer.start()
     try:
         yield
     finally:
         supervisor.stop()
+        calibrator.stop()
         tailer.stop()
         executor.close()
         store.close()

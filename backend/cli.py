@@ -9,6 +9,7 @@ server never imports torch):
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (runtime.assets.cli)
 - ``plan``         predicted VRAM and step time of a preset, no weights (runtime.plan.cli)
+- ``tune``         trials of limits that fit a VRAM budget          (runtime.plan.tune_cli)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("runtime.assets.cli", "build the local demo models, digits and encoder"),
     "plan": ("runtime.plan.cli", "predict a preset's VRAM and step time on a device profile"),
+    "tune": ("runtime.plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
 }
 
 

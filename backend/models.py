@@ -260,6 +260,8 @@ class RunPublic(BaseModel):
     tags: list[str] = []
     summary: RunSummary = RunSummary()
     last_seq: int = -1
+    group_id: int | None = None
+    """The tune this run is a trial of (``/api/tunes/{group_id}``), or null."""
 
 
 class RunsPublic(BaseModel):
@@ -364,3 +366,29 @@ def run_public(row: dict[str, Any], summary: dict[str, Any] | None = None) -> di
     if out.get("last_seq") is None:
         out["last_seq"] = -1
     return out
+
+
+class TuneCreate(_In):
+    """``POST /api/tunes``: trials of ``preset`` (with ``overrides``) within ``budget_mb``."""
+
+    preset: str = Field(max_length=64)
+    budget_mb: float = Field(gt=0, le=10_000_000, allow_inf_nan=False)
+    """The VRAM budget (MB of 2**20 bytes) every trial's predicted peak must fit."""
+    device: str = Field(default="cpu", max_length=32)
+    """The device profile the trials are planned on (``POST /api/plan``'s)."""
+    trial_steps: int = Field(default=3, ge=1, le=100)
+    """Steps of each trial after its trace step."""
+    max_trials: int = Field(default=5, ge=1, le=12)
+    overrides: Overrides = Field(default_factory=dict)
+
+
+class TunePreset(_In):
+    """``POST /api/tunes/{id}/preset``: save a trial's limits as a new preset."""
+
+    run_id: int = Field(ge=1, le=MAX_ID)
+    name: str = Field(max_length=64)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_preset_name(v)

@@ -83,6 +83,10 @@ class Settings:
     the records from the job's log stream (``tail_job_logs``)."""
     ray_num_cpus: float = 1.0
     """CPUs Ray reserves for each run's worker (``entrypoint_num_cpus``)."""
+    calibrate: bool = field(default_factory=lambda: _env("CALIBRATE", "1") != "0")
+    """Plan each succeeded run's config and store its calibration (``backend.calibration``):
+    seconds of CPU per run on the server (the first plan on ``cpu`` measures this machine).
+    ``STAGEHAND_WORKBENCH_CALIBRATE=0`` turns it off (test servers, whose CPU is the tests')."""
     worker_module: str = field(default_factory=lambda: _env("WORKER_MODULE", "backend.cli") or "")
     """``python -m <worker_module> train CONFIG --run-dir DIR`` launches a worker."""
 

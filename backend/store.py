@@ -124,6 +124,28 @@ def _m006_run_ids(db: sqlite_utils.Database) -> None:
     db.execute("INSERT INTO run_ids SELECT IFNULL(MAX(id), 0) FROM runs")
 
 
+def _m007_calibrations(db: sqlite_utils.Database) -> None:
+    # A finished run's measured figures next to its plan's (runtime/plan/feedback.py), kept
+    # under the device profile and family that later plans look them up by.
+    db.execute(
+        "CREATE TABLE calibrations (run_id INTEGER PRIMARY KEY, device TEXT NOT NULL,"
+        " family TEXT NOT NULL, created_at REAL NOT NULL, predicted TEXT NOT NULL,"
+        " measured TEXT NOT NULL, ratios TEXT NOT NULL, plan TEXT NOT NULL)"
+    )
+    db.execute("CREATE INDEX idx_calibrations_key ON calibrations (device, family, created_at)")
+
+
+def _m008_tunes(db: sqlite_utils.Database) -> None:
+    # One tune = one group of trial runs (runs.group_id), with the candidates its plan proposed.
+    db.execute(
+        "CREATE TABLE tunes (id INTEGER PRIMARY KEY, preset TEXT NOT NULL, budget_mb REAL NOT"
+        " NULL, device TEXT NOT NULL, trial_steps INTEGER NOT NULL, created_at REAL NOT NULL,"
+        " candidates TEXT NOT NULL)"
+    )
+    db.execute("ALTER TABLE runs ADD COLUMN group_id INTEGER")
+    db.execute("CREATE INDEX idx_runs_group_id ON runs (group_id)")
+
+
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
     db.conn.executemany(
         "INSERT OR REPLACE INTO telemetry_rollup (run_id, source, kind, chunk, seq_first,"
@@ -151,6 +173,8 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("004_run_executor", _m004_run_executor),
     ("005_run_resume", _m005_run_resume),
     ("006_run_ids", _m006_run_ids),
+    ("007_calibrations", _m007_calibrations),
+    ("008_tunes", _m008_tunes),
 ]
 """Append new ``(name, function)`` pairs; never edit or reorder applied ones."""
 
@@ -255,8 +279,11 @@ class Store:
         self.db.execute("DELETE FROM presets WHERE name = ? AND builtin = 0", [name])
 
     # -- runs ----------------------------------------------------------------------------
-    def create_run(self, name: str, preset: str, config: dict, device: str) -> int:
-        """A new queued run; its id is above every id ever given (deleted runs' too)."""
+    def create_run(
+        self, name: str, preset: str, config: dict, device: str, group_id: int | None = None
+    ) -> int:
+        """A new queued run; its id is above every id ever given (deleted runs' too).
+        ``group_id``: the tune it is a trial of."""
         db = self.db
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
@@ -265,9 +292,9 @@ class Store:
             )
             (run_id,) = db.execute("SELECT last FROM run_ids").fetchone()
             db.execute(
-                "INSERT INTO runs (id, name, preset, config, status, device, created_at) "
-                "VALUES (?, ?, ?, ?, 'queued', ?, ?)",
-                [run_id, name, preset, json.dumps(config), device, time.time()],
+                "INSERT INTO runs (id, name, preset, config, status, device, created_at,"
+                " group_id) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                [run_id, name, preset, json.dumps(config), device, time.time(), group_id],
             )
         return int(run_id)
 
@@ -276,9 +303,16 @@ class Store:
         return self._with_tags(rows)[0] if rows else None
 
     def list_runs(
-        self, status: str | None = None, preset: str | None = None, tag: str | None = None
+        self,
+        status: str | None = None,
+        preset: str | None = None,
+        tag: str | None = None,
+        group_id: int | None = None,
     ) -> list[dict]:
         where, args = [], []
+        if group_id is not None:
+            where.append("group_id = ?")
+            args.append(group_id)
         if status:
             where.append("status = ?")
             args.append(status)
@@ -343,6 +377,7 @@ class Store:
             db.execute("DELETE FROM telemetry WHERE run_id = ?", [run_id])
             db.execute("DELETE FROM telemetry_rollup WHERE run_id = ?", [run_id])
             db.execute("DELETE FROM run_tags WHERE run_id = ?", [run_id])
+            db.execute("DELETE FROM calibrations WHERE run_id = ?", [run_id])
             db.execute("DELETE FROM runs WHERE id = ?", [run_id])
 
     def next_control_seq(self, run_id: int) -> int:
@@ -372,6 +407,99 @@ class Store:
             r["tags"] = tags[r["id"]]
             out.append(r)
         return out
+
+    # -- calibrations and tunes ------------------------------------------------------------
+    def insert_calibration(
+        self,
+        run_id: int,
+        device: str,
+        family: str,
+        predicted: dict,
+        measured: dict,
+        ratios: dict,
+        plan: dict,
+    ) -> None:
+        """Store (or replace) the calibration of ``run_id`` (runtime/plan/feedback.py)."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO calibrations (run_id, device, family, created_at, predicted,"
+            " measured, ratios, plan) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [run_id, device, family, time.time()]
+            + [json.dumps(v) for v in (predicted, measured, ratios, plan)],
+        )
+
+    def get_calibration(self, run_id: int) -> dict | None:
+        rows = self.db.execute_returning_dicts(
+            "SELECT * FROM calibrations WHERE run_id = ?", [run_id]
+        )
+        return _calibration(rows[0]) if rows else None
+
+    def latest_calibration(self, device: str, family: str) -> dict | None:
+        """The newest calibration of ``device`` and ``family`` with a VRAM or step ratio."""
+        rows = self.db.execute_returning_dicts(
+            "SELECT * FROM calibrations WHERE device = ? AND family = ? AND ratios != '{}'"
+            " ORDER BY created_at DESC, run_id DESC LIMIT 1",
+            [device, family],
+        )
+        return _calibration(rows[0]) if rows else None
+
+    def create_tune(
+        self, preset: str, budget_mb: float, device: str, trial_steps: int, candidates: list
+    ) -> int:
+        cur = self.db.execute(
+            "INSERT INTO tunes (preset, budget_mb, device, trial_steps, created_at, candidates)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            [preset, budget_mb, device, trial_steps, time.time(), json.dumps(candidates)],
+        )
+        return int(cur.lastrowid)
+
+    def set_tune_candidates(self, tune_id: int, candidates: list) -> None:
+        self.db.execute(
+            "UPDATE tunes SET candidates = ? WHERE id = ?", [json.dumps(candidates), tune_id]
+        )
+
+    def get_tune(self, tune_id: int) -> dict | None:
+        rows = self.db.execute_returning_dicts("SELECT * FROM tunes WHERE id = ?", [tune_id])
+        if not rows:
+            return None
+        row = dict(rows[0])
+        row["candidates"] = json.loads(row["candidates"])
+        return row
+
+    def list_tunes(self) -> list[dict]:
+        rows = self.db.execute_returning_dicts("SELECT * FROM tunes ORDER BY id DESC")
+        return [{**r, "candidates": json.loads(r["candidates"])} for r in rows]
+
+    def max_in_steps(self, run_id: int, path: str, source: str = "trainer") -> float | None:
+        """The largest ``path`` (a JSON path below the record) of the run's step records of
+        ``source``, sampling steps left out."""
+        (value,) = self.db.execute(
+            "SELECT MAX(json_extract(data, ?)) FROM telemetry WHERE run_id = ? AND source = ?"
+            " AND kind = 'step' AND json_extract(data, '$.sampling') IS NULL",
+            ["$." + path, run_id, source],
+        ).fetchone()
+        return value
+
+    def mean_step_ms_after(self, run_id: int, step: int) -> float | None:
+        """Mean ``step_time_ms`` of the trainer's step records after ``step`` (1: past the
+        trace step), sampling steps left out."""
+        (value,) = self.db.execute(
+            "SELECT AVG(json_extract(data, '$.step_time_ms')) FROM telemetry WHERE run_id = ?"
+            " AND source = 'trainer' AND kind = 'step' AND step > ?"
+            " AND json_extract(data, '$.sampling') IS NULL",
+            [run_id, step],
+        ).fetchone()
+        return value
+
+    def step_block_curve(self, run_id: int, step: int) -> list[tuple[float, float, str]]:
+        """``(time s, vram_allocated_mb, event)`` of the weight runtime's block records of
+        ``step``, in seq order."""
+        rows = self.db.execute(
+            "SELECT time, json_extract(data, '$.vram_allocated_mb'), json_extract(data,"
+            " '$.event') FROM telemetry INDEXED BY idx_telemetry_run_id_source_kind_seq WHERE"
+            " run_id = ? AND source = 'stagehand' AND kind = 'block' AND step = ? ORDER BY seq",
+            [run_id, step],
+        )
+        return [(t, v, e) for t, v, e in rows if v is not None]
 
     # -- telemetry -----------------------------------------------------------------------
     def ingest(
@@ -661,4 +789,11 @@ def _preset(row: dict) -> dict:
     row = dict(row)
     row["config"] = json.loads(row["config"])
     row["builtin"] = bool(row["builtin"])
+    return row
+
+
+def _calibration(row: dict) -> dict:
+    row = dict(row)
+    for key in ("predicted", "measured", "ratios", "plan"):
+        row[key] = json.loads(row[key])
     return row

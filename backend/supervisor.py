@@ -70,6 +70,7 @@ class Supervisor:
         on_change: Callable[[int], None],
         executor: Executor,
         tick_s: float = 0.1,
+        on_finished: Callable[[int], None] | None = None,
         default_device: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
@@ -78,6 +79,8 @@ class Supervisor:
         self.on_change = on_change
         self.executor = executor
         self.tick_s = tick_s
+        self.on_finished = on_finished
+        """Called with a run's id once its final status is stored (the calibrator's submit)."""
         self.default_device = default_device
         self._workers: dict[int, Job] = {}
         self._lock = threading.RLock()
@@ -291,6 +294,8 @@ class Supervisor:
                 fields["signal"],
             )
             self.on_change(run_id)
+            if self.on_finished is not None:
+                self.on_finished(run_id)
 
     # -- API operations ------------------------------------------------------------------
     def wake(self) -> None:

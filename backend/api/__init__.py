@@ -11,6 +11,7 @@ from backend.api import (
     stream,
     system,
     telemetry,
+    tunes,
 )
 
 ROUTERS = [
@@ -24,4 +25,5 @@ ROUTERS = [
     stream.router,
     pipelines.router,
     plan.router,
+    tunes.router,
 ]

@@ -9,7 +9,10 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.errors import Invalid
+from backend.api.deps import StoreDep, run_row
+from backend.errors import Invalid, NotFound
+from backend.models import RunId
+from backend.openapi import errors
 
 router = APIRouter(prefix="/api", tags=["plan"])
 
@@ -31,21 +34,25 @@ class PlanRequest(BaseModel):
 
 
 @router.post("/plan")
-def plan(body: PlanRequest) -> dict:
+def plan(body: PlanRequest, store: StoreDep) -> dict:
     """The plan (``runtime.plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
     ``steady_band_bytes``, ``host``, ``step_ms`` and the VRAM ``curve`` of one steady step.
+    With a calibration of the device and the preset's family (a finished run's measured
+    figures), its ratios are applied and ``calibration`` says from which run
+    (``runtime.plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
 
     Raises:
         Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
             (``preset.memory.stagehand.vram_high_watermark_mb``, ``device``).
     """
     from runtime.plan import PlanInputError, plan_preset, profile
+    from runtime.plan.feedback import apply, family_of
 
     try:
         vram = int(body.vram_gb * 2**30) if body.vram_gb else None
         dev = profile(body.device, vram_bytes=vram, h2d_gbps=body.h2d_gbps, tflops=body.tflops)
         name = str(body.preset.get("name") or "(new run)")
-        return plan_preset(body.preset, dev, name=name).to_dict()
+        out = plan_preset(body.preset, dev, name=name).to_dict()
     except PlanInputError as exc:
         message = str(exc)
         match = _FIELD.match(message)
@@ -57,3 +64,19 @@ def plan(body: PlanRequest) -> dict:
         # A preset that validates yet names what cannot be built (a factory size, a folder's
         # config): still the input's fault, never a server error.
         raise Invalid(f"preset: cannot plan it: {exc}", field="preset") from None
+    calibration = store.latest_calibration(body.device, family_of(body.preset))
+    return apply(out, calibration) if calibration else out
+
+
+@router.get("/runs/{run_id}/calibration", responses=errors(404))
+def run_calibration(run_id: RunId, store: StoreDep) -> dict:
+    """A finished run's calibration: ``predicted`` and ``measured`` figures (MB, ms),
+    ``ratios`` (measured / predicted), ``plan`` (its peaks, band, step times and VRAM curve of
+    one steady step) and ``measured.curve`` (the weight runtime's allocated MB at each block
+    record of the run's last step, ms from the first). 404 while the run has none (running,
+    not succeeded, or limits changed while it ran)."""
+    run_row(store, run_id)
+    found = store.get_calibration(run_id)
+    if found is None:
+        raise NotFound(f"run {run_id} has no calibration (yet)", field="id")
+    return found

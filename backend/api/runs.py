@@ -41,8 +41,9 @@ def list_runs(
     status: Annotated[RunStatus | None, Query()] = None,
     preset: Annotated[str | None, Query(max_length=64)] = None,
     tag: Annotated[str | None, Query(max_length=40)] = None,
+    group: Annotated[int | None, Query(ge=1, le=2**62, description="a tune's id")] = None,
 ) -> dict:
-    data = [public_run(store, r) for r in store.list_runs(status, preset, tag)]
+    data = [public_run(store, r) for r in store.list_runs(status, preset, tag, group)]
     return {"data": data, "count": len(data)}
 
 

@@ -172,6 +172,15 @@ export const api = {
   /** What a diffusers pipeline folder holds (family, components, streamed blocks). */
   inspectPipeline: (body) => request("POST", "/api/pipelines/inspect", body),
   plan: (body) => request("POST", "/api/plan", body),
+  /** A succeeded run's plan next to its measured figures (404 until the backend made it). */
+  calibration: (id) => request("GET", `/api/runs/${enc(id)}/calibration`),
+  /** @param {{preset: string, budget_mb: number, device?: string, trial_steps?: number}} body */
+  createTune: (body) => request("POST", "/api/tunes", body),
+  tune: (id) => request("GET", `/api/tunes/${enc(id)}`),
+  tunes: () => request("GET", "/api/tunes"),
+  cancelTune: (id) => request("POST", `/api/tunes/${enc(id)}/cancel`),
+  /** @param {{run_id: number, name: string}} body */
+  saveTunePreset: (id, body) => request("POST", `/api/tunes/${enc(id)}/preset`, body),
   artifactUrl: (id, name) => `/api/runs/${enc(id)}/artifacts/${enc(name)}`,
 };
 

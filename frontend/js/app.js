@@ -1,4 +1,5 @@
-// Page wiring: the system strip and a hash router (#/runs, #/new, #/runs/ID, #/compare?ids=1,2).
+// Page wiring: the system strip and a hash router (#/runs, #/new, #/runs/ID, #/compare?ids=1,2,
+// #/tunes, #/tunes/ID).
 // Each page module exports `mount(root, route) -> unmount()`; the router unmounts the previous
 // page (closing its sockets and timers) before mounting the next one.
 
@@ -8,6 +9,7 @@ import * as runsPage from "./pages/runs.js";
 import * as newRunPage from "./pages/newrun.js";
 import * as runPage from "./pages/run.js";
 import * as comparePage from "./pages/compare.js";
+import * as tunePage from "./pages/tune.js";
 
 const root = document.getElementById("page");
 let unmount = null;
@@ -16,6 +18,7 @@ function pick(parts) {
   if (parts[0] === "runs" && parts[1]) return { page: runPage, nav: "runs" };
   if (parts[0] === "new") return { page: newRunPage, nav: "new" };
   if (parts[0] === "compare") return { page: comparePage, nav: "compare" };
+  if (parts[0] === "tunes") return { page: tunePage, nav: "tunes" };
   return { page: runsPage, nav: "runs" };
 }
 

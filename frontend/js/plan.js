@@ -28,7 +28,16 @@ function summary(plan) {
       h("li", { id: "plan-peak" }, `peak VRAM ${mb(plan.peak_bytes.steady)} steady, ${mb(plan.peak_bytes.trace_step)} trace step${cap}`),
       h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
       h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
-      h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`)));
+      h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
+      plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
+}
+
+const RATIO_NAMES = { peak_vram_mb: "VRAM", step_ms: "step", host_ram_mb: "host RAM", pinned_mb: "pinned" };
+
+/** "calibrated by run #N on cpu/flux: VRAM ×1.004, step ×0.910" (runtime/plan/feedback.py). */
+function calibrationText(cal) {
+  const ratios = Object.entries(cal.ratios).map(([k, v]) => `${RATIO_NAMES[k] || k} ×${v.toFixed(3)}`).join(", ");
+  return h("span", {}, "calibrated by ", h("a", { href: `#/runs/${cal.run_id}` }, `run #${cal.run_id}`), ` on ${cal.device}/${cal.family}: ${ratios}`);
 }
 
 function curve(el, plan) {
@@ -46,11 +55,15 @@ function curve(el, plan) {
 }
 
 /**
- * @param {{getConfig: () => object|null}} opts the config being edited (null when invalid)
+ * @param {{getConfig: () => object|null, getRequest?: () => {preset: string, overrides: object}}} opts
+ *   the config being edited (null when invalid), and the run request it makes (for Tune)
  * @returns {HTMLElement}
  */
-export function planPanel({ getConfig }) {
+export function planPanel({ getConfig, getRequest }) {
   const device = h("select", { id: "plan-device" }, DEVICES.map((d) => h("option", { value: d }, d)));
+  const budget = h("input", { id: "tune-budget", type: "text", inputmode: "decimal", placeholder: "MB", size: 8 });
+  const trialSteps = h("input", { id: "tune-steps", type: "text", inputmode: "numeric", value: "3", size: 3 });
+  const tuneBtn = h("button", { id: "tune-run", onclick: tune, title: "run the plan's candidates within the budget as short trials" }, "Tune");
   const errors = h("div", { class: "page-errors", id: "plan-errors" });
   const result = h("div", { id: "plan-result" });
   const chart = h("div", { class: "chart", id: "plan-chart", hidden: true });
@@ -74,8 +87,33 @@ export function planPanel({ getConfig }) {
     }
   }
 
+  /** Queues the plan's candidates within the budget as trial runs and opens the tune's page. */
+  async function tune() {
+    fill(errors);
+    if (!getConfig() || !getRequest) return;
+    const { preset, overrides } = getRequest();
+    tuneBtn.disabled = true;
+    try {
+      // Numbers as typed: the API says which field is wrong and why (a budget below the
+      // smallest feasible plan gives that minimum).
+      const made = await api.createTune({
+        preset, overrides, device: device.value,
+        budget_mb: budget.value.trim() === "" ? null : Number(budget.value),
+        trial_steps: Number(trialSteps.value),
+      });
+      location.hash = `#/tunes/${made.id}`;
+    } catch (err) {
+      showError(errors, err, "tune");
+    } finally {
+      tuneBtn.disabled = false;
+    }
+  }
+
   return h("div", { class: "plan-panel" },
     h("h2", {}, "Plan (predicted VRAM and step time, no weights loaded)"),
-    h("div", { class: "toolbar" }, h("label", { class: "inline" }, "Device ", device), btn),
+    h("div", { class: "toolbar" }, h("label", { class: "inline" }, "Device ", device), btn,
+      getRequest ? h("label", { class: "inline" }, "VRAM budget (MB) ", budget) : null,
+      getRequest ? h("label", { class: "inline" }, "trial steps ", trialSteps) : null,
+      getRequest ? tuneBtn : null),
     errors, result, chart);
 }

@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "memcpy_fresh_gbps": hw.get("memcpy_fresh_gbps"),
             "file_read_gbps": hw.get("file_read_gbps"),
         },
+        "cpu_profile": hw.get("cpu_profile"),
         "model": prep["main"],
         "large_model": prep.get("large") if large else None,
         "keep_path_us_per_tensor": (keep or {}).get("keep_path", {}).get("us_per_tensor"),

@@ -95,6 +95,13 @@ def hardware(job: dict[str, Any]) -> dict[str, Any]:
     else:
         out.update(host_bandwidth())
     out["transition"] = transition_cost(device)
+    if device.type == "cpu":
+        # The planner's profile of this machine, measured here, now: what the rows run under
+        # (``python -m runtime.plan.check`` plans them with it; one measured at check time
+        # sees another load on a shared machine).
+        from runtime.plan.profiles import cpu_profile
+
+        out["cpu_profile"] = cpu_profile().to_dict()
     return out
 
 

@@ -7,6 +7,11 @@ activations and FLOPs (``inventory``), and runs the weight runtime's own schedul
 ``BlockScheduler`` and eviction policy) and the activation runtime's spill decision in a
 discrete-event simulation with a cost model (``simulate``). ``plan`` puts them together and names
 the knob that makes a plan that does not fit fit; ``profiles`` holds the device table.
+
+``feedback`` compares a finished run's measured figures with its plan and scales later plans of
+the same device and family by the ratios (the backend stores them: ``backend/calibration.py``);
+``tune`` proposes limits within a VRAM budget, run as trials by ``workbench tune`` and
+``POST /api/tunes``.
 """
 
 from runtime.plan.inventory import Inventory, PlanInputError, inventory

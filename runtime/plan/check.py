@@ -3,6 +3,10 @@
 row's own memory section, model folder and input shape, on this machine's CPU profile, and
 prints predicted against measured peak tracked VRAM and median step time.
 
+The profile is the one the bench measured in its own worker just before its rows
+(``cpu_profile`` in its JSON), when it has one: on a shared machine the load, and with it every
+measured rate, changes between the bench and the check.
+
 Layer offload and peer rows are left out: the planner does not model them.
 """
 
@@ -33,9 +37,12 @@ def compare(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per planned benchmark row: name, blocks, predicted and measured peak (MB) and
     step time (ms), and the relative errors."""
     from runtime.plan.plan import EFFICIENCY, simulate
-    from runtime.plan.profiles import cpu_profile
+    from runtime.plan.profiles import DeviceProfile, cpu_profile
 
-    profile = cpu_profile()
+    # The profile the bench measured before its rows, when it recorded one: the rows ran under
+    # that machine's load, not this one's.
+    stored = bench.get("cpu_profile")
+    profile = DeviceProfile(**stored) if stored else cpu_profile()
     cache: dict = {}
     out = []
     model = bench["model"]
@@ -79,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'row':<28}{'peak MB pred':>13}{'meas':>9}{'err':>8}{'step ms pred':>14}{'meas':>8}{'err':>8}"
     )
+    source = "measured by the bench before its rows" if bench.get("cpu_profile") else "measured now"
+    print(f"cpu profile: {source}")
     for r in compare(bench):
         name = f"{r['section']} {r['blocks']:>2} {r['name']}"
         print(

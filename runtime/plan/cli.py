@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -50,6 +51,11 @@ def table(plan: dict[str, Any]) -> str:
         f"stalls {ms['stall']:.1f}; "
         f"trace step {ms['trace_step']:.1f}) at efficiency {plan['efficiency']}"
     )
+    cal = plan.get("calibration")
+    if cal:
+        from runtime.plan.feedback import describe
+
+        lines.append(f"  calibration  {describe(cal)}")
     if plan["fits"]:
         lines.append("  fits: yes")
     elif plan["knob"]:
@@ -61,6 +67,26 @@ def table(plan: dict[str, Any]) -> str:
     else:
         lines.append("  fits: NO; no knob tried makes it fit")
     return "\n".join(lines)
+
+
+def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
+    """``plan`` with the newest calibration of ``device`` and the preset's family in the
+    server's database under ``data_dir`` applied (``runtime.plan.feedback``), if there is one."""
+    from pathlib import Path
+
+    from runtime.plan.feedback import apply, family_of
+
+    folder = Path(data_dir or os.environ.get("STAGEHAND_WORKBENCH_DATA") or "./data")
+    if not (folder / "workbench.db").is_file():
+        return plan
+    from backend.store import Store
+
+    store = Store(folder / "workbench.db")
+    try:
+        found = store.latest_calibration(device, family_of(data))
+    finally:
+        store.close()
+    return apply(plan, found) if found else plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--efficiency", type=float, help="share of peak TFLOPs reached")
     p.add_argument("--text-len", type=int, help="text tokens (default data.max_caption_tokens)")
     p.add_argument("--json", help="write the plan as JSON here")
+    p.add_argument(
+        "--data-dir",
+        help="the server's data folder, whose finished runs calibrate the plan (default "
+        "$STAGEHAND_WORKBENCH_DATA or ./data; none there: uncalibrated)",
+    )
+    p.add_argument("--no-calibration", action="store_true", help="the plan as modelled")
     args = p.parse_args(argv)
     try:
         name, data = load_preset(args.preset)
@@ -86,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_preset(
             data, dev, name=name, text_len=args.text_len, efficiency=args.efficiency
         ).to_dict()
+        if not args.no_calibration:
+            plan = calibrated(plan, args.device, data, args.data_dir)
     except (PlanInputError, FileNotFoundError, ValueError) as exc:
         print(f"workbench plan: {exc}", file=sys.stderr)
         return 2

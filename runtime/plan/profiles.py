@@ -96,9 +96,10 @@ def _best_ms(fn, repeat: int = 5) -> float:
 def cpu_profile(dtype: str = "float32") -> DeviceProfile:
     """This machine as a CPU device, measured at the first call in a process (a few seconds).
 
-    TFLOPs: a 512 x 512 x 512 matmul in ``dtype`` on the threads torch uses. Memory GB/s: an
-    in-place multiply of 64 MB (read and write counted). Cost per operation and per block
-    load: one calibration step of a tiny model (``runtime.plan.calibrate``). Copy GB/s: what the weight runtime does per
+    TFLOPs: a 512 x 512 x 512 matmul in ``dtype`` on the threads torch uses. Memory GB/s and
+    the cost per operation: resident LoRA steps of the tiny and the small flux model (an
+    in-place multiply of 64 MB when those disagree); per block load: a streamed step of the tiny
+    one (``runtime.plan.calibrate``). Copy GB/s: what the weight runtime does per
     block on CPU: a copy into a staging buffer, then a copy into a fresh allocation (whose first
     touch costs page faults), for a 16 MB block, counted once.
     """
@@ -124,7 +125,7 @@ def cpu_profile(dtype: str = "float32") -> DeviceProfile:
     copy_gbps = n / (copy_ms * 1e-3) / GB
     from runtime.plan.calibrate import calibrate
 
-    op_us, load_us = calibrate(tflops, mem_gbps, copy_gbps)
+    op_us, load_us, mem_gbps = calibrate(tflops, mem_gbps, copy_gbps)
     return DeviceProfile(
         "cpu",
         0,

@@ -141,6 +141,10 @@ class Run:
             host=socket.gethostname(),
             max_steps=preset.max_steps,
             device=str(self.device),
+            # The GPU's name: which device profile a calibration from this run is kept under.
+            device_name=torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else None,
             vram_source="cuda" if self.device.type == "cuda" else "tracked",
             model=str(model_dir),
             strategy=preset.memory.strategy,

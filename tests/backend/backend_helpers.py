@@ -30,7 +30,14 @@ class Server:
     def __init__(self, data_dir: Path, host: str = "127.0.0.1", args: tuple = (), env=None):
         self.data_dir, self.host, self.args = data_dir, host, list(args)
         self.port = free_port(host)
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        # No calibration plans after each run (seconds of CPU each: tests/backend/
+        # test_calibration.py tests them) unless a test asks.
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "STAGEHAND_WORKBENCH_CALIBRATE": "0",
+            **(env or {}),
+        }
         self.proc: subprocess.Popen | None = None
         self.log = data_dir.parent / f"server-{self.port}.log"
 

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from backend import errors
 from backend.api import plan
+from backend.store import Store
 
 TINY = {
     "model": {"factory": "flux", "size": "tiny", "dtype": "float32"},
@@ -29,10 +30,11 @@ TINY = {
 
 
 @pytest.fixture(scope="module")
-def client() -> TestClient:
+def client(tmp_path_factory) -> TestClient:
     app = FastAPI()
     errors.install(app)
     app.include_router(plan.router)
+    app.state.store = Store(tmp_path_factory.mktemp("plan") / "workbench.db")  # no calibrations
     return TestClient(app)
 
 

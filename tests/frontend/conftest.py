@@ -84,6 +84,10 @@ def _start_server(data_dir: Path, extra_env: dict[str, str] | None = None):
     port = _free_port()
     env = dict(os.environ, **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Calibration plans each succeeded run on the server (seconds of CPU for a real run on
+    # cpu); the synthetic server keeps it (its runs are calibrated only when their preset
+    # names a GPU: tests/frontend/test_tune_ui.py).
+    env.setdefault("STAGEHAND_WORKBENCH_CALIBRATE", "0")
     log = (data_dir.parent / f"server-{port}.log").open("wb")
     proc = subprocess.Popen(
         [
@@ -147,6 +151,7 @@ def synthetic_server(tmp_path_factory):
         {
             "STAGEHAND_WORKBENCH_WORKER_MODULE": "tests.frontend.synthetic_worker",
             "SYNTH_STEP_S": "0.25",
+            "STAGEHAND_WORKBENCH_CALIBRATE": "1",
         },
     )
     yield base

@@ -72,6 +72,24 @@ def main(argv: list[str]) -> int:
     if found:
         step_s = float(found.group(1))
     block_mb = float(os.environ.get("SYNTH_BLOCK_MB", "900"))
+    # A preset's description may also set block_mb=, base_mb=, ms_per_load= (step time added per
+    # block loaded: runs with higher watermarks load fewer and are faster, as trials of a tune
+    # are) and device_name= (its run_started record's, for calibration; underscores are spaces).
+    description = str(config.get("description", ""))
+    # base_mb: non-block overhead (norms, LoRA, optimizer state).
+    knobs = {"block_mb": block_mb, "base_mb": 5000.0, "ms_per_load": 0.0}
+    for key in knobs:
+        found = re.search(rf"{key}=([0-9.]+)", description)
+        if found:
+            knobs[key] = float(found.group(1))
+    # With any of them set, every step record's peak is the trainer's (below the high watermark
+    # plus a block), so that trials with other watermarks report other peaks.
+    capped = any(f"{key}=" in description for key in knobs)
+    block_mb, base_mb, ms_per_load = knobs.values()
+    device_name = None
+    found = re.search(r"device_name=(\S+)", description)
+    if found:
+        device_name = found.group(1).replace("_", " ")
     sh = (config.get("memory") or {}).get("stagehand") or {}
     limits = {
         "vram_high_watermark_mb": float(sh.get("vram_high_watermark_mb", 20000)),
@@ -104,6 +122,7 @@ def main(argv: list[str]) -> int:
         preset=config.get("name"),
         max_steps=max_steps,
         device="cuda",
+        device_name=device_name,
         vram_source="cuda",
         model="synthetic",
         strategy="stagehand",
@@ -113,7 +132,6 @@ def main(argv: list[str]) -> int:
     w.emit("trainer", "stage", stage="train", done=0, total=max_steps, message="training")
     w.flush()
 
-    base_mb = 5000.0  # non-block overhead: norms, LoRA, optimizer state
     resident: set[int] = set()
     reserved = base_mb
     loss = 4.5
@@ -145,7 +163,7 @@ def main(argv: list[str]) -> int:
                     changed=changed,
                 )
         t_step = time.time()
-        stalls = 0
+        stalls = loads = 0
         order = list(range(blocks)) + list(reversed(range(blocks)))
         for i, b in enumerate(order):
             # Spread the step over its blocks, as a real step spends its time in them.
@@ -170,6 +188,7 @@ def main(argv: list[str]) -> int:
                         vram_source="cuda",
                     )
                 resident.add(b)
+                loads += 1
                 alloc = base_mb + len(resident) * block_mb
                 reserved = max(reserved, alloc + 400)
                 w.emit(
@@ -217,9 +236,12 @@ def main(argv: list[str]) -> int:
                         vram_reserved_mb=reserved,
                         vram_source="cuda",
                     )
-        step_ms = (time.time() - t_step) * 1000 + 9300
+        step_ms = (time.time() - t_step) * 1000 + 9300 + loads * ms_per_load
         loss = 1.08 + 3.4 * math.exp(-step / 4) + 0.05 * math.sin(step * 1.7)
         peak = base_mb + blocks * block_mb
+        trainer_peak = min(peak, limits["vram_high_watermark_mb"] + block_mb)
+        if capped:
+            peak = trainer_peak
         w.emit(
             "trainer",
             "step",
@@ -232,7 +254,7 @@ def main(argv: list[str]) -> int:
             samples_per_s=1000 / step_ms,
             vram_allocated_mb=base_mb + len(resident) * block_mb,
             vram_reserved_mb=reserved,
-            vram_peak_mb=min(peak, limits["vram_high_watermark_mb"] + block_mb),
+            vram_peak_mb=trainer_peak,
             vram_source="cuda",
             rss_mb=12000 + 300 * math.sin(step / 3),
             pinned_mb=8192,

@@ -111,7 +111,7 @@ export function mount(root, { params }) {
         h("div", {}, h("h2", {}, "Key fields"), form),
         h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
       scanBox,
-      planPanel({ getConfig: () => (fromJson() ? config : null) }),
+      planPanel({ getConfig: () => (fromJson() ? config : null), getRequest: () => runRequest() }),
       h("div", { class: "toolbar actions-row" }, startBtn, scanBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
   );
 

@@ -5,6 +5,7 @@
 
 import { FINISHED, api } from "../api.js";
 import { loadHistory } from "../history.js";
+import { calibrationView, drawOverlay } from "../calibration.js";
 import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
 import { sampleStep, stepText } from "../samples.js";
@@ -72,9 +73,10 @@ export function mount(root, { parts }) {
   const sliderRow = h("div", { class: "sample-controls", hidden: true }, h("label", { for: "sample-step" }, "step"), stepSlider, stepLabel);
   const galleryCard = h("section", { class: "card", id: "samples-card", hidden: true }, h("h2", {}, "Samples"), sliderRow, gallery);
   const outputsCard = h("section", { class: "card", id: "run-outputs", hidden: true });
+  const calibrationCard = h("section", { class: "card", id: "run-calibration", hidden: true });
   const logText = h("pre", { id: "worker-log-text", class: "log" }, "");
   const logCard = h("details", { class: "card", id: "worker-log" }, h("summary", {}, "Worker log"), logText);
-  root.append(header, errors, banner, failure, dataCard, outputsCard, grid, galleryCard, logCard);
+  root.append(header, errors, banner, failure, dataCard, outputsCard, calibrationCard, grid, galleryCard, logCard);
 
   let charts = null;
   let limits = null;
@@ -248,6 +250,25 @@ export function mount(root, { parts }) {
     outputsCard.hidden = false;
   }
 
+  /** The plan of a succeeded run next to what it measured; the backend plans it once the run
+   * has ended, on its own thread: asked again a few times until it is there. */
+  async function loadCalibration(tries = 10) {
+    if (stopped || !run || run.status !== "succeeded" || !calibrationCard.hidden) return;
+    let cal;
+    try {
+      cal = await api.calibration(run.id);
+    } catch (err) {
+      if (err.status === 404 && tries > 1) setTimeout(() => loadCalibration(tries - 1), 1500);
+      else if (err.status !== 404) showError(errors, err, "calibration");
+      return;
+    }
+    if (stopped) return;
+    const { chart, nodes } = calibrationView(cal);
+    fill(calibrationCard, ...nodes);
+    calibrationCard.hidden = false;
+    drawOverlay(chart, cal);
+  }
+
   async function loadSamples() {
     try {
       const list = await api.artifacts(run.id);
@@ -315,6 +336,7 @@ export function mount(root, { parts }) {
       }
       loadSamples();
       loadOutputs();
+      loadCalibration();
     }
   }
 
@@ -381,6 +403,7 @@ export function mount(root, { parts }) {
     if (stopped) return;
     loadSamples();
     loadOutputs();
+    loadCalibration();
     stream = new RunStream(run.id, { onRecords, onRun, onState }, lastSeq, (r) => FINISHED.has((r || run).status));
     stream.start();
     let ticks = 0;

@@ -159,6 +159,7 @@ export function mount(root, { params }) {
     const s = run.summary || {};
     return [
       h("td", { class: "name" }, h("a", { href: `#/runs/${run.id}` }, run.name || `run ${run.id}`),
+        run.group_id ? h("a", { class: "tag tune-link", href: `#/tunes/${run.group_id}`, title: "a trial of this tune" }, `tune #${run.group_id}`) : null,
         run.notes ? h("div", { class: "notes muted", title: run.notes }, run.notes) : null),
       h("td", { "data-label": "preset" }, run.preset || "–"),
       h("td", { "data-label": "status" }, statusBadge(run.status)),

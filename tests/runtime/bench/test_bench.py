@@ -117,6 +117,9 @@ def _check_row(row: dict) -> None:
 def test_top_level_and_main_rows(bench):
     assert [f for f in TOP_FIELDS if f not in bench] == []
     assert bench["kind"] == "bench" and bench["device"]["type"] == "cpu"
+    # The planner's profile of the machine, measured by the bench before its rows (plan.check).
+    profile = bench["cpu_profile"]
+    assert profile["tracked"] is True and profile["tflops"] > 0 and profile["op_us"] > 0
     assert bench["model"]["n_blocks"] == 4 and bench["model"]["param_bytes"] > 0
     assert [r["name"] for r in bench["rows"]] == MAIN_ROWS
     for row in bench["rows"]:

@@ -1,0 +1,160 @@
+"""Calibration (issue 21): a succeeded run's measured figures are stored next to the plan of
+its config, under its device profile and family; later plans for that device and family are
+scaled by exactly the stored ratios and say from which run. The run's telemetry is written
+into the store as the tailer would (no worker: the figures are known exactly)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from backend import errors
+from backend.api import plan as plan_api
+from backend.calibration import Calibrator
+from backend.store import Store
+from runtime.plan.cli import main as plan_main
+from runtime.plan.feedback import predicted_figures
+from runtime.preset import load_preset
+
+GPU = {"device": "cuda:0", "device_name": "NVIDIA GeForce RTX 4090"}
+STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
+    (3.0, 90.0, 700.0, 40.0),
+    (3.5, 50.0, 720.0, 41.0),
+    (3.25, 40.0, 710.0, 41.0),
+]
+
+
+def _record_run(store: Store, config: dict, started: dict, limits_changed: bool = False) -> int:
+    run_id = store.create_run("r", "tiny-ci", config, "default")
+    records = [
+        ("trainer", "run_started", None, {"max_steps": len(STEPS), **started}),
+        ("trainer", "stage", None, {"stage": "train", "done": 0, "total": len(STEPS)}),
+    ]
+    for step, (peak, ms, rss, pinned) in enumerate(STEPS, 1):
+        for i, (event, mb) in enumerate([("load", 1.0), ("enter", 1.0), ("evict", 0.5)]):
+            mb += step
+            records.append(
+                ("stagehand", "block", step, {"event": event, "block": i, "vram_allocated_mb": mb})
+            )
+        fields = {"loss": 1.0, "vram_peak_mb": peak, "step_time_ms": ms}
+        records.append(("trainer", "step", step, {**fields, "rss_mb": rss, "pinned_mb": pinned}))
+        if limits_changed and step == 2:
+            change = {"changed": {"prefetch_window_blocks": [1, 2]}}
+            records.append(("strategy", "limits_applied", step, change))
+    records.append(("trainer", "run_finished", len(STEPS), {"status": "succeeded"}))
+    rows = []
+    for seq, (source, kind, step, fields) in enumerate(records):
+        rec = {"seq": seq, "time": 100.0 + seq * 0.01, "source": source, "kind": kind}
+        rec.update(step=step, phase=None, **fields)
+        rows.append((seq, rec["time"], source, kind, step, None, json.dumps(rec)))
+    store.ingest(run_id, rows, 1000)
+    store.update_run(run_id, status="succeeded", summary=store.summary(run_id))
+    return run_id
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "workbench.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(store):
+    app = FastAPI()
+    errors.install(app)
+    app.include_router(plan_api.router)
+    app.state.store = store
+    return TestClient(app)
+
+
+def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_path, capsys):
+    _, config = load_preset("tiny-ci")
+    body = {"preset": config, "device": "rtx4090"}
+    raw = client.post("/api/plan", json=body).json()
+    assert "calibration" not in raw
+
+    run_id = _record_run(store, config, GPU)
+    cal = Calibrator(store).calibrate(run_id)
+    summary = store.get_run(run_id)["summary"]
+    assert (cal["device"], cal["family"]) == ("rtx4090", "flux")
+    # Measured: the run's summary and the largest RSS / pinned MB of its step records.
+    m = cal["measured"]
+    assert m["peak_vram_mb"] == summary["peak_vram_mb"] == 3.5
+    assert m["step_ms"] == summary["mean_step_time_ms"] == pytest.approx(60.0)
+    assert (m["host_ram_mb"], m["pinned_mb"]) == (720.0, 41.0)
+    # The last step's block records, in ms from its first.
+    assert m["curve"]["step"] == 3 and m["curve"]["mb"] == [4.0, 4.0, 3.5]
+    assert m["curve"]["t_ms"] == pytest.approx([0.0, 10.0, 20.0])
+    # Predicted: the plan of the config it ran with, over as many steps as it did.
+    assert cal["predicted"] == pytest.approx(predicted_figures(raw, 3))
+    for key, ratio in cal["ratios"].items():
+        assert ratio == pytest.approx(m[key] / cal["predicted"][key])
+    assert client.get(f"/api/runs/{run_id}/calibration").json() == cal
+
+    out = client.post("/api/plan", json=body).json()
+    r = cal["ratios"]
+    assert out["calibration"]["run_id"] == run_id
+    assert out["calibration"]["uncalibrated"]["peak_bytes"] == raw["peak_bytes"]
+    assert out["peak_bytes"] == {
+        k: round(v * r["peak_vram_mb"]) for k, v in raw["peak_bytes"].items()
+    }
+    assert out["curve"]["bytes"] == [round(b * r["peak_vram_mb"]) for b in raw["curve"]["bytes"]]
+    assert out["step_ms"]["total"] == round(raw["step_ms"]["total"] * r["step_ms"], 3)
+    assert out["curve"]["t_ms"] == [round(t * r["step_ms"], 4) for t in raw["curve"]["t_ms"]]
+    assert out["host"]["pinned_bytes"] == round(raw["host"]["pinned_bytes"] * r["pinned_mb"])
+    # Another device has no calibration: its plan is as modelled.
+    assert "calibration" not in client.post("/api/plan", json={**body, "device": "h100"}).json()
+
+    # The CLI reads the server's database: the same ratios, and it says from which run.
+    store.close()
+    assert plan_main(["tiny-ci", "--device", "rtx4090", "--data-dir", str(tmp_path)]) == 0
+    assert f"calibrated by run #{run_id} on rtx4090/flux: VRAM x" in capsys.readouterr().out
+
+
+def test_no_calibration_when_limits_changed_or_no_profile(store, client):
+    _, config = load_preset("tiny-ci")
+    changed = _record_run(store, config, GPU, limits_changed=True)
+    unknown = _record_run(store, config, {"device": "cuda:0", "device_name": "Tesla T4"})
+    for run_id in (changed, unknown):
+        assert Calibrator(store).calibrate(run_id) is None
+        res = client.get(f"/api/runs/{run_id}/calibration")
+        assert res.status_code == 404 and res.json()["error"]["field"] == "id"
+    assert store.latest_calibration("rtx4090", "flux") is None
+
+
+def test_calibration_is_on_unless_the_environment_turns_it_off(monkeypatch, tmp_path):
+    from backend.settings import Settings
+
+    monkeypatch.delenv("STAGEHAND_WORKBENCH_CALIBRATE", raising=False)
+    assert Settings(data_dir=tmp_path).calibrate is True
+    monkeypatch.setenv("STAGEHAND_WORKBENCH_CALIBRATE", "0")
+    assert Settings(data_dir=tmp_path).calibrate is False
+
+
+def test_a_database_from_before_calibration_and_tunes_migrates(tmp_path, monkeypatch):
+    import backend.store as store_module
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:6])
+    old = Store(tmp_path / "workbench.db")
+    old.db.execute(
+        "INSERT INTO runs (id, name, preset, config, status) VALUES (1, 'r', 'p', '{}', 'succeeded')"
+    )
+    old.close()
+    monkeypatch.undo()
+    store = Store(tmp_path / "workbench.db")
+    names = [r["name"] for r in store.db["_migrations"].rows]
+    assert names[-2:] == ["007_calibrations", "008_tunes"]
+    assert store.get_run(1)["group_id"] is None
+    trial = store.create_run(
+        "t", "p", {}, "default", group_id=store.create_tune("p", 8, "cpu", 2, {})
+    )
+    assert [r["id"] for r in store.list_runs(group_id=1)] == [trial]
+    store.insert_calibration(1, "cpu", "flux", {}, {}, {"step_ms": 2.0}, {})
+    assert store.latest_calibration("cpu", "flux")["run_id"] == 1
+    store.delete_run(1)  # its calibration goes with it
+    assert store.latest_calibration("cpu", "flux") is None
+    store.close()

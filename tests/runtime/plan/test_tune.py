@@ -1,0 +1,60 @@
+"""``tune``: the Pareto marks, and candidates that the plan (the same simulation) says fit."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from runtime.config import MB
+from runtime.plan import PlanInputError, plan_preset, profile
+from runtime.plan.tune import _merge, pareto, propose, trial_overrides
+from runtime.plan.tune_cli import main as tune_main
+from runtime.preset import load_preset
+
+
+def _dominated(p, points):
+    return any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in points)
+
+
+def test_pareto_marks_exactly_the_non_dominated_points():
+    points = [(10, 5), (8, 7), (12, 4), (9, 9), (8, 7), (15, 4), (7, 12), (10, 6)]
+    assert pareto(points) == [True, True, True, False, True, False, True, False]
+    # Against brute force on every small grid of points.
+    grid = list(itertools.product(range(3), range(3)))
+    for pts in itertools.combinations(grid, 4):
+        assert pareto(list(pts)) == [not _dominated(p, pts) for p in pts]
+
+
+def test_candidates_fit_the_budget_as_the_plan_predicts():
+    _, data = load_preset("tiny-ci")
+    dev = profile("rtx4090")
+    out = propose(data, dev, 3.0, max_trials=3)
+    trials = out["trials"]
+    # The preset's own limits first and last (the machine's drift), a candidate between.
+    assert [t["label"] for t in trials] == ["preset", "t1", "preset-last"]
+    assert trials[0]["memory"] == trials[2]["memory"] == {}
+    assert trials[0]["limits"] == trials[2]["limits"]
+    assert out["feasible"] >= 3 and out["searched"] == 270
+    budget = profile("rtx4090", vram_bytes=3 * MB)
+    for t in trials:
+        assert t["predicted"]["peak_mb"] <= 3.0
+        # The plan of the trial's own memory section predicts the same peak and step time.
+        plan = plan_preset(_merge(data, {"memory": t["memory"]}), budget).to_dict()
+        assert plan["fits"] is True
+        peak = max(plan["peak_bytes"].values()) / MB
+        assert peak == pytest.approx(t["predicted"]["peak_mb"], abs=1e-4)
+        assert plan["step_ms"]["total"] == pytest.approx(t["predicted"]["step_ms"], abs=1e-3)
+        assert plan["blocks_loaded"] == t["predicted"]["blocks_loaded"]
+    # The candidates are the predicted front's fastest: none slower than the preset's own.
+    assert min(t["predicted"]["step_ms"] for t in trials[1:]) < trials[0]["predicted"]["step_ms"]
+    over = trial_overrides(data, trials[1]["memory"], 2)
+    assert (over["max_steps"], over["checkpoint_every"], over["data"]) == (3, None, {"limit": 16})
+
+
+def test_budget_below_the_smallest_feasible_plan_names_the_field_and_minimum(capsys):
+    _, data = load_preset("tiny-ci")
+    with pytest.raises(PlanInputError, match=r"^budget_mb: 1 MB is below .* 1\.54 MB peak"):
+        propose(data, profile("rtx4090"), 1.0)
+    assert tune_main(["tiny-ci", "--budget-mb", "1", "--device", "rtx4090"]) == 2
+    assert "budget_mb: 1 MB is below the smallest feasible plan" in capsys.readouterr().err
