@@ -118,6 +118,7 @@ def test_config_diff_lists_only_differing_paths():
 
 def test_hub_batches_for_slow_clients_and_closes_the_hopeless():
     import asyncio
+    import concurrent.futures
 
     from backend.hub import Hub, SubscriberState
 
@@ -141,7 +142,10 @@ def test_hub_batches_for_slow_clients_and_closes_the_hopeless():
         hub.unsubscribe(slow)
         assert hub.subscribers(1) == 0
 
-    asyncio.run(scenario())
+    # In a thread of its own: a browser test run earlier in this process leaves Playwright's
+    # event loop running in the main thread, where asyncio.run refuses to start.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, scenario()).result()
 
 
 def test_outcome_from_exit_and_last_records():
