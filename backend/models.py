@@ -344,6 +344,7 @@ class SystemInfo(BaseModel):
     device: str
     device_name: str | None
     vram_total_mb: float | None
+    cuda_devices: int = 0
     ram_total_mb: float
     torch_version: str | None
     cuda_version: str | None

@@ -21,10 +21,11 @@ MB = 2**20
 _PROBE = r"""
 import json, torch
 out = {"torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-       "device": "cpu", "device_name": None, "vram_total_mb": None}
+       "device": "cpu", "device_name": None, "vram_total_mb": None, "cuda_devices": 0}
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
-    out.update(device="cuda:0", device_name=p.name, vram_total_mb=p.total_memory / 2**20)
+    out.update(device="cuda:0", device_name=p.name, vram_total_mb=p.total_memory / 2**20,
+               cuda_devices=torch.cuda.device_count())
 print(json.dumps(out))
 """
 
@@ -71,9 +72,10 @@ class SystemProbe:
         return self._result.get("device") if self._done.is_set() else None
 
     def info(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        """``{device, device_name, vram_total_mb, ram_total_mb, torch_version, cuda_version,
-        version, executor, cluster}`` (MB of 2**20 bytes); torch figures are None when the
-        probe failed; ``cluster`` is None for the local executor."""
+        """``{device, device_name, vram_total_mb, cuda_devices, ram_total_mb, torch_version,
+        cuda_version, version, executor, cluster}`` (MB of 2**20 bytes); torch figures are None
+        when the probe failed; ``cuda_devices`` counts the CUDA devices a run may name
+        (``cuda:N``); ``cluster`` is None for the local executor."""
         self.start()
         self._done.wait(timeout_s)
         probe = self._result
@@ -81,6 +83,7 @@ class SystemProbe:
             "device": probe.get("device", "unknown"),
             "device_name": probe.get("device_name"),
             "vram_total_mb": probe.get("vram_total_mb"),
+            "cuda_devices": probe.get("cuda_devices", 0),
             "ram_total_mb": psutil.virtual_memory().total / MB,
             "torch_version": probe.get("torch_version") or _version("torch"),
             "cuda_version": probe.get("cuda_version"),

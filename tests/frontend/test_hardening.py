@@ -151,11 +151,17 @@ def test_new_run_page_scans_the_data_before_start_and_the_run_page_shows_it(
     assert {f for f, kind in rows if kind == "scan-bad"} == set(BAD)
     assert {f for f, kind in rows if kind == "scan-warning"} == set(WARNED)
     assert page.inner_text("#start-run") == "Start anyway"
+    # The worker's device: auto, the CPU, and one entry per CUDA device the server found.
+    cuda = api.call("GET", "/api/system")["cuda_devices"]
+    options = page.eval_on_selector_all("#run-device option", "os => os.map(o => o.value)")
+    assert options == ["auto", "cpu", *[f"cuda:{i}" for i in range(cuda)]]
+    page.select_option("#run-device", "cpu")
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "new-run-data-scan-desktop.png"), full_page=True)
     page.click("#start-run")
     page.wait_for_url(re.compile(r"#/runs/\d+$"))
     run_id = int(page.url.rsplit("/", 1)[1])
+    assert api.call("GET", f"/api/runs/{run_id}")["device"] == "cpu"
 
     # The run page shows the scan the worker recorded.
     page.wait_for_selector("#run-data .scan-summary")

@@ -74,6 +74,9 @@ export function mount(root, { params }) {
   const errors = h("div", { class: "page-errors" });
   const presetSel = h("select", { id: "preset-select", onchange: () => selectPreset(presetSel.value) });
   const nameInput = h("input", { id: "run-name", type: "text", placeholder: "run name (optional)" });
+  // The worker's device (POST /api/runs "device"); runs on one device share its --max-parallel slots.
+  const deviceSel = h("select", { id: "run-device", title: "the device the run's worker trains on" },
+    h("option", { value: "auto" }, "auto (CUDA if present)"), h("option", { value: "cpu" }, "cpu"));
   const jsonArea = h("textarea", { id: "config-json", class: "json-editor", spellcheck: "false", rows: 24 });
   const jsonError = h("div", { class: "field-error", id: "config-json-error" });
   const form = h("div", { class: "form-grid", id: "run-form" });
@@ -104,7 +107,8 @@ export function mount(root, { params }) {
   root.append(
     h("section", { class: "card" },
       h("div", { class: "toolbar" }, title, h("div", { class: "spacer" }),
-        h("label", { class: "inline" }, "Preset ", presetSel), nameInput),
+        h("label", { class: "inline" }, "Preset ", presetSel),
+        h("label", { class: "inline" }, "Device ", deviceSel), nameInput),
       errors,
       pipelinePanel({ onUse: usePipeline }),
       h("div", { class: "two-col" },
@@ -235,6 +239,7 @@ export function mount(root, { params }) {
   function runRequest() {
     const body = { preset: presetSel.value, overrides: deepDiff(base, config) };
     if (nameInput.value.trim()) body.name = nameInput.value.trim();
+    if (deviceSel.value !== "auto") body.device = deviceSel.value;
     return body;
   }
 
@@ -334,6 +339,11 @@ export function mount(root, { params }) {
       `Filled in with the live limits run ${from} ended with (changed while it ran): ${text}.`));
   }
 
+  // One option per CUDA device the server's probe found (GET /api/system "cuda_devices").
+  const devicesListed = api.system().then((s) => {
+    for (let i = 0; i < (s.cuda_devices || 0); i++) deviceSel.append(h("option", { value: `cuda:${i}` }, `cuda:${i}`));
+  }).catch(() => {});
+
   (async () => {
     try {
       if (from) {
@@ -344,6 +354,8 @@ export function mount(root, { params }) {
         load(preset ? preset.config : run.config, withLimits(run.config, limits));
         limitsNote(limits);
         nameInput.value = `${run.name || `run ${run.id}`} (re-run)`;
+        await devicesListed;
+        if ([...deviceSel.options].some((o) => o.value === run.device)) deviceSel.value = run.device;
       } else {
         await loadPresets(params.get("preset"));
       }
