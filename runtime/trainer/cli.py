@@ -128,7 +128,7 @@ class Run:
         )
         self.family = pipeline_family(preset, self.device)
         samples = self.scan(preset)  # before any model is built or loaded
-        model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family)
+        model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family, self.progress.line)
         self.family = self.family or family(preset.family)
         self.telemetry.emit(
             "trainer",
@@ -302,17 +302,23 @@ class Run:
         message = f"{sum(p.numel() for p in trainable):,} trainable parameters"
         self.stage("train", self.start_step, preset.max_steps, message)
 
+        def draw_samples(step: int) -> None:
+            with self.telemetry.tagged(sampling=True):
+                if isinstance(self.family, PipelineFamily):
+                    self.pipeline_samples(preset, data, step=step)
+                else:
+                    self.training_samples(preset, data, step)
+
         def on_step(step: int, loss: float, step_s: float) -> None:
             self.steps_done = step
             self.progress.step(step, preset.max_steps, loss, step_s)
             every = preset.samples.every
             if every and preset.samples.prompts and step % every == 0:
                 if step < preset.max_steps:  # the last step's samples are the final ones
-                    with self.telemetry.tagged(sampling=True):
-                        if isinstance(self.family, PipelineFamily):
-                            self.pipeline_samples(preset, data, step=step)
-                        else:
-                            self.training_samples(preset, data, step)
+                    draw_samples(step)
+
+        if preset.samples.prompts and self.start_step == 0:
+            draw_samples(0)  # the model before training: what the final samples are set against
 
         state = loop.run_steps(
             preset=preset,

@@ -65,22 +65,23 @@ def test_second_run_reuses_the_stage1_cache(tiny_run, tmp_path, run_io):
 def test_samples_during_training_leave_the_losses_unchanged(
     tiny_run, tmp_path, run_io, make_preset
 ):
-    """``samples.every`` draws samples through the training strategy mid-run (steps 3 and 6
-    of tiny-ci's 8, then the final ones): files and records for each, and not one loss moves."""
+    """``samples.every`` draws samples through the training strategy before the first step
+    (step 0) and mid-run (steps 3 and 6 of tiny-ci's 8), then the final ones: files and records
+    for each, and not one loss moves."""
     prompts = ["a handwritten digit three", "a handwritten digit seven"]
     preset = make_preset("every", samples={"every": 3, "prompts": prompts})
     run_dir = tmp_path / "every"
     assert main([str(preset), "--run-dir", str(run_dir)]) == 0
     recs = run_io.records(run_dir)
     n = len(prompts)
-    want = [f"samples/step-{s:06d}-{i:02d}.png" for s in (3, 6) for i in range(n)]
+    want = [f"samples/step-{s:06d}-{i:02d}.png" for s in (0, 3, 6) for i in range(n)]
     want += [f"samples/sample-{i:02d}.png" for i in range(n)]
     assert [r["path"] for r in run_io.of(recs, "trainer", "sample")] == want
     assert all((run_dir / path).is_file() for path in want)
     assert _losses(recs, run_io.of) == _losses(run_io.records(tiny_run), run_io.of)
     # The sampling steps' runtime records share the training step's number and say so.
     sampled = [r["step"] for r in run_io.of(recs, "stagehand", "step") if r.get("sampling")]
-    assert sampled == [3, 6]
+    assert sampled == [0, 3, 6]
     assert not any(r.get("sampling") for r in run_io.of(recs, "trainer", "step"))
 
 
