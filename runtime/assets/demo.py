@@ -43,8 +43,9 @@ from .cache import build_once, cache_root
 from .digits import caption_for, digit_pixels
 from .models import MODEL_SPECS, TARGET_SHARDS, check_spec, instantiate
 
-#: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels);
-#: the digits are 8x8 images upscaled, which it reconstructs to a mean squared error of ~0.006.
+#: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels).
+#: The digits are 8x8 images upscaled; with the demo's 200 steps it reconstructs held-out ones to a
+#: mean squared error of 0.010 in [-1, 1] pixels (the random VAE: 0.69).
 VAE_CONFIG = MODEL_SPECS[("vae", "tiny")]
 
 
@@ -64,9 +65,9 @@ class DemoSpec:
     vae_lr: float = 2e-3
     kl_weight: float = 1.0
     """KL term per latent image against the summed L1 + L2 loss per pixel (x 1 / pixels)."""
-    base_steps: int = 200
+    base_steps: int = 300
     base_batch: int = 32
-    base_lr: float = 6e-4
+    base_lr: float = 5e-4
     warmup_steps: int = 20
     max_tokens: int = 16
     """Caption tokens, padded: the default preset's ``data.max_caption_tokens``."""
