@@ -267,6 +267,7 @@ class Run:
             latents=latents,
             text=text,
             caption_rows=[row[s.caption] for s in samples],
+            prompt_rows=[row[p] for p in preset.samples.prompts],
             groups={k: [train[j] for j in v] for k, v in groups.items()},
             held_out=held_out,
         )
@@ -371,7 +372,7 @@ class Run:
         paths = sample_images(
             self.family,
             self.model,
-            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+            data.text_rows(data.prompt_rows, self.device, dtype),
             vae_dir,
             tuple(data.latents[0].shape),
             steps=preset.samples.steps,
@@ -386,12 +387,6 @@ class Run:
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
 
-    @staticmethod
-    def prompt_rows(prompts: list[str], data: loop.Batchable) -> list[int]:
-        """Rows of the text cache holding ``prompts`` (cached after the captions)."""
-        texts = list(dict.fromkeys(prompts))
-        return [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
-
     def pipeline_samples(self, preset: Preset, data: loop.Batchable, step: int | None) -> None:
         """Samples from the pipeline's ``__call__``: during training (``step``) through the
         training strategy as an inference step, at the end (None) through an inference one."""
@@ -401,7 +396,7 @@ class Run:
         paths = sample_pipeline(
             self.family,
             self.model,
-            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+            data.text_rows(data.prompt_rows, self.device, dtype),
             tuple(data.latents[0].shape),
             preset=preset,
             device=self.device,
