@@ -155,3 +155,25 @@ def test_invalid_preset_file_exits_nonzero_with_path_named_error(
     last = run_io.records(run_dir)[-1]
     assert last["kind"] == "error" and last["error_type"] == "PresetError"
     assert "memory.layer_offload_fraction: found 1.5" in last["message"]
+
+
+def test_sample_prompts_use_their_own_text_rows(cache_env, make_preset, tmp_path):
+    """Stage 1 caches each distinct text once: a prompt that is also a caption shares that
+    caption's row, another prompt gets a row after the captions; samples are drawn from those."""
+    from runtime.preset import load_preset, validate_preset
+    from runtime.trainer.cli import Run
+    from runtime.trainer.families import family
+    from runtime.trainer.setup import resolve_assets
+
+    prompts = ["a handwritten digit seven", "a red bicycle", "a handwritten digit three"]
+    path = make_preset("rows", samples={"prompts": prompts}, data={"limit": 10})
+    preset = validate_preset(load_preset(str(path))[1])
+    (tmp_path / "rows").mkdir()
+    run = Run(str(path), tmp_path / "rows", torch.device("cpu"), resume=False)
+    samples = run.scan(preset)
+    _, vae_dir, encoder_dir, _ = resolve_assets(preset)
+    run.family = family(preset.family)
+    data = run.stage1(preset, vae_dir, encoder_dir, samples)
+    rows = {s.caption: data.caption_rows[i] for i, s in enumerate(samples)}
+    assert len(rows) == 10 and len(data.text["hidden"]) == 11  # 10 digit captions + the bicycle
+    assert data.prompt_rows == [rows[prompts[0]], 10, rows[prompts[2]]]
