@@ -132,6 +132,10 @@ class ModelSection(_Strict):
     factory: Literal["flux", "sd3", "ltx", "unet"] | None = None
     """Build the model with ``runtime.assets.build_model(factory, size)`` instead of ``path``."""
     size: Literal["tiny", "small", "large"] = "small"
+    pretrained: Literal["digits"] | None = None
+    """``digits``: the factory ``flux`` model and its VAE trained on the digits when the assets
+    are built (``runtime.assets.demo``: the demo's samples are digits, not noise); None: the
+    random-initialised factory model and VAE."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the frozen weights are loaded in."""
     text_encoder_model_name: FolderPath | None = None
@@ -151,6 +155,11 @@ class ModelSection(_Strict):
             raise ValueError('one of "path" (a model folder) or "factory" (flux|sd3|ltx|unet)')
         if self.path is not None and self.factory is not None:
             raise ValueError('only one of "path" and "factory", not both')
+        if self.pretrained is not None and self.factory != "flux":
+            raise ValueError(
+                f'pretrained "{self.pretrained}" is built for model.factory "flux", '
+                f"got factory {self.factory!r}"
+            )
         return self
 
 

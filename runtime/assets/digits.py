@@ -11,6 +11,7 @@ No download: ``sklearn.datasets.load_digits`` ships with scikit-learn.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -25,6 +26,28 @@ NUM_DIGITS = 1797
 def caption_for(label: int) -> str:
     """Caption for a digit label, e.g. 7 -> "a handwritten digit seven"."""
     return f"a handwritten digit {DIGIT_NAMES[int(label)]}"
+
+
+def digit_pixels(size: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """``(images (N, size, size) uint8, labels (N,) int)``: the digits as the folder holds them
+    (0..16 scaled to 0..255, bicubic upscale), in the folder's order. Copies of one cached
+    computation (it takes ~1 s)."""
+    images, labels = _digit_pixels(int(size))
+    return images.copy(), labels.copy()
+
+
+@functools.lru_cache(maxsize=4)
+def _digit_pixels(size: int) -> tuple[np.ndarray, np.ndarray]:
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    small = np.clip(np.rint(data.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+    resample = Image.Resampling.BICUBIC
+    images = [
+        np.asarray(Image.fromarray(im, mode="L").resize((size, size), resample)) for im in small
+    ]
+    return np.stack(images), data.target.astype(np.int64)
 
 
 def digits_dir(cache_dir: str | os.PathLike | None = None, size: int = 64) -> Path:
@@ -43,13 +66,10 @@ def build_digits(cache_dir: str | os.PathLike | None = None, size: int = 64) -> 
 
     def _build(tmp: Path) -> None:
         from PIL import Image
-        from sklearn.datasets import load_digits
 
-        data = load_digits()
-        images = np.clip(np.rint(data.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
-        for i, (img, label) in enumerate(zip(images, data.target, strict=True)):
-            pil = Image.fromarray(img, mode="L").resize((size, size), Image.Resampling.BICUBIC)
-            pil.convert("RGB").save(tmp / f"{i:05d}.png", format="PNG")
+        images, labels = digit_pixels(size)
+        for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+            Image.fromarray(img, mode="L").convert("RGB").save(tmp / f"{i:05d}.png", format="PNG")
             (tmp / f"{i:05d}.txt").write_text(caption_for(label) + "\n")
 
     return build_once(final, spec, _build)

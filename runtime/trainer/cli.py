@@ -130,7 +130,7 @@ class Run:
         )
         self.family = pipeline_family(preset, self.device)
         samples = self.scan(preset)  # before any model is built or loaded
-        model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family)
+        model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family, self.progress.line)
         self.family = self.family or family(preset.family)
         self.telemetry.emit(
             "trainer",
@@ -273,6 +273,7 @@ class Run:
             latents=latents,
             text=text,
             caption_rows=[row[s.caption] for s in samples],
+            prompt_rows=[row[p] for p in preset.samples.prompts],
             groups={k: [train[j] for j in v] for k, v in groups.items()},
             held_out=held_out,
         )
@@ -308,17 +309,23 @@ class Run:
         message = f"{sum(p.numel() for p in trainable):,} trainable parameters"
         self.stage("train", self.start_step, preset.max_steps, message)
 
+        def draw_samples(step: int) -> None:
+            with self.telemetry.tagged(sampling=True):
+                if isinstance(self.family, PipelineFamily):
+                    self.pipeline_samples(preset, data, step=step)
+                else:
+                    self.training_samples(preset, data, step)
+
         def on_step(step: int, loss: float, step_s: float) -> None:
             self.steps_done = step
             self.progress.step(step, preset.max_steps, loss, step_s)
             every = preset.samples.every
             if every and preset.samples.prompts and step % every == 0:
                 if step < preset.max_steps:  # the last step's samples are the final ones
-                    with self.telemetry.tagged(sampling=True):
-                        if isinstance(self.family, PipelineFamily):
-                            self.pipeline_samples(preset, data, step=step)
-                        else:
-                            self.training_samples(preset, data, step)
+                    draw_samples(step)
+
+        if preset.samples.prompts and self.start_step == 0:
+            draw_samples(0)  # the model before training: what the final samples are set against
 
         state = loop.run_steps(
             preset=preset,
@@ -371,7 +378,7 @@ class Run:
         paths = sample_images(
             self.family,
             self.model,
-            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+            data.text_rows(data.prompt_rows, self.device, dtype),
             vae_dir,
             tuple(data.latents[0].shape),
             steps=preset.samples.steps,
@@ -386,12 +393,6 @@ class Run:
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
 
-    @staticmethod
-    def prompt_rows(prompts: list[str], data: loop.Batchable) -> list[int]:
-        """Rows of the text cache holding ``prompts`` (cached after the captions)."""
-        texts = list(dict.fromkeys(prompts))
-        return [len(data.text["hidden"]) - len(texts) + texts.index(p) for p in prompts]
-
     def pipeline_samples(self, preset: Preset, data: loop.Batchable, step: int | None) -> None:
         """Samples from the pipeline's ``__call__``: during training (``step``) through the
         training strategy as an inference step, at the end (None) through an inference one."""
@@ -401,7 +402,7 @@ class Run:
         paths = sample_pipeline(
             self.family,
             self.model,
-            data.text_rows(self.prompt_rows(prompts, data), self.device, dtype),
+            data.text_rows(data.prompt_rows, self.device, dtype),
             tuple(data.latents[0].shape),
             preset=preset,
             device=self.device,

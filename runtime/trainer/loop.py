@@ -32,6 +32,8 @@ class Batchable:
     latents: list[torch.Tensor]  # per sample: (C, h, w) or (C, F, h, w)
     text: dict[str, torch.Tensor]  # hidden (U, T, D), mask (U, T), pooled (U, D)
     caption_rows: list[int]  # sample i -> row of ``text``
+    prompt_rows: list[int] = field(default_factory=list)
+    """``samples.prompts[j]`` -> row of ``text`` (a prompt that is also a caption shares its row)."""
     groups: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     held_out: list[int] = field(default_factory=list)
     """Samples kept out of ``groups`` for the validation loss."""

@@ -74,9 +74,10 @@ def held_out_samples(preset: Preset, n: int) -> list[int]:
     return list(range(n - k, n))
 
 
-def resolve_assets(preset: Preset, fam=None) -> tuple[Path, Path, Path | None, Path]:
-    """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models and
-    the digits are built into the cache on first use. For a pipeline family ``fam`` the folders
+def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path | None, Path]:
+    """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models,
+    the demo's trained ones (``model.pretrained``, ``log`` gets its build's lines) and the digits
+    are built into the cache on first use. For a pipeline family ``fam`` the folders
     are its own (the text encoders are its components: None).
 
     Raises:
@@ -88,7 +89,13 @@ def resolve_assets(preset: Preset, fam=None) -> tuple[Path, Path, Path | None, P
     if isinstance(fam, PipelineFamily):
         vae_dir = Path(m.vae_path) if m.vae_path else fam.root / "vae"
         return fam.transformer_dir, vae_dir, None, data_folder(preset)
-    if m.factory:
+    if m.factory and m.pretrained == "digits":
+        from runtime.assets.demo import DemoSpec, build_demo
+
+        demo = build_demo(spec=DemoSpec(size=m.size), log=log)
+        model_dir = demo / "transformer"
+        vae_dir = Path(m.vae_path) if m.vae_path else demo / "vae"
+    elif m.factory:
         model_dir = assets.build_model(m.factory, m.size)
         vae_dir = Path(m.vae_path) if m.vae_path else assets.build_model("vae", m.size)
     else:

@@ -72,9 +72,9 @@ def test_worker_log_lora_download_and_resume_from_the_run_page(
 
 
 def test_samples_grid_with_a_step_slider_and_side_by_side_in_compare(backend_server, page, shoot):
-    """Samples drawn every 3 steps (3, 6) and at the end: one slider position per step, the
-    newest shown first, and moving the slider shows that step's images; Compare shows two runs'
-    samples side by side at the step its slider picks."""
+    """Samples drawn before the first step (0), every 3 steps (3, 6) and at the end: one slider
+    position per step, the newest shown first beside step 0's, and moving the slider shows that
+    step's images; Compare shows two runs' samples side by side at the step its slider picks."""
     api = Api(backend_server)
     prompts = ["a handwritten digit three", "a handwritten digit seven"]
     overrides = {"max_steps": 8, "samples": {"every": 3, "prompts": prompts}}
@@ -85,28 +85,43 @@ def test_samples_grid_with_a_step_slider_and_side_by_side_in_compare(backend_ser
     assert api.wait_run(other_id, TERMINAL)["status"] == "succeeded"
     page.goto(f"{backend_server}/#/runs/{run_id}")
     page.wait_for_selector("#samples figure img")
-    page.wait_for_function("document.getElementById('sample-step').max === '2'")
-    assert page.input_value("#sample-step") == "2"
-    assert page.text_content("#sample-step-label") == "final (step 8) · 3 of 3"
+    page.wait_for_function("document.getElementById('sample-step').max === '3'")
+    assert page.input_value("#sample-step") == "3"
+    assert page.text_content("#sample-step-label") == "final (step 8) · 4 of 4"
     captions = page.eval_on_selector_all(
         "#samples figcaption", "els => els.map(e => e.textContent)"
     )
     assert captions == prompts
-    page.fill("#sample-step", "0")  # a range input takes fill: the value, then an input event
+
+    def shown(selector: str) -> list[str]:
+        srcs = page.eval_on_selector_all(selector, "els => els.map(e => e.getAttribute('src'))")
+        return [s.rsplit("/", 1)[1] for s in srcs]
+
+    # Each prompt's final image beside its step-0 image (the model before training).
+    assert shown("#samples .sample-now img") == ["sample-00.png", "sample-01.png"]
+    assert shown("#samples .sample-before img") == ["step-000000-00.png", "step-000000-01.png"]
+    labels = page.eval_on_selector_all(
+        "#samples figure:first-child .sample-at", "els => els.map(e => e.textContent)"
+    )
+    assert labels == ["step 0", "final (step 8)"]
+    page.fill("#sample-step", "1")  # a range input takes fill: the value, then an input event
     page.wait_for_function("document.querySelector('#samples figure').dataset.step === '3'")
-    srcs = page.eval_on_selector_all("#samples img", "els => els.map(e => e.getAttribute('src'))")
-    assert [s.rsplit("/", 1)[1] for s in srcs] == ["step-000003-00.png", "step-000003-01.png"]
-    assert page.text_content("#sample-step-label") == "step 3 · 1 of 3"
+    assert shown("#samples .sample-now img") == ["step-000003-00.png", "step-000003-01.png"]
+    assert shown("#samples .sample-before img") == ["step-000000-00.png", "step-000000-01.png"]
+    assert page.text_content("#sample-step-label") == "step 3 · 2 of 4"
+    page.fill("#sample-step", "0")  # step 0 itself: nothing beside it
+    page.wait_for_function("document.querySelector('#samples figure').dataset.step === '0'")
+    assert shown("#samples img") == ["step-000000-00.png", "step-000000-01.png"]
     shoot(f"{backend_server}/#/runs/{run_id}", "run-samples", ready="#samples figure img")
 
     page.goto(f"{backend_server}/#/compare?ids={run_id},{other_id}")
     page.wait_for_selector("#compare-sample-rows .compare-sample-row img")
     rows = "#compare-sample-rows .compare-sample-row"
-    assert page.text_content("#compare-sample-label") == "final · 3 of 3"
+    assert page.text_content("#compare-sample-label") == "final · 4 of 4"
     assert page.eval_on_selector_all(
         rows, "rs => rs.map(r => r.querySelectorAll('img').length)"
     ) == [2, 2]
-    page.fill("#compare-sample-step", "0")  # step 3: only the first run sampled there
+    page.fill("#compare-sample-step", "1")  # step 3: only the first run sampled there
     page.wait_for_function(
         "document.getElementById('compare-sample-label').textContent.startsWith('step 3')"
     )

@@ -199,11 +199,12 @@ export function mount(root, { params }) {
     toJson();
   }
 
-  /** A pipeline folder replaces the preset's model: model.path set, model.factory null,
-   *  model.expert the chosen one (null for a pipeline with one transformer). */
+  /** A pipeline folder replaces the preset's model: model.path set, model.factory and
+   *  model.pretrained null, model.expert the chosen one (null for a pipeline with one transformer). */
   function usePipeline(path, expert) {
     setPath(config, "model.path", path);
     setPath(config, "model.factory", null);
+    setPath(config, "model.pretrained", null);
     setPath(config, "model.expert", expert);
     bindPaths();
     toForm();

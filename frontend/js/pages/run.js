@@ -169,18 +169,30 @@ export function mount(root, { parts }) {
       err.log_tail ? h("details", {}, h("summary", {}, "worker.log (last lines)"), h("pre", { class: "traceback" }, err.log_tail)) : null);
   }
 
-  /** Samples by the step they were drawn at (`step-NNNNNN-ii.png` during training,
-   * `sample-ii.png` at the end), shown one step at a time with a slider; the newest by default. */
+  /** Samples by the step they were drawn at (`step-NNNNNN-ii.png` before and during training,
+   * `sample-ii.png` at the end), shown one step at a time with a slider; the newest by default.
+   * A later step shows each prompt's step-0 image (the model before training) beside it. */
   const sampleSteps = new Map(); // step (Infinity: the final samples) -> [{name, caption}]
   function showSamples(index) {
     const steps = [...sampleSteps.keys()].sort((a, b) => a - b);
     const step = steps[index];
     const last = run && run.summary ? run.summary.steps_done : null;
     stepLabel.textContent = `${stepText(step, last)} · ${index + 1} of ${steps.length}`;
-    fill(gallery, ...(sampleSteps.get(step) || []).map(({ name, caption }) => {
+    const before = step !== 0 && sampleSteps.has(0) ? sampleSteps.get(0) : [];
+    const image = (name, caption, at, cls) => {
       const url = api.artifactUrl(run.id, name);
+      return h("a", { href: url, target: "_blank", class: cls },
+        h("img", { src: url, alt: `${caption || name}, ${stepText(at, last)}`, loading: "lazy" }),
+        before.length ? h("span", { class: "sample-at" }, stepText(at, last)) : null);
+    };
+    gallery.classList.toggle("paired", before.length > 0);
+    fill(gallery, ...(sampleSteps.get(step) || []).map(({ name, caption }) => {
+      const prompt = name.slice(name.lastIndexOf("-")); // "-ii.png": the prompt's index
+      const first = before.find((s) => s.name.endsWith(prompt));
       return h("figure", { dataset: { step: String(step) } },
-        h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: caption || name, loading: "lazy" })),
+        h("div", { class: "sample-pair" },
+          first ? image(first.name, caption, 0, "sample-before") : null,
+          image(name, caption, step, "sample-now")),
         h("figcaption", {}, caption || name));
     }));
   }

@@ -65,22 +65,23 @@ def test_second_run_reuses_the_stage1_cache(tiny_run, tmp_path, run_io):
 def test_samples_during_training_leave_the_losses_unchanged(
     tiny_run, tmp_path, run_io, make_preset
 ):
-    """``samples.every`` draws samples through the training strategy mid-run (steps 3 and 6
-    of tiny-ci's 8, then the final ones): files and records for each, and not one loss moves."""
+    """``samples.every`` draws samples through the training strategy before the first step
+    (step 0) and mid-run (steps 3 and 6 of tiny-ci's 8), then the final ones: files and records
+    for each, and not one loss moves."""
     prompts = ["a handwritten digit three", "a handwritten digit seven"]
     preset = make_preset("every", samples={"every": 3, "prompts": prompts})
     run_dir = tmp_path / "every"
     assert main([str(preset), "--run-dir", str(run_dir)]) == 0
     recs = run_io.records(run_dir)
     n = len(prompts)
-    want = [f"samples/step-{s:06d}-{i:02d}.png" for s in (3, 6) for i in range(n)]
+    want = [f"samples/step-{s:06d}-{i:02d}.png" for s in (0, 3, 6) for i in range(n)]
     want += [f"samples/sample-{i:02d}.png" for i in range(n)]
     assert [r["path"] for r in run_io.of(recs, "trainer", "sample")] == want
     assert all((run_dir / path).is_file() for path in want)
     assert _losses(recs, run_io.of) == _losses(run_io.records(tiny_run), run_io.of)
     # The sampling steps' runtime records share the training step's number and say so.
     sampled = [r["step"] for r in run_io.of(recs, "stagehand", "step") if r.get("sampling")]
-    assert sampled == [3, 6]
+    assert sampled == [0, 3, 6]
     assert not any(r.get("sampling") for r in run_io.of(recs, "trainer", "step"))
 
 
@@ -154,3 +155,25 @@ def test_invalid_preset_file_exits_nonzero_with_path_named_error(
     last = run_io.records(run_dir)[-1]
     assert last["kind"] == "error" and last["error_type"] == "PresetError"
     assert "memory.layer_offload_fraction: found 1.5" in last["message"]
+
+
+def test_sample_prompts_use_their_own_text_rows(cache_env, make_preset, tmp_path):
+    """Stage 1 caches each distinct text once: a prompt that is also a caption shares that
+    caption's row, another prompt gets a row after the captions; samples are drawn from those."""
+    from runtime.preset import load_preset, validate_preset
+    from runtime.trainer.cli import Run
+    from runtime.trainer.families import family
+    from runtime.trainer.setup import resolve_assets
+
+    prompts = ["a handwritten digit seven", "a red bicycle", "a handwritten digit three"]
+    path = make_preset("rows", samples={"prompts": prompts}, data={"limit": 10})
+    preset = validate_preset(load_preset(str(path))[1])
+    (tmp_path / "rows").mkdir()
+    run = Run(str(path), tmp_path / "rows", torch.device("cpu"), resume=False)
+    samples = run.scan(preset)
+    _, vae_dir, encoder_dir, _ = resolve_assets(preset)
+    run.family = family(preset.family)
+    data = run.stage1(preset, vae_dir, encoder_dir, samples)
+    rows = {s.caption: data.caption_rows[i] for i, s in enumerate(samples)}
+    assert len(rows) == 10 and len(data.text["hidden"]) == 11  # 10 digit captions + the bicycle
+    assert data.prompt_rows == [rows[prompts[0]], 10, rows[prompts[2]]]

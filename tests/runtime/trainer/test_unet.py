@@ -115,8 +115,9 @@ def test_unet_tiny_trains_end_to_end(unet_run, tmp_path, run_io):
         "up_blocks.0",
         "up_blocks.1",
     }
-    samples = run_io.of(recs, "trainer", "sample")
-    assert len(samples) == 1 and (unet_run / samples[0]["path"]).is_file()
+    samples = [r["path"] for r in run_io.of(recs, "trainer", "sample")]
+    assert samples == ["samples/step-000000-00.png", "samples/sample-00.png"]  # step 0, the end
+    assert all((unet_run / path).is_file() for path in samples)
     assert recs[-1]["status"] == "succeeded" and recs[-1]["steps_done"] == 8
 
     # The same run without any memory strategy computes the same losses (streaming is exact).
