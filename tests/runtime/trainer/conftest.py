@@ -55,6 +55,12 @@ def of(recs: list[dict], source: str, kind: str) -> list[dict]:
     return [r for r in recs if r["source"] == source and r["kind"] == kind]
 
 
+def stage1_steps(recs: list[dict]) -> list[dict]:
+    """The ``stagehand/step`` records of stage 1: the text encoders' inference steps (step 0),
+    not the step-0 samples drawn before training (tagged ``sampling``)."""
+    return [r for r in of(recs, "stagehand", "step") if r["step"] == 0 and not r.get("sampling")]
+
+
 def start_worker(preset: Path, run_dir: Path, cache: Path) -> subprocess.Popen:
     env = {**os.environ, ENV_VAR: str(cache), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "backend.cli", "train", str(preset), "--run-dir", str(run_dir)]

@@ -10,6 +10,7 @@ import torch
 
 from runtime.assets import ENV_VAR
 from runtime.trainer.cli import main
+from tests.runtime.trainer.conftest import stage1_steps
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_flux_pipeline_trains_with_every_runtime_on(flux_run, pipe_io):
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
     assert all(math.isfinite(s["val_loss"]) for s in steps if "val_loss" in s)
     # Stage 1: CLIP then T5, each streamed from its files as an inference step 0, released.
-    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0 and not r.get("sampling")]
+    stage1 = stage1_steps(recs)
     assert len(stage1) == 2 and all(r["file_reads"] > 0 for r in stage1)
     messages = [r["message"] for r in of(recs, "trainer", "stage")]
     assert "text_encoder released (1/2)" in messages

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from runtime.trainer.outputs import COMFY_FILE
-from tests.runtime.trainer.conftest import assert_cache_reused, assert_streamed_and_spilled
+from tests.runtime.trainer.conftest import (
+    assert_cache_reused,
+    assert_streamed_and_spilled,
+    stage1_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +42,15 @@ def test_flux2_trains_with_every_runtime_on_and_reuses_the_cache(flux2_run, pipe
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
-    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0]
+    stage1 = stage1_steps(recs)
     assert [r["blocks_loaded"] for r in stage1] == [28]  # Qwen3, streamed layer by layer
     assert_streamed_and_spilled(recs)
     paths = [s["path"] for s in of(recs, "trainer", "sample")]
-    assert paths == ["samples/step-000002-00.png", "samples/sample-00.png"]
+    assert paths == [  # step 0, every 2 steps, the end
+        "samples/step-000000-00.png",
+        "samples/step-000002-00.png",
+        "samples/sample-00.png",
+    ]
     from PIL import Image
 
     with Image.open(first / "samples" / "sample-00.png") as img:

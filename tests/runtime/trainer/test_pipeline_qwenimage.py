@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from runtime.trainer.outputs import COMFY_FILE
-from tests.runtime.trainer.conftest import assert_cache_reused, assert_streamed_and_spilled
+from tests.runtime.trainer.conftest import (
+    assert_cache_reused,
+    assert_streamed_and_spilled,
+    stage1_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def test_qwenimage_trains_with_every_runtime_on_and_reuses_the_cache(qwen_run, p
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
-    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0 and not r.get("sampling")]
+    stage1 = stage1_steps(recs)
     # One encoder, its 3 language-model layers block-swapped. From host memory, not the files:
     # transformers 5 saves Qwen2.5-VL under its old names (model.layers.N), the runtime looks
     # for model.language_model.layers.N and keeps unmatched weights module-backed.

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from runtime.trainer.outputs import COMFY_FILE
-from tests.runtime.trainer.conftest import assert_cache_reused, assert_streamed_and_spilled
+from tests.runtime.trainer.conftest import (
+    assert_cache_reused,
+    assert_streamed_and_spilled,
+    stage1_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +36,18 @@ def test_sd3_trains_with_every_runtime_on_and_reuses_the_cache(sd3_run, pipe_io)
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
     # Stage 1: CLIP-L, CLIP-G, T5, each streamed from its files as an inference step 0.
-    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0]
+    stage1 = stage1_steps(recs)
     assert [r["blocks_loaded"] for r in stage1] == [3, 5, 3]
     assert all(r["file_reads"] > 0 for r in stage1)
     messages = [r["message"] for r in of(recs, "trainer", "stage")]
     assert "text_encoder_3 released (3/3)" in messages
     assert_streamed_and_spilled(recs)
     paths = [s["path"] for s in of(recs, "trainer", "sample")]
-    assert paths == ["samples/step-000002-00.png", "samples/sample-00.png"]
+    assert paths == [  # step 0, every 2 steps, the end
+        "samples/step-000000-00.png",
+        "samples/step-000002-00.png",
+        "samples/sample-00.png",
+    ]
     assert_cache_reused(second, steps)
     assert not (first / "lora" / COMFY_FILE).exists()  # no converter reads ComfyUI's SD3 names
 

@@ -11,7 +11,11 @@ import torch
 from runtime.assets import ENV_VAR
 from runtime.trainer.cli import main
 from runtime.trainer.outputs import COMFY_FILE
-from tests.runtime.trainer.conftest import assert_cache_reused, assert_streamed_and_spilled
+from tests.runtime.trainer.conftest import (
+    assert_cache_reused,
+    assert_streamed_and_spilled,
+    stage1_steps,
+)
 
 
 def _preset(pipe_io, tmp, folder, clips, name="wan", **over):
@@ -38,7 +42,7 @@ def test_wan_trains_on_clips_with_every_runtime_on_and_reuses_the_cache(wan_run,
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
     stage = [r["message"] for r in of(recs, "trainer", "stage")]
     assert "4 samples, 5 distinct texts" in stage and "encoding clips" in stage
-    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0 and not r.get("sampling")]
+    stage1 = stage1_steps(recs)
     assert len(stage1) == 1 and stage1[0]["blocks_loaded"] == 3 and stage1[0]["file_reads"] > 0
     assert_streamed_and_spilled(recs)
     paths = [s["path"] for s in of(recs, "trainer", "sample")]

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from runtime.trainer.outputs import COMFY_FILE
-from tests.runtime.trainer.conftest import assert_cache_reused, assert_streamed_and_spilled
+from tests.runtime.trainer.conftest import (
+    assert_cache_reused,
+    assert_streamed_and_spilled,
+    stage1_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def test_zimage_trains_with_every_runtime_on_and_reuses_the_cache(zimage_run, pi
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert [s["step"] for s in steps if "val_loss" in s] == [2, 4]
-    stage1 = [r for r in of(recs, "stagehand", "step") if r["step"] == 0 and not r.get("sampling")]
+    stage1 = stage1_steps(recs)
     assert len(stage1) == 1 and stage1[0]["blocks_loaded"] == 3 and stage1[0]["file_reads"] > 0
     assert_streamed_and_spilled(recs)
     paths = [s["path"] for s in of(recs, "trainer", "sample")]
