@@ -207,7 +207,7 @@ def _measure(
     if config.group == "peer":
         strategy = build_peer(config.peer or "", model, device, telemetry)
     else:
-        # As the trainer does (runtime/trainer/cli.py stage2): checkpointing is the caller's
+        # As the trainer does (runtime/trainer/run.py, Run.stage2): checkpointing is the caller's
         # job, the folder is always given and ``stagehand.file_backed`` decides its use.
         if (config.memory or {}).get("gradient_checkpointing"):
             enable_checkpointing(model)

@@ -161,8 +161,8 @@ def test_sample_prompts_use_their_own_text_rows(cache_env, make_preset, tmp_path
     """Stage 1 caches each distinct text once: a prompt that is also a caption shares that
     caption's row, another prompt gets a row after the captions; samples are drawn from those."""
     from runtime.preset import load_preset, validate_preset
-    from runtime.trainer.cli import Run
     from runtime.trainer.families import family
+    from runtime.trainer.run import Run
     from runtime.trainer.setup import resolve_assets
 
     prompts = ["a handwritten digit seven", "a red bicycle", "a handwritten digit three"]
