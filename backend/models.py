@@ -272,7 +272,7 @@ class RunsPublic(BaseModel):
 class LimitsUpdate(LiveLimits):
     """The ``PATCH /api/runs/{id}/limits`` body: ``LiveLimits`` with strict, finite numbers
     (``true``, ``"5"`` and ``NaN`` are refused), and a low watermark above its high one reported
-    at the low field with a sentence (NOTE [ Cross-field errors ] in runtime/preset.py)."""
+    at the low field with a sentence (NOTE [ Cross-field errors ] in runtime/preset/load.py)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 

@@ -1,53 +1,44 @@
-"""Presets: the JSON a run is configured by, validated by pydantic (no torch import here).
-
-The backend imports this module to validate presets and overrides, so it must stay torch-free.
-
-Accepted verbatim (apart from model paths), the blocks printed in the seeds:
-
-- ``shared/seeds/case-study-ltx2-bf16-24gb.md``: ``model_type, training_method,
-  model{path, dtype, text_encoder_model_name}, adapter{rank, alpha}, memory{...stagehand...},
-  resolution, batch_size, data{frames}``.
-- ``shared/seeds/case-study-flux-2048-layer-offload.md``: ``lora_rank, lora_alpha,
-  memory{enable_activation_offloading, enable_async_offloading, layer_offload_fraction},
-  optimizer{optimizer, weight_decay}, scheduler{scheduler, warmup_steps},
-  timestep_distribution, learning_rate, max_steps, train_dtype``.
-- ``shared/seeds/activation-stagehand.md``: ``memory.stagehand.activation_stagehand``.
-- ``shared/seeds/conductor.md``: ``memory.stagehand.conductor_config``.
-
-The seeds spell the LoRA size two ways (``adapter.rank`` and top-level ``lora_rank``); both are
-accepted and resolved into ``Preset.rank`` / ``Preset.alpha``; both set to different values is an
-error. ``validate_preset`` raises ``PresetError`` listing every problem as
-``JSON.path: found <value>, expected <what>`` (or, for a rule between fields, the field at fault
-and a sentence).
-
-Numbers are strict (JSON numbers only: ``true`` or ``"4"`` is not a number) and finite (no
-``NaN``/``Infinity``), and every size has an upper bound that is named in its error.
+"""The preset schema: every section of a run's JSON as a strict pydantic model (``Preset``),
+with its bounds and the rules between fields. Torch-free. See ``runtime/preset/__init__.py``.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
-import typing
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from runtime.config import MemoryConfig
+from runtime.preset.errors import PresetError, field_error, found_text
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+__all__ = [
+    "AdapterSection",
+    "CAPTION_SUFFIX",
+    "DEFAULT_TARGET_MODULES",
+    "DataSection",
+    "FAMILIES",
+    "LoraSection",
+    "MAX_RANK",
+    "MAX_STEPS",
+    "MODEL_TYPES",
+    "ModelSection",
+    "OptimizerSection",
+    "PRESETS_DIR",
+    "Preset",
+    "SamplesSection",
+    "SchedulerSection",
+    "background_rgb",
+]
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 """Built-in presets: ``presets/NAME.json`` at the repository root."""
 
 FAMILIES = ("flux", "sd3", "ltx", "unet")
@@ -92,31 +83,6 @@ FolderPath = Annotated[str, Field(min_length=1, max_length=4096)]
 Text = Annotated[str, Field(max_length=2000)]
 CAPTION_SUFFIX = re.compile(r"^\.?[A-Za-z0-9][A-Za-z0-9_-]{0,15}$")
 """``data.captions``: a file extension (``txt``, ``.caption``), never a path."""
-
-
-class PresetError(ValueError):
-    """A preset is invalid; ``problems`` holds ``{path, found, expected, message}`` per problem
-    (``message``: ``found <value>, expected <what>``, or the sentence of a rule between fields)."""
-
-    def __init__(self, problems: list[dict[str, Any]]) -> None:
-        for p in problems:
-            p.setdefault("message", f"found {p['found']}, expected {p['expected']}")
-        self.problems = problems
-        lines = [f"{p['path']}: {p['message']}" for p in problems]
-        super().__init__("invalid preset:\n  " + "\n  ".join(lines))
-
-
-def field_error(model: str, field: str, value: Any, sentence: str) -> ValidationError:
-    """A ``ValidationError`` located at ``field`` for a rule between fields.
-
-    Raised from a model validator, it is reported at ``<model's path>.<field>`` with ``sentence``
-    as its message (a plain ``ValueError`` there is reported at the model; see
-    NOTE [ Cross-field errors ]).
-    """
-    error = PydanticCustomError("cross_field", "{sentence}", {"sentence": sentence})
-    return ValidationError.from_exception_data(
-        model, [InitErrorDetails(type=error, loc=(field,), input=value)]
-    )
 
 
 class _Strict(BaseModel):
@@ -401,7 +367,7 @@ class Preset(_Strict):
                 problems.append(
                     {
                         "path": path,
-                        "found": _found(value),
+                        "found": found_text(value),
                         "expected": "an absolute folder path (/... or ~/...): the worker does "
                         "not run in this folder",
                     }
@@ -412,7 +378,7 @@ class Preset(_Strict):
                 kind = "a folder" if folder.is_dir() else "a file" if folder.exists() else None
             except (OSError, ValueError) as exc:  # NUL byte, name too long
                 problems.append(
-                    {"path": path, "found": _found(value), "expected": f"a folder path ({exc})"}
+                    {"path": path, "found": found_text(value), "expected": f"a folder path ({exc})"}
                 )
                 continue
             if kind != "a folder":
@@ -433,190 +399,3 @@ class Preset(_Strict):
             )
         if problems:
             raise PresetError(problems)
-
-
-# -- errors ------------------------------------------------------------------------------------
-_TYPE_BRANCHES = {"int", "float", "str", "bool", "none", "list", "dict", "tuple", "literal"}
-
-
-def _json_path(loc: tuple[Any, ...]) -> str:
-    parts: list[str] = []
-    for item in loc:
-        if isinstance(item, int):
-            parts.append(f"[{item}]")
-            continue
-        text = str(item)
-        # Union branches (``int``, ``tuple[int, ...]``, ``function-after[...]``) are not fields.
-        if any(c in text for c in "[(-") or text.lower() in _TYPE_BRANCHES:
-            continue
-        parts.append(("." if parts else "") + text)
-    return "".join(parts) or "(top level)"
-
-
-def _found(value: Any) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _expected(error: dict[str, Any]) -> str:
-    kind, msg = error["type"], error["msg"]
-    if kind == "extra_forbidden":
-        return "no such field (unknown field)"
-    if kind == "missing":
-        return "this required field"
-    prefixes = ("Input should be ", "Value error, ", "Assertion failed, ")
-    prefixes += ("String should have ", "List should have ", "Tuple should have ")
-    for prefix in prefixes:
-        if msg.startswith(prefix):
-            return msg[len(prefix) :]
-    return msg
-
-
-# NOTE [ Cross-field errors ]
-# pydantic reports a ValueError raised in a model validator at the model, so a rule between two
-# fields (low watermark above high) would name the section, not the field. Our validators raise
-# ``field_error``, located at the field. runtime/config.py's validators raise plain ValueErrors
-# whose sentence starts with the field at fault ("vram_low_watermark_mb (16000) must not be
-# above ..."): ``_cross_field`` locates those at that field when it is one of the model's.
-
-
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model validated at ``loc`` under ``Preset`` (None if not a model)."""
-    model: type[BaseModel] = Preset
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            return None
-        kinds = [field.annotation, *typing.get_args(field.annotation)]
-        found = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
-        if not found:
-            return None
-        model = found[0]
-    return model
-
-
-def _cross_field(err: dict[str, Any]) -> tuple[tuple[Any, ...], Any] | None:
-    """``(loc, value)`` of the field a model-level rule's sentence names first, or None."""
-    data = err.get("input")
-    if err["type"] != "value_error" or not isinstance(data, dict):
-        return None
-    model = _model_at(tuple(err["loc"]))
-    first = re.match(r"[A-Za-z_]\w*", _expected(err))
-    if model is None or first is None or first.group() not in model.model_fields:
-        return None
-    field = first.group()
-    return (*err["loc"], field), data.get(field, model.model_fields[field].default)
-
-
-def problems_of(exc: ValidationError) -> list[dict[str, Any]]:
-    """``[{path, found, expected, message}]`` for each error of a pydantic ``ValidationError``.
-
-    A rule between fields is reported at the field at fault, with its sentence as ``message``
-    (NOTE [ Cross-field errors ]).
-    """
-    seen, out = set(), []
-    for err in exc.errors():
-        loc, value, sentence = tuple(err["loc"]), err.get("input"), None
-        located = _cross_field(err)
-        if located is not None:
-            loc, value = located
-        if located is not None or err["type"] == "cross_field":
-            sentence = _expected(err)
-        path = _json_path(loc)
-        found = "nothing" if err["type"] == "missing" else _found(value)
-        item = (path, found, _expected(err))
-        if item not in seen:
-            seen.add(item)
-            problem = {"path": path, "found": found, "expected": item[2]}
-            out.append({**problem, "message": sentence} if sentence else problem)
-    return out
-
-
-def _non_finite(value: Any, loc: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], float]]:
-    """``(loc, number)`` of each ``NaN`` or infinity in ``value`` (parsed JSON: Python's json
-    reads both)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        yield loc, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _non_finite(item, (*loc, key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _non_finite(item, (*loc, i))
-
-
-def _with_strategy(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with ``memory.strategy`` filled in when the seed leaves it out: the Flux 2048
-    seed sets layer-offload fields without naming the strategy."""
-    mem = data.get("memory")
-    if not isinstance(mem, dict) or "strategy" in mem:
-        return data
-    offload = ("layer_offload_fraction", "enable_activation_offloading")
-    strategy = "layer_offload" if any(k in mem for k in offload) else None
-    if strategy is None:
-        strategy = "stagehand" if "stagehand" in mem else "none"
-    return {**data, "memory": {**mem, "strategy": strategy}}
-
-
-def validate_preset(data: Any) -> Preset:
-    """Validate a preset's JSON object, strictly: numbers must be finite JSON numbers (not
-    ``true``, not ``"4"``); an integer field takes no fraction.
-
-    Raises:
-        PresetError: listing each problem as ``JSON.path: found <value>, expected <what>``.
-    """
-    if not isinstance(data, dict):
-        raise PresetError([{"path": "(top level)", "found": _found(data), "expected": "an object"}])
-    problems = [
-        {"path": _json_path(loc), "found": _found(number), "expected": "a finite number"}
-        for loc, number in _non_finite(data)
-    ]
-    # JSON mode: strict numbers, while JSON arrays still fill tuples (Python's strict mode
-    # would refuse a list for ``betas``). No model validator may run "before": it would hand
-    # the rest of the validation a Python dict (hence ``_with_strategy`` here).
-    text = json.dumps(_with_strategy(data), default=str)
-    try:
-        preset = Preset.model_validate_json(text, strict=True)
-    except ValidationError as exc:
-        named = {p["path"] for p in problems}
-        problems += [p for p in problems_of(exc) if p["path"] not in named]
-    if problems:
-        raise PresetError(problems)
-    return preset
-
-
-def list_presets() -> list[str]:
-    """Names of the built-in presets, sorted."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
-
-
-def load_preset(name_or_path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
-    """``(name, raw JSON object)`` of a built-in preset name or a path to a JSON file.
-
-    Raises:
-        FileNotFoundError: neither a file nor a built-in preset (lists the built-in names).
-        PresetError: the file is not valid JSON.
-    """
-    path = Path(name_or_path).expanduser()
-    if not path.is_file():
-        builtin = PRESETS_DIR / f"{name_or_path}.json"
-        if not builtin.is_file():
-            raise FileNotFoundError(
-                f"no preset file {str(name_or_path)!r} and no built-in preset of that name "
-                f"(built-in: {', '.join(list_presets())})"
-            )
-        path = builtin
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PresetError(
-            [
-                {
-                    "path": "(file)",
-                    "found": f"{path} line {exc.lineno}",
-                    "expected": f"JSON ({exc.msg})",
-                }
-            ]
-        ) from None
-    name = data.get("name") if isinstance(data, dict) else None
-    return str(name or path.stem), data
