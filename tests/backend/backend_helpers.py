@@ -15,7 +15,6 @@ import httpx
 from websockets.sync.client import connect
 
 REPO = Path(__file__).resolve().parents[2]
-TERMINAL = {"succeeded", "failed", "cancelled", "killed", "crashed"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -175,3 +174,18 @@ def assert_error_body(resp, status: int | None = None) -> dict:
     assert err["field"] is None or isinstance(err["field"], str)
     assert isinstance(err["details"], list)
     return err
+
+
+def rec(seq: int, **kw) -> str:
+    """One telemetry line (JSON) of a trainer step record with ``seq`` and ``kw``."""
+    return json.dumps(
+        {
+            "seq": seq,
+            "time": 1.0,
+            "source": "trainer",
+            "kind": "step",
+            "step": seq,
+            "phase": None,
+            **kw,
+        }
+    )

@@ -7,13 +7,14 @@ import signal
 import time
 
 from backend_helpers import (
-    TERMINAL,
     assert_error_body,
     file_records,
     stored_records,
     wait_for,
     wait_status,
 )
+
+from runtime.status import TERMINAL
 
 LONG = {"max_steps": 100000}
 """A run that only ends when it is stopped (steps of tiny-ci take ~0.1 s)."""

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from backend_helpers import (
     REPO,
-    TERMINAL,
     file_records,
     stored_records,
     wait_for,
     wait_status,
 )
+
+from runtime.status import TERMINAL
 
 pytest.importorskip("ray.job_submission", reason="the [ray] extra is not installed")
 

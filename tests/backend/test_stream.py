@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import threading
 
-from backend_helpers import TERMINAL, file_records, stored_records, wait_status
+from backend_helpers import file_records, stored_records, wait_status
+
+from runtime.status import TERMINAL
 
 
 def follow(ws, stop_after_step: bool = False, timeout: float = 180):

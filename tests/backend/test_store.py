@@ -1,77 +1,15 @@
-"""In-process checks of the tailer, the store, downsampling and the config diff."""
+"""The store: idempotent ingest, migrations once, SQL buckets and rollups against the Python
+reference, the run summary, run ids never given again."""
 
 from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
-from backend.api.compare import config_diff
+from backend_helpers import rec
+
 from backend.downsample import bucketize
 from backend.store import MIGRATIONS, Store
-from backend.tailer import JsonlTail
-
-
-def rec(seq: int, **kw) -> str:
-    return json.dumps(
-        {
-            "seq": seq,
-            "time": 1.0,
-            "source": "trainer",
-            "kind": "step",
-            "step": seq,
-            "phase": None,
-            **kw,
-        }
-    )
-
-
-def test_tail_holds_a_torn_line_until_complete(tmp_path):
-    path = tmp_path / "telemetry.jsonl"
-    tail = JsonlTail(path)
-    assert tail.read() == []  # no file yet
-    line0, line1 = rec(0, loss=1.5), rec(1, loss=0.5)
-    path.write_text(line0 + "\n" + line1[:10])
-    got = tail.read()
-    assert [ln.seq for ln in got] == [0] and tail.offset == len(line0) + 1
-    assert tail.read() == []  # still torn
-    with open(path, "a") as f:
-        f.write(line1[10:] + "\n")
-    got = tail.read()
-    assert [ln.raw for ln in got] == [line1]
-    with open(path, "a") as f:
-        f.write("not json\n" + rec(2) + "\n")
-    assert [ln.seq for ln in tail.read()] == [2] and tail.skipped == 1
-    # A new tail resumed from the stored offset reads nothing twice.
-    assert JsonlTail(path, tail.offset).read() == []
-
-
-def test_nan_and_infinity_become_null_in_the_stored_line(tmp_path):
-    from backend.tailer import parse_line
-
-    line = parse_line('{"seq": 3, "kind": "step", "loss": NaN, "x": {"y": -Infinity}, "z": 1}')
-    assert json.loads(line.raw) == {
-        "seq": 3,
-        "kind": "step",
-        "loss": None,
-        "x": {"y": None},
-        "z": 1,
-    }
-    plain = rec(4, loss=0.5)
-    assert parse_line(plain).raw == plain  # standard JSON is kept byte for byte
-    # A seq written as a string is still a record, and is rolled up under its number.
-    lines = [
-        parse_line('{"seq": "7", "source": "s", "kind": "k", "v": 2}'),
-        parse_line('{"seq": 8, "source": "s", "kind": "k", "v": 1}'),
-    ]
-    store = Store(tmp_path / "db.sqlite")
-    run_id = store.create_run("r", "p", {}, "default")
-    assert store.ingest(run_id, [ln.row() for ln in lines], 1, [ln.record for ln in lines]) == 2
-    got, last = store.bucket_stats(run_id, -1, "s", "k", 4, ["v"], 10)
-    assert last == 8 and [b["max"] for b in got] == [{"v": 2}, {"v": 1}]
-    rollup = "SELECT seq_first, seq_last, count FROM telemetry_rollup"
-    assert store.db.execute(rollup).fetchall() == [(7, 8, 2)]
-    store.close()
 
 
 def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
@@ -92,107 +30,6 @@ def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
     rolled = "SELECT SUM(count) FROM telemetry_rollup WHERE run_id = ?"
     assert store.db.execute(rolled, [run_id]).fetchone()[0] == 6  # and rolled up once
     store.close()
-
-
-def test_buckets_keep_peaks():
-    records = [{"seq": i, "step": i, "loss": 1.0, "phase_ms": {"forward": 2.0}} for i in range(100)]
-    records[37]["loss"] = 99.0
-    records[80]["loss"] = -5.0
-    out = bucketize(records, 10)
-    assert len(out) == 10 and sum(b["count"] for b in out) == 100
-    assert out[3]["max"]["loss"] == 99.0 and out[3]["seq"] == 30 and out[3]["seq_last"] == 39
-    assert out[8]["min"]["loss"] == -5.0
-    assert out[0]["max"]["phase_ms.forward"] == 2.0 and "seq" not in out[0]["max"]
-    assert len(bucketize(records[:3], 10)) == 3
-
-
-def test_config_diff_lists_only_differing_paths():
-    a = {"memory": {"strategy": "none", "x": 1}, "lr": 1e-4, "name": "a"}
-    b = {"memory": {"strategy": "stagehand", "x": 1}, "lr": 1e-4, "name": "a", "new": True}
-    diff = config_diff({1: a, 2: b})
-    assert diff == [
-        {"path": "memory.strategy", "values": {"1": "none", "2": "stagehand"}},
-        {"path": "new", "values": {"1": None, "2": True}},
-    ]
-
-
-def test_hub_batches_for_slow_clients_and_closes_the_hopeless():
-    import asyncio
-    import concurrent.futures
-
-    from backend.hub import Hub, SubscriberState
-
-    async def scenario():
-        hub = Hub(asyncio.get_running_loop(), max_pending=18)
-        fast, slow = hub.subscribe(1), hub.subscribe(1)
-        hub.publish_lines(1, [(0, "{}"), (1, "{}")])
-        hub.publish_lines(1, [(2, "{}")])
-        hub.publish_run(1, {"status": "running"})
-        await asyncio.sleep(0)
-        items = await fast.take()
-        assert [k for k, _ in items] == ["lines", "lines", "run"]
-        assert [s for _, b in items[:2] for s, _ in b.lines] == [0, 1, 2]
-        assert items[0][1].frame == '{"records":[{},{}]}'
-        hub.publish_lines(1, [(i, "{}") for i in range(3, 20)])  # slow: 3 + 17 = 20 > 18 behind
-        await asyncio.sleep(0)
-        assert slow.state is SubscriberState.OVERFLOWED and fast.state is SubscriberState.LIVE
-        assert await slow.take() == []
-        assert len((await fast.take())[0][1].lines) == 17
-        hub.unsubscribe(fast)
-        hub.unsubscribe(slow)
-        assert hub.subscribers(1) == 0
-
-    # In a thread of its own: a browser test run earlier in this process leaves Playwright's
-    # event loop running in the main thread, where asyncio.run refuses to start.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, scenario()).result()
-
-
-def test_outcome_from_exit_and_last_records():
-    from backend.outcome import classify
-
-    fin = {"seq": 9, "source": "trainer", "kind": "run_finished", "status": "cancelled"}
-    err = {
-        "seq": 5,
-        "source": "trainer",
-        "kind": "error",
-        "step": 3,
-        "message": "CUDA out of memory",
-        "error_type": "OutOfMemoryError",
-        "traceback": "Traceback...",
-        "oom": True,
-    }
-    step = {"seq": 4, "source": "trainer", "kind": "step", "step": 3}
-    kw = {"tail": "log", "pid": 42}
-    killed = classify(-9, cancel_requested=False, finished=None, last=step, **kw)
-    assert (killed["status"], killed["signal"]) == ("killed", "SIGKILL")
-    assert (
-        classify(-15, cancel_requested=True, finished=None, last=step, **kw)["status"]
-        == "cancelled"
-    )
-    assert classify(0, cancel_requested=True, finished=fin, last=fin, **kw)["status"] == "cancelled"
-    assert classify(None, cancel_requested=False, finished=fin, last=fin, **kw)["error"] is None
-    failed = classify(1, cancel_requested=False, finished=None, last=err, **kw)
-    assert failed["status"] == "failed" and failed["error"]["oom"] is True
-    assert failed["error"]["message"] == "CUDA out of memory"
-    crashed = classify(
-        None, cancel_requested=False, finished=None, last=step, gone_at_start=True, **kw
-    )
-    assert crashed["status"] == "crashed"
-    assert (
-        "pid 42" in crashed["error"]["message"]
-        and "trainer/step at step 3 (seq 4)" in crashed["error"]["message"]
-    )
-    early = classify(2, cancel_requested=False, finished=None, last=None, **kw)
-    assert early["status"] == "failed" and early["error"]["log_tail"] == "log"
-    assert "code 2 after no telemetry" in early["error"]["message"]
-    removed = classify(
-        1, cancel_requested=False, finished=None, last=step, **kw, missing_dir=Path("/d/7")
-    )
-    assert removed["status"] == "failed" and removed["error"]["message"] == (
-        "the run folder /d/7 no longer exists (removed while the run was going?); worker exited "
-        "with code 1 after trainer/step at step 3 (seq 4)"
-    )
 
 
 def test_sql_buckets_equal_the_python_reference(tmp_path):
