@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .pipelines import QWEN3_CHAT_TEMPLATE, SEED, qwen_tokenizer
+from .tiny_tokenizers import QWEN3_CHAT_TEMPLATE, SEED, qwen_tokenizer
 
 TEXT_LAYERS = 28
 """Qwen3 layers: ``Flux2KleinPipeline.encode_prompt`` reads hidden states 9, 18 and 27."""

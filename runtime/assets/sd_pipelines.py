@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .pipelines import SEED, clip_tokenizer, t5_tokenizer
+from .tiny_tokenizers import SEED, clip_tokenizer, t5_tokenizer
 
 
 def _clip(tok, hidden: int, layers: int, projection: int | None):
