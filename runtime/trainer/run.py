@@ -380,9 +380,7 @@ class Run:
             names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
             prediction_type=preset.prediction_type,
         )
-        for path, prompt in zip(paths, prompts, strict=True):
-            rel = str(path.relative_to(self.run_dir))
-            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+        self.record_samples(paths, prompts)
 
     def pipeline_samples(self, preset: Preset, data: loop.Batchable, step: int | None) -> None:
         """Samples from the pipeline's ``__call__``: during training (``step``) through the
@@ -404,6 +402,10 @@ class Run:
             strategy=self.strategy if step is not None else None,
             step=step,
         )
+        self.record_samples(paths, prompts)
+
+    def record_samples(self, paths: list[Path], prompts: list[str]) -> None:
+        """One ``trainer/sample`` record per written image, its path relative to the run."""
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
