@@ -234,6 +234,26 @@ class PipelineFamily(Family):
         """Images (PIL) from the pipeline's ``__call__`` with cached embeddings ``text``."""
         raise NotImplementedError
 
+    def sample_pooled(self, denoiser: dict[str, Any], text, latent_shape, *, steps, seed, device):
+        """Images (PIL) from ``__call__`` of a pipeline conditioned on hidden and pooled text
+        embeddings (SD3, SDXL): ``denoiser`` names the trained model's component
+        (``{"transformer": model}``), the VAE is the folder's in fp32, ``latent_shape`` is
+        ``(C, h, w)`` and no CFG (no negative prompt is cached)."""
+        vae = load_component(self.root, "vae", torch.float32).to(device)
+        pipe = self.pipeline(**denoiser, vae=vae)
+        pipe.set_progress_bar_config(disable=True)
+        _, h, w = latent_shape
+        return pipe(
+            prompt_embeds=text.hidden,
+            pooled_prompt_embeds=text.pooled,
+            height=h * pipe.vae_scale_factor,
+            width=w * pipe.vae_scale_factor,
+            num_inference_steps=steps,
+            guidance_scale=1.0,  # no negative prompt cached: plain conditional sampling
+            generator=torch.Generator().manual_seed(seed),
+            output_type="pil",
+        ).images
+
     def comfy_state_dict(
         self, state: dict[str, torch.Tensor], alpha: float
     ) -> dict[str, torch.Tensor] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.trainer.pipelines.base import PipelineFamily, load_component
+from runtime.trainer.pipelines.base import PipelineFamily
 from runtime.trainer.pipelines.folder import PipelineFolderError, read_json
 
 
@@ -166,17 +166,6 @@ class SD3PipelineFamily(PipelineFamily):
         )[0]  # (B, C, h, w) velocity
 
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = load_component(self.root, "vae", torch.float32).to(device)
-        pipe = self.pipeline(transformer=model, vae=vae)
-        pipe.set_progress_bar_config(disable=True)
-        c, h, w = latent_shape
-        return pipe(
-            prompt_embeds=text.hidden,
-            pooled_prompt_embeds=text.pooled,
-            height=h * pipe.vae_scale_factor,
-            width=w * pipe.vae_scale_factor,
-            num_inference_steps=steps,
-            guidance_scale=1.0,  # no negative prompt cached: plain conditional sampling
-            generator=torch.Generator().manual_seed(seed),
-            output_type="pil",
-        ).images
+        return self.sample_pooled(
+            {"transformer": model}, text, latent_shape, steps=steps, seed=seed, device=device
+        )
