@@ -7,7 +7,6 @@ import asyncio
 import json
 import signal
 
-import psutil
 import pytest
 from pydantic import ValidationError
 
@@ -83,7 +82,7 @@ def test_max_parallel_counts_runs_per_device(tmp_path, default_device, started):
         assert {store.get_run(i)["device"] for i in jobs} == started
         assert len(jobs) == len(started)  # the second cpu run and the cuda:0 run wait
         for run_id, job in jobs.items():
-            argv = psutil.Process(int(job.key)).cmdline()
+            argv = list(job.state["popen"].args)  # the command line the worker was started with
             device = store.get_run(run_id)["device"]
             if device == "auto":
                 assert "--device" not in argv  # the worker's own choice
