@@ -164,7 +164,8 @@ def test_new_run_page_scans_the_data_before_start_and_the_run_page_shows_it(
     assert api.call("GET", f"/api/runs/{run_id}")["device"] == "cpu"
 
     # The run page shows the scan the worker recorded.
-    page.wait_for_selector("#run-data .scan-summary")
+    # The server is shared by the session's browser tests: the run may queue behind another.
+    page.wait_for_selector("#run-data .scan-summary", timeout=120_000)
     assert page.inner_text("#run-data .scan-summary") == summary
     api.wait_run(run_id, {"succeeded"}, timeout=60)
     shoot(f"{synthetic_server}/#/runs/{run_id}", "run-data-scan", ready="#run-data .scan-summary")
