@@ -55,8 +55,9 @@ class ActivationBudgetManager:
         self._since_packs = 0
         self._since_bytes = 0
         self._read = memory.usage_bytes
-        if self.refresh_packs == 1:
-            self.usage_bytes = self._usage_now  # one call less on the per-tensor path
+        if self.refresh_packs == 1:  # two calls less on the per-tensor path (CPU)
+            self.usage_bytes = self._usage_now
+            self.pressure = self._pressure_now
 
     def set_watermarks(self, high_mb: float, low_mb: float) -> None:
         """Change the watermarks (MB); see ``check_watermarks`` for the errors raised."""
@@ -91,6 +92,15 @@ class ActivationBudgetManager:
         watermark of 0 therefore spills every eligible tensor.
         """
         usage = self.usage_bytes(nbytes, pending)
+        if usage >= self.high_bytes:
+            self.spilling = True
+        elif usage < self.low_bytes:
+            self.spilling = False
+        return self.spilling
+
+    def _pressure_now(self, nbytes: int = 0, pending: int = 0) -> bool:
+        """``pressure`` reading every time (``refresh_packs == 1``), inlined."""
+        usage = self._read() + pending
         if usage >= self.high_bytes:
             self.spilling = True
         elif usage < self.low_bytes:

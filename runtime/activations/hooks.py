@@ -106,27 +106,25 @@ class SpilledTensor:
         return f"SpilledTensor({self.record!r})"
 
 
-class KeptTensor:
+class KeptTensor(list):
     """A kept saved tensor whose storage is counted in tracked device memory (CPU only; see
-    NOTE [ Tracking kept tensors ])."""
+    NOTE [ Tracking kept tensors ]): ``[tensor, entry, runtime]``, ``entry`` being the storage's
+    ``[saved refs, bytes, data_ptr]`` in ``runtime._live``.
 
-    __slots__ = ("tensor", "key", "generation", "runtime")
+    A list, built from one tuple in C: the KEEP path makes one per kept tensor, and a Python
+    ``__init__`` setting four slots cost ~0.15 us more (see ``bench.py``).
+    """
 
-    def __init__(
-        self, tensor: torch.Tensor, key: int, generation: int, runtime: ActivationRuntime
-    ) -> None:
-        self.tensor = tensor
-        self.key = key
-        self.generation = generation
-        self.runtime = runtime
+    __slots__ = ()
 
     def unpack(self) -> torch.Tensor:
-        return self.tensor
+        return self[0]
 
     def __del__(self) -> None:
-        runtime = self.runtime
-        if runtime is not None and runtime._generation == self.generation:
-            runtime._drop_kept(self.key)
+        entry = self[1]
+        entry[0] -= 1
+        if entry[0] == 0:  # 0 only from 1: ``end_step`` zeroes the entries it uncounts
+            self[2]._release_kept(entry)
 
 
 @contextlib.contextmanager

@@ -117,18 +117,17 @@ class ActivationRuntime:
             transfer=self.transfer,
             pool=self.pool,
             track_restored=self._track_kept,
-            packs=lambda: self._seq,
+            packs=lambda: self.metrics.activations_saved,
             publish=self._publish,
         )
         self.registry, self.planner = self.table.registry, self.table.planner
         self._live: dict[int, list[int]] = {}
-        """Kept storages counted in tracked memory: data_ptr -> [saved refs, bytes]."""
+        """Kept storages counted in tracked memory: data_ptr -> [saved refs, bytes, data_ptr]
+        (the entry each ``KeptTensor`` of that storage holds)."""
         self._unpublished = 0
         """Kept bytes counted here and not yet reported to ``DeviceMemory`` (signed)."""
-        self._generation = 0
         self._weights: dict[int, torch.Tensor] = {}
         """id -> the model's parameters and buffers: never spilled, never counted."""
-        self._seq = 0
         self._step: int | None = None
         self._closed = False
         self.packer = self._pack if config.enabled else _keep
@@ -166,7 +165,6 @@ class ActivationRuntime:
         self._step = step
         self.metrics = ActivationStepMetrics(step=step)
         self.table.begin_step(self.metrics)
-        self._seq = 0
         if self.model is not None:
             # By identity, not storage address: a weight runtime swaps the storages of streamed
             # weights, and a freed address may come back as an activation. Refreshed each step
@@ -191,10 +189,11 @@ class ActivationRuntime:
         kept, grow the pool if it missed too often, emit the ``activation_stagehand/step``
         record. Safe without ``begin_step`` (releases what the hooks created)."""
         self.table.end_step()
-        self._unpublished -= sum(nbytes for _count, nbytes in self._live.values())
+        for entry in self._live.values():
+            self._unpublished -= entry[1]
+            entry[0] = 0  # uncounted now: a KeptTensor freed later takes it below 0, a no-op
         self._live.clear()
         self._publish()
-        self._generation += 1
         self.metrics.vram_peak_mb = self.memory.peak_bytes() / MB
         self._grow_pool()
         if self.config.telemetry_enabled and self._step is not None:
@@ -227,9 +226,8 @@ class ActivationRuntime:
     # -- pack ------------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> object | None:
         metrics = self.metrics
-        metrics.activations_saved += 1
-        seq = self._seq
-        self._seq = seq + 1
+        seq = metrics.activations_saved  # this tensor's index among the step's saved tensors
+        metrics.activations_saved = seq + 1
         nbytes = tensor.nbytes
         if self.budget.pressure(nbytes, self._unpublished) and nbytes >= self.min_spill_bytes:
             handle = self._try_spill(tensor, seq)
@@ -247,23 +245,21 @@ class ActivationRuntime:
         key = tensor.data_ptr()
         entry = self._live.get(key)
         if entry is None:
-            self._live[key] = [1, nbytes]
+            entry = self._live[key] = [1, nbytes, key]
             self._unpublished += nbytes
             if self._unpublished >= PUBLISH_BYTES:
                 self._publish()
         else:
             entry[0] += 1
-        return KeptTensor(tensor, key, self._generation, self)
+        return KeptTensor((tensor, entry, self))
 
-    def _drop_kept(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is not None:
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._live[key]
-                self._unpublished -= entry[1]
-                if self._unpublished <= -PUBLISH_BYTES:
-                    self._publish()
+    def _release_kept(self, entry: list[int]) -> None:
+        """The last ``KeptTensor`` of a storage was freed (its count reached 0): uncount it."""
+        if self._live.get(entry[2]) is entry:
+            del self._live[entry[2]]
+        self._unpublished -= entry[1]
+        if self._unpublished <= -PUBLISH_BYTES:
+            self._publish()
 
     def _publish(self) -> None:
         """Report the kept bytes counted since the last report to ``DeviceMemory``."""

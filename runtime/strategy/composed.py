@@ -84,7 +84,7 @@ class StagehandStrategy(MemoryStrategy):
         self.section, self.mode = section, mode
         self.weights = self.activations = self.conductor = None
         self.parts: list[MemoryPart] = []
-        self.router = SavedTensorRouter([])
+        self._packing: list[MemoryPart] = []
         self._stack: contextlib.ExitStack | None = None
         try:
             self._build_parts(model, section, checkpoint_dir, mode)
@@ -137,7 +137,7 @@ class StagehandStrategy(MemoryStrategy):
                     self.conductor.register_adapter(adapter)
                 if part.pinned_owner is not None:
                     self._reserve_pinned(part.pinned_owner, part.pinned_bytes())
-        self.router = SavedTensorRouter([p.packer for p in runtime_parts if p.packer is not None])
+        self._packing = [p for p in runtime_parts if p.packer is not None]
 
     def _reserve_pinned(self, owner: str, nbytes: int) -> None:
         res = self.conductor.reserve(
@@ -162,7 +162,8 @@ class StagehandStrategy(MemoryStrategy):
         stack = contextlib.ExitStack()
         self._stack = stack
         if phase is not Phase.OPTIMIZER:
-            stack.enter_context(self.router.hooks())
+            # The parts' packers as they are now (a closed runtime keeps everything).
+            stack.enter_context(SavedTensorRouter([p.packer for p in self._packing]).hooks())
         for part in self.parts:
             stack.enter_context(part.phase(phase, optimizer))
 

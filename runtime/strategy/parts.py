@@ -149,8 +149,11 @@ class WeightsPart(MemoryPart):
 
     def __init__(self, runtime: StagehandRuntime) -> None:
         self.runtime = runtime
-        # A lambda, not the bound method: the runtime swaps its packer on close.
-        self.packer = lambda t: self.runtime.packer(t)
+
+    @property
+    def packer(self) -> Callable[[torch.Tensor], Any]:
+        """The runtime's packer now (it swaps it on close; the router reads it per forward)."""
+        return self.runtime.packer
 
     def begin_step(self, step: int) -> None:
         self.runtime.begin_step(step)  # prefetches the step's first blocks
@@ -222,8 +225,12 @@ class ActivationsPart(MemoryPart):
 
     def __init__(self, runtime: ActivationRuntime) -> None:
         self.runtime = runtime
-        self.packer = lambda t: self.runtime.packer(t)
         self._pageable_at_begin = 0
+
+    @property
+    def packer(self) -> Callable[[torch.Tensor], Any]:
+        """The runtime's packer now (it swaps it on close; the router reads it per forward)."""
+        return self.runtime.packer
 
     def begin_step(self, step: int) -> None:
         self.runtime.begin_step(step)
