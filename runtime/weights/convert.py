@@ -121,6 +121,7 @@ def register_blocks(
                 slot.param = _replace_param(model, slot.qualname, data, slot.trainable)
             else:
                 slot.param.data = data
+        block.trainable = [slot for slot in block.layout if slot.trainable]
         block.state = BlockState.UNLOADED
         blocks.append(block)
     return blocks

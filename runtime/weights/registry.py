@@ -112,7 +112,14 @@ class Block:
     load_event: object | None = None
     """The event of the copy that filled ``flat`` (the compute stream waits on it)."""
     read_plan: list | None = None
-    """``SafetensorsCheckpoint.plan`` of its file-backed parameters (built at the first load)."""
+    """``SafetensorsCheckpoint.plan`` of its file-backed parameters (built at the first load;
+    empty without a checkpoint)."""
+    staged: list[ParamSlot] = field(default_factory=list)
+    """Slots copied into the staging buffer one by one at each load (built with ``read_plan``):
+    host masters, and checkpoint tensors stored in another precision."""
+    trainable: list[ParamSlot] = field(default_factory=list)
+    """Its trainable slots (set by ``register_blocks``): copied back at eviction, their
+    gradients follow them to the device."""
     prefetched: bool = False
     """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
     d2h_event: object | None = None

@@ -204,9 +204,8 @@ class TransferEngine:
         if block.d2h_event is not None:  # this block's host masters may still be arriving
             block.d2h_event.synchronize()
             block.d2h_event = None
-        if block.read_plan is None and self.source is not None:
-            same = [s for s in block.layout if s.key is not None and not _converts(self.source, s)]
-            block.read_plan = self.source.plan([(s.key, s.offset) for s in same])
+        if block.read_plan is None:
+            self._plan(block)
         block.to(BlockState.HOST_STAGED)  # staging (here, or on a reader thread)
         # Allocated on this thread's (compute) stream, which frees it after its last use.
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
@@ -228,6 +227,20 @@ class TransferEngine:
         self.retire()
         return True
 
+    def _plan(self, block: Block) -> None:
+        """At a block's first load: its read plan (checkpoint tensors read as they are, one
+        vectored read per contiguous run) and its ``staged`` slots (host masters, converted
+        tensors), so later loads do no per-slot work beyond the copies themselves."""
+        source = self.source
+        direct = [
+            s
+            for s in block.layout
+            if source is not None and s.key is not None and not _converts(source, s)
+        ]
+        block.read_plan = source.plan([(s.key, s.offset) for s in direct]) if direct else []
+        chosen = {id(s) for s in direct}
+        block.staged = [s for s in block.layout if id(s) not in chosen]
+
     def _stage_and_copy(
         self, block: Block, host: torch.Tensor, flat: torch.Tensor, after: TransferEvent | None
     ) -> TransferEvent:
@@ -235,12 +248,11 @@ class TransferEngine:
         and issue the H2D copy into ``flat``: on the loading thread, or on a reader thread."""
         if block.read_plan:
             self.source.read_plan(block.read_plan, host)
-        for slot in block.layout:
+        for slot in block.staged:
+            dst = host[slot.offset : slot.offset + slot.nbytes]
             if slot.key is None:
-                dst = host[slot.offset : slot.offset + slot.nbytes]
                 dst.view(slot.dtype).view(slot.shape).copy_(slot.host)
-            elif _converts(self.source, slot):
-                dst = host[slot.offset : slot.offset + slot.nbytes]
+            else:
                 self.source.read_into(slot.key, dst, slot.dtype)
         with self.stream.use(after=after):
             self.stream.copy_(flat, host)
@@ -258,6 +270,7 @@ class TransferEngine:
         block.load_event.wait()
         for slot, view in zip(block.layout, slot_views(block.flat, block.layout), strict=True):
             slot.param.data = view
+        for slot in block.trainable:
             grad = slot.param.grad
             if grad is not None and grad.device != self.device:
                 slot.param.grad = grad.to(self.device, non_blocking=self.stream.non_blocking)
@@ -273,7 +286,7 @@ class TransferEngine:
             # copy, so its device buffer may be dropped only after the copy (host wait, rare).
             # Its in-flight entry keeps its own staging and grant either way (``InFlight``).
             self.wait_block(block)
-        trainable = [s for s in block.layout if s.trainable]
+        trainable = block.trainable
         host_grads: dict[int, torch.Tensor] = {}
         if trainable and block.state is BlockState.GPU_READY:
             block.to(BlockState.EVICTING)
