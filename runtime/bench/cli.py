@@ -32,6 +32,9 @@ JSON written to ``--out`` (sizes in bytes, times in ms)::
       # present when status == "ok":
       "steps", "warmup", "step_ms_median", "step_ms": [float], "ratio_to_baseline",
       "runs": int (child runs whose step times are pooled; the baseline runs once more, last),
+      "run_medians": [float] (each run's median step ms, in run order),
+      "ratio_rounds": [float]|null (each round's ratio to the baseline runs around it),
+      "ratio_spread": [min, max]|null (of ratio_rounds: how far two rounds disagree),
       "phase_ms_median": {"forward", "backward", "optimizer"}, "loss",
       "vram_peak_bytes", "vram_reserved_peak_bytes": int|null,
       "vram_source": "cuda"|"tracked"|"counted", "vram_method": str,
@@ -163,8 +166,11 @@ def _run_rows(
         first = next((r for r in rows if r["name"] == config.name), None)
         if first is None:
             row["runs"] = 1
+            if row["status"] == "ok":
+                row["run_medians"] = [row["step_ms_median"]]
             rows.append(row)
         elif first["status"] == "ok" and row["status"] == "ok":
+            first["run_medians"].append(row["step_ms_median"])
             first["step_ms"] = first["step_ms"] + row["step_ms"]
             first["step_ms_median"] = statistics.median(first["step_ms"])
             first["runs"] += 1

@@ -36,12 +36,18 @@ def add_ratios(rows: list[dict[str, Any]], hw: dict[str, Any]) -> None:
         row.setdefault("ratio_to_baseline", None)
         row.setdefault("bound_ms", None)
         row.setdefault("ratio_to_bound", None)
+        row.setdefault("ratio_rounds", None)
+        row.setdefault("ratio_spread", None)
         if row["status"] != "ok" or base is None:
             continue
         if row is base:
             row["ratio_to_baseline"] = 1.0  # by definition, not a float division
         else:
             row["ratio_to_baseline"] = row["step_ms_median"] / base["step_ms_median"]
+            rounds = round_ratios(row.get("run_medians"), base.get("run_medians"))
+            if rounds:
+                row["ratio_rounds"] = rounds
+                row["ratio_spread"] = [min(rounds), max(rounds)]
         h2d = row.get("h2d_bytes_per_step")
         if h2d is None or row["group"] == "baseline":
             continue
@@ -58,6 +64,21 @@ def add_ratios(rows: list[dict[str, Any]], hw: dict[str, Any]) -> None:
         else:
             continue
         row["ratio_to_bound"] = row["step_ms_median"] / row["bound_ms"]
+
+
+def round_ratios(runs: list[float] | None, baseline_runs: list[float] | None) -> list[float]:
+    """Each round's ratio to the baseline: run ``i``'s median step over the mean of the
+    baseline runs just before and after it (``cli._run_rows`` runs the baseline first in every
+    round and once more at the end), so a machine that drifts during a round biases both sides
+    alike. Empty when either side has no runs.
+    """
+    if not runs or not baseline_runs:
+        return []
+    out = []
+    for i, ms in enumerate(runs):
+        around = baseline_runs[i : i + 2] or baseline_runs[-1:]
+        out.append(ms / (sum(around) / len(around)))
+    return out
 
 
 def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
@@ -160,7 +181,7 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
             _goal(
                 f"scale row, {widest} blocks file-backed",
                 "<= 1.3x baseline",
-                None if ratio is None else f"{ratio:.2f}x",
+                None if ratio is None else f"{ratio:.2f}x{_spread(sixteen)}",
                 None if ratio is None else ratio <= 1.3,
             )
         )
@@ -245,6 +266,7 @@ HEADER = (
     "config",
     "step ms",
     "x base",
+    "rounds",
     "VRAM pk MB",
     "src",
     "RSS pk MB",
@@ -256,10 +278,20 @@ HEADER = (
 )
 
 
+def _spread(row: dict[str, Any] | None) -> str:
+    """`` (rounds 1.64-1.73)`` when the row ran more than one round, else empty."""
+    spread = (row or {}).get("ratio_spread")
+    if not spread or len((row or {}).get("ratio_rounds") or []) < 2:
+        return ""
+    return f" (rounds {spread[0]:.2f}-{spread[1]:.2f})"
+
+
 def _cells(row: dict[str, Any]) -> tuple[str, ...]:
+    spread = row.get("ratio_spread")
     return (
         _num(row["step_ms_median"], ".1f"),
         _num(row["ratio_to_baseline"], ".2f"),
+        f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
         _mb(row.get("vram_peak_bytes"), 2),
         row.get("vram_source", "-"),
         _mb(row["rss_peak_bytes"], 0),
@@ -279,6 +311,7 @@ def table(rows: list[dict[str, Any]], first: str = "config") -> str:
         max(30, max((len(_label(r)) for r in rows), default=0)),
         8,
         6,
+        9,
         10,
         7,
         9,

@@ -11,7 +11,7 @@ import pytest
 
 from runtime.bench.cli import main, parse_args
 from runtime.bench.configs import CPU_PEER_NOTE
-from runtime.bench.report import add_ratios
+from runtime.bench.report import add_ratios, table
 
 MAIN_ROWS = [
     "baseline",
@@ -231,3 +231,31 @@ def test_bad_arguments_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_each_round_is_compared_with_the_baseline_runs_around_it():
+    # Baseline ran before round 1 (10 ms), before round 2 (20 ms: the machine slowed) and
+    # once more at the end (30 ms); the row's rounds took 15 and 50 ms.
+    rows = [
+        {
+            "name": "baseline",
+            "group": "baseline",
+            "status": "ok",
+            "step_ms_median": 20.0,
+            "run_medians": [10.0, 20.0, 30.0],
+        },
+        {
+            "name": "stream_file",
+            "group": "ours",
+            "status": "ok",
+            "step_ms_median": 30.0,
+            "run_medians": [15.0, 50.0],
+        },
+    ]
+    add_ratios(rows, {})
+    assert rows[1]["ratio_rounds"] == [15.0 / 15.0, 50.0 / 25.0]
+    assert rows[1]["ratio_spread"] == [1.0, 2.0]
+    assert rows[0]["ratio_rounds"] is None  # the baseline's own ratio is 1 by definition
+    for row in rows:
+        row.update(label=row["name"], blocks=9, rss_peak_bytes=0, rss_growth_bytes=0)
+    assert "1.00-2.00" in table(rows).splitlines()[2]
