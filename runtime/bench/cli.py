@@ -46,6 +46,9 @@ JSON written to ``--out`` (sizes in bytes, times in ms)::
         (bench/report.py add_ratios: overlapped H2D on CUDA; baseline + copies + reads on CPU),
       "telemetry": {source: {field: mean over measured steps}},
       "keep_path": {"us_per_tensor", ...} (spill_keep only), "vram_counted": {...} (counted),
+      "device_timeline": {"host_syncs_per_step", "h2d_copy_ms_per_step",
+                          "h2d_hidden_fraction"} (CUDA: probes.device_timeline, 2 more steps),
+      "h2d_achieved_gbps": float (CUDA, rows that copy: H2D bytes / H2D copy time per step),
       "summary": {"steps_done", "max_steps", "final_loss", "peak_vram_mb",
                   "mean_step_time_ms", "spill_bytes", "stall_ms"}  # a run's summary (contracts)
     }
@@ -66,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.bench.configs import ModelInfo, large_configs, main_configs, scale_configs
-from runtime.bench.report import add_ratios, goals, goals_text, table
+from runtime.bench.report import add_ratios, goals, goals_text, table, timeline_text
 from runtime.bench.runner import Runner
 
 ARCHS = ("flux", "sd3", "ltx")
@@ -301,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if not cuda:
         print(LEGEND_CPU)
+    else:
+        print("\n" + timeline_text(rows + scale_rows + large_rows, bw))
     if scale_rows:
         print("\nscale (same family, more blocks):")
         print(table(scale_rows, first="blocks / config"))

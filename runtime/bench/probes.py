@@ -215,3 +215,55 @@ def transition_cost(
         "blocks": float(n_blocks),
         "tensors_per_block": 20.0,
     }
+
+
+# -- the device timeline of CUDA rows -----------------------------------------------------------
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+"""CUDA runtime calls that block the host until the device caught up (a host sync)."""
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` spans (microseconds in, microseconds out)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the time covered by both span sets: ``|union(a) & union(b)|``."""
+    return union_us(a) + union_us(b) - union_us(a + b)
+
+
+def device_timeline(run, steps: int) -> dict[str, float]:
+    """Profile ``run()`` (``steps`` training steps on CUDA) with CPU and CUDA activities: host
+    syncs (``SYNC_CALLS``) per step, and the H2D copies against the compute kernels on the
+    device timeline: ``h2d_copy_ms`` per step (the union of ``Memcpy HtoD`` spans) and
+    ``h2d_hidden_fraction`` (the share of that time during which a kernel also ran; 1.0: every
+    copy hidden behind compute). Needs CUDA (the CUDA activity traces the runtime API calls and
+    the device spans; with the CPU activity alone neither is recorded).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    events = prof.events()
+    copies, kernels = [], []
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        if e.name.startswith("Memcpy HtoD"):
+            copies.append(span)
+        elif not e.name.startswith(("Memcpy", "Memset")):
+            kernels.append(span)
+    copy_us = union_us(copies)
+    return {
+        "host_syncs_per_step": sum(e.name in SYNC_CALLS for e in events) / steps,
+        "h2d_copy_ms_per_step": copy_us / 1e3 / steps,
+        "h2d_hidden_fraction": overlap_us(copies, kernels) / copy_us if copy_us else None,
+    }

@@ -356,3 +356,26 @@ def goals_text(items: list[dict[str, Any]]) -> str:
         note = f"  ({g['note']})" if g["note"] else ""
         lines.append(f"  {g['name']:<32} target {g['target']:<30} {measured:<40} {verdict}{note}")
     return "\n".join(lines)
+
+
+def timeline_text(rows: list[dict[str, Any]], peak_gbps: float | None) -> str:
+    """CUDA rows' device timeline (``probes.device_timeline``): H2D GB/s achieved against the
+    measured pinned-copy peak, the share of copy time hidden behind compute, host syncs per
+    step."""
+    peak = f"{peak_gbps:.1f}" if peak_gbps else "?"
+    lines = [
+        f"device timeline (2 profiled steps per row; pinned H2D peak {peak} GB/s):",
+        f"{'config':<40} {'H2D GB/s':>9} {'copy ms/st':>10} {'hidden':>7} {'syncs/st':>9}",
+    ]
+    for row in rows:
+        timeline = row.get("device_timeline")
+        if row["status"] != "ok" or not timeline:
+            continue
+        hidden = timeline["h2d_hidden_fraction"]
+        lines.append(
+            f"{_label(row):<40} {_num(row.get('h2d_achieved_gbps'), '.1f'):>9} "
+            f"{timeline['h2d_copy_ms_per_step']:>10.2f} "
+            f"{'-' if hidden is None else f'{hidden:.0%}':>7} "
+            f"{timeline['host_syncs_per_step']:>9.1f}"
+        )
+    return "\n".join(lines)

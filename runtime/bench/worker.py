@@ -22,6 +22,7 @@ from runtime.assets import build_model, model_class
 from runtime.bench.configs import BenchConfig, ModelInfo
 from runtime.bench.peers import GroupOffloadPeer, SaveOnCpuPeer, build_peer
 from runtime.bench.probes import (
+    device_timeline,
     host_bandwidth,
     keep_path_cost,
     pinned_h2d_bandwidth,
@@ -265,6 +266,14 @@ def _measure(
         )
     if config.keep_path_probe:
         out["keep_path"] = keep_path_cost(strategy, first_step=warmup + steps)
+    if device.type == "cuda":
+        # Two more steps under the profiler (after the timed ones: its overhead is not timed).
+        out["device_timeline"] = timeline = device_timeline(
+            lambda: train_steps(strategy, model, inputs, warmup=0, steps=2), steps=2
+        )
+        copy_ms = timeline["h2d_copy_ms_per_step"]
+        if copy_ms and out["h2d_bytes_per_step"]:
+            out["h2d_achieved_gbps"] = out["h2d_bytes_per_step"] / (copy_ms / 1e3) / 1e9
     if device.type != "cuda" and config.group != "ours":
         counted = counted_device_bytes(model, inputs)
         out.update(

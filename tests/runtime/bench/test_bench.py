@@ -11,7 +11,8 @@ import pytest
 
 from runtime.bench.cli import main, parse_args
 from runtime.bench.configs import CPU_PEER_NOTE
-from runtime.bench.report import add_ratios, table
+from runtime.bench.probes import overlap_us, union_us
+from runtime.bench.report import add_ratios, table, timeline_text
 
 MAIN_ROWS = [
     "baseline",
@@ -259,3 +260,32 @@ def test_each_round_is_compared_with_the_baseline_runs_around_it():
     for row in rows:
         row.update(label=row["name"], blocks=9, rss_peak_bytes=0, rss_growth_bytes=0)
     assert "1.00-2.00" in table(rows).splitlines()[2]
+
+
+def test_copy_time_hidden_behind_kernels_is_the_overlap_of_their_unions():
+    copies = [(0.0, 10.0), (5.0, 15.0), (30.0, 40.0)]  # 25 us of copying (the first two overlap)
+    kernels = [(8.0, 12.0), (11.0, 32.0), (50.0, 60.0)]  # 8-32 and 50-60
+    assert union_us(copies) == 25.0
+    assert union_us(kernels) == 34.0
+    assert overlap_us(copies, kernels) == 7.0 + 2.0  # 8-15 and 30-32
+    assert overlap_us(copies, []) == 0.0
+    assert overlap_us([(0.0, 4.0)], [(1.0, 2.0), (1.5, 3.0)]) == 2.0
+
+
+def test_device_timeline_lists_each_cuda_row():
+    row = {
+        "name": "stream_file",
+        "label": "stream, file-backed",
+        "status": "ok",
+        "blocks": 9,
+        "h2d_achieved_gbps": 21.25,
+        "device_timeline": {
+            "host_syncs_per_step": 3.5,
+            "h2d_copy_ms_per_step": 4.0,
+            "h2d_hidden_fraction": 0.875,
+        },
+    }
+    text = timeline_text([row, {"name": "peer", "status": "n/a"}], 25.0)
+    assert "peak 25.0 GB/s" in text.splitlines()[0]
+    assert text.splitlines()[2].split()[-4:] == ["21.2", "4.00", "88%", "3.5"]
+    assert len(text.splitlines()) == 3
