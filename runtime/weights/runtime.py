@@ -43,9 +43,10 @@ from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.hooks import WeightView, wrap_outputs
 from runtime.weights.optimizer import trainable_on_device
+from runtime.weights.policy import make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
-from runtime.weights.scheduler import BlockScheduler, make_room, release_after_use
+from runtime.weights.scheduler import BlockScheduler
 from runtime.weights.sources import SafetensorsCheckpoint
 from runtime.weights.transfer import TransferEngine
 
@@ -387,53 +388,40 @@ class StagehandRuntime:
             self._by_ptr[slot.param.data_ptr()] = slot
 
     def _prefetch(self) -> None:
-        for index in self.scheduler.upcoming():
-            block = self.blocks[index]
-            if block.state is not BlockState.UNLOADED:
-                continue
-            if not self._make_room(block):
-                self.counts.prefetch_skipped += 1  # would cross the high watermark
-                return
-            grant = None
-            if self.conductor is not None:
-                grant = self.conductor.request_transfer("h2d", "speculative")
-                if not grant.granted:
-                    self.counts.prefetch_skipped += 1
-                    return
-            if not self.transfer.load(block, speculative=True, grant=grant):
-                if grant is not None:
-                    grant.release()
-                self.counts.prefetch_skipped += 1
-                return
-            block.prefetched = True
-            self.counts.blocks_loaded += 1
-            self._emit_block("load", block, prefetch=True)
+        if not prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
+            self.counts.prefetch_skipped += 1
 
     def _make_room(self, block: Block) -> bool:
-        """Whether ``block`` fits under the high watermark (``scheduler.make_room``)."""
+        """Whether ``block`` fits under the high watermark (``policy.make_room``)."""
         usage = self.memory.usage_bytes
-        return make_room(
-            self.scheduler, block, block.nbytes, self.high_mb * MB, usage, self._idle, self._evict
-        )
+        high = self.high_mb * MB
+        return make_room(self.scheduler, self.blocks, self._active, block, high, usage, self._evict)
 
-    def _idle(self, keep: Iterable[int] = ()) -> list[Block]:
-        """Blocks on the device that may be evicted: not resident, not in use, not in ``keep``."""
-        return [
-            b
-            for b in self.blocks
-            if b.on_device
-            and not b.resident
-            and b.index not in self._active
-            and b.index not in keep
-        ]
+    def _load_ahead(self, block: Block) -> bool:
+        """Issue ``block``'s speculative load under the Conductor's grant; False when not issued
+        (no grant, no slab or copy slot)."""
+        grant = None
+        if self.conductor is not None:
+            grant = self.conductor.request_transfer("h2d", "speculative")
+            if not grant.granted:
+                return False
+        if not self.transfer.load(block, speculative=True, grant=grant):
+            if grant is not None:
+                grant.release()
+            return False
+        block.prefetched = True
+        self.counts.blocks_loaded += 1
+        self._emit_block("load", block, prefetch=True)
+        return True
 
     def _done(self, block: Block) -> None:
         self._active.discard(block.index)
         self._began.pop(block.index, None)
         if block.on_device and not block.resident:
-            usage = self.memory.usage_bytes
-            low = self.low_mb * MB
-            release_after_use(self.scheduler, block, low, usage, self._idle, self._evict)
+            usage, low = self.memory.usage_bytes, self.low_mb * MB
+            release_after_use(
+                self.scheduler, self.blocks, self._active, block, low, usage, self._evict
+            )
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:
