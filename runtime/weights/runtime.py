@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +40,7 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
+from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.hooks import WeightView, wrap_outputs
 from runtime.weights.optimizer import trainable_on_device
 from runtime.weights.policy import make_room, prefetch, release_after_use
@@ -49,24 +49,6 @@ from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
 from runtime.weights.scheduler import BlockScheduler
 from runtime.weights.sources import SafetensorsCheckpoint
 from runtime.weights.transfer import TransferEngine
-
-
-@dataclass
-class StepCounts:
-    """The weight runtime's work in one step (reset at each step's start)."""
-
-    blocks_loaded: int = 0
-    """Blocks whose H2D copy was issued (demand loads and prefetches)."""
-    blocks_evicted: int = 0
-    prefetch_hits: int = 0
-    """Uses that found the block prefetched."""
-    prefetch_misses: int = 0
-    """Uses that had to load the block on demand."""
-    prefetch_skipped: int = 0
-    """Prefetches not issued: the high watermark, no slab or slot, or the Conductor said no."""
-    stall_time_ms: float = 0.0
-    """Host time the compute waited for demand loads (ms)."""
-
 
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
 """Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
@@ -160,8 +142,6 @@ class StagehandRuntime:
         self._open = self._explicit = self._saw_backward = False
         self._first_block: int | None = None
         self.counts = StepCounts()
-        self._h2d_at_begin = self._reads_at_begin = self._pageable_at_begin = 0
-        self._read_bytes_at_begin = 0
         self._last: dict[str, Any] = {}
         self._closed = False
 
@@ -190,11 +170,7 @@ class StagehandRuntime:
     def _start(self, step: int, explicit: bool) -> None:
         self.step, self._open, self._explicit = step, True, explicit
         self._saw_backward, self._first_block = False, None
-        self.counts = StepCounts()
-        self._h2d_at_begin = self.transfer.h2d_bytes
-        self._reads_at_begin = self._file_reads()
-        self._read_bytes_at_begin = self.source.read_bytes if self.source is not None else 0
-        self._pageable_at_begin = self.transfer.stream.pageable_copies
+        self.counts = StepCounts(at_begin=self._totals())
         self._t_step = time.perf_counter()
         if self._owns_memory:
             self.memory.reset_peak()
@@ -211,12 +187,7 @@ class StagehandRuntime:
         self._open = False
         mem = self.memory.snapshot()
         self._last = {
-            **self.counters(),
-            "prefetch_skipped": self.counts.prefetch_skipped,
-            "stall_time_ms": self.counts.stall_time_ms,
-            "file_read_bytes": (
-                self.source.read_bytes - self._read_bytes_at_begin if self.source is not None else 0
-            ),
+            **self.counts.record(self._totals()),
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
@@ -236,19 +207,16 @@ class StagehandRuntime:
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
         from the safetensors files), ``h2d_bytes`` (bytes copied to the device) and
         ``pageable_copies`` (copies a pageable host buffer made synchronous; 0 expected)."""
-        c = self.counts
-        return {
-            "blocks_loaded": c.blocks_loaded,
-            "blocks_evicted": c.blocks_evicted,
-            "prefetch_hits": c.prefetch_hits,
-            "prefetch_misses": c.prefetch_misses,
-            "file_reads": self._file_reads() - self._reads_at_begin,
-            "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
-            "pageable_copies": self.transfer.stream.pageable_copies - self._pageable_at_begin,
-        }
+        return self.counts.counters(self._totals())
 
-    def _file_reads(self) -> int:
-        return self.source.reads if self.source is not None else 0
+    def _totals(self) -> Totals:
+        source, transfer = self.source, self.transfer
+        return Totals(
+            h2d_bytes=transfer.h2d_bytes,
+            file_reads=source.reads if source is not None else 0,
+            file_read_bytes=source.read_bytes if source is not None else 0,
+            pageable_copies=transfer.stream.pageable_copies,
+        )
 
     def step_metrics(self) -> dict[str, Any]:
         """The last closed step's ``stagehand/step`` fields (docs/contracts.md)."""
