@@ -4,7 +4,7 @@ Usage (standalone)::
 
     runtime = StagehandRuntime(model, StagehandConfig(...), device="cuda", checkpoint_dir=folder)
     for step in range(steps):
-        runtime.begin_step(step)                 # optional: steps are detected when omitted
+        runtime.begin_step(step)                 # optional: NOTE [ Step boundaries ]
         with runtime.managed_forward():
             loss = loss_fn(model(**inputs))
         with runtime.managed_backward():
@@ -16,9 +16,20 @@ Usage (standalone)::
     runtime.close()
 
 A composed strategy builds one ``SavedTensorRouter([weights.packer, activations.packer])`` and
-passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Backward block
-boundaries ] and NOTE [ Saved weight views ] (hooks.py). Source:
-``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Eviction
+policy ] (policy.py), NOTE [ Backward block boundaries ] and NOTE [ Saved weight views ]
+(hooks.py). Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+
+# NOTE [ Step boundaries ]
+The runtime's steps are the phases of ``runtime/common/phases.py``, in one ``PhaseMachine``:
+``begin_step`` enters STEP_BEGIN and ``end_step`` STEP_END; a block's forward enters FORWARD and
+the begin of a block's backward BACKWARD (OPTIMIZER is the strategy's alone: nothing here moves
+then). A composed strategy calls ``begin_step`` and ``end_step``. Without them one rule applies:
+a block's forward begins the next step when no step is open, or when the open step was not
+begun by ``begin_step`` and its forward is over: its backward began, or, forward only
+(inference mode or gradients off), its first block runs again. A step begun by ``begin_step``
+lasts until ``end_step``: a second forward inside it (gradient accumulation) is part of it and
+leaves the phase at BACKWARD. A backward run when no step is open enters no phase.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from torch import nn
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
 from runtime.common.nested import graph_task_id, in_backward
+from runtime.common.phases import Phase, PhaseMachine
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
@@ -49,6 +61,11 @@ from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
 from runtime.weights.scheduler import BlockScheduler
 from runtime.weights.sources import SafetensorsCheckpoint
 from runtime.weights.transfer import TransferEngine
+
+# Read at every block use: a module name costs a few ns, an enum attribute ~50 ns (Python 3.11).
+_STEP_BEGIN, _FORWARD, _BACKWARD = Phase.STEP_BEGIN, Phase.FORWARD, Phase.BACKWARD
+_OPEN = (Phase.STEP_BEGIN, Phase.FORWARD, Phase.BACKWARD)
+"""The phases of an open step (NOTE [ Step boundaries ])."""
 
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
 """Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
@@ -138,9 +155,11 @@ class StagehandRuntime:
                     partial(self._post_hook, block), with_kwargs=True
                 )
             )
+        self.phases = PhaseMachine()
+        """The step's phase (NOTE [ Step boundaries ])."""
         self.step: int | None = None
-        self._open = self._explicit = self._saw_backward = False
-        self._first_block: int | None = None
+        self._explicit = False  # the open step was begun by begin_step
+        self._first_block: int | None = None  # the open step's first block in forward
         self.counts = StepCounts()
         self._last: dict[str, Any] = {}
         self._closed = False
@@ -163,15 +182,14 @@ class StagehandRuntime:
     # -- steps ----------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Open step ``step`` (closing a step still open) and prefetch its first blocks."""
-        if self._open:
+        if self.phases.phase in _OPEN:
             self.end_step()
         self._start(step, explicit=True)
 
     def _start(self, step: int, explicit: bool) -> None:
-        self.step, self._open, self._explicit = step, True, explicit
-        self._saw_backward, self._first_block = False, None
+        self.phases.advance(Phase.STEP_BEGIN)
+        self.step, self._explicit, self._first_block = step, explicit, None
         self.counts = StepCounts(at_begin=self._totals())
-        self._t_step = time.perf_counter()
         if self._owns_memory:
             self.memory.reset_peak()
         self.telemetry.step = step  # a composed strategy sets the same number
@@ -179,12 +197,12 @@ class StagehandRuntime:
 
     def end_step(self) -> None:
         """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``."""
-        if not self._open:
+        if self.phases.phase not in _OPEN:
             return
         self._finish_backward()
         self.transfer.synchronize_d2h()
         traced = self.scheduler.end_step()
-        self._open = False
+        self.phases.advance(Phase.STEP_END)
         mem = self.memory.snapshot()
         self._last = {
             **self.counts.record(self._totals()),
@@ -197,7 +215,7 @@ class StagehandRuntime:
             "vram_low_watermark_mb": self.low_mb,
             "prefetch_window_blocks": self.scheduler.prefetch_window,  # the user's setting
             "trace_updated": traced,
-            "step_time_ms": (time.perf_counter() - self._t_step) * 1e3,
+            "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
         self.telemetry.emit("stagehand", "step", **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
@@ -223,20 +241,30 @@ class StagehandRuntime:
         return dict(self._last)
 
     def _forward_started(self, block: Block) -> None:
-        # Step boundaries when begin_step is not called: the first block's forward after a
-        # backward (or, forward-only, the first block again) starts a new step.
-        if self._explicit and self._open:
-            pass
-        elif not self._open:
-            self._start(0 if self.step is None else self.step + 1, explicit=False)
-        elif self._saw_backward or (
-            block.index == self._first_block
-            and (self.mode == "inference" or not torch.is_grad_enabled())
-        ):
+        """Enter FORWARD, beginning the next step first where NOTE [ Step boundaries ] says."""
+        phase = self.phases.phase
+        if phase is _FORWARD or phase is _BACKWARD:
+            if self._explicit:
+                return
+            again = block.index == self._first_block and (
+                self.mode == "inference" or not torch.is_grad_enabled()
+            )
+            if phase is _FORWARD and not again:
+                return
             self.end_step()
-            self._start(self.step + 1, explicit=False)
-        if self._first_block is None:
-            self._first_block = block.index
+        if self.phases.phase is not _STEP_BEGIN:  # no step open
+            self._start(0 if self.step is None else self.step + 1, explicit=False)
+        self.phases.advance(Phase.FORWARD)
+        self._first_block = block.index
+
+    def _backward_started(self) -> None:
+        """Enter BACKWARD (NOTE [ Step boundaries ]); from STEP_BEGIN through FORWARD: the
+        backward of a forward run before ``begin_step`` is this step's."""
+        phase = self.phases.phase
+        if phase is _STEP_BEGIN:
+            self.phases.advance(Phase.FORWARD)
+        if phase is _STEP_BEGIN or phase is _FORWARD:
+            self.phases.advance(Phase.BACKWARD)
 
     # -- contexts -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -288,7 +316,8 @@ class StagehandRuntime:
 
     def _backward_begin(self, block: Block) -> None:
         # The begin of one block's backward is the end of every other block's (see the NOTE).
-        self._saw_backward = True
+        if self.phases.phase is not _BACKWARD:
+            self._backward_started()
         self._end_others(block)
         self._began[block.index] = graph_task_id()
         self._use(block, "backward")
@@ -307,7 +336,8 @@ class StagehandRuntime:
                 self._backward_end(self.blocks[index])
 
     def _backward_end(self, block: Block) -> None:
-        self._emit_block("exit", block, direction="backward" if self._saw_backward else "forward")
+        backward = self.phases.phase is _BACKWARD or in_backward()
+        self._emit_block("exit", block, direction="backward" if backward else "forward")
         self._done(block)
 
     def _finish_backward(self) -> None:
