@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
-from functools import partial
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,18 +45,17 @@ from torch import nn
 
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
-from runtime.common.nested import graph_task_id, in_backward
 from runtime.common.phases import Phase, PhaseMachine
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
-from runtime.weights.hooks import WeightView, wrap_outputs
+from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.optimizer import trainable_on_device
 from runtime.weights.policy import make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
-from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
+from runtime.weights.registry import Block, BlockState, find_blocks
 from runtime.weights.scheduler import BlockScheduler
 from runtime.weights.sources import SafetensorsCheckpoint
 from runtime.weights.transfer import TransferEngine
@@ -138,25 +136,24 @@ class StagehandRuntime:
             reader_threads=readers,
             reader_min_bytes=int(config.reader_min_block_mb * MB),
         )
+        self.views = SavedViews(self._ensure_loaded)
+        self.packer = self.views.pack
+        """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None
+        (NOTE [ Saved weight views ] in hooks.py)."""
         self.router = SavedTensorRouter([self.packer])
-        self._by_storage: dict[int, Block] = {}
-        self._by_ptr: dict[int, ParamSlot] = {}
-        self._active: set[int] = set()
-        self._began: dict[int, int] = {}  # block index -> graph task its backward began in
-        self._handles = []
-        for block in self.blocks:
-            self._handles.append(
-                block.module.register_forward_pre_hook(
-                    partial(self._pre_hook, block), with_kwargs=True
-                )
-            )
-            self._handles.append(
-                block.module.register_forward_hook(
-                    partial(self._post_hook, block), with_kwargs=True
-                )
-            )
+        self._active: set[int] = set()  # blocks between a use's begin and end
         self.phases = PhaseMachine()
         """The step's phase (NOTE [ Step boundaries ])."""
+        self.boundaries = BlockBoundaries(
+            self.blocks,
+            self._active,
+            self.phases,
+            training=mode == "training",
+            forward_started=self._forward_started,
+            backward_started=self._backward_started,
+            use=self._use,
+            done=self._done,
+        )
         self.step: int | None = None
         self._explicit = False  # the open step was begun by begin_step
         self._first_block: int | None = None  # the open step's first block in forward
@@ -199,7 +196,7 @@ class StagehandRuntime:
         """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``."""
         if self.phases.phase not in _OPEN:
             return
-        self._finish_backward()
+        self.boundaries.finish()
         self.transfer.synchronize_d2h()
         traced = self.scheduler.end_step()
         self.phases.advance(Phase.STEP_END)
@@ -279,7 +276,7 @@ class StagehandRuntime:
         """Backward; on exit, blocks whose end boundary did not fire are finished and gradient
         copies to the host are waited on (they may be read next)."""
         yield
-        self._finish_backward()
+        self.boundaries.finish()
         self.transfer.synchronize_d2h()
 
     def optimizer_context(
@@ -292,58 +289,6 @@ class StagehandRuntime:
             if block.state is BlockState.PREFETCHING:
                 self._ready(block)
         return trainable_on_device(self.blocks, self.device, self.memory, optimizer)
-
-    # -- hooks ----------------------------------------------------------------------------------
-    def _pre_hook(self, block: Block, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if in_backward():
-            self._end_nested(block)
-            self._use(block, "recompute")
-        else:
-            self._forward_started(block)
-            self._use(block, "forward")
-
-    def _post_hook(
-        self, block: Block, module: nn.Module, args: tuple, kwargs: dict, output: Any
-    ) -> Any:
-        if not in_backward():
-            self._emit_block("exit", block, direction="forward")
-            self._done(block)
-        if self.mode != "training" or not torch.is_grad_enabled():
-            return None
-        # In a recomputation too: a reentrant checkpoint's nested backward starts at these
-        # outputs (NOTE [ Backward block boundaries ]); a non-reentrant one never runs them.
-        return wrap_outputs(output, partial(self._backward_begin, block))
-
-    def _backward_begin(self, block: Block) -> None:
-        # The begin of one block's backward is the end of every other block's (see the NOTE).
-        if self.phases.phase is not _BACKWARD:
-            self._backward_started()
-        self._end_others(block)
-        self._began[block.index] = graph_task_id()
-        self._use(block, "backward")
-
-    def _end_nested(self, block: Block) -> None:
-        # A reentrant checkpoint's recomputation runs in the outer backward, after the nested
-        # backward of the block before it returned: a block whose backward began in another
-        # graph task is done (see the NOTE). A non-reentrant one shares the outer graph task.
-        task = graph_task_id()
-        self._end_others(block, lambda index: self._began.get(index) not in (None, task))
-
-    def _end_others(self, block: Block, ended: Callable[[int], bool] | None = None) -> None:
-        """End the backward of every active block other than ``block`` (those ``ended`` says)."""
-        for index in sorted(self._active - {block.index}, reverse=True):
-            if ended is None or ended(index):
-                self._backward_end(self.blocks[index])
-
-    def _backward_end(self, block: Block) -> None:
-        backward = self.phases.phase is _BACKWARD or in_backward()
-        self._emit_block("exit", block, direction="backward" if backward else "forward")
-        self._done(block)
-
-    def _finish_backward(self) -> None:
-        # The last block of backward (no next begin ends it), or blocks an error left in use.
-        for index in sorted(self._active, reverse=True):
-            self._backward_end(self.blocks[index])
 
     # -- scheduling -----------------------------------------------------------------------------
     def _use(self, block: Block, direction: str) -> None:
@@ -381,9 +326,7 @@ class StagehandRuntime:
 
     def _ready(self, block: Block) -> None:
         self.transfer.ready(block)
-        self._by_storage[block.flat.untyped_storage().data_ptr()] = block
-        for slot in block.layout:
-            self._by_ptr[slot.param.data_ptr()] = slot
+        self.views.add(block)
 
     def _prefetch(self) -> None:
         if not prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
@@ -412,9 +355,9 @@ class StagehandRuntime:
         self._emit_block("load", block, prefetch=True)
         return True
 
-    def _done(self, block: Block) -> None:
+    def _done(self, block: Block, direction: str) -> None:
+        self._emit_block("exit", block, direction=direction)
         self._active.discard(block.index)
-        self._began.pop(block.index, None)
         if block.on_device and not block.resident:
             usage, low = self.memory.usage_bytes, self.low_mb * MB
             release_after_use(
@@ -423,10 +366,7 @@ class StagehandRuntime:
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:
-        if block.flat is not None:
-            self._by_storage.pop(block.flat.untyped_storage().data_ptr(), None)
-        for slot in block.layout:
-            self._by_ptr.pop(slot.param.data_ptr(), None)
+        self.views.discard(block)
         self.transfer.evict(block)
         self.counts.blocks_evicted += 1
         self._emit_block("evict", block, **fields)
@@ -461,18 +401,6 @@ class StagehandRuntime:
         return [b.index for b in stale]
 
     # -- saved weight views ---------------------------------------------------------------------
-    def packer(self, tensor: torch.Tensor) -> WeightView | None:
-        """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None.
-        O(1): two dict lookups (see NOTE [ Saved weight views ] in hooks.py)."""
-        block = self._by_storage.get(tensor.untyped_storage().data_ptr())
-        if block is None or tensor.device != block.flat.device:
-            return None
-        slot = self._by_ptr.get(tensor.data_ptr())
-        if slot is None:
-            byte = tensor.data_ptr() - block.flat.data_ptr()
-            slot = next(s for s in block.layout if s.offset <= byte < s.offset + max(s.nbytes, 1))
-        return WeightView(partial(self._ensure_loaded, block), slot, tensor)
-
     def _ensure_loaded(self, block: Block) -> None:
         if block.state is not BlockState.GPU_READY:
             self._ensure(block)
@@ -501,8 +429,7 @@ class StagehandRuntime:
         if self._closed:
             return
         self.end_step()
-        for handle in self._handles:
-            handle.remove()
+        self.boundaries.remove()
         for block in self.blocks:
             if block.on_device:
                 self._evict(block)
@@ -514,8 +441,7 @@ class StagehandRuntime:
         if self.source is not None:
             self.source.close()
         self.memory.untrack(self.resident_bytes, "weights")
-        self._by_storage.clear()
-        self._by_ptr.clear()
+        self.views.clear()
         if self._owns_telemetry:
             self.telemetry.close()
         self._closed = True
