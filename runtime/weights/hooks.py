@@ -100,7 +100,7 @@ class BlockBoundaries:
     """Where each use of each block begins and ends: the blocks' forward pre- and post-hooks,
     and ``_BackwardBegin`` on their outputs (NOTE [ Backward block boundaries ]).
 
-    ``StagehandRuntime`` installs it and is told, in order: ``forward_started(block)`` before a
+    ``StagehandRuntime`` installs it and is told, in order: ``forward_started(index)`` before a
     block's forward use (its step boundaries), ``backward_started()`` when a block's backward
     begins outside BACKWARD, ``use(block, direction)`` when a use begins (``"forward"``,
     ``"backward"`` or ``"recompute"``) and ``done(block, direction)`` when it ended
@@ -116,7 +116,7 @@ class BlockBoundaries:
         phases: PhaseMachine,
         *,
         training: bool,
-        forward_started: Callable[[Block], None],
+        forward_started: Callable[[int], None],
         backward_started: Callable[[], None],
         use: Callable[[Block, str], None],
         done: Callable[[Block, str], None],
@@ -143,7 +143,7 @@ class BlockBoundaries:
             self._end_nested(block)
             self.use(block, "recompute")
         else:
-            self.forward_started(block)
+            self.forward_started(block.index)
             self.use(block, "forward")
 
     def _post_hook(self, block: Block, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:

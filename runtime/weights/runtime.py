@@ -17,19 +17,9 @@ Usage (standalone)::
 
 A composed strategy builds one ``SavedTensorRouter([weights.packer, activations.packer])`` and
 passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Eviction
-policy ] (policy.py), NOTE [ Backward block boundaries ] and NOTE [ Saved weight views ]
-(hooks.py). Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+policy ] (policy.py), NOTE [ Step boundaries ] (steps.py), NOTE [ Backward block boundaries ]
+and NOTE [ Saved weight views ] (hooks.py). Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
 
-# NOTE [ Step boundaries ]
-The runtime's steps are the phases of ``runtime/common/phases.py``, in one ``PhaseMachine``:
-``begin_step`` enters STEP_BEGIN and ``end_step`` STEP_END; a block's forward enters FORWARD and
-the begin of a block's backward BACKWARD (OPTIMIZER is the strategy's alone: nothing here moves
-then). A composed strategy calls ``begin_step`` and ``end_step``. Without them one rule applies:
-a block's forward begins the next step when no step is open, or when the open step was not
-begun by ``begin_step`` and its forward is over: its backward began, or, forward only
-(inference mode or gradients off), its first block runs again. A step begun by ``begin_step``
-lasts until ``end_step``: a second forward inside it (gradient accumulation) is part of it and
-leaves the phase at BACKWARD. A backward run when no step is open enters no phase.
 """
 
 from __future__ import annotations
@@ -37,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +36,6 @@ from torch import nn
 
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
-from runtime.common.phases import Phase, PhaseMachine
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
@@ -53,17 +43,13 @@ from runtime.weights.convert import check_sizes, place_resident, register_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.optimizer import trainable_on_device
-from runtime.weights.policy import make_room, prefetch, release_after_use
+from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, find_blocks
 from runtime.weights.scheduler import BlockScheduler
 from runtime.weights.sources import SafetensorsCheckpoint
+from runtime.weights.steps import StepBoundaries
 from runtime.weights.transfer import TransferEngine
-
-# Read at every block use: a module name costs a few ns, an enum attribute ~50 ns (Python 3.11).
-_STEP_BEGIN, _FORWARD, _BACKWARD = Phase.STEP_BEGIN, Phase.FORWARD, Phase.BACKWARD
-_OPEN = (Phase.STEP_BEGIN, Phase.FORWARD, Phase.BACKWARD)
-"""The phases of an open step (NOTE [ Step boundaries ])."""
 
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
 """Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
@@ -142,21 +128,23 @@ class StagehandRuntime:
         (NOTE [ Saved weight views ] in hooks.py)."""
         self.router = SavedTensorRouter([self.packer])
         self._active: set[int] = set()  # blocks between a use's begin and end
-        self.phases = PhaseMachine()
-        """The step's phase (NOTE [ Step boundaries ])."""
+        self.steps = StepBoundaries(
+            inference=mode == "inference",
+            begin=partial(self._start, explicit=False),
+            end=self.end_step,
+        )
+        self.phases = self.steps.phases
+        """The step's phase (NOTE [ Step boundaries ] in steps.py)."""
         self.boundaries = BlockBoundaries(
             self.blocks,
             self._active,
             self.phases,
             training=mode == "training",
-            forward_started=self._forward_started,
-            backward_started=self._backward_started,
+            forward_started=self.steps.forward,
+            backward_started=self.steps.backward,
             use=self._use,
             done=self._done,
         )
-        self.step: int | None = None
-        self._explicit = False  # the open step was begun by begin_step
-        self._first_block: int | None = None  # the open step's first block in forward
         self.counts = StepCounts()
         self._last: dict[str, Any] = {}
         self._closed = False
@@ -179,13 +167,17 @@ class StagehandRuntime:
     # -- steps ----------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Open step ``step`` (closing a step still open) and prefetch its first blocks."""
-        if self.phases.phase in _OPEN:
+        if self.steps.open:
             self.end_step()
         self._start(step, explicit=True)
 
+    @property
+    def step(self) -> int | None:
+        """The open (or last) step's number."""
+        return self.steps.step
+
     def _start(self, step: int, explicit: bool) -> None:
-        self.phases.advance(Phase.STEP_BEGIN)
-        self.step, self._explicit, self._first_block = step, explicit, None
+        self.steps.enter_step(step, explicit)
         self.counts = StepCounts(at_begin=self._totals())
         if self._owns_memory:
             self.memory.reset_peak()
@@ -194,12 +186,12 @@ class StagehandRuntime:
 
     def end_step(self) -> None:
         """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``."""
-        if self.phases.phase not in _OPEN:
+        if not self.steps.open:
             return
         self.boundaries.finish()
         self.transfer.synchronize_d2h()
         traced = self.scheduler.end_step()
-        self.phases.advance(Phase.STEP_END)
+        self.steps.leave_step()
         mem = self.memory.snapshot()
         self._last = {
             **self.counts.record(self._totals()),
@@ -236,32 +228,6 @@ class StagehandRuntime:
     def step_metrics(self) -> dict[str, Any]:
         """The last closed step's ``stagehand/step`` fields (docs/contracts.md)."""
         return dict(self._last)
-
-    def _forward_started(self, block: Block) -> None:
-        """Enter FORWARD, beginning the next step first where NOTE [ Step boundaries ] says."""
-        phase = self.phases.phase
-        if phase is _FORWARD or phase is _BACKWARD:
-            if self._explicit:
-                return
-            again = block.index == self._first_block and (
-                self.mode == "inference" or not torch.is_grad_enabled()
-            )
-            if phase is _FORWARD and not again:
-                return
-            self.end_step()
-        if self.phases.phase is not _STEP_BEGIN:  # no step open
-            self._start(0 if self.step is None else self.step + 1, explicit=False)
-        self.phases.advance(Phase.FORWARD)
-        self._first_block = block.index
-
-    def _backward_started(self) -> None:
-        """Enter BACKWARD (NOTE [ Step boundaries ]); from STEP_BEGIN through FORWARD: the
-        backward of a forward run before ``begin_step`` is this step's."""
-        phase = self.phases.phase
-        if phase is _STEP_BEGIN:
-            self.phases.advance(Phase.FORWARD)
-        if phase is _STEP_BEGIN or phase is _FORWARD:
-            self.phases.advance(Phase.BACKWARD)
 
     # -- contexts -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -394,7 +360,7 @@ class StagehandRuntime:
         stopped early, an exception mid-block). Returns the evicted indices; each eviction is a
         ``stagehand/block`` ``evict`` record with ``reason: "stale"``."""
         keep = set(keep) | set(self.scheduler.upcoming())
-        stale = [b for b in self.blocks if b.on_device and not b.resident and b.index not in keep]
+        stale = evictable(self.blocks, (), keep)
         for block in stale:
             self._active.discard(block.index)
             self._evict(block, reason="stale")

@@ -1,14 +1,81 @@
-"""Step boundaries on the phase vocabulary (NOTE [ Step boundaries ] in runtime/weights/runtime.py)."""
+"""Step boundaries on the phase vocabulary (NOTE [ Step boundaries ] in runtime/weights/steps.py):
+the rule alone, then through the runtime on a tiny model."""
 
 import torch
 
 from runtime.common import ListSink, Telemetry
 from runtime.common.phases import Phase
 from runtime.weights import StagehandRuntime
+from runtime.weights.steps import StepBoundaries
 
 from ._train import Wide, config
 
 N_BLOCKS = 3
+
+
+def _rule(inference=False):
+    """``StepBoundaries`` whose runtime callbacks only log (and enter/leave the step)."""
+    log = []
+
+    def begin(step):
+        log.append(("begin", step))
+        steps.enter_step(step, explicit=False)
+
+    def end():
+        log.append("end")
+        steps.leave_step()
+
+    steps = StepBoundaries(inference=inference, begin=begin, end=end)
+    return steps, log
+
+
+def test_rule_without_begin_step_training():
+    steps, log = _rule()
+    steps.forward(0)
+    steps.forward(1)
+    steps.forward(0)  # gradients on, no backward yet: the same step
+    assert (log, steps.phases.phase, steps.step) == ([("begin", 0)], Phase.FORWARD, 0)
+    steps.backward()
+    steps.backward()
+    assert steps.phases.phase is Phase.BACKWARD
+    steps.forward(0)  # a forward after backward began: the next step
+    assert log == [("begin", 0), "end", ("begin", 1)]
+    assert (steps.phases.phase, steps.step, steps.first_block) == (Phase.FORWARD, 1, 0)
+
+
+def test_rule_without_begin_step_forward_only():
+    steps, log = _rule(inference=True)
+    for index in (0, 1, 2, 0, 1, 2):
+        steps.forward(index)
+    assert log == [("begin", 0), "end", ("begin", 1)]
+    steps, log = _rule()
+    with torch.no_grad():
+        for index in (3, 4, 3):  # the first block again, forward only
+            steps.forward(index)
+    assert log == [("begin", 0), "end", ("begin", 1)]
+
+
+def test_rule_in_a_step_begun_by_begin_step():
+    steps, log = _rule(inference=True)
+    steps.enter_step(5, explicit=True)
+    steps.forward(0)
+    steps.forward(0)
+    steps.backward()
+    steps.forward(0)  # gradient accumulation: same step, the phase stays BACKWARD
+    assert (log, steps.phases.phase, steps.step) == ([], Phase.BACKWARD, 5)
+    steps.leave_step()
+    steps.forward(0)  # no step open: the next one begins
+    assert (log, steps.step, steps.explicit) == ([("begin", 6)], 6, False)
+
+
+def test_rule_backward_before_forward_and_outside_a_step():
+    steps, _ = _rule()
+    steps.enter_step(0, explicit=True)
+    steps.backward()  # of a forward run before begin_step: this step's
+    assert steps.phases.phase is Phase.BACKWARD
+    steps.leave_step()
+    steps.backward()  # no step open: no phase entered
+    assert (steps.open, steps.phases.phase) == (False, Phase.STEP_END)
 
 
 def _runtime():
