@@ -20,6 +20,9 @@ passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ 
 policy ] (policy.py), NOTE [ Step boundaries ] (steps.py), NOTE [ Backward block boundaries ]
 and NOTE [ Saved weight views ] (hooks.py). Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
 
+The runtime holds the lifecycle (set-up, steps, contexts, close) and applies the policy's
+decisions (loads, evictions, counts and ``stagehand/block`` records); what to evict and prefetch
+is decided in ``policy.py``, step boundaries in ``steps.py``, block boundaries in ``hooks.py``.
 """
 
 from __future__ import annotations
@@ -256,7 +259,7 @@ class StagehandRuntime:
                 self._ready(block)
         return trainable_on_device(self.blocks, self.device, self.memory, optimizer)
 
-    # -- scheduling -----------------------------------------------------------------------------
+    # -- scheduling: the policy's decisions applied (policy.py) ----------------------------------
     def _use(self, block: Block, direction: str) -> None:
         self.scheduler.record_use(block.index, recompute=direction == "recompute")
         self._active.add(block.index)
