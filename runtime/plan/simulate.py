@@ -2,10 +2,11 @@
 
 The simulation walks the use order the weight runtime traces (NOTE [ Block trace ]: forward
 blocks in order, then their backward in reverse; a checkpoint recomputation is part of its
-block's backward use) through a real ``BlockScheduler`` and the runtime's eviction policy
-(``make_room``, ``release_after_use`` in ``runtime/weights/scheduler.py``), and the activation
-runtime's spill decision (``ActivationBudgetManager.pressure``, hysteresis included) against a
-simulated ``DeviceMemory`` reading. What it adds is the clock: compute from FLOPs at the
+block's backward use) through a real ``BlockScheduler`` and the runtime's own prefetch and
+eviction policy (``prefetch``, ``make_room``, ``release_after_use`` in
+``runtime/weights/policy.py``), and the activation runtime's spill decision
+(``ActivationBudgetManager.pressure``, hysteresis included) against a simulated
+``DeviceMemory`` reading. What it adds is the clock: compute from FLOPs at the
 profile's TFLOPs times an efficiency, H2D copies at the profile's bandwidth on one copy engine
 with ``max_inflight_transfers`` slots and the pool's slabs, synchronous on a CPU device.
 
@@ -27,7 +28,8 @@ from runtime.activations.budget import ActivationBudgetManager
 from runtime.config import MB, MemoryConfig
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
-from runtime.weights.scheduler import BlockScheduler, make_room, release_after_use
+from runtime.weights.policy import make_room, prefetch, release_after_use
+from runtime.weights.scheduler import BlockScheduler
 
 
 class _Memory:
@@ -49,6 +51,7 @@ class _Block:
     on_device: bool = False
     ready_at: float = 0.0
     prefetched: bool = False
+    resident: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -120,13 +123,6 @@ class Simulation:
         r.curve.append((round(self.now, 4), self.mem.used, label))
 
     # -- weights ----------------------------------------------------------------------------------
-    def _idle(self, keep=()) -> list[_Block]:
-        return [
-            b
-            for b in self.blocks
-            if b.on_device and b.index not in self.active and b.index not in keep
-        ]
-
     def _evict(self, block: _Block) -> None:
         block.on_device = block.prefetched = False
         self._add(-block.nbytes, f"evict {block.info.name}")
@@ -164,19 +160,19 @@ class Simulation:
         return True
 
     def _prefetch(self) -> None:
-        # The loop of StagehandRuntime._prefetch, over the runtime's make_room.
-        for index in self.scheduler.upcoming():
-            block = self.blocks[index]
-            if block.on_device:
-                continue
-            usage = self.mem.usage_bytes
-            if not make_room(
-                self.scheduler, block, block.nbytes, self.high, usage, self._idle, self._evict
-            ):
-                return
-            if not self._load(block, speculative=True):
-                return
-            block.prefetched = True
+        prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead)
+
+    def _make_room(self, block: _Block) -> bool:
+        usage = self.mem.usage_bytes
+        return make_room(
+            self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
+        )
+
+    def _load_ahead(self, block: _Block) -> bool:
+        if not self._load(block, speculative=True):
+            return False
+        block.prefetched = True
+        return True
 
     def _use(self, block: _Block) -> None:
         self.scheduler.record_use(block.index)
@@ -193,7 +189,9 @@ class Simulation:
         self.active.discard(block.index)
         if block.on_device:
             usage = self.mem.usage_bytes
-            release_after_use(self.scheduler, block, self.low, usage, self._idle, self._evict)
+            release_after_use(
+                self.scheduler, self.blocks, self.active, block, self.low, usage, self._evict
+            )
         self._prefetch()
 
     # -- activations ------------------------------------------------------------------------------

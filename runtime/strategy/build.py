@@ -30,7 +30,8 @@ def build_strategy(
       spill alone).
     - ``"layer_offload"``: ``LayerOffloadStrategy`` (the first ``(1 - layer_offload_fraction)
       x N`` blocks resident, the rest loaded before and evicted after each layer, checkpointed
-      layers with activations moved to the host between them; ``runtime/layer_offload``).
+      layers with activations moved to the host between them; ``runtime/layer_offload``,
+      ``runtime.strategy.layer_offload``).
 
     ``checkpoint_dir`` is the model's safetensors folder (sharded or not); with it, frozen block
     weights stream from the files (file-backed) instead of being kept in host RAM.
@@ -58,7 +59,7 @@ def build_strategy(
             mode=mode,
         )
     if memory.strategy == "layer_offload":
-        from runtime.layer_offload import LayerOffloadStrategy
+        from runtime.strategy.layer_offload import LayerOffloadStrategy
 
         return LayerOffloadStrategy(
             model,

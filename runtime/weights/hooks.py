@@ -1,4 +1,5 @@
-"""Autograd plumbing that lets forward hooks see backward, and the saved-weight-view handle.
+"""What autograd sees of the blocks: where each use begins and ends (``BlockBoundaries``), and
+saved views of block weights (``SavedViews``, ``WeightView``).
 
 # NOTE [ Backward block boundaries ]
 Forward hooks alone do not see backward. As in DeepSpeed ZeRO-3, the forward hook passes a
@@ -34,12 +35,17 @@ again and rebuilds the same view (size, stride, offset) over the parameter's cur
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from runtime.common.nested import flatten
+from runtime.common.nested import flatten, graph_task_id, in_backward
+from runtime.common.phases import Phase, PhaseMachine
+from runtime.weights.registry import Block, ParamSlot
+
+_BACKWARD = Phase.BACKWARD  # read at every block use: an enum attribute costs ~50 ns
 
 
 class _BackwardBegin(torch.autograd.Function):
@@ -88,3 +94,140 @@ class WeightView:
         self._ensure()
         data = self._slot.param.data
         return data.as_strided(self._size, self._stride, data.storage_offset() + self._offset)
+
+
+class BlockBoundaries:
+    """Where each use of each block begins and ends: the blocks' forward pre- and post-hooks,
+    and ``_BackwardBegin`` on their outputs (NOTE [ Backward block boundaries ]).
+
+    ``StagehandRuntime`` installs it and is told, in order: ``forward_started(index)`` before a
+    block's forward use (its step boundaries), ``backward_started()`` when a block's backward
+    begins outside BACKWARD, ``use(block, direction)`` when a use begins (``"forward"``,
+    ``"backward"`` or ``"recompute"``) and ``done(block, direction)`` when it ended
+    (``"forward"`` or ``"backward"``). ``active`` is the runtime's set of blocks in use (``use``
+    adds, ``done`` removes); ``phases`` its phase machine; ``training``: outputs are wrapped for
+    backward (while gradients are on).
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        active: set[int],
+        phases: PhaseMachine,
+        *,
+        training: bool,
+        forward_started: Callable[[int], None],
+        backward_started: Callable[[], None],
+        use: Callable[[Block, str], None],
+        done: Callable[[Block, str], None],
+    ) -> None:
+        self.blocks, self.active, self.phases, self.training = blocks, active, phases, training
+        self.forward_started, self.backward_started = forward_started, backward_started
+        self.use, self.done = use, done
+        self.began: dict[int, int] = {}  # block index -> graph task its backward began in
+        self.handles = []
+        for block in blocks:
+            self.handles.append(
+                block.module.register_forward_pre_hook(
+                    partial(self._pre_hook, block), with_kwargs=True
+                )
+            )
+            self.handles.append(
+                block.module.register_forward_hook(
+                    partial(self._post_hook, block), with_kwargs=True
+                )
+            )
+
+    def _pre_hook(self, block: Block, module: Any, args: tuple, kwargs: dict) -> None:
+        if in_backward():
+            self._end_nested(block)
+            self.use(block, "recompute")
+        else:
+            self.forward_started(block.index)
+            self.use(block, "forward")
+
+    def _post_hook(self, block: Block, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not in_backward():
+            self.began.pop(block.index, None)
+            self.done(block, "forward")
+        if not self.training or not torch.is_grad_enabled():
+            return None
+        # In a recomputation too: a reentrant checkpoint's nested backward starts at these
+        # outputs (NOTE [ Backward block boundaries ]); a non-reentrant one never runs them.
+        return wrap_outputs(output, partial(self._backward_begin, block))
+
+    def _backward_begin(self, block: Block) -> None:
+        # The begin of one block's backward is the end of every other block's (see the NOTE).
+        if self.phases.phase is not _BACKWARD:
+            self.backward_started()
+        self._end_others(block)
+        self.began[block.index] = graph_task_id()
+        self.use(block, "backward")
+
+    def _end_nested(self, block: Block) -> None:
+        # A reentrant checkpoint's recomputation runs in the outer backward, after the nested
+        # backward of the block before it returned: a block whose backward began in another
+        # graph task is done (see the NOTE). A non-reentrant one shares the outer graph task.
+        task = graph_task_id()
+        self._end_others(block, lambda index: self.began.get(index) not in (None, task))
+
+    def _end_others(self, block: Block, ended: Callable[[int], bool] | None = None) -> None:
+        """End the backward of every active block other than ``block`` (those ``ended`` says)."""
+        for index in sorted(self.active - {block.index}, reverse=True):
+            if ended is None or ended(index):
+                self._backward_end(self.blocks[index])
+
+    def _backward_end(self, block: Block) -> None:
+        self.began.pop(block.index, None)
+        backward = self.phases.phase is _BACKWARD or in_backward()
+        self.done(block, "backward" if backward else "forward")
+
+    def finish(self) -> None:
+        """End every use still open: the last block of backward (no next begin ends it), or
+        blocks an error left in use."""
+        for index in sorted(self.active, reverse=True):
+            self._backward_end(self.blocks[index])
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class SavedViews:
+    """The loaded blocks by buffer and parameter address, for the packer (NOTE [ Saved weight
+    views ]): ``add`` once a block is ready, ``discard`` before it is evicted. ``ensure(block)``
+    loads a block again (a view of an evicted block unpacked in backward)."""
+
+    def __init__(self, ensure: Callable[[Block], None]) -> None:
+        self.ensure = ensure
+        self.by_storage: dict[int, Block] = {}
+        self.by_ptr: dict[int, ParamSlot] = {}
+
+    def add(self, block: Block) -> None:
+        self.by_storage[block.flat.untyped_storage().data_ptr()] = block
+        for slot in block.layout:
+            self.by_ptr[slot.param.data_ptr()] = slot
+
+    def discard(self, block: Block) -> None:
+        if block.flat is not None:
+            self.by_storage.pop(block.flat.untyped_storage().data_ptr(), None)
+        for slot in block.layout:
+            self.by_ptr.pop(slot.param.data_ptr(), None)
+
+    def pack(self, tensor: torch.Tensor) -> WeightView | None:
+        """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None.
+        O(1): two dict lookups."""
+        block = self.by_storage.get(tensor.untyped_storage().data_ptr())
+        if block is None or tensor.device != block.flat.device:
+            return None
+        slot = self.by_ptr.get(tensor.data_ptr())
+        if slot is None:
+            byte = tensor.data_ptr() - block.flat.data_ptr()
+            slot = next(s for s in block.layout if s.offset <= byte < s.offset + max(s.nbytes, 1))
+        return WeightView(partial(self.ensure, block), slot, tensor)
+
+    def clear(self) -> None:
+        self.by_storage.clear()
+        self.by_ptr.clear()

@@ -4,7 +4,7 @@ Usage (standalone)::
 
     runtime = StagehandRuntime(model, StagehandConfig(...), device="cuda", checkpoint_dir=folder)
     for step in range(steps):
-        runtime.begin_step(step)                 # optional: steps are detected when omitted
+        runtime.begin_step(step)                 # optional: NOTE [ Step boundaries ]
         with runtime.managed_forward():
             loss = loss_fn(model(**inputs))
         with runtime.managed_backward():
@@ -16,17 +16,20 @@ Usage (standalone)::
     runtime.close()
 
 A composed strategy builds one ``SavedTensorRouter([weights.packer, activations.packer])`` and
-passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Backward block
-boundaries ] and NOTE [ Saved weight views ] (hooks.py). Source:
-``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Eviction
+policy ] (policy.py), NOTE [ Step boundaries ] (steps.py), NOTE [ Backward block boundaries ]
+and NOTE [ Saved weight views ] (hooks.py). Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+
+The runtime holds the lifecycle (set-up, steps, contexts, close) and applies the policy's
+decisions (loads, evictions, counts and ``stagehand/block`` records); what to evict and prefetch
+is decided in ``policy.py``, step boundaries in ``steps.py``, block boundaries in ``hooks.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -36,36 +39,20 @@ from torch import nn
 
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
-from runtime.common.nested import graph_task_id, in_backward
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
-from runtime.weights.hooks import WeightView, wrap_outputs
+from runtime.weights.counts import StepCounts, Totals
+from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.optimizer import trainable_on_device
+from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
-from runtime.weights.registry import Block, BlockState, ParamSlot, find_blocks
-from runtime.weights.scheduler import BlockScheduler, make_room, release_after_use
+from runtime.weights.registry import Block, BlockState, find_blocks
+from runtime.weights.scheduler import BlockScheduler
 from runtime.weights.sources import SafetensorsCheckpoint
+from runtime.weights.steps import StepBoundaries
 from runtime.weights.transfer import TransferEngine
-
-
-@dataclass
-class StepCounts:
-    """The weight runtime's work in one step (reset at each step's start)."""
-
-    blocks_loaded: int = 0
-    """Blocks whose H2D copy was issued (demand loads and prefetches)."""
-    blocks_evicted: int = 0
-    prefetch_hits: int = 0
-    """Uses that found the block prefetched."""
-    prefetch_misses: int = 0
-    """Uses that had to load the block on demand."""
-    prefetch_skipped: int = 0
-    """Prefetches not issued: the high watermark, no slab or slot, or the Conductor said no."""
-    stall_time_ms: float = 0.0
-    """Host time the compute waited for demand loads (ms)."""
-
 
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
 """Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
@@ -138,29 +125,30 @@ class StagehandRuntime:
             reader_threads=readers,
             reader_min_bytes=int(config.reader_min_block_mb * MB),
         )
+        self.views = SavedViews(self._ensure_loaded)
+        self.packer = self.views.pack
+        """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None
+        (NOTE [ Saved weight views ] in hooks.py)."""
         self.router = SavedTensorRouter([self.packer])
-        self._by_storage: dict[int, Block] = {}
-        self._by_ptr: dict[int, ParamSlot] = {}
-        self._active: set[int] = set()
-        self._began: dict[int, int] = {}  # block index -> graph task its backward began in
-        self._handles = []
-        for block in self.blocks:
-            self._handles.append(
-                block.module.register_forward_pre_hook(
-                    partial(self._pre_hook, block), with_kwargs=True
-                )
-            )
-            self._handles.append(
-                block.module.register_forward_hook(
-                    partial(self._post_hook, block), with_kwargs=True
-                )
-            )
-        self.step: int | None = None
-        self._open = self._explicit = self._saw_backward = False
-        self._first_block: int | None = None
+        self._active: set[int] = set()  # blocks between a use's begin and end
+        self.steps = StepBoundaries(
+            inference=mode == "inference",
+            begin=partial(self._start, explicit=False),
+            end=self.end_step,
+        )
+        self.phases = self.steps.phases
+        """The step's phase (NOTE [ Step boundaries ] in steps.py)."""
+        self.boundaries = BlockBoundaries(
+            self.blocks,
+            self._active,
+            self.phases,
+            training=mode == "training",
+            forward_started=self.steps.forward,
+            backward_started=self.steps.backward,
+            use=self._use,
+            done=self._done,
+        )
         self.counts = StepCounts()
-        self._h2d_at_begin = self._reads_at_begin = self._pageable_at_begin = 0
-        self._read_bytes_at_begin = 0
         self._last: dict[str, Any] = {}
         self._closed = False
 
@@ -182,19 +170,18 @@ class StagehandRuntime:
     # -- steps ----------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Open step ``step`` (closing a step still open) and prefetch its first blocks."""
-        if self._open:
+        if self.steps.open:
             self.end_step()
         self._start(step, explicit=True)
 
+    @property
+    def step(self) -> int | None:
+        """The open (or last) step's number."""
+        return self.steps.step
+
     def _start(self, step: int, explicit: bool) -> None:
-        self.step, self._open, self._explicit = step, True, explicit
-        self._saw_backward, self._first_block = False, None
-        self.counts = StepCounts()
-        self._h2d_at_begin = self.transfer.h2d_bytes
-        self._reads_at_begin = self._file_reads()
-        self._read_bytes_at_begin = self.source.read_bytes if self.source is not None else 0
-        self._pageable_at_begin = self.transfer.stream.pageable_copies
-        self._t_step = time.perf_counter()
+        self.steps.enter_step(step, explicit)
+        self.counts = StepCounts(at_begin=self._totals())
         if self._owns_memory:
             self.memory.reset_peak()
         self.telemetry.step = step  # a composed strategy sets the same number
@@ -202,20 +189,15 @@ class StagehandRuntime:
 
     def end_step(self) -> None:
         """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``."""
-        if not self._open:
+        if not self.steps.open:
             return
-        self._finish_backward()
+        self.boundaries.finish()
         self.transfer.synchronize_d2h()
         traced = self.scheduler.end_step()
-        self._open = False
+        self.steps.leave_step()
         mem = self.memory.snapshot()
         self._last = {
-            **self.counters(),
-            "prefetch_skipped": self.counts.prefetch_skipped,
-            "stall_time_ms": self.counts.stall_time_ms,
-            "file_read_bytes": (
-                self.source.read_bytes - self._read_bytes_at_begin if self.source is not None else 0
-            ),
+            **self.counts.record(self._totals()),
             **mem,
             "pool_used_mb": self.pool.used_bytes / MB,
             "pool_total_mb": self.pool.pool_bytes / MB,
@@ -225,7 +207,7 @@ class StagehandRuntime:
             "vram_low_watermark_mb": self.low_mb,
             "prefetch_window_blocks": self.scheduler.prefetch_window,  # the user's setting
             "trace_updated": traced,
-            "step_time_ms": (time.perf_counter() - self._t_step) * 1e3,
+            "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
         self.telemetry.emit("stagehand", "step", **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
@@ -235,39 +217,20 @@ class StagehandRuntime:
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
         from the safetensors files), ``h2d_bytes`` (bytes copied to the device) and
         ``pageable_copies`` (copies a pageable host buffer made synchronous; 0 expected)."""
-        c = self.counts
-        return {
-            "blocks_loaded": c.blocks_loaded,
-            "blocks_evicted": c.blocks_evicted,
-            "prefetch_hits": c.prefetch_hits,
-            "prefetch_misses": c.prefetch_misses,
-            "file_reads": self._file_reads() - self._reads_at_begin,
-            "h2d_bytes": self.transfer.h2d_bytes - self._h2d_at_begin,
-            "pageable_copies": self.transfer.stream.pageable_copies - self._pageable_at_begin,
-        }
+        return self.counts.counters(self._totals())
 
-    def _file_reads(self) -> int:
-        return self.source.reads if self.source is not None else 0
+    def _totals(self) -> Totals:
+        source, transfer = self.source, self.transfer
+        return Totals(
+            h2d_bytes=transfer.h2d_bytes,
+            file_reads=source.reads if source is not None else 0,
+            file_read_bytes=source.read_bytes if source is not None else 0,
+            pageable_copies=transfer.stream.pageable_copies,
+        )
 
     def step_metrics(self) -> dict[str, Any]:
         """The last closed step's ``stagehand/step`` fields (docs/contracts.md)."""
         return dict(self._last)
-
-    def _forward_started(self, block: Block) -> None:
-        # Step boundaries when begin_step is not called: the first block's forward after a
-        # backward (or, forward-only, the first block again) starts a new step.
-        if self._explicit and self._open:
-            pass
-        elif not self._open:
-            self._start(0 if self.step is None else self.step + 1, explicit=False)
-        elif self._saw_backward or (
-            block.index == self._first_block
-            and (self.mode == "inference" or not torch.is_grad_enabled())
-        ):
-            self.end_step()
-            self._start(self.step + 1, explicit=False)
-        if self._first_block is None:
-            self._first_block = block.index
 
     # -- contexts -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -282,7 +245,7 @@ class StagehandRuntime:
         """Backward; on exit, blocks whose end boundary did not fire are finished and gradient
         copies to the host are waited on (they may be read next)."""
         yield
-        self._finish_backward()
+        self.boundaries.finish()
         self.transfer.synchronize_d2h()
 
     def optimizer_context(
@@ -296,57 +259,7 @@ class StagehandRuntime:
                 self._ready(block)
         return trainable_on_device(self.blocks, self.device, self.memory, optimizer)
 
-    # -- hooks ----------------------------------------------------------------------------------
-    def _pre_hook(self, block: Block, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if in_backward():
-            self._end_nested(block)
-            self._use(block, "recompute")
-        else:
-            self._forward_started(block)
-            self._use(block, "forward")
-
-    def _post_hook(
-        self, block: Block, module: nn.Module, args: tuple, kwargs: dict, output: Any
-    ) -> Any:
-        if not in_backward():
-            self._emit_block("exit", block, direction="forward")
-            self._done(block)
-        if self.mode != "training" or not torch.is_grad_enabled():
-            return None
-        # In a recomputation too: a reentrant checkpoint's nested backward starts at these
-        # outputs (NOTE [ Backward block boundaries ]); a non-reentrant one never runs them.
-        return wrap_outputs(output, partial(self._backward_begin, block))
-
-    def _backward_begin(self, block: Block) -> None:
-        # The begin of one block's backward is the end of every other block's (see the NOTE).
-        self._saw_backward = True
-        self._end_others(block)
-        self._began[block.index] = graph_task_id()
-        self._use(block, "backward")
-
-    def _end_nested(self, block: Block) -> None:
-        # A reentrant checkpoint's recomputation runs in the outer backward, after the nested
-        # backward of the block before it returned: a block whose backward began in another
-        # graph task is done (see the NOTE). A non-reentrant one shares the outer graph task.
-        task = graph_task_id()
-        self._end_others(block, lambda index: self._began.get(index) not in (None, task))
-
-    def _end_others(self, block: Block, ended: Callable[[int], bool] | None = None) -> None:
-        """End the backward of every active block other than ``block`` (those ``ended`` says)."""
-        for index in sorted(self._active - {block.index}, reverse=True):
-            if ended is None or ended(index):
-                self._backward_end(self.blocks[index])
-
-    def _backward_end(self, block: Block) -> None:
-        self._emit_block("exit", block, direction="backward" if self._saw_backward else "forward")
-        self._done(block)
-
-    def _finish_backward(self) -> None:
-        # The last block of backward (no next begin ends it), or blocks an error left in use.
-        for index in sorted(self._active, reverse=True):
-            self._backward_end(self.blocks[index])
-
-    # -- scheduling -----------------------------------------------------------------------------
+    # -- scheduling: the policy's decisions applied (policy.py) ----------------------------------
     def _use(self, block: Block, direction: str) -> None:
         self.scheduler.record_use(block.index, recompute=direction == "recompute")
         self._active.add(block.index)
@@ -382,65 +295,47 @@ class StagehandRuntime:
 
     def _ready(self, block: Block) -> None:
         self.transfer.ready(block)
-        self._by_storage[block.flat.untyped_storage().data_ptr()] = block
-        for slot in block.layout:
-            self._by_ptr[slot.param.data_ptr()] = slot
+        self.views.add(block)
 
     def _prefetch(self) -> None:
-        for index in self.scheduler.upcoming():
-            block = self.blocks[index]
-            if block.state is not BlockState.UNLOADED:
-                continue
-            if not self._make_room(block):
-                self.counts.prefetch_skipped += 1  # would cross the high watermark
-                return
-            grant = None
-            if self.conductor is not None:
-                grant = self.conductor.request_transfer("h2d", "speculative")
-                if not grant.granted:
-                    self.counts.prefetch_skipped += 1
-                    return
-            if not self.transfer.load(block, speculative=True, grant=grant):
-                if grant is not None:
-                    grant.release()
-                self.counts.prefetch_skipped += 1
-                return
-            block.prefetched = True
-            self.counts.blocks_loaded += 1
-            self._emit_block("load", block, prefetch=True)
+        if not prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
+            self.counts.prefetch_skipped += 1
 
     def _make_room(self, block: Block) -> bool:
-        """Whether ``block`` fits under the high watermark (``scheduler.make_room``)."""
+        """Whether ``block`` fits under the high watermark (``policy.make_room``)."""
         usage = self.memory.usage_bytes
-        return make_room(
-            self.scheduler, block, block.nbytes, self.high_mb * MB, usage, self._idle, self._evict
-        )
+        high = self.high_mb * MB
+        return make_room(self.scheduler, self.blocks, self._active, block, high, usage, self._evict)
 
-    def _idle(self, keep: Iterable[int] = ()) -> list[Block]:
-        """Blocks on the device that may be evicted: not resident, not in use, not in ``keep``."""
-        return [
-            b
-            for b in self.blocks
-            if b.on_device
-            and not b.resident
-            and b.index not in self._active
-            and b.index not in keep
-        ]
+    def _load_ahead(self, block: Block) -> bool:
+        """Issue ``block``'s speculative load under the Conductor's grant; False when not issued
+        (no grant, no slab or copy slot)."""
+        grant = None
+        if self.conductor is not None:
+            grant = self.conductor.request_transfer("h2d", "speculative")
+            if not grant.granted:
+                return False
+        if not self.transfer.load(block, speculative=True, grant=grant):
+            if grant is not None:
+                grant.release()
+            return False
+        block.prefetched = True
+        self.counts.blocks_loaded += 1
+        self._emit_block("load", block, prefetch=True)
+        return True
 
-    def _done(self, block: Block) -> None:
+    def _done(self, block: Block, direction: str) -> None:
+        self._emit_block("exit", block, direction=direction)
         self._active.discard(block.index)
-        self._began.pop(block.index, None)
         if block.on_device and not block.resident:
-            usage = self.memory.usage_bytes
-            low = self.low_mb * MB
-            release_after_use(self.scheduler, block, low, usage, self._idle, self._evict)
+            usage, low = self.memory.usage_bytes, self.low_mb * MB
+            release_after_use(
+                self.scheduler, self.blocks, self._active, block, low, usage, self._evict
+            )
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:
-        if block.flat is not None:
-            self._by_storage.pop(block.flat.untyped_storage().data_ptr(), None)
-        for slot in block.layout:
-            self._by_ptr.pop(slot.param.data_ptr(), None)
+        self.views.discard(block)
         self.transfer.evict(block)
         self.counts.blocks_evicted += 1
         self._emit_block("evict", block, **fields)
@@ -468,25 +363,13 @@ class StagehandRuntime:
         stopped early, an exception mid-block). Returns the evicted indices; each eviction is a
         ``stagehand/block`` ``evict`` record with ``reason: "stale"``."""
         keep = set(keep) | set(self.scheduler.upcoming())
-        stale = [b for b in self.blocks if b.on_device and not b.resident and b.index not in keep]
+        stale = evictable(self.blocks, (), keep)
         for block in stale:
             self._active.discard(block.index)
             self._evict(block, reason="stale")
         return [b.index for b in stale]
 
     # -- saved weight views ---------------------------------------------------------------------
-    def packer(self, tensor: torch.Tensor) -> WeightView | None:
-        """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None.
-        O(1): two dict lookups (see NOTE [ Saved weight views ] in hooks.py)."""
-        block = self._by_storage.get(tensor.untyped_storage().data_ptr())
-        if block is None or tensor.device != block.flat.device:
-            return None
-        slot = self._by_ptr.get(tensor.data_ptr())
-        if slot is None:
-            byte = tensor.data_ptr() - block.flat.data_ptr()
-            slot = next(s for s in block.layout if s.offset <= byte < s.offset + max(s.nbytes, 1))
-        return WeightView(partial(self._ensure_loaded, block), slot, tensor)
-
     def _ensure_loaded(self, block: Block) -> None:
         if block.state is not BlockState.GPU_READY:
             self._ensure(block)
@@ -515,8 +398,7 @@ class StagehandRuntime:
         if self._closed:
             return
         self.end_step()
-        for handle in self._handles:
-            handle.remove()
+        self.boundaries.remove()
         for block in self.blocks:
             if block.on_device:
                 self._evict(block)
@@ -528,8 +410,7 @@ class StagehandRuntime:
         if self.source is not None:
             self.source.close()
         self.memory.untrack(self.resident_bytes, "weights")
-        self._by_storage.clear()
-        self._by_ptr.clear()
+        self.views.clear()
         if self._owns_telemetry:
             self.telemetry.close()
         self._closed = True

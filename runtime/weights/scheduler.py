@@ -1,4 +1,4 @@
-"""Trace, prefetch and eviction order.
+"""The traced block order: trace, cursor and prefetch window.
 
 # NOTE [ Block trace ]
 The first step is a trace pass: every *use* of a block is recorded in order, where a use is a
@@ -12,19 +12,10 @@ After the trace, a cursor follows the order: each use moves it to the next posit
 block, searching cyclically, so the positions after the last block of a step are the first
 blocks of the next step. Prefetch therefore never stops after step 0 even when ``begin_step`` is
 never called (a defect of the public implementation), and runs in backward as well as forward.
+What is evicted and prefetched along the order is ``policy.py``'s (NOTE [ Eviction policy ]).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
-
-
-class _Indexed(Protocol):
-    index: int
-
-
-B = TypeVar("B", bound=_Indexed)
 
 
 class BlockScheduler:
@@ -108,67 +99,3 @@ class BlockScheduler:
         self.current = []
         self.pos = -1
         return changed
-
-    # -- eviction choices (Belady: the block needed furthest ahead goes first) -----------------
-    def furthest(self, blocks: Iterable[B]) -> B | None:
-        """The one of ``blocks`` needed furthest ahead, None when there is none."""
-        return max(blocks, key=lambda b: self.distance(b.index), default=None)
-
-    def needed_after(self, blocks: Iterable[B], index: int) -> list[B]:
-        """Those of ``blocks`` needed later than block ``index``, furthest first: what may make
-        room for ``index`` without evicting a block needed before it."""
-        horizon = self.distance(index)
-        later = [b for b in blocks if self.distance(b.index) > horizon]
-        return sorted(later, key=lambda b: self.distance(b.index), reverse=True)
-
-
-# -- the runtime's eviction policy as functions of the scheduler and a usage reading -----------
-# ``StagehandRuntime`` and the planner's simulation (``runtime/plan``) both call these, so a plan
-# follows the schedule the runtime would run. ``usage``: bytes in use now; ``idle(keep)``: blocks
-# on the device that may be evicted, minus ``keep``; ``evict``: evicts one (usage drops).
-
-
-def make_room(
-    scheduler: BlockScheduler,
-    block: B,
-    block_bytes: int,
-    high_bytes: float,
-    usage: Callable[[], int],
-    idle: Callable[..., list[B]],
-    evict: Callable[[B], None],
-) -> bool:
-    """Whether ``block`` (``block_bytes``) fits under ``high_bytes`` after evicting idle blocks
-    the order needs later than it (furthest first): a block kept only because usage was under
-    the low watermark must not stop the prefetch of one needed sooner."""
-    need = high_bytes - block_bytes
-    if usage() <= need:
-        return True
-    for victim in scheduler.needed_after(idle(), block.index):
-        if usage() <= need:
-            break
-        evict(victim)
-    return usage() <= need
-
-
-def release_after_use(
-    scheduler: BlockScheduler,
-    block: B,
-    low_bytes: float,
-    usage: Callable[[], int],
-    idle: Callable[..., list[B]],
-    evict: Callable[[B], None],
-) -> None:
-    """The evictions after ``block`` (on the device, not resident) finished a use: the block
-    itself when the window does not need it; over ``low_bytes``, whichever idle block is needed
-    furthest ahead, this one or another (at the end of backward the block just used is the
-    next step's first, and evicting it instead of the second makes every step begin with a
-    stall); then what the window does not need until usage is under ``low_bytes``."""
-    if block.index not in scheduler.upcoming():
-        evict(block)
-    elif usage() > low_bytes:
-        evict(scheduler.furthest(idle()))
-    while usage() > low_bytes:
-        victim = scheduler.furthest(idle(keep=scheduler.upcoming()))
-        if victim is None:
-            break
-        evict(victim)

@@ -80,9 +80,7 @@ def test_block_larger_than_slab_takes_direct_path():
     for _ in range(2):
         with runtime.managed_forward():
             out = streamed(x)
-        # Gradients are readable once the backward phase has ended (``MemoryStrategy.backward``):
-        # on a device that lags, the last copies back to the host masters land only then.
-        with runtime.managed_backward():
+        with runtime.managed_backward():  # gradients are readable once backward ended
             out.sum().backward()
     plain(x).sum().backward()
     plain(x).sum().backward()

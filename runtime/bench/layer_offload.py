@@ -1,6 +1,6 @@
 """Benchmark line (not a test): layer offload beside block streaming and the plain model.
 
-    python -m runtime.layer_offload.bench [--arch flux] [--size small] [--steps 3] [--warmup 1]
+    python -m runtime.bench.layer_offload [--arch flux] [--size small] [--steps 3] [--warmup 1]
 
 Prints one line per row: median step time (ms), its ratio to the plain model's, and the device
 peak (MB): tracked bytes on CPU (``DeviceMemory``: resident + streamed weights + kept saved

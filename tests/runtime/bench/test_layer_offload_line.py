@@ -1,6 +1,6 @@
-"""The benchmark line runs (figures are printed, not asserted as speeds)."""
+"""The layer offload benchmark line runs (figures are printed, not asserted as speeds)."""
 
-from runtime.layer_offload.bench import bench_layer_offload
+from runtime.bench.layer_offload import bench_layer_offload
 
 
 def test_bench_line_prints_every_row(asset_cache):

@@ -1,0 +1,150 @@
+"""The eviction and prefetch policy on tiny block states: exact decisions (NOTE [ Eviction policy ])."""
+
+from dataclasses import dataclass
+
+from runtime.weights.policy import (
+    evictable,
+    furthest,
+    make_room,
+    needed_after,
+    prefetch,
+    release_after_use,
+)
+from runtime.weights.scheduler import BlockScheduler
+
+TRAIN_4 = [0, 1, 2, 3, 3, 2, 1, 0]  # a training step of 4 blocks: forward, then backward
+TRAIN_3 = [0, 1, 2, 2, 1, 0]
+
+
+@dataclass
+class _Block:
+    index: int
+    on_device: bool = False
+    resident: bool = False
+    nbytes: int = 10
+
+
+class _Device:
+    """Blocks on a device whose usage is ``base`` plus the loaded blocks' bytes; records evictions."""
+
+    def __init__(self, n: int, loaded=(), resident=(), base: int = 0) -> None:
+        self.blocks = [_Block(i, i in loaded or i in resident, i in resident) for i in range(n)]
+        self.base = base
+        self.evicted: list[int] = []
+        self.loaded: list[int] = []
+
+    def usage(self) -> int:
+        return self.base + sum(b.nbytes for b in self.blocks if b.on_device)
+
+    def evict(self, block: _Block) -> None:
+        block.on_device = False
+        self.evicted.append(block.index)
+
+    def load(self, block: _Block) -> bool:
+        block.on_device = True
+        self.loaded.append(block.index)
+        return True
+
+
+def _trace(order, used, window=1) -> BlockScheduler:
+    """A scheduler that traced ``order`` in one step, then saw the uses ``used``."""
+    trace = BlockScheduler(window)
+    for index in order:
+        trace.record_use(index)
+    trace.end_step()
+    for index in used:
+        trace.record_use(index)
+    return trace
+
+
+def test_evictable_is_on_device_not_resident_not_active_not_kept():
+    dev = _Device(6, loaded={0, 1, 2, 3, 5}, resident={4})
+    assert [b.index for b in evictable(dev.blocks, active={1})] == [0, 2, 3, 5]
+    assert [b.index for b in evictable(dev.blocks, active={1}, keep=[3, 0])] == [2, 5]
+    assert evictable(dev.blocks, active=set(range(6))) == []
+
+
+def test_furthest_and_needed_after_follow_the_trace():
+    trace = _trace(TRAIN_4, used=[0, 1])  # forward of block 1: next 2, 3, 3, 2, 1, 0
+    assert [trace.distance(i) for i in range(4)] == [6, 5, 1, 2]
+    blocks = [_Block(i) for i in (0, 1, 3)]
+    assert furthest(trace, blocks).index == 0
+    assert furthest(trace, []) is None
+    # make room for block 2 (needed next): every other is needed later, furthest first
+    assert [b.index for b in needed_after(trace, blocks, 2)] == [0, 1, 3]
+    # for block 0 (needed last) nothing may go
+    assert needed_after(trace, blocks, 0) == []
+
+
+def test_make_room_evicts_only_blocks_needed_later_furthest_first():
+    # Forward, block 0 in use; block 1 prefetched (needed next), block 3 left over (needed third).
+    trace = _trace(TRAIN_4, used=[0], window=2)
+    assert trace.upcoming() == [1, 2]
+    dev = _Device(4, loaded={0, 1, 3})
+    fits = make_room(trace, dev.blocks, {0}, dev.blocks[2], 35, dev.usage, dev.evict)
+    assert (fits, dev.evicted, dev.usage()) == (True, [3], 20)
+
+    # Room for block 2 only by evicting block 1, needed before it: not done, no room.
+    dev = _Device(4, loaded={0, 1, 3})
+    fits = make_room(trace, dev.blocks, {0}, dev.blocks[2], 25, dev.usage, dev.evict)
+    assert (fits, dev.evicted) == (False, [3])
+
+    # Under the high watermark already: nothing is evicted.
+    dev = _Device(4, loaded={0, 1, 3})
+    assert make_room(trace, dev.blocks, {0}, dev.blocks[2], 40, dev.usage, dev.evict)
+    assert dev.evicted == []
+
+
+def test_release_after_use_evicts_a_block_the_window_does_not_need():
+    trace = _trace(TRAIN_3, used=[0])  # forward: block 0 done, the window holds block 1
+    dev = _Device(3, loaded={0, 1})
+    release_after_use(trace, dev.blocks, set(), dev.blocks[0], 1000, dev.usage, dev.evict)
+    assert dev.evicted == [0]
+
+
+def test_release_after_use_keeps_the_next_steps_first_block():
+    # End of backward: block 0 was just used and is the next step's first (the window's), block
+    # 1 is needed second. Over the low watermark, block 1 goes, not block 0.
+    trace = _trace(TRAIN_3, used=TRAIN_3)
+    assert trace.upcoming() == [0]
+    dev = _Device(3, loaded={0, 1})
+    release_after_use(trace, dev.blocks, set(), dev.blocks[0], 15, dev.usage, dev.evict)
+    assert (dev.evicted, dev.usage()) == ([1], 10)
+
+    # Far over the low watermark: furthest first, never the window's block.
+    dev = _Device(3, loaded={0, 1, 2})
+    release_after_use(trace, dev.blocks, set(), dev.blocks[0], 5, dev.usage, dev.evict)
+    assert (dev.evicted, dev.usage()) == ([2, 1], 10)
+
+
+def test_release_after_use_spares_resident_and_active_blocks():
+    trace = _trace(TRAIN_3, used=TRAIN_3)
+    dev = _Device(3, loaded={0, 2}, resident={1})
+    release_after_use(trace, dev.blocks, {2}, dev.blocks[0], 0, dev.usage, dev.evict)
+    assert dev.evicted == [0]  # the only idle block left, over the watermark
+
+
+def test_prefetch_walks_the_window_in_order_and_stops_at_the_first_refusal():
+    trace = _trace(TRAIN_4, used=[0], window=3)
+    assert trace.upcoming() == [1, 2, 3]
+    dev = _Device(4, loaded={0, 1})
+    assert prefetch(trace, dev.blocks, lambda b: True, dev.load) is True
+    assert dev.loaded == [2, 3]  # block 1 is on the device already
+
+    # Block 2 does not fit: block 3 is not tried (a later block never overtakes).
+    dev = _Device(4, loaded={0})
+    tried: list[int] = []
+
+    def fits(block):
+        tried.append(block.index)
+        return block.index != 2
+
+    assert prefetch(trace, dev.blocks, fits, dev.load) is False
+    assert (tried, dev.loaded) == ([1, 2], [1])
+
+    # A load that is not issued (no slab, no slot, the Conductor's no) stops the walk too.
+    dev = _Device(4, loaded={0})
+    assert prefetch(trace, dev.blocks, lambda b: True, lambda b: False) is False
+
+    # No trace yet (the trace step): nothing to prefetch.
+    assert prefetch(BlockScheduler(3), dev.blocks, fits, dev.load) is True
