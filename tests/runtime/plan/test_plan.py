@@ -287,3 +287,32 @@ def test_pipeline_folder_plans_its_transformer_with_the_family_targets(asset_cac
     named = plan_preset({**data, "lora": {"target_modules": ["to_q"]}}, profile("rtx4090"))
     assert len(family.blocks) == len(named.inventory.blocks) == 8
     assert family.lora_bytes > 4 * named.inventory.lora_bytes > 0
+
+
+def test_ltx2_19b_from_its_config_on_meta():
+    """LTX-2 from diffusers' LTX2VideoTransformer3DModel defaults on meta: the seed's 18.88B
+    parameters in 48 blocks (the ltx2-24gb preset's 736.4 MB each), a rank-32 LoRA on every
+    block linear of 588 MiB (the seed's 589 MB file of 2,688 tensors), fed by the trainer's own
+    transformer_kwargs; under the seed's memory section the runtime keeps at most the block in
+    use and the prefetch window of two on the card (it evicts a block after its use)."""
+    from runtime.plan.reference import ltx2_plan, ltx2_seed_memory
+
+    plan = ltx2_plan("rtx4090", ltx2_seed_memory(), targets="all")
+    inv = plan.inventory
+    assert len(inv.blocks) == 48
+    assert {round(b.nbytes / MB, 1) for b in inv.blocks} == {736.4}
+    assert (inv.param_bytes - inv.lora_bytes) // 2 == 18_876_174_592
+    assert inv.lora_bytes / MB == pytest.approx(588.0, abs=0.05)
+    assert plan.fits
+    s = plan.steady
+    floor = inv.resident_bytes + inv.lora_bytes + inv.optimizer_bytes
+    # Checkpointed: every block's inputs kept, one block's activations recomputed at a time.
+    acts = sum(b.input_bytes for b in inv.blocks) + max(b.saved_bytes for b in inv.blocks)
+    acts += sum(inv.saved_pre) + sum(inv.saved_post)
+    assert floor <= s.low_bytes
+    assert (
+        floor + 3 * inv.blocks[0].nbytes < s.peak_bytes <= floor + 3 * inv.blocks[0].nbytes + acts
+    )
+    # 48 loads in forward, 44 in backward: the prefetch window's two blocks and the one in use
+    # at the turn are used again before they are evicted.
+    assert s.blocks_loaded == 92
