@@ -123,7 +123,7 @@ export function mount(root, { parts }) {
         ? `Fastest within the budget (measured): ${best.label}, run #${best.run_id}: ${fmtMs(best.measured.step_ms)} at ${fmtMB(best.measured.peak_mb)}.`
         : tune.active ? "Trials are running…" : "No trial succeeded within the budget."),
       drift,
-      h("p", { class: "muted" }, `Not tuned: layer-offload fraction (${tune.not_tuned.layer_offload_fraction}); Conductor (${tune.not_tuned.conductor}).`));
+      h("p", { class: "muted" }, `Not tuned: ${Object.entries(tune.not_tuned || {}).map(([k, why]) => `${k} (${why})`).join("; ")}.`));
   }
 
   function saveCell(tune, t) {
