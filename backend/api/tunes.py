@@ -201,17 +201,11 @@ def save_preset(tune_id: TuneId, body: TunePreset, store: StoreDep) -> dict:
     base = tune["candidates"]["base_config"]
     config = validate_config(deep_merge(base, {"memory": trial["memory"]}), "config")
     config["name"] = body.name
-    lim = trial["limits"]
+    from runtime.plan.tune import limits_text
+
     description = (
         f"{tune['preset']} tuned by tune #{tune_id} within {tune['budget_mb']:g} MB on "
-        f"{tune['device']} (trial run #{body.run_id}: high {lim['high_mb']} / low "
-        f"{lim['low_mb']} MB, prefetch window {lim['window']}, in-flight {lim['inflight']}"
-        + (
-            f", spill {lim['spill_high_mb']} / {lim['spill_low_mb']} MB"
-            if lim["spill_high_mb"]
-            else ""
-        )
-        + ")"
+        f"{tune['device']} (trial run #{body.run_id}: {limits_text(trial['limits'])})"
     )
     try:
         store.insert_preset(body.name, config, description)

@@ -34,6 +34,7 @@ the wrapper is installed. ``uninstall`` puts the original block back into its li
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -98,18 +99,7 @@ class OffloadCheckpointLayer(nn.Module):
         return f"index={self.index}, layer={type(self.layer).__name__}"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        tensors: list[torch.Tensor] = []
-        rebuild = flatten((args, kwargs), tensors)
-        # Positional checkpoint inputs (``moved``) are saved tensors the activation runtime may
-        # move to the host; shared ones (``by_ref``) are held as they are (see the NOTE).
-        by_ref: list[torch.Tensor] = []
-        moved: list[torch.Tensor] = []
-        slots: list[tuple[bool, int]] = []
-        for t in tensors:
-            held = self.shared is not None and self.shared(t)
-            group = by_ref if held else moved
-            slots.append((held, len(group)))
-            group.append(t)
+        rebuild, slots, by_ref, moved = split_inputs(args, kwargs, self.shared)
         if self.checkpointing and torch.is_grad_enabled():
             return checkpoint(self._run, rebuild, slots, by_ref, *moved, use_reentrant=False)
         return self._run(rebuild, slots, by_ref, *moved)
@@ -130,6 +120,52 @@ class OffloadCheckpointLayer(nn.Module):
         out = self.layer(*args, **kwargs)
         self.after_layer(self.index, recompute)
         return out
+
+
+def split_inputs(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    shared: Callable[[torch.Tensor], bool] | None,
+) -> tuple[Callable[[list[torch.Tensor]], Any], list[tuple[bool, int]], list, list]:
+    """A layer call's tensors as checkpoint inputs: ``(rebuild, slots, by_ref, moved)``.
+
+    ``moved``: the tensors passed as positional checkpoint inputs, saved tensors the activation
+    runtime may move to the host; ``by_ref``: the shared ones (``shared(t)`` True), held as they
+    are (see NOTE [ Checkpoint inputs as activations ]); ``slots``: for each tensor of
+    ``flatten((args, kwargs))`` in order, ``(held by reference, index in its group)``. The
+    planner calls this too, for the bytes a layer's checkpoint saves (``runtime/plan``).
+    """
+    tensors: list[torch.Tensor] = []
+    rebuild = flatten((args, kwargs), tensors)
+    by_ref: list[torch.Tensor] = []
+    moved: list[torch.Tensor] = []
+    slots: list[tuple[bool, int]] = []
+    for t in tensors:
+        held = shared is not None and shared(t)
+        group = by_ref if held else moved
+        slots.append((held, len(group)))
+        group.append(t)
+    return rebuild, slots, by_ref, moved
+
+
+class SharedTensors:
+    """``shared(tensor)``: True when ``tensor`` (the same object) was already passed to a layer
+    of this forward (see NOTE [ Checkpoint inputs as activations ]); ``clear()`` at each forward.
+    Weak references: a tensor freed and another allocated at its id is not taken for it."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, weakref.ref] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        key = id(tensor)
+        ref = self._seen.get(key)
+        if ref is not None and ref() is tensor:
+            return True
+        self._seen[key] = weakref.ref(tensor)
+        return False
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 def install(

@@ -28,7 +28,6 @@ whose end never came (an exception mid-block, a partial backward) cannot accumul
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,12 @@ from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
 from runtime.common.telemetry import Telemetry
 from runtime.config import StagehandConfig
-from runtime.layer_offload.checkpoint_layer import OffloadCheckpointLayer, install, uninstall
+from runtime.layer_offload.checkpoint_layer import (
+    OffloadCheckpointLayer,
+    SharedTensors,
+    install,
+    uninstall,
+)
 from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
 from runtime.weights import StagehandRuntime
 
@@ -96,7 +100,7 @@ class LayerOffloadManager:
         """Counters over the manager's life: stale blocks evicted, ``after_layer`` calls."""
         self.on_device_max = 0
         """Most non-resident blocks on the device seen by ``before_layer`` (stale ones included)."""
-        self._seen: dict[int, weakref.ref] = {}
+        self._seen = SharedTensors()
         self._gc_flags: list[tuple[nn.Module, bool]] = []
         self._installed: list[tuple[nn.Module, str, nn.Module]] = []
         self._closed = False
@@ -152,12 +156,7 @@ class LayerOffloadManager:
     def shared(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` was already passed to a layer of this forward (see NOTE
         [ Checkpoint inputs as activations ] in ``checkpoint_layer.py``)."""
-        key = id(tensor)
-        ref = self._seen.get(key)
-        if ref is not None and ref() is tensor:
-            return True
-        self._seen[key] = weakref.ref(tensor)
-        return False
+        return self._seen(tensor)
 
     def forward_begin(self) -> None:
         """A new forward: no tensor is shared yet."""

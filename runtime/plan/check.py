@@ -1,5 +1,5 @@
 """Plans against a benchmark: ``python -m runtime.plan.check bench.json`` (the JSON of
-``workbench bench --quick``) plans every row that ran the stagehand or no strategy, with the
+``workbench bench --quick``) plans every row that ran the stagehand, layer-offload or no strategy, with the
 row's own memory section, model folder and input shape, on this machine's CPU profile, and
 prints predicted against measured peak tracked VRAM and median step time.
 
@@ -7,7 +7,7 @@ The profile is the one the bench measured in its own worker just before its rows
 (``cpu_profile`` in its JSON), when it has one: on a shared machine the load, and with it every
 measured rate, changes between the bench and the check.
 
-Layer offload and peer rows are left out: the planner does not model them.
+Peer rows are left out: the planner does not model them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def compare(bench: dict[str, Any]) -> list[dict[str, Any]]:
     model = bench["model"]
     for row in bench["rows"] + bench.get("scale_rows", []):
         memory = row.get("memory_config")
-        if row.get("status") != "ok" or not memory or memory["strategy"] == "layer_offload":
+        if row.get("status") != "ok" or not memory:
             continue
         if row["section"] == "main":
             folder, size = model["folder"], model["size"]

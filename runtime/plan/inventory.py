@@ -51,6 +51,12 @@ class BlockInfo:
     forward_moved: int = 0
     """Bytes read and written by its forward's operations other than matrix products and
     attention (bandwidth-bound: norms, activations, residual adds, RoPE)."""
+    param_bytes: int = 0
+    """Bytes of all its parameters, adapter included (layer offload sizes its slab by it)."""
+    checkpoint_inputs: list[int] = field(default_factory=list)
+    """Bytes of each tensor layer offload's checkpoint wrapper saves for the block: its inputs
+    less those an earlier block was given (``runtime.layer_offload.checkpoint_layer``'s
+    ``split_inputs`` and ``SharedTensors``, called here)."""
 
     @property
     def saved_bytes(self) -> int:
@@ -76,6 +82,7 @@ class Inventory:
     optimizer_bytes: int
     """AdamW state: two moments per trainable parameter, in its dtype."""
     param_bytes: int
+    buffer_bytes: int = 0
     saved_pre: list[int] = field(default_factory=list)
     """Saved activations before the first block (embedders)."""
     saved_post: list[int] = field(default_factory=list)
@@ -319,7 +326,10 @@ def inventory(
     trainable = [p for p in params if p.requires_grad]
     lora = sum(_nbytes(p) for p in trainable)
 
+    from runtime.layer_offload.checkpoint_layer import SharedTensors, split_inputs
+
     counter = _SavedCounter(model, len(found))
+    shared = SharedTensors()
     infos = [
         BlockInfo(name=b.name, index=b.index, nbytes=b.nbytes, params=0, forward_flops=0)
         for b in layouts
@@ -331,6 +341,8 @@ def inventory(
             counter.segment = index
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             infos[index].input_bytes = sum(_nbytes(t) for t in tensors)
+            moved = split_inputs(args, kwargs, shared)[3]
+            infos[index].checkpoint_inputs = [_nbytes(t) for t in moved]
 
         def post(mod, args, kwargs, out, index=index):
             counter.segment = "post"
@@ -367,6 +379,7 @@ def inventory(
             infos[names[path]].forward_flops = int(sum(per_op.values()))
     for info, (_, module) in zip(infos, found, strict=True):
         info.params = sum(p.numel() for p in module.parameters())
+        info.param_bytes = sum(_nbytes(p) for p in module.parameters())
         info.saved = counter.saved[info.index]
         info.forward_flops += attention.flops.get(info.index, 0)
         info.forward_ops = ops.ops.get(info.index, 0)
@@ -382,6 +395,7 @@ def inventory(
         lora_in_blocks=bool(resident),
         optimizer_bytes=2 * lora,
         param_bytes=sum(_nbytes(p) for p in params),
+        buffer_bytes=buffers,
         saved_pre=counter.saved["pre"],
         saved_post=counter.saved["post"],
         outside_flops=int(total - sum(i.forward_flops for i in infos)),

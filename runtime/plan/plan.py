@@ -25,7 +25,7 @@ from runtime.plan.inventory import (
     meta_model,
 )
 from runtime.plan.profiles import DeviceProfile
-from runtime.plan.simulate import Simulation, StepResult
+from runtime.plan.simulate import Simulation, StepResult, weight_section
 
 EFFICIENCY = {"gpu": 0.45, "cpu": 1.0}
 """Share of peak TFLOPs a block reaches. GPU: bf16 transformer training kernels at 40-50% of
@@ -70,10 +70,22 @@ class Plan:
                 counts = act.get("slabs_per_class", [512, 2, 2, 2, 2])
                 counts = [counts] * len(classes) if isinstance(counts, int) else counts
                 pinned += int(sum(c * n for c, n in zip(classes, counts, strict=False)) * MB)
+        if self.memory.get("strategy") == "layer_offload":
+            section = weight_section(inv, check_memory(self.memory), self.profile)
+            pinned = int(section.pinned_pool_mb * MB)
+            act = section.activation_stagehand
+            counts = act.slab_counts()
+            pinned += int(
+                sum(c * n for c, n in zip(act.pinned_pool_classes_mb, counts, strict=True)) * MB
+            )
         # Host copies of the blocks: none when they stream from the safetensors files (reads land
-        # in the pinned pool; the page cache is not the process's), all of them module-backed.
-        streaming = self.memory.get("strategy") == "stagehand" and sh.get("weight_streaming", True)
-        file_backed = streaming and sh.get("file_backed", True)
+        # in the pinned pool; the page cache is not the process's), all of them module-backed
+        # (layer offload's are).
+        streaming = self.memory.get("strategy") == "layer_offload" or (
+            self.memory.get("strategy") == "stagehand" and sh.get("weight_streaming", True)
+        )
+        file_backed = streaming and self.memory.get("strategy") == "stagehand"
+        file_backed = file_backed and sh.get("file_backed", True)
         masters = 0 if file_backed or not streaming else inv.block_bytes
         return {
             "preset": self.preset,
@@ -177,10 +189,6 @@ def check_memory(memory: Any) -> MemoryConfig:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in ("memory", *err["loc"]))
         raise PlanInputError(f"{where}: {err['msg']}") from None
-    if config.strategy == "layer_offload":
-        raise PlanInputError(
-            "memory.strategy: layer_offload is not modelled by the planner yet (stagehand or none)"
-        )
     return config
 
 
@@ -196,7 +204,7 @@ def plan_model(
     """The plan of ``model`` (on ``meta``, adapter added) at ``inputs`` under ``memory``.
 
     Raises:
-        PlanInputError: a bad memory section (naming the field), or layer offload.
+        PlanInputError: a bad memory section (naming the field).
     """
     config = check_memory(memory)
     sh = config.stagehand

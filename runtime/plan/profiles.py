@@ -44,7 +44,9 @@ class DeviceProfile:
     """Fixed cost of one block load beyond its bytes, us, where it is not hidden (a CPU device:
     a fresh allocation's page faults, the parameters re-viewed)."""
     disk_gbps: float | None = None
-    """File read bandwidth for file-backed blocks (GB/s); None: reads hit the page cache."""
+    """File read bandwidth for file-backed blocks (GB/s), paid on top of ``h2d_gbps``; None:
+    free (a GPU's reads from the page cache overlap its copies). On a CPU device: what reading
+    the slab from the page cache costs beyond copying it from the host masters."""
     tracked: bool = False
     """A CPU "device": figures are the runtimes' tracked bytes."""
     synchronous_copies: bool = False
@@ -98,10 +100,12 @@ def cpu_profile(dtype: str = "float32") -> DeviceProfile:
 
     TFLOPs: a 512 x 512 x 512 matmul in ``dtype`` on the threads torch uses. Memory GB/s and
     the cost per operation: resident LoRA steps of the tiny and the small flux model (an
-    in-place multiply of 64 MB when those disagree); per block load: a streamed step of the tiny
-    one (``runtime.plan.calibrate``). Copy GB/s: what the weight runtime does per
-    block on CPU: a copy into a staging buffer, then a copy into a fresh allocation (whose first
-    touch costs page faults), for a 16 MB block, counted once.
+    in-place multiply of 64 MB when those disagree); per block load, fixed and per byte
+    (``h2d_gbps``): streamed steps of both, module-backed; per byte read from a file
+    (``disk_gbps``): the small one streamed from its folder (``runtime.plan.calibrate``, NOTE
+    [ Block loads measured in a step ]). Where a solution is not positive, the copy benchmark:
+    what the weight runtime does per block on CPU, a copy into a staging buffer, then a copy
+    into a fresh allocation (whose first touch costs page faults), for a 16 MB block.
     """
     import torch
 
@@ -125,16 +129,17 @@ def cpu_profile(dtype: str = "float32") -> DeviceProfile:
     copy_gbps = n / (copy_ms * 1e-3) / GB
     from runtime.plan.calibrate import calibrate
 
-    op_us, load_us, mem_gbps = calibrate(tflops, mem_gbps, copy_gbps)
+    c = calibrate(tflops, mem_gbps, copy_gbps)
     return DeviceProfile(
         "cpu",
         0,
         round(tflops, 4),
-        round(copy_gbps, 3),
+        round(c["h2d_gbps"], 3),
         f"measured on this machine ({torch.get_num_threads()} threads, {dtype})",
-        mem_gbps=round(mem_gbps, 3),
-        op_us=round(op_us, 3),
-        load_us=round(load_us, 3),
+        mem_gbps=round(c["mem_gbps"], 3),
+        op_us=round(c["op_us"], 3),
+        load_us=round(c["load_us"], 3),
+        disk_gbps=None if c["disk_gbps"] is None else round(c["disk_gbps"], 3),
         tracked=True,
         synchronous_copies=True,
     )

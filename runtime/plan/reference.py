@@ -3,9 +3,16 @@
 ``FLUX_DEV_CONFIG`` is FLUX.1-dev's ``transformer/config.json`` (diffusers'
 ``FluxTransformer2DModel`` defaults, which are FLUX.1-dev's: 19 double-stream and 38
 single-stream blocks, 24 heads of 128, T5 width 4096, CLIP pooled width 768, 64 packed latent
-channels, guidance embedding). ``python -m runtime.plan.reference`` prints its plans next to the
-seeds' measured figures (``shared/seeds/case-study-flux-2048-layer-offload.md``: 4.15 GB
-allocated, 32 s/step at 2048 px on an RTX 3090 with layer offload 0.9).
+channels, guidance embedding). ``LTX2_CONFIG`` is LTX-2's transformer as diffusers 0.42's
+``LTX2VideoTransformer3DModel`` defaults give it (48 blocks; video 32 heads of 128, audio 32
+heads of 64; Gemma 3 captions 3840 wide): built on ``meta`` it has 18.876B parameters, and a
+rank-32 LoRA on every linear layer of its blocks is 2,688 tensors of 588 MiB, the seed's
+"18.88B" and "589 MB (2,688 tensors)" (``shared/seeds/case-study-ltx2-bf16-24gb.md``); the
+checkpoint's own ``config.json`` is not in this repository.
+
+``python -m runtime.plan.reference`` prints the plans next to the seeds' measured figures
+(Flux 2048 px, layer offload 0.9 on an RTX 3090: 4.15 GB allocated, 32 s/step; LTX-2 512 px x
+17 frames: 17.2 GB allocated steady, 20.1 GB peak, 9.3-9.8 s/step).
 """
 
 from __future__ import annotations
@@ -78,6 +85,108 @@ def flux_dev_plan(
     )
 
 
+LAYER_OFFLOAD_0_9 = {
+    "strategy": "layer_offload",
+    "gradient_checkpointing": True,
+    "enable_activation_offloading": True,
+    "enable_async_offloading": True,
+    "layer_offload_fraction": 0.9,
+}
+"""``presets/flux-2048-layer-offload.json``'s memory section (the seed's run)."""
+
+LTX2_CONFIG: dict[str, Any] = {
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "vae_scale_factors": (8, 32, 32),
+    "audio_in_channels": 128,
+    "audio_out_channels": 128,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "num_layers": 48,
+    "caption_channels": 3840,
+}
+"""The values that give LTX-2's shapes (diffusers 0.42 defaults; see the module docstring)."""
+
+SEED_LTX2 = {
+    "allocated_steady_gb": 17.2,
+    "peak_gb": 20.1,
+    "step_s": (9.3, 9.8),
+    "lora_tensors": 2688,
+}
+"""``case-study-ltx2-bf16-24gb.md``: 512 px, 17 frames, rank 32, bf16, 24 GB card."""
+
+LTX2_TEXT_TOKENS = 1024
+"""The pipeline's default caption length (the ltx2-24gb preset's)."""
+
+
+def ltx2_seed_memory() -> dict[str, Any]:
+    """The seed's ``memory`` section: file-backed streaming at 20000/16000 MB, prefetch 2,
+    slab 1024 MB in an 8192 MB pool, checkpointing on, no activation spill."""
+    return {
+        "strategy": "stagehand",
+        "gradient_checkpointing": True,
+        "stagehand": {
+            "pinned_pool_mb": 8192,
+            "pinned_slab_mb": 1024,
+            "vram_high_watermark_mb": 20000,
+            "vram_low_watermark_mb": 16000,
+            "prefetch_window_blocks": 2,
+            "max_inflight_transfers": 2,
+        },
+    }
+
+
+def ltx2_block_linears(model: torch.nn.Module) -> list[str]:
+    """Names (within a block) of every linear layer of LTX-2's first block: video and audio
+    self and text attention, the two cross-modal attentions and both feed-forwards (28)."""
+    block = model.transformer_blocks[0]
+    return sorted(n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear))
+
+
+def ltx2_plan(
+    device: str,
+    memory: dict[str, Any],
+    *,
+    targets: str = "all",
+    resolution: int = 512,
+    frames: int = 17,
+    rank: int = 32,
+    **overrides: float,
+) -> Plan:
+    """The plan of an LTX-2 LoRA (bf16), batch 1: ``resolution`` px square, ``frames`` pixel
+    frames, ``LTX2_TEXT_TOKENS`` caption tokens, the audio stream fed as the trainer feeds it.
+    ``targets``: ``"all"`` (every linear of the blocks, as the seed's 2,688-tensor LoRA) or
+    ``"video"`` (the trainer's ``LTX2PipelineFamily.lora_targets``). The transformer's inputs
+    are ``LTX2PipelineFamily.transformer_kwargs`` on ``meta`` (the trainer's own call)."""
+    from types import SimpleNamespace
+
+    from runtime.trainer.pipelines.ltx2 import LTX2PipelineFamily
+
+    family = LTX2PipelineFamily()
+    model = meta_model("LTX2VideoTransformer3DModel", LTX2_CONFIG, torch.bfloat16)
+    names = ltx2_block_linears(model) if targets == "all" else list(family.lora_targets)
+    add_lora(model, rank, names)
+    temporal, spatial = LTX2_CONFIG["vae_scale_factors"][0], LTX2_CONFIG["vae_scale_factors"][1]
+    latent = resolution // spatial
+    latent_frames = (frames - 1) // temporal + 1
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    x_t = torch.empty(1, LTX2_CONFIG["in_channels"], latent_frames, latent, latent, **meta)
+    width = 2 * LTX2_CONFIG["caption_channels"]  # video and audio text side by side
+    text = SimpleNamespace(
+        hidden=torch.empty(1, LTX2_TEXT_TOKENS, width, **meta),
+        mask=torch.ones(1, LTX2_TEXT_TOKENS, **meta),
+    )
+    inputs = family.transformer_kwargs(model, x_t, torch.empty(1, **meta), text, temporal)
+    name = f"ltx2 {resolution}px x {frames} frames, LoRA {targets}"
+    return plan_model(model, inputs, memory, profile(device, **overrides), name=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     from runtime.plan.cli import table
 
@@ -101,7 +210,31 @@ def main(argv: list[str] | None = None) -> int:
         f"the seed's step is {step_flops(plan):.3e} FLOPs (forward, recomputation, backward): "
         f"{tflops:.1f} TFLOPs sustained, {tflops / peak:.0%} of the {seed['device']}'s {peak}"
     )
+    for eff in (None, 0.68):
+        print(f"== the seed's run: layer offload 0.9, 2048 px, {seed['device']}, efficiency {eff}")
+        lo = flux_dev_plan(seed["device"], 2048, LAYER_OFFLOAD_0_9)
+        if eff is not None:
+            lo = plan_model_again(lo, eff)
+        print(table(lo.to_dict()))
+    s = SEED_LTX2
+    for targets, extra in (("all", {}), ("video", {}), ("all", {"disk_gbps": 10.0})):
+        print(f"== LTX-2, the seed's memory section, LoRA on {targets} linears, rtx4090 {extra}")
+        print(table(ltx2_plan("rtx4090", ltx2_seed_memory(), targets=targets, **extra).to_dict()))
+    print(
+        f"seed (LTX-2, 24 GB card): {s['allocated_steady_gb']} GB allocated steady, "
+        f"{s['peak_gb']} GB peak, {s['step_s'][0]}-{s['step_s'][1]} s/step"
+    )
     return 0
+
+
+def plan_model_again(plan: Plan, efficiency: float) -> Plan:
+    """``plan`` re-simulated at another GPU efficiency (same inventory, memory, profile)."""
+    from runtime.plan.plan import check_memory, simulate
+
+    steps = simulate(plan.inventory, check_memory(plan.memory), plan.profile, efficiency)
+    return Plan(
+        plan.preset, plan.profile, plan.inventory, plan.memory, steps, plan.fits, None, efficiency
+    )
 
 
 def step_flops(plan: Plan) -> float:

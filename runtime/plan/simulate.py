@@ -14,9 +14,15 @@ Device bytes follow the runtime's accounting: resident bytes, the buffers of loa
 activations. On a CPU device (``tracked``) activations count only when the activation runtime
 keeps them (it is what tracks them); on a GPU every kept activation is in VRAM.
 
+Layer offload (``memory.strategy: "layer_offload"``) runs the same walk with the layer-offload
+runtime's own policy: its settings (``section_for``: slab, pool, window, watermarks, the
+activation runtime's), its resident set (``resident_count``: the first blocks, never evicted)
+and its fixed layer order (``LayerOrderScheduler``, no trace step); a checkpointed layer saves
+the tensors its wrapper passes as checkpoint inputs (``BlockInfo.checkpoint_inputs``).
+
 Not modelled: the Conductor's grants (its slots only delay prefetch), the CUDA allocator's
 fragmentation and workspaces (the peak is of allocated bytes), the time of activation spills
-and restores on a GPU (their side-stream copies), layer offload.
+and restores on a GPU (their side-stream copies).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.activations.budget import ActivationBudgetManager
-from runtime.config import MB, MemoryConfig
+from runtime.config import MB, MemoryConfig, StagehandSection
+from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
+from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
 from runtime.weights.policy import make_room, prefetch, release_after_use
@@ -79,6 +87,23 @@ class StepResult:
     """``(t_ms, device bytes, event)`` at every change."""
 
 
+def weight_section(
+    inv: Inventory, memory: MemoryConfig, profile: DeviceProfile
+) -> StagehandSection | None:
+    """The weight and activation runtimes' settings a run of ``memory`` uses: the preset's
+    ``stagehand`` section, or for layer offload the one its strategy derives (``section_for``,
+    from the inventory's largest block and weights and the profile's memory)."""
+    if memory.strategy != "layer_offload":
+        return memory.stagehand
+    weights = inv.param_bytes + inv.buffer_bytes
+    return section_for(
+        memory,
+        largest_block_bytes=max((b.param_bytes for b in inv.blocks), default=0),
+        ceiling_mb=ceiling_mb(weights, None if profile.tracked else profile.vram_bytes),
+        cuda=not profile.tracked,
+    )
+
+
 class Simulation:
     """One model, one memory section, one device profile (see the module docstring)."""
 
@@ -89,15 +114,25 @@ class Simulation:
         self.eff = efficiency
         self.tracked = profile.tracked
         self.mem = _Memory()
-        sh = memory.stagehand
-        self.streaming = memory.strategy == "stagehand" and sh.weight_streaming
+        self.layer_offload = memory.strategy == "layer_offload"
+        sh = weight_section(inv, memory, profile)
+        self.streaming = (
+            self.layer_offload or memory.strategy == "stagehand" and sh.weight_streaming
+        )
         self.gc = memory.gradient_checkpointing
         act = sh.activation_stagehand if sh is not None else None
-        self.act = act if act is not None and act.enabled else None
+        # Layer offload always builds the activation runtime (a training step).
+        self.act = act if act is not None and (act.enabled or self.layer_offload) else None
         self.blocks = [_Block(i, b) for i, b in enumerate(inv.blocks)]
+        if self.layer_offload:
+            n = len(self.blocks)
+            for block in self.blocks[: resident_count(memory.layer_offload_fraction, n)]:
+                block.resident = block.on_device = True
+            self.scheduler = LayerOrderScheduler(n, sh.prefetch_window_blocks, training=True)
+        elif self.streaming:
+            self.scheduler = BlockScheduler(sh.prefetch_window_blocks)
         if self.streaming:
             self.high, self.low = sh.vram_high_watermark_mb * MB, sh.vram_low_watermark_mb * MB
-            self.scheduler = BlockScheduler(sh.prefetch_window_blocks)
             self.max_inflight = sh.max_inflight_transfers
             self.slab_bytes = sh.pinned_slab_mb * MB
             self.slabs = sh.pinned_pool_mb // sh.pinned_slab_mb
@@ -108,6 +143,10 @@ class Simulation:
                 self.mem, self.act.vram_high_watermark_mb, self.act.vram_low_watermark_mb
             )
         self.count_acts = self.act is not None or not self.tracked or not self.streaming
+        # A non-reentrant checkpoint's recomputation saves its tensors through its own
+        # (innermost) saved-tensor hooks: no runtime sees them, so on CPU nothing tracks them;
+        # on a GPU they are in VRAM until the block's backward ends.
+        self.count_recompute = not self.tracked
         self.active: set[int] = set()
         self.copies: list[tuple[float, bool]] = []  # (done at, holds a slab)
         self.h2d_free = 0.0
@@ -187,7 +226,7 @@ class Simulation:
 
     def _done(self, block: _Block) -> None:
         self.active.discard(block.index)
-        if block.on_device:
+        if block.on_device and not block.resident:
             usage = self.mem.usage_bytes
             release_after_use(
                 self.scheduler, self.blocks, self.active, block, self.low, usage, self._evict
@@ -252,6 +291,14 @@ class Simulation:
         self.now += ms
         self.result.compute_ms += ms
 
+    def _forward_saved(self, info: BlockInfo) -> list[int]:
+        """The sizes of what the block's forward saves for backward: its checkpoint inputs when
+        checkpointed (layer offload's wrapper: the tensors it passes positionally; diffusers'
+        checkpointing: the block's tensor arguments), else every saved activation."""
+        if not self.gc:
+            return info.saved
+        return info.checkpoint_inputs if self.layer_offload else [info.input_bytes]
+
     # Each pass reads the block's weights once (its GEMMs' weight operands): with few tokens
     # that, not the FLOPs, bounds a matrix product.
     def _forward(self, info: BlockInfo) -> None:
@@ -280,7 +327,7 @@ class Simulation:
             if self.streaming:
                 self._use(block)
             self._forward(block.info)
-            self._save(block.index, [block.info.input_bytes] if self.gc else block.info.saved)
+            self._save(block.index, self._forward_saved(block.info))
             if self.streaming:
                 self._done(block)
         self._save("post", inv.saved_post)
@@ -293,10 +340,10 @@ class Simulation:
             self._restore(block.index)
             if self.gc:
                 self._forward(block.info)
-                if self.count_acts:  # the recomputation's tensors are saved in backward: kept
+                if self.count_recompute:  # saved in backward, needed at once: kept
                     self._add(block.info.saved_bytes, f"recompute {block.info.name}")
             self._backward(block.info)
-            if self.gc and self.count_acts:
+            if self.gc and self.count_recompute:
                 self._add(-block.info.saved_bytes, f"backward {block.info.name}")
             self._free(block.index)
             if self.streaming:
@@ -316,6 +363,7 @@ class Simulation:
         the trace; the last is the steady state. Curve times are relative to each step."""
         inv = self.inv
         self.mem.used = inv.resident_bytes if self.streaming else inv.param_bytes
+        self.mem.used += sum(b.nbytes for b in self.blocks if b.resident)
         if not self.tracked or not self.streaming:
             # LoRA gradients and AdamW's two moments live on the device from the first step on
             # (tracked on CPU only when a streamed block holds them: not with a resident LoRA).

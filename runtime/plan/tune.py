@@ -10,9 +10,15 @@ predicted Pareto front (step time against peak); the trials are the fastest on i
 it, and the preset's own limits when they fit (the reference a tune has to beat), first and
 again last (the load of a shared machine drifts while the trials run one after another).
 
-Not tuned: the layer-offload fraction (the planner does not model layer offload; a layer
-offload preset is refused), and the Conductor (not modelled: its caps are raised to stay above a
-candidate's watermarks, never lowered).
+A layer-offload preset (``memory.strategy: "layer_offload"``) is tuned within its strategy: the
+candidates are every resident count from none to all of the N blocks (``layer_offload_fraction``
+= (N - k) / N, which ``resident_count`` maps back to k), with and without activation offloading;
+the async setting is the preset's. Its watermarks are not live limits (the fraction decides what
+stays), so the two grids do not mix: a stagehand preset gets watermark candidates, a layer-offload
+one fractions, and switching strategy is left to the user, who sees both plans.
+
+Not tuned: the Conductor (not modelled: its caps are raised to stay above a candidate's
+watermarks, never lowered).
 
 ``pareto`` marks the non-dominated points of (step time, peak) pairs, measured or predicted.
 """
@@ -23,6 +29,7 @@ import copy
 from typing import Any
 
 from runtime.config import MB
+from runtime.layer_offload.schedule import resident_count
 from runtime.plan.inventory import PlanInputError, inventory
 from runtime.plan.profiles import DeviceProfile
 
@@ -82,11 +89,55 @@ def _changes(memory: dict[str, Any], limits: dict[str, float], largest_mb: float
     return {"strategy": "stagehand", "stagehand": sh}
 
 
-def _limits_of(memory: dict[str, Any]) -> dict[str, Any]:
+def limits_text(limits: dict[str, Any]) -> str:
+    """One line for a trial's flat limits (the saved preset's description, the CLI)."""
+    if "fraction" in limits:
+        return (
+            f"layer offload {limits['fraction']:.4g} ({limits['resident_blocks']} blocks "
+            f"resident), activation offloading {'on' if limits['activation_offloading'] else 'off'}"
+        )
+    text = (
+        f"high {limits['high_mb']} / low {limits['low_mb']} MB, prefetch window "
+        f"{limits['window']}, in-flight {limits['inflight']}"
+    )
+    if limits.get("spill_high_mb") is not None:
+        text += f", spill {limits['spill_high_mb']} / {limits['spill_low_mb']} MB"
+    return text
+
+
+def _offload_limits(n_blocks: int, resident: int, offload: bool) -> dict[str, Any]:
+    # (N - k) / N exactly: ``resident_count`` floors fraction x N (plus 1e-9), so a fraction
+    # rounded for display could land on the next count.
+    fraction = (n_blocks - resident) / n_blocks if n_blocks else 0.0
+    if resident_count(fraction, n_blocks) != resident:
+        raise AssertionError(f"fraction {fraction!r} keeps not {resident} of {n_blocks} blocks")
+    return {"fraction": fraction, "resident_blocks": resident, "activation_offloading": offload}
+
+
+def _offload_changes(limits: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "strategy": "layer_offload",
+        "layer_offload_fraction": limits["fraction"],
+        "enable_activation_offloading": limits["activation_offloading"],
+    }
+
+
+def _offload_grid(n_blocks: int):
+    for resident in range(n_blocks + 1):
+        for offload in (True, False):
+            yield _offload_limits(n_blocks, resident, offload)
+
+
+def _limits_of(memory: dict[str, Any], n_blocks: int = 0) -> dict[str, Any]:
     """The flat limits of a (validated) memory section."""
     from runtime.plan.plan import check_memory
 
-    sh = check_memory(memory).stagehand
+    config = check_memory(memory)
+    if config.strategy == "layer_offload":
+        resident = resident_count(config.layer_offload_fraction, n_blocks)
+        own = _offload_limits(n_blocks, resident, config.enable_activation_offloading)
+        return {**own, "fraction": config.layer_offload_fraction}
+    sh = config.stagehand
     act = sh.activation_stagehand if sh is not None else None
     on = act is not None and act.enabled
     return {
@@ -136,7 +187,7 @@ def propose(
 
     Raises:
         PlanInputError: ``budget_mb`` below the smallest peak any candidate reaches (naming
-            that minimum), a layer offload preset, or a bad preset (naming the field).
+            that minimum), or a bad preset (naming the field).
     """
     from runtime.plan.plan import EFFICIENCY, check_memory, preset_inputs, preset_model, simulate
     from runtime.preset import PresetError, validate_preset
@@ -149,11 +200,8 @@ def propose(
         problems = "; ".join(f"{p['path']}: {p['message']}" for p in exc.problems)
         raise PlanInputError(problems) from None
     memory = data.get("memory") or {"strategy": "none"}
-    if memory.get("strategy") == "layer_offload":
-        raise PlanInputError(
-            "memory.strategy: layer_offload is not modelled by the planner; tune a stagehand preset"
-        )
     base = check_memory(memory)
+    layer_offload = base.strategy == "layer_offload"
     sh = base.stagehand
     model = preset_model(preset)
     inv = inventory(
@@ -178,23 +226,35 @@ def propose(
             "blocks_loaded": steps[-1].blocks_loaded,  # per steady step: no timing noise
         }
 
-    # The smallest peak there is: everything evicted after use, no prefetch, every activation
-    # spilled (the floor under the grid, which scales with the budget).
-    floor = {"high_mb": 0.0, "low_mb": 0.0, "window": 0, "inflight": 1}
-    floor.update(spill_high_mb=0.0, spill_low_mb=0.0)
-    floor_changes = _changes(memory, floor, largest_mb)
+    n_blocks = len(inv.blocks)
+    if layer_offload:
+        # The smallest peak of the strategy: every block offloaded, activations offloaded.
+        floor = _offload_limits(n_blocks, 0, True)
+        floor_changes = _offload_changes(floor)
+        floor_what = "every block offloaded, activation offloading on"
+        grid = list(_offload_grid(n_blocks))
+    else:
+        # The smallest peak there is: everything evicted after use, no prefetch, every
+        # activation spilled (the floor under the grid, which scales with the budget).
+        floor = {"high_mb": 0.0, "low_mb": 0.0, "window": 0, "inflight": 1}
+        floor.update(spill_high_mb=0.0, spill_low_mb=0.0)
+        floor_changes = _changes(memory, floor, largest_mb)
+        floor_what = "watermarks 0, no prefetch, every activation spilled"
+        grid = list(_grid(budget_mb, largest_mb, spill, not profile.synchronous_copies))
     floor_predicted = predict(floor, _merge(memory, floor_changes))
     floor_mb = floor_predicted["peak_mb"]
     if budget_mb < floor_mb:
         raise PlanInputError(
             f"budget_mb: {budget_mb:g} MB is below the smallest feasible plan of this preset on "
-            f"{profile.name}: {floor_mb:.2f} MB peak (watermarks 0, no prefetch, every "
-            "activation spilled); give at least that"
+            f"{profile.name}: {floor_mb:.2f} MB peak ({floor_what}); give at least that"
         )
     seen: dict[tuple, dict[str, Any]] = {}
     searched = 0
-    for limits in _grid(budget_mb, largest_mb, spill, not profile.synchronous_copies):
-        changes = _changes(memory, limits, largest_mb)
+    for limits in grid:
+        if layer_offload:
+            changes = _offload_changes(limits)
+        else:
+            changes = _changes(memory, limits, largest_mb)
         predicted = predict(limits, _merge(memory, changes))
         searched += 1
         if predicted["peak_mb"] > budget_mb:
@@ -206,8 +266,8 @@ def propose(
     seen.setdefault(key, {"limits": floor, "memory": floor_changes, "predicted": floor_predicted})
     feasible = list(seen.values())
     trials: list[dict[str, Any]] = []
-    if sh is not None and base.strategy == "stagehand" and sh.weight_streaming:
-        own = _limits_of(memory)
+    if layer_offload or sh is not None and base.strategy == "stagehand" and sh.weight_streaming:
+        own = _limits_of(memory, n_blocks)
         predicted = predict(own, memory)
         if predicted["peak_mb"] <= budget_mb:
             trials.append(
@@ -239,10 +299,20 @@ def propose(
         "searched": searched,
         "feasible": len(feasible),
         "trials": trials,
-        "not_tuned": {
-            "layer_offload_fraction": "the planner does not model layer offload",
-            "conductor": "not modelled: its caps are raised above a candidate's watermarks",
-        },
+        "not_tuned": _not_tuned(layer_offload),
+    }
+
+
+def _not_tuned(layer_offload: bool) -> dict[str, str]:
+    if layer_offload:
+        return {
+            "watermarks": "layer offload keeps layers by layer_offload_fraction, not watermarks",
+            "enable_async_offloading": "the preset's (a GPU's prefetch of the next layer)",
+            "strategy": "not switched: plan the preset as stagehand to compare",
+        }
+    return {
+        "layer_offload_fraction": "a stagehand preset: tune a layer_offload preset for fractions",
+        "conductor": "not modelled: its caps are raised above a candidate's watermarks",
     }
 
 

@@ -20,6 +20,9 @@ from typing import Any
 
 
 def _limits(lim: dict[str, Any]) -> str:
+    if "fraction" in lim:
+        offload = "on" if lim["activation_offloading"] else "off"
+        return f"fraction {lim['fraction']:.4g} ({lim['resident_blocks']} resident) act-offload {offload}"
     spill = (
         f" spill {lim['spill_high_mb']:g}/{lim['spill_low_mb']:g}"
         if lim.get("spill_high_mb") is not None

@@ -11,9 +11,13 @@ import { fill, fmtMB, fmtMs, fmtTime, h, showError, statusBadge } from "../ui.js
 // A GPU profile's predictions of a tiny model are fractions of a millisecond.
 const fmtStep = (ms) => (ms != null && ms < 1 ? `${ms.toPrecision(2)} ms` : fmtMs(ms));
 
+// A layer-offload tune's limits are a fraction and the activation offloading switch.
 const limitsText = (l) =>
-  `high ${l.high_mb} / low ${l.low_mb} MB, window ${l.window}, in-flight ${l.inflight}` +
-  (l.spill_high_mb != null ? `, spill ${l.spill_high_mb} / ${l.spill_low_mb} MB` : "");
+  l.fraction != null
+    ? `layer offload ${Number(l.fraction.toPrecision(4))} (${l.resident_blocks} resident), ` +
+      `activation offloading ${l.activation_offloading ? "on" : "off"}`
+    : `high ${l.high_mb} / low ${l.low_mb} MB, window ${l.window}, in-flight ${l.inflight}` +
+      (l.spill_high_mb != null ? `, spill ${l.spill_high_mb} / ${l.spill_low_mb} MB` : "");
 
 /** The scatter: measured trials (Pareto ones larger, joined by the front's line), predicted
  * ones as open diamonds joined to their measured point, and the budget. */
@@ -119,7 +123,7 @@ export function mount(root, { parts }) {
         ? `Fastest within the budget (measured): ${best.label}, run #${best.run_id}: ${fmtMs(best.measured.step_ms)} at ${fmtMB(best.measured.peak_mb)}.`
         : tune.active ? "Trials are running…" : "No trial succeeded within the budget."),
       drift,
-      h("p", { class: "muted" }, `Not tuned: layer-offload fraction (${tune.not_tuned.layer_offload_fraction}); Conductor (${tune.not_tuned.conductor}).`));
+      h("p", { class: "muted" }, `Not tuned: ${Object.entries(tune.not_tuned || {}).map(([k, why]) => `${k} (${why})`).join("; ")}.`));
   }
 
   function saveCell(tune, t) {

@@ -270,17 +270,27 @@ class LTX2PipelineFamily(PipelineFamily):
         return noise.expand(batch, -1, -1).to(device, dtype), length
 
     def predict(self, model, x_t, sigma, text):
+        f, h, w = x_t.shape[2:]
+        kwargs = self.transformer_kwargs(model, x_t, sigma, text, self.temporal_ratio())
+        out, _ = model(**kwargs)
+        cfg = model.config
+        return self.pipeline_cls()._unpack_latents(out, f, h, w, cfg.patch_size, cfg.patch_size_t)
+
+    def transformer_kwargs(self, model, x_t, sigma, text, temporal: int) -> dict:
+        """The transformer's keyword arguments for latents ``x_t`` (B, C, F, H, W) at ``sigma``
+        (B,) with ``text`` (``hidden`` (B, T, Dv + Da), ``mask`` (B, T)), the VAE compressing
+        ``temporal`` frames into one after the first: what ``predict`` calls the transformer
+        with, and what the planner (``runtime.plan.reference``) measures on ``meta``."""
         pipe = self.pipeline_cls()
         cfg = model.config
         b, c, f, h, w = x_t.shape
-        temporal = self.temporal_ratio()
         audio, audio_frames = self.audio_noise(
             model, b, (f - 1) * temporal + 1, x_t.device, x_t.dtype
         )
         video_dim = _text_dims(cfg)[0]
         t = sigma * 1000  # the scheduler's timestep, as __call__ passes it
         audio_t = torch.full_like(t, 1000.0)  # noise: audio sigma 1
-        out, _ = model(
+        return dict(
             hidden_states=pipe._pack_latents(x_t, cfg.patch_size, cfg.patch_size_t),  # (B, N, C)
             audio_hidden_states=audio,  # (B, L, Ca)
             encoder_hidden_states=text.hidden[..., :video_dim],  # (B, T, Dv)
@@ -299,7 +309,6 @@ class LTX2PipelineFamily(PipelineFamily):
             use_cross_timestep=self.use_cross_timestep,
             return_dict=False,
         )
-        return pipe._unpack_latents(out, f, h, w, cfg.patch_size, cfg.patch_size_t)
 
     # -- outputs ----------------------------------------------------------------------------
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):

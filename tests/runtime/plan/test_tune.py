@@ -8,7 +8,7 @@ import pytest
 
 from runtime.config import MB
 from runtime.plan import PlanInputError, plan_preset, profile
-from runtime.plan.tune import _merge, pareto, propose, trial_overrides
+from runtime.plan.tune import _merge, limits_text, pareto, propose, trial_overrides
 from runtime.plan.tune_cli import main as tune_main
 from runtime.preset import load_preset
 
@@ -58,3 +58,55 @@ def test_budget_below_the_smallest_feasible_plan_names_the_field_and_minimum(cap
         propose(data, profile("rtx4090"), 1.0)
     assert tune_main(["tiny-ci", "--budget-mb", "1", "--device", "rtx4090"]) == 2
     assert "budget_mb: 1 MB is below the smallest feasible plan" in capsys.readouterr().err
+
+
+def _layer_offload_preset() -> dict:
+    _, data = load_preset("tiny-ci")
+    data["memory"] = {
+        "strategy": "layer_offload",
+        "gradient_checkpointing": True,
+        "enable_activation_offloading": False,
+        "layer_offload_fraction": 0.5,
+    }
+    return data
+
+
+def test_layer_offload_preset_is_tuned_by_fraction_as_the_plan_predicts():
+    """A layer-offload preset: candidates are resident counts 0..N (fractions the runtime maps
+    back to them) with and without activation offloading, each predicted as its own plan."""
+    from runtime.layer_offload import resident_count
+
+    data = _layer_offload_preset()
+    dev = profile("rtx4090")
+    n = len(plan_preset(data, dev).inventory.blocks)
+    own = plan_preset(data, dev).to_dict()
+    budget = max(own["peak_bytes"].values()) / MB + 0.01  # the preset's own limits just fit
+    out = propose(data, dev, budget, max_trials=4)
+    assert out["searched"] == 2 * (n + 1)
+    assert "layer_offload_fraction" not in out["not_tuned"]
+    trials = out["trials"]
+    assert [t["label"] for t in trials] == ["preset", "t1", "t2", "preset-last"]
+    assert trials[0]["limits"] == {
+        "fraction": 0.5,
+        "resident_blocks": n // 2,
+        "activation_offloading": False,
+    }
+    assert limits_text(trials[0]["limits"]) == (
+        f"layer offload 0.5 ({n // 2} blocks resident), activation offloading off"
+    )
+    for t in trials[1:-1]:
+        lim = t["limits"]
+        assert t["memory"]["strategy"] == "layer_offload"
+        assert resident_count(t["memory"]["layer_offload_fraction"], n) == lim["resident_blocks"]
+        assert t["predicted"]["peak_mb"] <= budget
+        plan = plan_preset(_merge(data, {"memory": t["memory"]}), dev).to_dict()
+        assert max(plan["peak_bytes"].values()) / MB == pytest.approx(
+            t["predicted"]["peak_mb"], abs=1e-4
+        )
+        assert plan["blocks_loaded"] == 2 * (n - lim["resident_blocks"])
+    # Within the preset's own peak the fastest candidate keeps at least as many blocks.
+    assert trials[1]["limits"]["resident_blocks"] >= n // 2
+    assert trials[1]["predicted"]["step_ms"] <= trials[0]["predicted"]["step_ms"]
+    floor = propose(data, dev, 1000.0)["min_peak_mb"]
+    with pytest.raises(PlanInputError, match="every block offloaded, activation offloading on"):
+        propose(data, dev, floor * 0.99)
