@@ -153,19 +153,21 @@ class IdleExecutor(Executor):
         self.exits[run_id] = Exit(rc)
 
 
-WS_BASE = "ws://127.0.0.1:8000"
-"""Websocket URLs of the in-process app start here (``TestClient.websocket_connect`` would
-otherwise send ``Host: testserver``, which the security middleware refuses)."""
-
-
 def in_process(data_dir: Path, executor: Executor | None = None, **settings) -> TestClient:
     """The app of ``create_app`` over ``data_dir`` (lifespan run: real store, presets, hub,
-    tailer and supervisor), served in this process by a ``TestClient`` whose requests come from
-    http://127.0.0.1:8000 (a loopback Host, as the security middleware wants). The executor is
-    an ``IdleExecutor`` unless given, and no calibration runs. Close it (or use ``with``)."""
+    tailer and supervisor), served in this process by a ``TestClient`` whose requests go to
+    ``http://HOST:8000`` (``settings["host"]``, 127.0.0.1 by default: a loopback Host, as the
+    security middleware wants without a token). The executor is an ``IdleExecutor`` unless
+    given, and no calibration runs. Close it (or use ``with``)."""
     config = Settings(data_dir=data_dir, calibrate=False, **settings)
     app = create_app(config, executor if executor is not None else IdleExecutor())
-    return TestClient(app, base_url="http://127.0.0.1:8000").__enter__()
+    return TestClient(app, base_url=f"http://{config.host}:8000").__enter__()
+
+
+def ws_url(client: TestClient, path: str) -> str:
+    """The websocket URL of ``path`` on the in-process app's host (``websocket_connect`` would
+    otherwise send ``Host: testserver``, which the security middleware refuses)."""
+    return f"ws://{client.base_url.netloc.decode()}{path}"
 
 
 def raw_request(

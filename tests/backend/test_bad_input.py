@@ -8,7 +8,7 @@ import json
 import string
 
 import pytest
-from backend_helpers import WS_BASE, assert_error_body, in_process, raw_request
+from backend_helpers import assert_error_body, in_process, raw_request, ws_url
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.websockets import WebSocketDisconnect
@@ -183,7 +183,7 @@ def test_ids_and_since_are_bounded_integers(client):
     assert_error_body(client.get(f"/api/runs/{huge}"), 422)
     assert_error_body(client.get("/api/runs/1/telemetry", params={"since": 2**63}), 422)
     for path in (f"{huge}/stream", f"1/stream?since={huge}", "\u0661/stream", "1/stream?since=1_0"):
-        with client.websocket_connect(f"{WS_BASE}/api/runs/{path}") as ws:
+        with client.websocket_connect(ws_url(client, f"/api/runs/{path}")) as ws:
             frame = ws.receive_json()
             assert frame["error"]["code"] == "bad_request", path
             assert "since from -1 to 4611686018427387904" in frame["error"]["message"]
