@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from fastapi.testclient import TestClient
 from websockets.sync.client import connect
 
@@ -153,14 +154,46 @@ class IdleExecutor(Executor):
         self.exits[run_id] = Exit(rc)
 
 
+class FixedProbe:
+    """A system probe (``backend.system.SystemProbe``'s ``start``, ``default_device``, ``info``)
+    that answers at once for a CPU-only machine, without asking torch in a subprocess (over a
+    second of CPU per app). ``test_bad_input.test_system_info`` checks the real one."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def start(self) -> None:
+        pass
+
+    def default_device(self) -> str:
+        return "cpu"
+
+    def info(self, timeout_s: float = 30.0) -> dict:
+        return {
+            "device": "cpu",
+            "device_name": None,
+            "vram_total_mb": None,
+            "cuda_devices": 0,
+            "ram_total_mb": psutil.virtual_memory().total / 2**20,
+            "torch_version": None,
+            "cuda_version": None,
+            "version": "0.0.0",
+            "executor": self.executor.name,
+            "cluster": None,
+        }
+
+
 def in_process(data_dir: Path, executor: Executor | None = None, **settings) -> TestClient:
     """The app of ``create_app`` over ``data_dir`` (lifespan run: real store, presets, hub,
     tailer and supervisor), served in this process by a ``TestClient`` whose requests go to
     ``http://HOST:8000`` (``settings["host"]``, 127.0.0.1 by default: a loopback Host, as the
     security middleware wants without a token). The executor is an ``IdleExecutor`` unless
-    given, and no calibration runs. Close it (or use ``with``)."""
+    given, the probe a ``FixedProbe``, and no calibration runs. Tests replace a service for
+    their own requests with ``client.app.dependency_overrides`` (``backend.api.deps``). Close
+    it (or use ``with``)."""
     config = Settings(data_dir=data_dir, calibrate=False, **settings)
-    app = create_app(config, executor if executor is not None else IdleExecutor())
+    executor = executor if executor is not None else IdleExecutor()
+    app = create_app(config, executor, FixedProbe(executor))
     return TestClient(app, base_url=f"http://{config.host}:8000").__enter__()
 
 

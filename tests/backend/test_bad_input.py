@@ -13,6 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.websockets import WebSocketDisconnect
 
+from backend.api.deps import get_probe
+from backend.system import SystemProbe
+
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
@@ -265,7 +268,13 @@ def test_presets_builtin_read_only_and_user_presets_editable(client):
 
 
 def test_system_info(client):
-    info = client.get("/api/system").json()
+    # The real probe (torch asked in a subprocess), in place of the app's FixedProbe.
+    probe = SystemProbe(client.app.state.executor)
+    client.app.dependency_overrides[get_probe] = lambda: probe
+    try:
+        info = client.get("/api/system").json()
+    finally:
+        del client.app.dependency_overrides[get_probe]
     assert info["ram_total_mb"] > 100 and info["device"] in ("cpu", "cuda:0")
     assert info["torch_version"].startswith("2.")
 
