@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 # package named "backend" under it would shadow the real one).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backend_helpers import Server, in_process, kill_workers  # noqa: E402
+from backend_helpers import Server, kill_workers  # noqa: E402
+from inprocess import in_process  # noqa: E402
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def server(server_factory) -> Server:
 
 @pytest.fixture
 def api_factory(tmp_path) -> Iterator:
-    """In-process apps (``backend_helpers.in_process``) over ``tmp_path/"data"``, closed after
+    """In-process apps (``inprocess.in_process``) over ``tmp_path/"data"``, closed after
     the test: ``api_factory(executor=..., token=...)``. Tests of the HTTP contract use these;
     a real server process is for crashes, restarts, streaming and real workers."""
     made: list[TestClient] = []

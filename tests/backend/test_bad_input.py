@@ -1,5 +1,5 @@
 """Bad input everywhere gets a 4xx with the one error body; a bounded fuzz of the OpenAPI routes
-finds no 5xx. The app runs in-process (``backend_helpers.in_process``): no worker is started,
+finds no 5xx. The app runs in-process (``inprocess.in_process``): no worker is started,
 runs stay queued."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import json
 import string
 
 import pytest
-from backend_helpers import assert_error_body, in_process, raw_request, ws_url
+from backend_helpers import assert_error_body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inprocess import in_process, raw_request, ws_url
 from starlette.websockets import WebSocketDisconnect
 
 from backend.api.deps import get_probe

@@ -15,14 +15,8 @@ from __future__ import annotations
 import json
 import time
 
-from backend_helpers import (
-    IdleExecutor,
-    append_records,
-    assert_error_body,
-    stored_records,
-    wait_for,
-    wait_status,
-)
+from backend_helpers import assert_error_body, stored_records, wait_for, wait_status
+from inprocess import IdleExecutor, append_records
 
 from backend.limits import config_limits
 

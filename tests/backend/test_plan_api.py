@@ -4,8 +4,8 @@ model, and the one error body naming the field for bad input."""
 from __future__ import annotations
 
 import pytest
-from backend_helpers import in_process
 from fastapi.testclient import TestClient
+from inprocess import in_process
 
 TINY = {
     "model": {"factory": "flux", "size": "tiny", "dtype": "float32"},

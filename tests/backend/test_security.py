@@ -12,7 +12,8 @@ import sys
 
 import httpx
 import pytest
-from backend_helpers import REPO, assert_error_body, free_port, ws_url
+from backend_helpers import REPO, assert_error_body, free_port
+from inprocess import ws_url
 from starlette.websockets import WebSocketDisconnect
 
 TOKEN = "s3cret-token-for-tests"
