@@ -63,7 +63,7 @@ async def lifespan(app: FastAPI):
     executor = app.state.executor or make_executor(settings)
     calibrator = Calibrator(store)
     finished = calibrator.submit if settings.calibrate else None
-    probe = SystemProbe(executor)
+    probe = app.state.probe or SystemProbe(executor)
     probe.start()
     supervisor = Supervisor(
         settings,
@@ -89,9 +89,14 @@ async def lifespan(app: FastAPI):
         store.close()
 
 
-def create_app(settings: Settings | None = None, executor: Executor | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    executor: Executor | None = None,
+    probe: SystemProbe | None = None,
+) -> FastAPI:
     """The app for ``settings`` (defaults from the environment). Services start in lifespan;
-    ``executor`` is the one ``settings.executor`` names unless given (already built)."""
+    ``executor`` is the one ``settings.executor`` names unless given (already built), ``probe``
+    a ``SystemProbe`` over it unless given (tests pass one that answers without torch)."""
     settings = settings or Settings()
     app = FastAPI(
         title="Stagehand Workbench",
@@ -103,6 +108,7 @@ def create_app(settings: Settings | None = None, executor: Executor | None = Non
     )
     app.state.settings = settings
     app.state.executor = executor
+    app.state.probe = probe
     errors.install(app)
     openapi.install(app)
     apidocs.install(app)

@@ -1,9 +1,11 @@
 """``Run``: one training run, the orchestrator ``workbench train`` drives (``cli.py``).
 
-Stage 1 caches text embeddings and latents (``encode.py``), stage 2 trains (``loop.py``) under
-the preset's memory strategy; samples, checkpoints, the LoRA and the final record are written
-into the run folder (``docs/contracts.md``), and everything it reports goes into ONE telemetry
-stream, ``DIR/telemetry.jsonl``, shared with the memory strategy.
+Stage 1 scans the data and caches text embeddings and latents (``stage1.py``), stage 2 trains
+(``loop.py``) under the preset's memory strategy; samples (``sampling.py``), checkpoints, the
+LoRA and the final record (``records.py``) are written into the run folder
+(``docs/contracts.md``), and everything it reports goes into ONE telemetry stream,
+``DIR/telemetry.jsonl``, shared with the memory strategy. This module wires them together and
+handles control requests and the run's ending.
 """
 
 from __future__ import annotations
@@ -11,42 +13,24 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
-from runtime.config import MB
 from runtime.preset import Preset, load_preset, validate_preset
 from runtime.status import RunStatus
-from runtime.trainer import encode, loop
-from runtime.trainer.clips import scan_clips
+from runtime.trainer import loop, records
 from runtime.trainer.control import ControlDir, StopFlag
-from runtime.trainer.data import group_by_shape
 from runtime.trainer.families import family
-from runtime.trainer.outputs import (
-    folder_problem,
-    latest_checkpoint,
-    load_checkpoint,
-    sample_images,
-    sample_pipeline,
-    save_lora,
-)
+from runtime.trainer.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
 from runtime.trainer.pipelines import PipelineFamily
-from runtime.trainer.pipelines import encode as pipeline_encode
 from runtime.trainer.progress import Progress
-from runtime.trainer.scan import Sample, scan_folder
-from runtime.trainer.setup import (
-    check_text_dim,
-    data_folder,
-    family_targets,
-    held_out_samples,
-    pipeline_family,
-    resolve_assets,
-)
+from runtime.trainer.sampling import Sampler
+from runtime.trainer.scan import Sample
+from runtime.trainer.setup import check_text_dim, family_targets, pipeline_family, resolve_assets
+from runtime.trainer.stage1 import build_cache, scan_data
 
 TELEMETRY_STDOUT_ENV = "STAGEHAND_TELEMETRY_STDOUT"
 """``1``: every telemetry record is also written to stdout after ``STDOUT_MARKER``."""
@@ -123,26 +107,17 @@ class Run:
         samples = self.scan(preset)  # before any model is built or loaded
         model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family, self.progress.line)
         self.family = self.family or family(preset.family)
-        self.telemetry.emit(
-            "trainer",
-            "run_started",
-            run_name=self.run_dir.name,
-            preset=name,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            max_steps=preset.max_steps,
-            device=str(self.device),
-            # The GPU's name: which device profile a calibration from this run is kept under.
-            device_name=torch.cuda.get_device_name(self.device)
-            if self.device.type == "cuda"
-            else None,
-            vram_source="cuda" if self.device.type == "cuda" else "tracked",
-            model=str(model_dir),
-            strategy=preset.memory.strategy,
+        records.run_started(
+            self.telemetry,
+            run_dir=self.run_dir,
+            name=name,
+            preset=preset,
+            device=self.device,
+            model_dir=model_dir,
             resume=self.resume,
         )
         if isinstance(self.family, PipelineFamily):
-            self.report_pipeline(self.family.info)
+            records.report_pipeline(self.family.info, self.telemetry, self.progress)
         t0 = time.perf_counter()
         cached = self.stage1(preset, vae_dir, encoder_dir, samples)
         cache_s = time.perf_counter() - t0
@@ -159,114 +134,23 @@ class Run:
         return self.finish(RunStatus.SUCCEEDED, timings)
 
     def scan(self, preset: Preset) -> list[Sample]:
-        """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
-        before ``DataError`` ends a run that has no usable sample, or bad files under
-        ``data.on_bad_file: fail``; the error names the files. A video family takes clips (and
-        images as one-frame clips)."""
-        data = preset.data
-        folder = data_folder(preset)
-        if isinstance(self.family, PipelineFamily):
-            self.family.check_caption_tokens(data.max_caption_tokens)
-        if isinstance(self.family, PipelineFamily) and self.family.video:
-            self.family.check_frames(data.frames)
-            samples = scan_clips(
-                folder,
-                captions=data.captions,
-                default_caption=data.default_caption,
-                limit=data.limit,
-            )
-            self.progress.line(f"data: {len(samples)} clips and images from {folder}")
-            return samples
-        scan = scan_folder(
-            folder,
-            captions=data.captions,
-            default_caption=data.default_caption,
-            limit=data.limit,
-            frames=data.frames,
-            on_bad_file=data.on_bad_file,
-        )
-        self.telemetry.emit("trainer", "dataset_scan", **scan.record())
-        self.progress.line(
-            f"data: {len(scan.samples)} samples from {scan.folder}, {len(scan.skipped)} files "
-            f"left out ({len(scan.bad)} bad), {len(scan.warnings)} warnings"
-        )
-        for item in scan.skipped:
-            self.progress.line(f"  left out {item.file}: {item.reason}")
-        for item in scan.warnings:
-            self.progress.line(f"  warning {item.file}: {item.message}")
-        scan.check()
-        return scan.samples
-
-    def report_pipeline(self, info) -> None:
-        """What the pipeline folder holds, as one ``trainer/pipeline`` record and a line."""
-        found = info.as_dict()
-        self.telemetry.emit("trainer", "pipeline", **found)
-        self.progress.line(
-            f"{info.family} ({info.pipeline_class}): "
-            + ", ".join(f"{c.name} {c.class_name}" for c in info.components)
-            + f"; {len(info.blocks)} blocks streamed, largest "
-            f"{found['largest_block_bytes'] / MB:.2f} MB, total {found['blocks_total_bytes'] / MB:.2f} MB"
-        )
+        """The usable samples of the data folder (``stage1.scan_data``)."""
+        return scan_data(preset, self.family, self.telemetry, self.progress)
 
     def stage1(
         self, preset: Preset, vae_dir, encoder_dir, samples: list[Sample]
     ) -> loop.Batchable | None:
-        from runtime.assets import cache_root
-
-        data = preset.data
-        texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))
-        total = len(texts) + len(samples)
-        cache_dir = cache_root() / "trainer-cache"
-        self.stage("cache", 0, total, f"{len(samples)} samples, {len(texts)} distinct texts")
-
-        def should_stop() -> bool:
-            return self.poll_control() is not None
-
-        text_kwargs = dict(
-            memory=preset.memory,
+        """The stage-1 cache (``stage1.build_cache``); None when a stop request arrived."""
+        return build_cache(
+            preset,
+            self.family,
+            vae_dir,
+            encoder_dir,
+            samples,
             device=self.device,
             telemetry=self.telemetry,
-            cache_dir=cache_dir,
-            max_tokens=data.max_caption_tokens,
-            progress=lambda d, t, m: self.stage("cache", d, total, m),
-            should_stop=should_stop,
-        )
-        if isinstance(self.family, PipelineFamily):
-            dtype = loop.DTYPES[preset.model.dtype]
-            text = pipeline_encode.encode_texts(self.family, texts, dtype=dtype, **text_kwargs)
-        else:
-            text = encode.encode_texts(texts, encoder_dir, **text_kwargs)
-        if text is None:
-            return None
-        self.stage("cache", len(texts), total, "text encoder released")
-        result = encode.encode_latents(
-            samples,
-            vae_dir,
-            resolution=preset.resolution,
-            bucketing=data.bucketing,
-            background=data.background_rgb,
-            device=self.device,
-            cache_dir=cache_dir,
-            progress=lambda d, t, m: self.stage("cache", len(texts) + d, total, m),
-            should_stop=should_stop,
-            family=self.family if isinstance(self.family, PipelineFamily) else None,
-            frames=data.frames,
-        )
-        if result is None:
-            return None
-        latents, _ = result
-        row = {t: i for i, t in enumerate(texts)}
-        self.family.check_latents(tuple(latents[0].shape))
-        held_out = held_out_samples(preset, len(samples))
-        train = [i for i in range(len(samples)) if i not in held_out]
-        groups = group_by_shape([tuple(latents[i].shape) for i in train])
-        return loop.Batchable(
-            latents=latents,
-            text=text,
-            caption_rows=[row[s.caption] for s in samples],
-            prompt_rows=[row[p] for p in preset.samples.prompts],
-            groups={k: [train[j] for j in v] for k, v in groups.items()},
-            held_out=held_out,
+            stage=self.stage,
+            should_stop=lambda: self.poll_control() is not None,
         )
 
     def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
@@ -301,11 +185,7 @@ class Run:
         self.stage("train", self.start_step, preset.max_steps, message)
 
         def draw_samples(step: int) -> None:
-            with self.telemetry.tagged(sampling=True):
-                if isinstance(self.family, PipelineFamily):
-                    self.pipeline_samples(preset, data, step=step)
-                else:
-                    self.training_samples(preset, data, step)
+            self.sampler().during_training(model, self.strategy, preset, data, self.vae_dir, step)
 
         def on_step(step: int, loss: float, step_s: float) -> None:
             self.steps_done = step
@@ -339,76 +219,11 @@ class Run:
         self.close_strategy()
         return state
 
+    def sampler(self) -> Sampler:
+        return Sampler(self.run_dir, self.family, self.device, self.telemetry)
+
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
-        # Sampled on the plain model after the strategy is closed (it restores resident weights).
-        if isinstance(self.family, PipelineFamily):
-            self.pipeline_samples(preset, data, step=None)
-            return
-        self.model.to(self.device).eval()
-        self.factory_samples(preset, data, vae_dir, "sample")
-
-    def training_samples(self, preset: Preset, data: loop.Batchable, step: int) -> None:
-        """Factory families: samples of the model as trained so far, drawn through the training
-        strategy as an inference step ``step`` (``no_grad``: blocks loaded now serve training
-        next), written as ``samples/step-NNNNNN-ii.png``."""
-        model, was_training = self.model, self.model.training
-        model.eval()
-        try:
-            with torch.no_grad(), self.strategy.step(step), self.strategy.forward():
-                self.factory_samples(preset, data, self.vae_dir, f"step-{step:06d}")
-        finally:
-            model.train(was_training)
-
-    def factory_samples(
-        self, preset: Preset, data: loop.Batchable, vae_dir: Path, prefix: str
-    ) -> None:
-        """One ``samples/{prefix}-ii.png`` per prompt from ``self.model`` (its sampler and the
-        run's VAE), each with its ``trainer/sample`` record."""
-        prompts = preset.samples.prompts
-        dtype = loop.DTYPES[preset.train_dtype]
-        paths = sample_images(
-            self.family,
-            self.model,
-            data.text_rows(data.prompt_rows, self.device, dtype),
-            vae_dir,
-            tuple(data.latents[0].shape),
-            steps=preset.samples.steps,
-            seed=preset.samples.seed,
-            device=self.device,
-            dtype=dtype,
-            out_dir=self.run_dir / "samples",
-            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
-            prediction_type=preset.prediction_type,
-        )
-        self.record_samples(paths, prompts)
-
-    def pipeline_samples(self, preset: Preset, data: loop.Batchable, step: int | None) -> None:
-        """Samples from the pipeline's ``__call__``: during training (``step``) through the
-        training strategy as an inference step, at the end (None) through an inference one."""
-        prompts = preset.samples.prompts
-        dtype = loop.DTYPES[preset.train_dtype]
-        prefix = "sample" if step is None else f"step-{step:06d}"
-        paths = sample_pipeline(
-            self.family,
-            self.model,
-            data.text_rows(data.prompt_rows, self.device, dtype),
-            tuple(data.latents[0].shape),
-            preset=preset,
-            device=self.device,
-            dtype=dtype,
-            telemetry=self.telemetry,
-            out_dir=self.run_dir / "samples",
-            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
-            strategy=self.strategy if step is not None else None,
-            step=step,
-        )
-        self.record_samples(paths, prompts)
-
-    def record_samples(self, paths: list[Path], prompts: list[str]) -> None:
-        """One ``trainer/sample`` record per written image, its path relative to the run."""
-        for path, prompt in zip(paths, prompts, strict=True):
-            rel = str(path.relative_to(self.run_dir))
-            self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+        self.sampler().final(self.model, preset, data, vae_dir)
 
     # -- endings --------------------------------------------------------------------------------
     def close_strategy(self) -> None:
@@ -459,26 +274,16 @@ class Run:
                 self.save()
         except Exception as inner:  # the original error is the one to report
             save_error = f"{type(inner).__name__}: {inner}"
-        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-        vram = {}
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            vram = {
-                "vram_allocated_mb": torch.cuda.memory_allocated(self.device) / MB,
-                "vram_reserved_mb": torch.cuda.memory_reserved(self.device) / MB,
-                "vram_peak_mb": torch.cuda.max_memory_allocated(self.device) / MB,
-                "vram_total_mb": torch.cuda.get_device_properties(self.device).total_memory / MB,
-                "vram_source": "cuda",
-            }
         self.telemetry.phase = None
         self.telemetry.emit(
             "trainer",
             "error",
-            error_type=type(exc).__name__,
-            message=message,
-            traceback="".join(traceback.format_exception(exc)),
-            oom=oom,
-            steps_done=self.steps_done,
-            lora_path=str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None,
-            save_error=save_error,
-            **vram,
+            **records.error_record(
+                exc,
+                message,
+                self.device,
+                steps_done=self.steps_done,
+                lora_path=str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None,
+                save_error=save_error,
+            ),
         )

@@ -1,4 +1,5 @@
-"""Helpers of the backend tests: a real server process, waiting, reading records back."""
+"""Helpers of the backend tests: a real server process, waiting, reading records back (the app
+in-process is ``inprocess.py``)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,33 @@
 """Bad input everywhere gets a 4xx with the one error body; a bounded fuzz of the OpenAPI routes
-finds no 5xx."""
+finds no 5xx. The app runs in-process (``inprocess.in_process``): no worker is started,
+runs stay queued."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import string
 
-import httpx
 import pytest
-from backend_helpers import Server, assert_error_body, kill_workers
+from backend_helpers import assert_error_body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
+from inprocess import in_process, raw_request, ws_url
+from starlette.websockets import WebSocketDisconnect
+
+from backend.api.deps import get_probe
+from backend.system import SystemProbe
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("bad") / "data").start()
-    yield server
-    server.stop()
-    kill_workers(server.data_dir)
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
+def client(tmp_path_factory):
+    # One app for the module, as the fuzz tests want the runs and presets of the others.
+    with in_process(tmp_path_factory.mktemp("bad") / "data") as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def data_dir(client):
+    return client.app.state.settings.data_dir
 
 
 def test_error_body_on_every_error_path(client):
@@ -126,14 +126,14 @@ def test_path_traversal_and_long_names_are_refused(client, name):
     assert_error_body(client.post("/api/presets", json={"name": name, "config": {}}), 422)
 
 
-def test_artifacts_by_name_only(client, srv):
+def test_artifacts_by_name_only(client, data_dir):
     # Any run will do: artifacts are looked up by run id + plain file name.
     run = client.post("/api/runs", json={"preset": "tiny-ci"}).json()
     client.post(f"/api/runs/{run['id']}/cancel")
-    samples = srv.data_dir / "runs" / str(run["id"]) / "samples"
+    samples = data_dir / "runs" / str(run["id"]) / "samples"
     samples.mkdir(parents=True)
     (samples / "sample-00.png").write_bytes(b"\x89PNG fake")
-    (srv.data_dir / "secret.txt").write_text("no")
+    (data_dir / "secret.txt").write_text("no")
     listed = client.get(f"/api/runs/{run['id']}/artifacts").json()
     assert [a["name"] for a in listed["data"]] == ["sample-00.png"]
     got = client.get(f"/api/runs/{run['id']}/artifacts/sample-00.png")
@@ -142,28 +142,24 @@ def test_artifacts_by_name_only(client, srv):
         resp = client.get(f"/api/runs/{run['id']}/artifacts/{bad}")
         assert 400 <= resp.status_code < 500, (bad, resp.status_code)
         assert_error_body(resp)
-    # http.client sends the path as written (httpx would normalise the dots away).
-    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    # The path as written (httpx would normalise the dots away), as uvicorn passes it on.
     for path in ("../../../secret.txt", "..", "../config.json"):
-        conn.request("GET", f"/api/runs/{run['id']}/artifacts/{path}")
-        resp = conn.getresponse()
-        body = resp.read()
-        assert 400 <= resp.status < 500 and b'"error"' in body, (path, resp.status, body)
-    conn.close()
+        resp = raw_request(client, "GET", f"/api/runs/{run['id']}/artifacts/{path}")
+        assert 400 <= resp.status_code < 500 and b'"error"' in resp.content, (path, resp)
 
 
-def test_only_regular_files_inside_the_run_folder_are_artifacts(client, srv):
+def test_only_regular_files_inside_the_run_folder_are_artifacts(client, data_dir):
     ids = []
     for _ in range(2):
         run = client.post("/api/runs", json={"preset": "tiny-ci"}).json()
         client.post(f"/api/runs/{run['id']}/cancel")
         ids.append(run["id"])
-    secret = srv.data_dir / "secret.png"  # outside both run folders, same file system
+    secret = data_dir / "secret.png"  # outside both run folders, same file system
     secret.write_bytes(b"secret bytes")
-    outside = srv.data_dir / "elsewhere"
+    outside = data_dir / "elsewhere"
     outside.mkdir()
     (outside / "leak.png").write_bytes(b"secret bytes")
-    samples = srv.data_dir / "runs" / str(ids[0]) / "samples"
+    samples = data_dir / "runs" / str(ids[0]) / "samples"
     samples.mkdir(parents=True)
     (samples / "ok.png").write_bytes(b"\x89PNG ok")
     (samples / "link.png").symlink_to(secret)
@@ -171,7 +167,7 @@ def test_only_regular_files_inside_the_run_folder_are_artifacts(client, srv):
     (samples / "hard.png").hardlink_to(secret)
     (samples / "loop.png").symlink_to(samples / "loop.png")
     # A samples/ folder that is itself a symlink out of the run folder.
-    (srv.data_dir / "runs" / str(ids[1]) / "samples").symlink_to(outside)
+    (data_dir / "runs" / str(ids[1]) / "samples").symlink_to(outside)
 
     listed = client.get(f"/api/runs/{ids[0]}/artifacts").json()
     assert [a["name"] for a in listed["data"]] == ["ok.png"]
@@ -183,7 +179,7 @@ def test_only_regular_files_inside_the_run_folder_are_artifacts(client, srv):
     assert_error_body(client.get(f"/api/runs/{ids[1]}/artifacts/leak.png"), 404)
 
 
-def test_ids_and_since_are_bounded_integers(client, srv):
+def test_ids_and_since_are_bounded_integers(client):
     huge = "99999999999999999999"  # above 2**64
     for ids in (f"{huge},1", "1,1_0", "1,-2", "1,\u0662"):
         err = assert_error_body(client.get("/api/compare", params={"ids": ids}), 422)
@@ -191,13 +187,13 @@ def test_ids_and_since_are_bounded_integers(client, srv):
     assert_error_body(client.get(f"/api/runs/{huge}"), 422)
     assert_error_body(client.get("/api/runs/1/telemetry", params={"since": 2**63}), 422)
     for path in (f"{huge}/stream", f"1/stream?since={huge}", "\u0661/stream", "1/stream?since=1_0"):
-        with connect(f"ws://{srv.host}:{srv.port}/api/runs/{path}") as ws:
-            frame = json.loads(ws.recv(timeout=10))
+        with client.websocket_connect(ws_url(client, f"/api/runs/{path}")) as ws:
+            frame = ws.receive_json()
             assert frame["error"]["code"] == "bad_request", path
             assert "since from -1 to 4611686018427387904" in frame["error"]["message"]
-            with pytest.raises(ConnectionClosed):
-                ws.recv(timeout=10)
-            assert ws.close_code == 4400, path
+            with pytest.raises(WebSocketDisconnect) as closed:
+                ws.receive_text()
+            assert closed.value.code == 4400, path
 
 
 def test_limits_are_strict_numbers_and_name_the_field(client):
@@ -235,17 +231,18 @@ def test_bucket_fields_must_be_dotted_names(client):
     client.post(f"/api/runs/{run_id}/cancel")
 
 
-def test_huge_bodies_get_413(client, srv):
+def test_huge_bodies_get_413(client):
     big = {"preset": "tiny-ci", "overrides": {"pad": "x" * (2 << 20)}}
     err = assert_error_body(client.post("/api/runs", json=big), 413)
     assert err["code"] == "body_too_large"
 
-    def chunks():  # no Content-Length: the limit holds for streamed bodies too
-        for _ in range(40):
-            yield b" " * 65536
-
-    resp = httpx.post(
-        f"{srv.url}/api/presets", content=chunks(), headers={"content-type": "application/json"}
+    # No Content-Length, 40 chunks of 64 KiB: the limit holds for streamed bodies too.
+    resp = raw_request(
+        client,
+        "POST",
+        "/api/presets",
+        headers={"content-type": "application/json", "transfer-encoding": "chunked"},
+        chunks=[b" " * 65536] * 40,
     )
     assert_error_body(resp, 413)
 
@@ -272,7 +269,13 @@ def test_presets_builtin_read_only_and_user_presets_editable(client):
 
 
 def test_system_info(client):
-    info = client.get("/api/system").json()
+    # The real probe (torch asked in a subprocess), in place of the app's FixedProbe.
+    probe = SystemProbe(client.app.state.executor)
+    client.app.dependency_overrides[get_probe] = lambda: probe
+    try:
+        info = client.get("/api/system").json()
+    finally:
+        del client.app.dependency_overrides[get_probe]
     assert info["ram_total_mb"] > 100 and info["device"] in ("cpu", "cuda:0")
     assert info["torch_version"].startswith("2.")
 
@@ -383,8 +386,8 @@ SEGMENT = st.one_of(
 )
 
 
-def _routes(srv) -> list[tuple[str, str, dict]]:
-    spec = httpx.get(srv.url + "/openapi.json").json()
+def _routes(client) -> list[tuple[str, str, dict]]:
+    spec = client.get("/openapi.json").json()
     return [
         (method.upper(), path, op)
         for path, ops in spec["paths"].items()
@@ -392,8 +395,8 @@ def _routes(srv) -> list[tuple[str, str, dict]]:
     ]
 
 
-def test_fuzz_openapi_routes_never_5xx(srv, client):
-    routes = _routes(srv)
+def test_fuzz_openapi_routes_never_5xx(client):
+    routes = _routes(client)
     assert len(routes) >= 15
     seen_5xx: list = []
 

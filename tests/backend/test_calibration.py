@@ -1,18 +1,15 @@
 """Calibration (issue 21): a succeeded run's measured figures are stored next to the plan of
 its config, under its device profile and family; later plans for that device and family are
 scaled by exactly the stored ratios and say from which run. The run's telemetry is written
-into the store as the tailer would (no worker: the figures are known exactly)."""
+into the store as the tailer would (no worker: the figures are known exactly), on the app
+in-process (``api``)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 
-from backend import errors
-from backend.api import plan as plan_api
 from backend.calibration import Calibrator
 from backend.store import Store
 from runtime.plan.cli import main as plan_main
@@ -56,19 +53,14 @@ def _record_run(store: Store, config: dict, started: dict, limits_changed: bool 
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "workbench.db")
-    yield s
-    s.close()
+def client(api):
+    return api
 
 
 @pytest.fixture
-def client(store):
-    app = FastAPI()
-    errors.install(app)
-    app.include_router(plan_api.router)
-    app.state.store = store
-    return TestClient(app)
+def store(api) -> Store:
+    """The app's own store (the one its lifespan opened on ``tmp_path/"data"``)."""
+    return api.app.state.store
 
 
 def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_path, capsys):
@@ -110,8 +102,8 @@ def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_
     assert "calibration" not in client.post("/api/plan", json={**body, "device": "h100"}).json()
 
     # The CLI reads the server's database: the same ratios, and it says from which run.
-    store.close()
-    assert plan_main(["tiny-ci", "--device", "rtx4090", "--data-dir", str(tmp_path)]) == 0
+    data_dir = client.app.state.settings.data_dir
+    assert plan_main(["tiny-ci", "--device", "rtx4090", "--data-dir", str(data_dir)]) == 0
     assert f"calibrated by run #{run_id} on rtx4090/flux: VRAM x" in capsys.readouterr().out
 
 

@@ -1,15 +1,43 @@
-"""Live limits against the limits in force: a real tiny-ci worker, one run.
+"""Live limits against the limits in force, over stored records.
 
 ``PATCH /api/runs/{id}/limits`` checks a body against the run's effective limits (its config
 folded with the ``strategy/limits_applied`` records), ``GET /api/runs/{id}/limits`` gives
 them with their history, and Compare's config diff shows the changes made during the run.
+
+The app runs in-process over an ``IdleExecutor``: the supervisor starts its runs as jobs
+without a worker, and the test plays each worker by appending its records to the run's
+``telemetry.jsonl`` (the real tailer stores them) and ending its job. A real worker applying
+limits and acknowledging them is ``test_lifecycle.test_queue_cancel_and_live_limits``.
 """
 
 from __future__ import annotations
 
+import json
+import time
+
 from backend_helpers import assert_error_body, stored_records, wait_for, wait_status
+from inprocess import IdleExecutor, append_records
 
 from backend.limits import config_limits
+
+
+class PlayedWorker:
+    """Writes a run's records with consecutive ``seq``s, as ``runtime.common.telemetry`` does,
+    and reads the control requests the server drops into ``DIR/control``."""
+
+    def __init__(self, data_dir, run_id: int) -> None:
+        self.data_dir, self.run_id, self.seq = data_dir, run_id, 0
+
+    def emit(self, source: str, kind: str, step: int | None, **fields) -> dict:
+        record = {"seq": self.seq, "time": time.time(), "source": source, "kind": kind}
+        record.update(step=step, phase=None, **fields)
+        append_records(self.data_dir, self.run_id, [record])
+        self.seq += 1
+        return record
+
+    def requests(self) -> list[dict]:
+        control = self.data_dir / "runs" / str(self.run_id) / "control"
+        return [json.loads(p.read_text()) for p in sorted(control.glob("*.json"))]
 
 
 def test_config_limits_are_those_of_the_runtimes_that_are_on():
@@ -34,8 +62,10 @@ def test_config_limits_are_those_of_the_runtimes_that_are_on():
     assert config_limits({"memory": {"strategy": "none"}}) == {}
 
 
-def test_limits_checked_against_those_in_force_and_listed_with_their_history(server):
-    client = server.client()
+def test_limits_checked_against_those_in_force_and_listed_with_their_history(api_factory):
+    executor = IdleExecutor(slots=1)  # one run at a time: the second waits for the first
+    client = api_factory(executor=executor)
+    data_dir = client.app.state.settings.data_dir
     resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": {"max_steps": 100000}})
     run_id = resp.json()["id"]
     other = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": {"max_steps": 1}})
@@ -51,6 +81,9 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(ser
     )
     assert start["history"] == []
     wait_status(client, run_id, "running")
+    assert client.get(f"/api/runs/{other_id}").json()["status"] == "queued"
+    worker = PlayedWorker(data_dir, run_id)
+    worker.emit("trainer", "run_started", None, max_steps=100000)
 
     # One side of a pair, against the other side in force: 422 naming the field given.
     err = assert_error_body(client.patch(url, json={"vram_high_watermark_mb": 0.25}), 422)
@@ -67,7 +100,8 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(ser
     )
 
     # Applied changes move the limits in force: the same body is then refused or accepted.
-    # (Before its first step the worker has no strategy yet and refuses any limits.)
+    # (A real worker refuses limits before its first step: it has no strategy yet.)
+    worker.emit("trainer", "step", 1, loss=1.0, step_time_ms=100.0)
     wait_for(
         lambda: any(r["kind"] == "step" for r in stored_records(client, run_id)),
         120,
@@ -77,6 +111,21 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(ser
     resp = client.patch(url, json={"vram_low_watermark_mb": 0.125})
     assert resp.status_code == 202, resp.text
     request_id = resp.json()["request_id"]
+    # The request reached the worker's control folder; the worker applies it at step 2.
+    (sent,) = worker.requests()
+    assert sent == {
+        "command": "limits",
+        "limits": {"vram_low_watermark_mb": 0.125},
+        "request_id": request_id,
+    }
+    worker.emit("trainer", "step", 2, loss=0.9, step_time_ms=100.0)
+    worker.emit(
+        "strategy",
+        "limits_applied",
+        2,
+        request_id=request_id,
+        changed={"vram_low_watermark_mb": [0.5, 0.125]},
+    )
     applied = wait_for(
         lambda: [
             r
@@ -87,7 +136,9 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(ser
         0.2,
         "the worker applying vram_low_watermark_mb 0.125",
     )[0]
-    assert client.patch(url, json={"vram_high_watermark_mb": 0.25}).status_code == 202
+    resp = client.patch(url, json={"vram_high_watermark_mb": 0.25})
+    assert resp.status_code == 202, resp.text
+    high_id = resp.json()["request_id"]
     err = assert_error_body(client.patch(url, json={"vram_high_watermark_mb": 0.0625}), 422)
     assert err["message"].endswith("in force, vram_low_watermark_mb (0.125)")
 
@@ -101,20 +152,39 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(ser
     }
     assert limits["preset"]["vram_low_watermark_mb"] == 0.5
     assert limits["now"]["vram_low_watermark_mb"] == 0.125
+    # The worker applies the high watermark at step 3, then stops when asked to.
+    worker.emit("trainer", "step", 3, loss=0.8, step_time_ms=100.0)
+    worker.emit(
+        "strategy",
+        "limits_applied",
+        3,
+        request_id=high_id,
+        changed={"vram_high_watermark_mb": [1.0, 0.25]},
+    )
     client.post(f"/api/runs/{run_id}/cancel")
+    assert worker.requests()[-1]["command"] == "stop"
+    worker.emit("trainer", "run_finished", 3, status="cancelled", steps_done=3)
+    executor.end(run_id, 0)
     wait_status(client, run_id, "cancelled")
+    # Then the queued run starts, takes its one step and succeeds.
+    wait_status(client, other_id, "running")
+    second = PlayedWorker(data_dir, other_id)
+    second.emit("trainer", "run_started", None, max_steps=1)
+    second.emit("trainer", "step", 1, loss=1.0, step_time_ms=100.0)
+    second.emit("trainer", "run_finished", 1, status="succeeded", steps_done=1)
+    executor.end(other_id, 0)
     wait_status(client, other_id, {"succeeded"})
 
     # Compare: the config's value and, for the run that changed it, each change with its step.
     limits = client.get(url).json()
-    high = limits["history"][-1] if len(limits["history"]) > 1 else None
+    assert [h["request_id"] for h in limits["history"]] == [request_id, high_id]
+    high = limits["history"][-1]
     cmp = client.get("/api/compare", params={"ids": f"{run_id},{other_id}"}).json()
     rows = {d["path"]: d for d in cmp["config_diff"]}
     low = rows["memory.stagehand.vram_low_watermark_mb"]
     assert low["values"] == {str(run_id): 0.5, str(other_id): 0.5}
     assert low["live"] == {str(run_id): [[applied["step"], 0.125]]}
-    if high is not None:  # applied before the run stopped
-        assert rows["memory.stagehand.vram_high_watermark_mb"]["live"] == {
-            str(run_id): [[high["step"], 0.25]]
-        }
+    assert rows["memory.stagehand.vram_high_watermark_mb"]["live"] == {
+        str(run_id): [[high["step"], 0.25]]
+    }
     assert "live" not in rows["max_steps"]

@@ -1,15 +1,11 @@
-"""``POST /api/plan`` on the router alone (no server process): a plan of the tiny factory
+"""``POST /api/plan`` on the app in-process (no server process): a plan of the tiny factory
 model, and the one error body naming the field for bad input."""
 
 from __future__ import annotations
 
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
-
-from backend import errors
-from backend.api import plan
-from backend.store import Store
+from inprocess import in_process
 
 TINY = {
     "model": {"factory": "flux", "size": "tiny", "dtype": "float32"},
@@ -31,11 +27,8 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory) -> TestClient:
-    app = FastAPI()
-    errors.install(app)
-    app.include_router(plan.router)
-    app.state.store = Store(tmp_path_factory.mktemp("plan") / "workbench.db")  # no calibrations
-    return TestClient(app)
+    with in_process(tmp_path_factory.mktemp("plan") / "data") as c:  # no calibrations
+        yield c
 
 
 def test_plan_of_the_tiny_model(client):

@@ -1,17 +1,20 @@
 """Binding defaults: 127.0.0.1 without a token; anything else needs one, and then every request
-(websockets included) must carry it."""
+(websockets included) must carry it.
+
+The security middleware's checks run on the app in-process (``api_factory``); a real server
+process is kept where the process is the point: ``serve`` refusing to start, and uvicorn's
+access log."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import httpx
 import pytest
 from backend_helpers import REPO, assert_error_body, free_port
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
+from inprocess import ws_url
+from starlette.websockets import WebSocketDisconnect
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -45,55 +48,65 @@ def test_other_address_without_token_refuses_to_start(tmp_path):
 
 @pytest.fixture
 def guarded(server_factory):
+    """A real server bound to 127.0.0.2 with a token, its access log on."""
     srv = server_factory(
         host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN}, args=("--log-level", "info")
     )
     return srv.start()
 
 
-def test_token_required_everywhere(guarded):
-    url = guarded.url
+@pytest.fixture
+def guarded_api(api_factory, tmp_path):
+    """The app in-process as served on 127.0.0.2 with a token."""
+    return api_factory(data_dir=tmp_path / "guarded", host="127.0.0.2", token=TOKEN)
+
+
+def test_token_required_everywhere(guarded_api):
+    client = guarded_api
+    assert client.base_url.host == "127.0.0.2"
     for path in ("/api/runs", "/api/presets", "/api/system", "/", "/docs", "/openapi.json"):
-        err = assert_error_body(httpx.get(url + path), 401)
+        err = assert_error_body(client.get(path), 401)
         assert err["code"] == "unauthorized"
-    assert_error_body(httpx.get(url + "/api/runs", headers={"Authorization": "Bearer nope"}), 401)
-    assert_error_body(httpx.post(url + "/api/runs", json={"preset": "tiny-ci"}), 401)
-    ok = httpx.get(url + "/api/runs", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert_error_body(client.get("/api/runs", headers={"Authorization": "Bearer nope"}), 401)
+    assert_error_body(client.post("/api/runs", json={"preset": "tiny-ci"}), 401)
+    ok = client.get("/api/runs", headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and ok.json() == {"data": [], "count": 0}
-    assert httpx.get(url + "/api/runs", cookies={"workbench_token": TOKEN}).status_code == 200
+    assert (
+        client.get("/api/runs", headers={"Cookie": f"workbench_token={TOKEN}"}).status_code == 200
+    )
 
     # /?token= sets the cookie once, so the dashboard works from a link.
-    resp = httpx.get(url + "/", params={"token": TOKEN})
+    resp = client.get("/", params={"token": TOKEN}, follow_redirects=False)
     assert resp.status_code == 303 and "workbench_token" in resp.headers["set-cookie"]
     assert "HttpOnly" in resp.headers["set-cookie"] and resp.headers["location"] == "/"
+    client.cookies.clear()  # the client kept it; the websocket below must go without
 
-    with connect(f"ws://127.0.0.2:{guarded.port}/api/runs/1/stream") as ws:
-        frame = json.loads(ws.recv(timeout=10))
+    with client.websocket_connect(ws_url(client, "/api/runs/1/stream")) as ws:
+        frame = ws.receive_json()
         assert frame["error"]["code"] == "unauthorized"
-        with pytest.raises(ConnectionClosed):
-            ws.recv(timeout=10)
-        assert ws.close_code == 4401
-    with connect(
-        f"ws://127.0.0.2:{guarded.port}/api/runs/1/stream",
-        additional_headers={"Authorization": f"Bearer {TOKEN}"},
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_text()
+        assert closed.value.code == 4401
+    with client.websocket_connect(
+        ws_url(client, "/api/runs/1/stream"), headers={"Authorization": f"Bearer {TOKEN}"}
     ) as ws:
-        frame = json.loads(ws.recv(timeout=10))
+        frame = ws.receive_json()
         assert frame["error"]["code"] == "not_found"  # past the token check
 
 
-def test_loopback_default_needs_no_token_and_serves_the_dashboard(server):
-    assert server.host == "127.0.0.1"
-    assert httpx.get(server.url + "/api/runs").status_code == 200
-    page = httpx.get(server.url + "/")
+def test_loopback_default_needs_no_token_and_serves_the_dashboard(api):
+    assert api.base_url.host == "127.0.0.1" and api.app.state.settings.token is None
+    assert api.get("/api/runs").status_code == 200
+    page = api.get("/")
     assert page.status_code == 200
     assert "<html" in page.text.lower() or "<!doctype" in page.text.lower()
-    js = httpx.get(server.url + "/static/vendor/plotly.min.js")
+    js = api.get("/static/vendor/plotly.min.js")
     assert js.status_code == 200 and len(js.content) > 1_000_000
     assert "javascript" in js.headers["content-type"]
     # Served compressed to a client that accepts gzip (httpx does; it decodes for us).
     assert js.headers["content-encoding"] == "gzip"
     assert js.num_bytes_downloaded < len(js.content) / 2
-    plain = httpx.get(server.url + "/static/vendor/plotly.min.js", headers={"accept-encoding": ""})
+    plain = api.get("/static/vendor/plotly.min.js", headers={"accept-encoding": ""})
     assert "content-encoding" not in plain.headers and plain.content == js.content
 
 
@@ -107,24 +120,22 @@ def test_settings_rule():
     Settings(host="0.0.0.0", token="t", data_dir="/tmp/x").check_bind()
 
 
-def test_browser_borne_requests_from_other_sites_are_refused(server):
-    url = server.url
+def test_browser_borne_requests_from_other_sites_are_refused(api):
+    url = str(api.base_url).rstrip("/")
     # DNS rebinding: a page on evil.example resolved to 127.0.0.1 sends its own Host.
-    err = assert_error_body(httpx.get(url + "/api/runs", headers={"Host": "evil.example"}), 403)
+    err = assert_error_body(api.get("/api/runs", headers={"Host": "evil.example"}), 403)
     assert err["code"] == "forbidden"
     foreign = {"Origin": "http://evil.example"}
-    assert_error_body(httpx.post(url + "/api/presets", json={}, headers=foreign), 403)
+    assert_error_body(api.post("/api/presets", json={}, headers=foreign), 403)
     same = {"Origin": url}
-    resp = httpx.post(url + "/api/presets/tiny-ci/duplicate", json={"name": "x1"}, headers=same)
+    resp = api.post("/api/presets/tiny-ci/duplicate", json={"name": "x1"}, headers=same)
     assert resp.status_code == 201
-    assert httpx.get(url + "/api/runs", headers=foreign).status_code == 200  # reads are fine
-    with connect(
-        f"ws://127.0.0.1:{server.port}/api/runs/1/stream", additional_headers=foreign
-    ) as ws:
-        assert json.loads(ws.recv(timeout=10))["error"]["code"] == "forbidden"
-        with pytest.raises(ConnectionClosed):
-            ws.recv(timeout=10)
-        assert ws.close_code == 4403
+    assert api.get("/api/runs", headers=foreign).status_code == 200  # reads are fine
+    with api.websocket_connect(ws_url(api, "/api/runs/1/stream"), headers=foreign) as ws:
+        assert ws.receive_json()["error"]["code"] == "forbidden"
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_text()
+        assert closed.value.code == 4403
 
 
 def test_token_in_a_link_stays_out_of_the_access_log(guarded):
@@ -137,48 +148,44 @@ def test_token_in_a_link_stays_out_of_the_access_log(guarded):
     assert TOKEN not in log
 
 
-def test_writes_from_opaque_or_cross_site_origins_need_the_bearer_token(server, guarded):
-    url = server.url
+def test_writes_from_opaque_or_cross_site_origins_need_the_bearer_token(api, guarded_api):
+    url = str(api.base_url).rstrip("/")
     for headers in (
         {"Origin": "null"},  # a sandboxed iframe on any page
         {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
         {"Sec-Fetch-Site": "cross-site"},  # no Origin, but the browser says cross-site
         {"Origin": "http://127.0.0.1:1"},  # another port of the same host is another origin
     ):
-        resp = httpx.post(
-            url + "/api/presets/tiny-ci/duplicate", json={"name": "x"}, headers=headers
-        )
+        resp = api.post("/api/presets/tiny-ci/duplicate", json={"name": "x"}, headers=headers)
         err = assert_error_body(resp, 403)
         assert err["code"] == "forbidden", headers
-        assert_error_body(httpx.delete(url + "/api/runs/1", headers=headers), 403)
+        assert_error_body(api.delete("/api/runs/1", headers=headers), 403)
     assert (
         "opaque origin"
-        in assert_error_body(
-            httpx.post(url + "/api/runs/1/cancel", headers={"Origin": "null"}), 403
-        )["message"]
+        in assert_error_body(api.post("/api/runs/1/cancel", headers={"Origin": "null"}), 403)[
+            "message"
+        ]
     )
     # Same-origin pages and clients without an Origin keep working; reads are not refused.
     same = {"Origin": url, "Sec-Fetch-Site": "same-origin"}
     assert (
-        httpx.post(
-            url + "/api/presets/tiny-ci/duplicate", json={"name": "a"}, headers=same
-        ).status_code
+        api.post("/api/presets/tiny-ci/duplicate", json={"name": "a"}, headers=same).status_code
         == 201
     )
-    assert httpx.post(url + "/api/presets/tiny-ci/duplicate", json={"name": "b"}).status_code == 201
-    assert httpx.get(url + "/api/presets", headers={"Origin": "null"}).status_code == 200
+    assert api.post("/api/presets/tiny-ci/duplicate", json={"name": "b"}).status_code == 201
+    assert api.get("/api/presets", headers={"Origin": "null"}).status_code == 200
 
     # With a token: the cookie (ambient, sent by the browser) does not let an opaque origin
     # write; the Authorization header (which a page cannot add cross-site) does.
-    g = guarded.url
+    g = guarded_api
     null = {"Origin": "null", "Sec-Fetch-Site": "cross-site"}
-    cookie = {"workbench_token": TOKEN}
+    cookie = {"Cookie": f"workbench_token={TOKEN}"}
     body = {"name": "c"}
-    resp = httpx.post(g + "/api/presets/tiny-ci/duplicate", json=body, headers=null, cookies=cookie)
+    resp = g.post("/api/presets/tiny-ci/duplicate", json=body, headers={**null, **cookie})
     assert_error_body(resp, 403)
     bearer = {**null, "Authorization": f"Bearer {TOKEN}"}
-    resp = httpx.post(g + "/api/presets/tiny-ci/duplicate", json=body, headers=bearer)
+    resp = g.post("/api/presets/tiny-ci/duplicate", json=body, headers=bearer)
     assert resp.status_code == 201
     wrong = {**null, "Authorization": "Bearer nope"}
-    resp = httpx.post(g + "/api/presets/tiny-ci/duplicate", json={"name": "d"}, headers=wrong)
+    resp = g.post("/api/presets/tiny-ci/duplicate", json={"name": "d"}, headers=wrong)
     assert_error_body(resp, 403)

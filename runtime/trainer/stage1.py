@@ -1,0 +1,142 @@
+"""Stage 1 of a run: scan the data folder, then cache text embeddings and latents.
+
+The scan comes before any model is built or loaded, so a folder without a usable sample ends
+the run in seconds (``trainer/dataset_scan`` names every file left out). The cache
+(``encode.py``, or the pipeline's own encoders) holds one text row per distinct caption or
+sample prompt and one latent per sample; ``build_cache`` returns it as the ``loop.Batchable`` that
+stage 2 trains on, or None when a stop request arrived while encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.common.telemetry import Telemetry
+from runtime.preset import Preset
+from runtime.trainer import encode, loop
+from runtime.trainer.clips import scan_clips
+from runtime.trainer.data import group_by_shape
+from runtime.trainer.families import Family
+from runtime.trainer.pipelines import PipelineFamily
+from runtime.trainer.pipelines import encode as pipeline_encode
+from runtime.trainer.progress import Progress
+from runtime.trainer.scan import Sample, scan_folder
+from runtime.trainer.setup import data_folder, held_out_samples
+
+Stage = Callable[[str, int, int, str], None]
+"""``stage(name, done, total, message)``: a ``trainer/stage`` record and a progress line."""
+
+
+def scan_data(
+    preset: Preset, family: Family | None, telemetry: Telemetry, progress: Progress
+) -> list[Sample]:
+    """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
+    before ``DataError`` ends a run that has no usable sample, or bad files under
+    ``data.on_bad_file: fail``; the error names the files. A video family takes clips (and
+    images as one-frame clips)."""
+    data = preset.data
+    folder = data_folder(preset)
+    if isinstance(family, PipelineFamily):
+        family.check_caption_tokens(data.max_caption_tokens)
+    if isinstance(family, PipelineFamily) and family.video:
+        family.check_frames(data.frames)
+        samples = scan_clips(
+            folder,
+            captions=data.captions,
+            default_caption=data.default_caption,
+            limit=data.limit,
+        )
+        progress.line(f"data: {len(samples)} clips and images from {folder}")
+        return samples
+    found = scan_folder(
+        folder,
+        captions=data.captions,
+        default_caption=data.default_caption,
+        limit=data.limit,
+        frames=data.frames,
+        on_bad_file=data.on_bad_file,
+    )
+    telemetry.emit("trainer", "dataset_scan", **found.record())
+    progress.line(
+        f"data: {len(found.samples)} samples from {found.folder}, {len(found.skipped)} files "
+        f"left out ({len(found.bad)} bad), {len(found.warnings)} warnings"
+    )
+    for item in found.skipped:
+        progress.line(f"  left out {item.file}: {item.reason}")
+    for item in found.warnings:
+        progress.line(f"  warning {item.file}: {item.message}")
+    found.check()
+    return found.samples
+
+
+def build_cache(
+    preset: Preset,
+    family: Family,
+    vae_dir: Path,
+    encoder_dir: Path | None,
+    samples: list[Sample],
+    *,
+    device: torch.device,
+    telemetry: Telemetry,
+    stage: Stage,
+    should_stop: Callable[[], bool],
+) -> loop.Batchable | None:
+    """Text rows (each distinct caption and sample prompt once) and one latent per sample,
+    grouped by latent shape for batching; None when ``should_stop`` said so while encoding."""
+    from runtime.assets import cache_root
+
+    data = preset.data
+    texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))
+    total = len(texts) + len(samples)
+    cache_dir = cache_root() / "trainer-cache"
+    stage("cache", 0, total, f"{len(samples)} samples, {len(texts)} distinct texts")
+
+    text_kwargs = dict(
+        memory=preset.memory,
+        device=device,
+        telemetry=telemetry,
+        cache_dir=cache_dir,
+        max_tokens=data.max_caption_tokens,
+        progress=lambda d, t, m: stage("cache", d, total, m),
+        should_stop=should_stop,
+    )
+    if isinstance(family, PipelineFamily):
+        dtype = loop.DTYPES[preset.model.dtype]
+        text = pipeline_encode.encode_texts(family, texts, dtype=dtype, **text_kwargs)
+    else:
+        text = encode.encode_texts(texts, encoder_dir, **text_kwargs)
+    if text is None:
+        return None
+    stage("cache", len(texts), total, "text encoder released")
+    result = encode.encode_latents(
+        samples,
+        vae_dir,
+        resolution=preset.resolution,
+        bucketing=data.bucketing,
+        background=data.background_rgb,
+        device=device,
+        cache_dir=cache_dir,
+        progress=lambda d, t, m: stage("cache", len(texts) + d, total, m),
+        should_stop=should_stop,
+        family=family if isinstance(family, PipelineFamily) else None,
+        frames=data.frames,
+    )
+    if result is None:
+        return None
+    latents, _ = result
+    row = {t: i for i, t in enumerate(texts)}
+    family.check_latents(tuple(latents[0].shape))
+    held_out = held_out_samples(preset, len(samples))
+    train = [i for i in range(len(samples)) if i not in held_out]
+    groups = group_by_shape([tuple(latents[i].shape) for i in train])
+    return loop.Batchable(
+        latents=latents,
+        text=text,
+        caption_rows=[row[s.caption] for s in samples],
+        prompt_rows=[row[p] for p in preset.samples.prompts],
+        groups={k: [train[j] for j in v] for k, v in groups.items()},
+        held_out=held_out,
+    )

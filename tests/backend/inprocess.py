@@ -1,0 +1,165 @@
+"""The app in-process for tests of the HTTP contract: ``create_app`` over a temp data dir with
+its lifespan run (real store, presets, hub, tailer, supervisor), served by a ``TestClient``,
+over an executor that starts no worker and a probe that answers at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+from fastapi.testclient import TestClient
+
+from backend.app import create_app
+from backend.executors import Executor, Exit, Job
+from backend.settings import Settings
+from backend.tailer import JsonlTail
+
+
+class IdleExecutor(Executor):
+    """Starts no process. With ``slots`` 0 (the default) every run stays queued; otherwise the
+    supervisor "starts" up to ``slots`` runs per device as jobs without a worker, live until the
+    test ends one (``end``) or the supervisor signals it. Their telemetry is tailed from
+    ``DIR/telemetry.jsonl`` as the local executor's is, so a test plays the worker by appending
+    records there (``append_records``)."""
+
+    name = "idle"
+
+    def __init__(self, slots: int = 0) -> None:
+        self.n_slots = slots
+        self.exits: dict[int, Exit] = {}
+
+    def slots(self, max_parallel: int | None) -> float:
+        return self.n_slots
+
+    def submit(self, run: dict, run_dir: Path) -> Job:
+        return Job(run["id"], f"idle-{run['id']}", run["device"] or "default", run_dir)
+
+    def poll(self, job: Job) -> Exit | None:
+        return self.exits.get(job.run_id)
+
+    def signal(self, job: Job, sig: signal.Signals) -> None:
+        self.exits.setdefault(job.run_id, Exit(-int(sig)))
+
+    def adopt(self, run: dict, run_dir: Path) -> Job | None:
+        return None
+
+    def telemetry(self, run: dict, run_dir: Path) -> JsonlTail:
+        return JsonlTail(run_dir / "telemetry.jsonl", run["tail_offset"] or 0)
+
+    def log_tail(self, job: Job) -> str | None:
+        return None
+
+    def withdraw(self, job: Job) -> None:
+        pass
+
+    def end(self, run_id: int, rc: int = 0) -> None:
+        """The job of ``run_id`` exits with ``rc`` (the supervisor's next tick settles it)."""
+        self.exits[run_id] = Exit(rc)
+
+
+class FixedProbe:
+    """A system probe (``backend.system.SystemProbe``'s ``start``, ``default_device``, ``info``)
+    that answers at once for a CPU-only machine, without asking torch in a subprocess (over a
+    second of CPU per app). ``test_bad_input.test_system_info`` checks the real one."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def start(self) -> None:
+        pass
+
+    def default_device(self) -> str:
+        return "cpu"
+
+    def info(self, timeout_s: float = 30.0) -> dict:
+        return {
+            "device": "cpu",
+            "device_name": None,
+            "vram_total_mb": None,
+            "cuda_devices": 0,
+            "ram_total_mb": psutil.virtual_memory().total / 2**20,
+            "torch_version": None,
+            "cuda_version": None,
+            "version": "0.0.0",
+            "executor": self.executor.name,
+            "cluster": None,
+        }
+
+
+def in_process(data_dir: Path, executor: Executor | None = None, **settings) -> TestClient:
+    """The app of ``create_app`` over ``data_dir`` (lifespan run: real store, presets, hub,
+    tailer and supervisor), served in this process by a ``TestClient`` whose requests go to
+    ``http://HOST:8000`` (``settings["host"]``, 127.0.0.1 by default: a loopback Host, as the
+    security middleware wants without a token). The executor is an ``IdleExecutor`` unless
+    given, the probe a ``FixedProbe``, and no calibration runs. Tests replace a service for
+    their own requests with ``client.app.dependency_overrides`` (``backend.api.deps``). Close
+    it (or use ``with``)."""
+    config = Settings(data_dir=data_dir, calibrate=False, **settings)
+    executor = executor if executor is not None else IdleExecutor()
+    app = create_app(config, executor, FixedProbe(executor))
+    return TestClient(app, base_url=f"http://{config.host}:8000").__enter__()
+
+
+def ws_url(client: TestClient, path: str) -> str:
+    """The websocket URL of ``path`` on the in-process app's host (``websocket_connect`` would
+    otherwise send ``Host: testserver``, which the security middleware refuses)."""
+    return f"ws://{client.base_url.netloc.decode()}{path}"
+
+
+def raw_request(
+    client: TestClient,
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    chunks: list[bytes] = (),
+) -> httpx.Response:
+    """``method path`` sent to the in-process app exactly as written, the way uvicorn passes a
+    request on (httpx would normalise ``..`` away), with its body as ``chunks``, one ASGI
+    message each (a chunked upload)."""
+    messages = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
+    wire_headers = [(b"host", b"127.0.0.1:8000")]
+    wire_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+
+    async def call() -> list[dict]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": wire_headers,
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 8000),
+        }
+        await client.app(scope, receive, send)
+        return sent
+
+    sent = client.portal.call(call)
+    return httpx.Response(
+        sent[0]["status"],
+        headers=[(k.decode(), v.decode()) for k, v in sent[0].get("headers", [])],
+        content=b"".join(m.get("body", b"") for m in sent[1:]),
+    )
+
+
+def append_records(data_dir: Path, run_id: int, records: list[dict]) -> None:
+    """Append ``records`` to the run's ``telemetry.jsonl``, as its worker would."""
+    path = data_dir / "runs" / str(run_id) / "telemetry.jsonl"
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
