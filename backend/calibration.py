@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backend.store import Store
+from runtime.records import LIMITS_APPLIED, RUN_STARTED
 
 log = logging.getLogger("backend.calibration")
 
@@ -77,12 +78,12 @@ class Calibrator:
         run = store.get_run(run_id)
         if run is None or run["status"] != "succeeded":
             return None
-        started = store.last_record(run_id, "trainer", "run_started") or {}
+        started = store.last_record(run_id, *RUN_STARTED) or {}
         device = profile_name(started.get("device"), started.get("device_name"))
         if device is None:
             log.info("run %d: no device profile for %r: not calibrated", run_id, started)
             return None
-        for _, line in store.telemetry_lines(run_id, -1, 10_000, "strategy", "limits_applied"):
+        for _, line in store.telemetry_lines(run_id, -1, 10_000, *LIMITS_APPLIED):
             if json.loads(line).get("changed"):
                 log.info("run %d: limits changed while it ran: not calibrated", run_id)
                 return None

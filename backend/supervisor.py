@@ -41,6 +41,7 @@ from backend.settings import Settings
 from backend.store import Store
 from backend.tailer import Tailer
 from runtime.config import AUTO_DEVICE
+from runtime.records import RUN_FINISHED
 from runtime.status import ACTIVE, RESUMABLE, RunStatus
 
 log = logging.getLogger("backend.supervisor")
@@ -275,7 +276,7 @@ class Supervisor:
         fields = classify(
             ended.rc,
             cancel_requested=cancel_requested,
-            finished=self.store.last_record(run_id, "trainer", "run_finished"),
+            finished=self.store.last_record(run_id, *RUN_FINISHED),
             last=self.store.last_record(run_id),
             tail=tail,
             pid=pid,

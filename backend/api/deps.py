@@ -19,6 +19,7 @@ from backend.settings import Settings
 from backend.store import Store
 from backend.supervisor import Supervisor
 from backend.system import SystemProbe
+from runtime.records import LIMITS_APPLIED
 from runtime.status import ACTIVE
 
 
@@ -68,7 +69,7 @@ def run_limits(store: Store, row: dict[str, Any]) -> dict[str, Any]:
     ``strategy/limits_applied`` record the worker wrote, in seq order."""
     applied: list[dict[str, Any]] = []
     since = -1
-    while page := store.telemetry_lines(row["id"], since, 10_000, "strategy", "limits_applied"):
+    while page := store.telemetry_lines(row["id"], since, 10_000, *LIMITS_APPLIED):
         applied += [json.loads(line) for _, line in page]
         since = page[-1][0]
     return effective_limits(row["config"], applied)

@@ -19,6 +19,7 @@ from backend.openapi import errors
 from backend.presets import deep_merge, run_config, validate_config
 from backend.store import Store
 from runtime.config import AUTO_DEVICE
+from runtime.records import WEIGHTS_STEP
 from runtime.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/tunes", tags=["tunes"])
@@ -54,7 +55,7 @@ def _trial_figures(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
     if run["status"] != "succeeded":
         return None
     summary = run["summary"] or {}
-    weights = store.last_record(run["id"], "stagehand", "step") or {}
+    weights = store.last_record(run["id"], *WEIGHTS_STEP) or {}
     return {
         "peak_mb": summary.get("peak_vram_mb"),
         "step_ms": store.mean_step_ms_after(run["id"], 1),

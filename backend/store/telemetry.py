@@ -15,6 +15,7 @@ from typing import Any
 import sqlite_utils
 
 from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
+from runtime.records import RUN_FINISHED, RUN_STARTED
 
 
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
@@ -345,8 +346,8 @@ class TelemetryTables:
             "AND source IN ('stagehand', 'activation_stagehand') AND kind = 'step'",
             [run_id],
         ).fetchone()
-        started = self.last_record(run_id, "trainer", "run_started") or {}
-        finished = self.last_record(run_id, "trainer", "run_finished") or {}
+        started = self.last_record(run_id, *RUN_STARTED) or {}
+        finished = self.last_record(run_id, *RUN_FINISHED) or {}
         return {
             "steps_done": finished.get("steps_done", steps),
             "max_steps": started.get("max_steps"),

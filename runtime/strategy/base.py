@@ -23,6 +23,7 @@ from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase, PhaseError, PhaseMachine
 from runtime.common.telemetry import Telemetry
 from runtime.config import LiveLimits
+from runtime.records import LIMITS_APPLIED
 
 COUNTERS = (
     "blocks_loaded",
@@ -183,9 +184,7 @@ class MemoryStrategy:
         while self._pending:
             request_id, limits = self._pending.pop(0)
             changed = self._apply_limits(limits)
-            self.telemetry.emit(
-                "strategy", "limits_applied", request_id=request_id, changed=changed
-            )
+            self.telemetry.emit(*LIMITS_APPLIED, request_id=request_id, changed=changed)
 
     def _apply_limits(self, limits: LiveLimits) -> dict[str, list[Any]]:
         """Apply ``limits``; return ``{field: [old, new]}`` of what changed. None here."""

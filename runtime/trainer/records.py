@@ -14,6 +14,7 @@ import torch
 from runtime.common.telemetry import Telemetry
 from runtime.config import MB
 from runtime.preset import Preset
+from runtime.records import RUN_STARTED
 from runtime.trainer.progress import Progress
 
 
@@ -29,8 +30,7 @@ def run_started(
 ) -> None:
     """The ``trainer/run_started`` record: who runs what, where, on which device."""
     telemetry.emit(
-        "trainer",
-        "run_started",
+        *RUN_STARTED,
         run_name=run_dir.name,
         preset=name,
         pid=os.getpid(),

@@ -20,6 +20,7 @@ import torch
 
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
 from runtime.preset import Preset, load_preset, validate_preset
+from runtime.records import RUN_FINISHED
 from runtime.status import RunStatus
 from runtime.trainer import loop, records
 from runtime.trainer.control import ControlDir, StopFlag
@@ -243,8 +244,7 @@ class Run:
         self.telemetry.step, self.telemetry.phase = self.steps_done or None, None
         lora = str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None
         self.telemetry.emit(
-            "trainer",
-            "run_finished",
+            *RUN_FINISHED,
             status=status,
             lora_path=lora,
             steps_done=self.steps_done,

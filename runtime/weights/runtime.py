@@ -42,6 +42,7 @@ from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
+from runtime.records import WEIGHTS_STEP
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.hooks import BlockBoundaries, SavedViews
@@ -209,7 +210,7 @@ class StagehandRuntime:
             "trace_updated": traced,
             "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
-        self.telemetry.emit("stagehand", "step", **self._last)
+        self.telemetry.emit(*WEIGHTS_STEP, **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
 
     def counters(self) -> dict[str, int]:
