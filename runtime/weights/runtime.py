@@ -127,6 +127,7 @@ class StagehandRuntime:
             reader_min_bytes=int(config.reader_min_block_mb * MB),
         )
         self.views = SavedViews(self._ensure_loaded)
+        self.views.frozen = not any(block.trainable for block in self.blocks)
         self.packer = self.views.pack
         """``SavedTensorRouter`` packer: a handle for views of loaded block weights, else None
         (NOTE [ Saved weight views ] in hooks.py)."""

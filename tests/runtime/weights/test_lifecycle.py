@@ -271,3 +271,32 @@ def test_a_read_plan_fills_a_block_as_tensor_by_tensor_reads(tiny_flux):
     assert [len(m) for m in _after([a, b], 0)] == [3, 4]
     assert [len(m) for m in _after([a, b], 5)] == [2]
     source.close()
+
+
+def test_frozen_blocks_skip_saved_tensors_that_require_grad_without_missing_a_weight(tiny_flux):
+    """With every block frozen (LoRA resident) the packer answers for a saved tensor that
+    requires grad without looking up its storage (``SavedViews.frozen``): over two LoRA steps it
+    claims exactly the saved tensors the storage lookup claims. (Under a non-reentrant
+    checkpoint the checkpoint's own hooks save the weights, and none reach the packer.)"""
+    model = make_model("flux", tiny_flux)
+    runtime = StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
+    assert runtime.views.frozen  # LoRA adapters are kept out of the block buffers
+    views = runtime.views
+    claims = {"fast": 0, "lookup": 0, "differ": 0, "grad": 0}
+
+    def both(tensor):
+        fast = views.pack(tensor)
+        views.frozen = False
+        lookup = views.pack(tensor)
+        views.frozen = True
+        claims["fast"] += fast is not None
+        claims["lookup"] += lookup is not None
+        claims["differ"] += (fast is None) != (lookup is None)
+        claims["grad"] += tensor.requires_grad
+        return fast
+
+    runtime.router.packers = [both]
+    train(model, runtime, steps=2)
+    runtime.close()
+    assert claims["lookup"] > 0 and claims["grad"] > 0  # both kinds of saved tensor were seen
+    assert claims["differ"] == 0 and claims["fast"] == claims["lookup"]
