@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,8 @@ from runtime.trainer.families import Family
 LORA_FILE = "pytorch_lora_weights.safetensors"
 COMFY_FILE = "comfyui-lora.safetensors"
 """The ComfyUI-layout copy beside ``LORA_FILE`` (``diffusion_model.`` keys with ``.alpha``)."""
+REMOVAL_WAIT_S = 2.0
+"""How long ``folder_problem`` gives a removal in progress to take the run folder itself."""
 _UNWRITABLE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
 """errnos that say a folder cannot be written (read-only, full, over quota, not ours)."""
 
@@ -37,13 +40,22 @@ def folder_problem(run_dir: Path, exc: OSError, *, started: bool = True) -> str 
     gone, read-only, full or not ours to write); None when ``exc`` is about something else.
     Before the run ``started`` (creating the folder, opening telemetry.jsonl) every ``exc`` is
     about the folder."""
+    name = exc.filename
+    inside = name is None or Path(os.path.abspath(name)).is_relative_to(run_dir.absolute())
+    missing = started and exc.errno == errno.ENOENT and inside
+    if missing:
+        # A removal in progress empties the folder before removing it (``rm -r``,
+        # ``shutil.rmtree``): a file gone from a folder still there is usually the folder going.
+        deadline = time.monotonic() + REMOVAL_WAIT_S
+        while run_dir.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if started and not run_dir.is_dir():
         return (
             f"the run folder {run_dir} no longer exists (removed while the run was going?): "
             f"{exc.strerror or exc}"
         )
-    name = exc.filename
-    inside = name is None or Path(os.path.abspath(name)).is_relative_to(run_dir.absolute())
+    if missing and name is not None:
+        return f"{name} was removed from the run folder {run_dir} while the run was going"
     if started and (exc.errno not in _UNWRITABLE or not inside):
         return None
     text = f"cannot write the run folder {run_dir}: {exc.strerror or exc}"

@@ -1,9 +1,11 @@
 """A run folder that cannot take the run's output (read-only, full, removed mid-run) ends the
 run with one line naming the folder and why, not a traceback from closing telemetry.jsonl."""
 
+import errno
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -69,3 +71,29 @@ def test_removed_run_folder_is_named(cache_env, tmp_path, make_preset, run_io):
     assert worker.returncode == 1
     assert f"the run folder {run_dir} no longer exists (removed while the run was going?)" in out
     assert "Traceback" not in out and not run_dir.exists()
+
+
+def test_a_file_gone_while_the_folder_is_being_removed_names_the_removed_folder(
+    tmp_path, monkeypatch
+):
+    """``shutil.rmtree`` empties a folder before removing it: a worker that meets the missing
+    ``control/`` first still reports the folder removed (it waits for the removal to finish),
+    and a file removed from a folder that stays is named as such."""
+    from runtime.trainer import outputs
+
+    run_dir = tmp_path / "run"
+    (run_dir / "control").mkdir(parents=True)
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", str(run_dir / "control"))
+    shutil.rmtree(run_dir / "control")
+    remover = threading.Timer(0.3, shutil.rmtree, args=(run_dir,))
+    remover.start()
+    problem = outputs.folder_problem(run_dir, missing)
+    remover.join()
+    assert problem.startswith(f"the run folder {run_dir} no longer exists (removed while")
+    run_dir.mkdir()
+    monkeypatch.setattr(outputs, "REMOVAL_WAIT_S", 0.2)
+    assert outputs.folder_problem(run_dir, missing) == (
+        f"{run_dir / 'control'} was removed from the run folder {run_dir} while the run was going"
+    )
+    other = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "x.png"))
+    assert outputs.folder_problem(run_dir, other) is None  # not the run folder's: another error
