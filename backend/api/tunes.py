@@ -66,7 +66,7 @@ def _trial_figures(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
 def tune_public(store: Store, tune: dict[str, Any]) -> dict[str, Any]:
     """The tune with its trials (run, status, limits, predicted and measured figures) and the
     measured Pareto front (step time against peak, both lower is better) marked."""
-    from runtime.plan.tune import pareto
+    from runtime.plan.tune import limits_text, pareto
 
     runs = {r["id"]: r for r in store.list_runs(group_id=tune["id"])}
     trials = []
@@ -76,6 +76,7 @@ def tune_public(store: Store, tune: dict[str, Any]) -> dict[str, Any]:
         trials.append(
             {
                 **{k: t[k] for k in ("label", "preset", "limits", "memory", "predicted")},
+                "limits_text": limits_text(t["limits"]),
                 "predicted_pareto": t.get("predicted_pareto", False),
                 "run_id": t.get("run_id"),
                 "status": run["status"] if run else "deleted",
@@ -170,10 +171,10 @@ def list_tunes(store: StoreDep) -> dict:
 
 @router.get("/{tune_id}", responses=errors(404))
 def get_tune(tune_id: TuneId, store: StoreDep) -> dict:
-    """The tune, its trials (``run_id``, ``status``, ``limits``, ``predicted`` and, once a trial
-    succeeded, ``measured``: peak MB and mean step ms past the trace step), which trials are
-    on the measured Pareto front (``pareto``) and the fastest within the budget
-    (``best_run_id``)."""
+    """The tune, its trials (``run_id``, ``status``, ``limits`` and their one line
+    ``limits_text``, ``predicted`` and, once a trial succeeded, ``measured``: peak MB and mean
+    step ms past the trace step), which trials are on the measured Pareto front (``pareto``)
+    and the fastest within the budget (``best_run_id``)."""
     return tune_public(store, _tune(store, tune_id))
 
 

@@ -11,14 +11,6 @@ import { fill, fmtMB, fmtMs, fmtTime, h, showError, statusBadge } from "../ui.js
 // A GPU profile's predictions of a tiny model are fractions of a millisecond.
 const fmtStep = (ms) => (ms != null && ms < 1 ? `${ms.toPrecision(2)} ms` : fmtMs(ms));
 
-// A layer-offload tune's limits are a fraction and the activation offloading switch.
-const limitsText = (l) =>
-  l.fraction != null
-    ? `layer offload ${Number(l.fraction.toPrecision(4))} (${l.resident_blocks} resident), ` +
-      `activation offloading ${l.activation_offloading ? "on" : "off"}`
-    : `high ${l.high_mb} / low ${l.low_mb} MB, window ${l.window}, in-flight ${l.inflight}` +
-      (l.spill_high_mb != null ? `, spill ${l.spill_high_mb} / ${l.spill_low_mb} MB` : "");
-
 /** The scatter: measured trials (Pareto ones larger, joined by the front's line), predicted
  * ones as open diamonds joined to their measured point, and the budget. */
 function drawChart(el, tune) {
@@ -149,7 +141,7 @@ export function mount(root, { parts }) {
         h("td", { class: "trial" }, h("strong", {}, t.preset ? `${t.label} (preset's own)` : t.label)),
         h("td", { "data-label": "run" }, t.run_id ? h("a", { href: `#/runs/${t.run_id}` }, `#${t.run_id}`) : "–"),
         h("td", { "data-label": "status" }, statusBadge(t.status)),
-        h("td", { class: "limits" }, limitsText(t.limits)),
+        h("td", { class: "limits" }, t.limits_text),
         h("td", { class: "num", "data-label": "predicted peak" }, fmtMB(t.predicted.peak_mb)),
         h("td", { class: "num", "data-label": "predicted step" }, fmtStep(t.predicted.step_ms)),
         h("td", { class: "num", "data-label": "measured peak" }, t.measured ? fmtMB(t.measured.peak_mb) : "–"),
