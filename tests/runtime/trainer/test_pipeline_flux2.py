@@ -96,7 +96,14 @@ def test_flux2_lora_and_its_comfyui_copy_load_and_agree(flux2_run, flux2_pipelin
     assert tuned.shape == (1, 3, 64, 128) and (tuned - base).abs().max() > 1e-4
     pipe.delete_adapters("diffusers")
     pipe.load_lora_weights(lora, weight_name=COMFY_FILE, adapter_name="comfyui")
-    assert torch.allclose(generate(), tuned, atol=1e-6)
+    # Not an exactness test: the ComfyUI copy fuses q, k, v into one qkv LoRA (A stacked, B
+    # block-diagonal), another GEMM shape, so its float32 rounding depends on the CPU's kernel
+    # path (AVX2 on an AMD EPYC: 2.0e-6 at most on images in [0, 1], ATen's baseline kernels:
+    # under 1e-6). A wrong conversion (q and k swapped, alpha not folded, a block missed) moves
+    # the images by about the LoRA's own effect (9.1e-4 here), so the copy must reproduce
+    # that effect to 1%.
+    effect = (tuned - base).abs().max()
+    assert (generate() - tuned).abs().max() <= 0.01 * effect
 
 
 def test_flux2_text_latents_and_predict_are_the_pipelines(flux2_run, flux2_pipeline_dir, tmp_path):
