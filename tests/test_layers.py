@@ -56,7 +56,6 @@ ORDER: list[tuple[str, tuple[str, ...]]] = [
 #: What the walk found when this test came (issue 29). Each move that removes one deletes its line
 #: here; anything else found fails the test.
 STARTING_ARROWS = {
-    "runtime.assets.demo -> runtime.trainer.families",
     "runtime.bench.worker -> runtime.plan.profiles",
     "runtime.conductor.adapters -> runtime.activations",
     "runtime.conductor.adapters -> runtime.weights",
