@@ -279,7 +279,7 @@ def test_flux_dev_12b_from_its_config_on_meta():
 def test_pipeline_folder_plans_its_transformer_with_the_family_targets(asset_cache):
     """A diffusers pipeline folder: the transformer subfolder, and the family's LoRA targets
     unless the preset names some (as the trainer does)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     folder = build_pipeline("flux", asset_cache)
     data = {**_TINY, "model": {"path": str(folder), "dtype": "float32"}}
