@@ -8,7 +8,7 @@ server never imports torch):
 - ``bench``        the benchmark suite                                (runtime.bench.cli)
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (runtime.trainer.demo_cli)
-- ``plan``         predicted VRAM and step time of a preset, no weights (runtime.plan.cli)
+- ``plan``         predicted VRAM and step time of a preset, no weights (backend.plan_cli)
 - ``tune``         trials of limits that fit a VRAM budget          (runtime.plan.tune_cli)
 """
 
@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("runtime.trainer.cli", "run one training job: workbench train PRESET --run-dir DIR"),
     "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("runtime.trainer.demo_cli", "build the local demo models, digits and encoder"),
-    "plan": ("runtime.plan.cli", "predict a preset's VRAM and step time on a device profile"),
+    "plan": ("backend.plan_cli", "predict a preset's VRAM and step time on a device profile"),
     "tune": ("runtime.plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
 }
 

@@ -59,7 +59,6 @@ STARTING_ARROWS = {
     "runtime.bench.worker -> runtime.plan.profiles",
     "runtime.conductor.adapters -> runtime.activations",
     "runtime.conductor.adapters -> runtime.weights",
-    "runtime.plan.cli -> backend.store",
 }
 STARTING_CIRCLES = {
     "backend.api backend.api.artifacts backend.api.compare backend.api.data backend.api.deps "
