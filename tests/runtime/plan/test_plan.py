@@ -18,11 +18,11 @@ import torch
 
 from backend.plan_cli import main
 from runtime.assets import example_inputs
-from runtime.bench.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
 from runtime.common.telemetry import Telemetry
 from runtime.config import MB
 from runtime.plan import PlanInputError, plan_model, plan_preset, profile
 from runtime.plan.inventory import add_lora, folder_model
+from runtime.plan.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
 from runtime.strategy import build_strategy
 
 LATENT = (8, 8)
