@@ -63,7 +63,6 @@ STARTING_CIRCLES = {
     "backend.api.pipelines backend.api.plan backend.api.presets backend.api.runs backend.api.stream "
     "backend.api.system backend.api.telemetry backend.api.tunes backend.errors backend.openapi "
     "backend.presets backend.supervisor",
-    "backend.executors backend.executors.local backend.executors.ray_jobs",
 }
 STARTING_SIZES = {"frontend/js/runcharts.js"}
 RANK = {room: rank for rank, (_, rooms) in enumerate(ORDER) for room in rooms}
