@@ -110,7 +110,7 @@ def create_app(
     app.state.settings = settings
     app.state.executor = executor
     app.state.probe = probe
-    errors.install(app)
+    errors.install(app, ROUTERS)
     openapi.install(app)
     apidocs.install(app)
     for router in ROUTERS:
