@@ -26,6 +26,8 @@ bench -> backend -> frontend. A *room* is a package directly under ``runtime/``
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +219,27 @@ def test_no_import_runs_against_the_layer_order():
 
 def test_no_import_circle_between_modules():
     assert circles(arrows()) == []
+
+
+def test_readme_draws_the_rooms_in_this_order():
+    """README's layer drawing ("## Architecture") lists every room: a higher rank on an earlier
+    line, peers on one line."""
+    text = (ROOT / "README.md").read_text().split("\nImports run one way", 1)[1]
+    drawing = text.split("```")[1].splitlines()
+
+    def line_of(room: str) -> int:
+        name = room.rpartition(".")[2]
+        end = "/" if (ROOT / room.replace(".", "/")).is_dir() else r"\.py"
+        found = [i for i, line in enumerate(drawing) if re.search(rf"(^|[\s/]){name}{end}", line)]
+        assert found, f"README's layer drawing does not name {room}"
+        return found[0]
+
+    lines = {room: line_of(room) for room in RANK if room != "runtime"}
+    for a, b in itertools.combinations(lines, 2):
+        if RANK[a] == RANK[b]:
+            assert lines[a] == lines[b], (a, b)
+        else:
+            assert (lines[a] < lines[b]) == (RANK[a] > RANK[b]), (a, b)
 
 
 def test_no_source_module_over_the_line_limit():
