@@ -19,7 +19,8 @@ from backend.api import ROUTERS
 from backend.api.deps import public_run
 from backend.calibration import Calibrator
 from backend.errors import NotFound
-from backend.executors import Executor, make_executor
+from backend.executors import Executor
+from backend.executors.factory import make_executor
 from backend.hub import Hub
 from backend.presets import load_builtins
 from backend.security import SecurityMiddleware
@@ -109,7 +110,7 @@ def create_app(
     app.state.settings = settings
     app.state.executor = executor
     app.state.probe = probe
-    errors.install(app)
+    errors.install(app, ROUTERS)
     openapi.install(app)
     apidocs.install(app)
     for router in ROUTERS:

@@ -7,8 +7,8 @@ server never imports torch):
 - ``train``        one training run, the worker the backend launches  (runtime.trainer.cli)
 - ``bench``        the benchmark suite                                (runtime.bench.cli)
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
-- ``demo-assets``  build the local models, digits and text encoder   (runtime.assets.cli)
-- ``plan``         predicted VRAM and step time of a preset, no weights (runtime.plan.cli)
+- ``demo-assets``  build the local models, digits and text encoder   (runtime.trainer.demo_cli)
+- ``plan``         predicted VRAM and step time of a preset, no weights (backend.plan_cli)
 - ``tune``         trials of limits that fit a VRAM budget          (runtime.plan.tune_cli)
 """
 
@@ -21,8 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("backend.server", "serve the dashboard and API (default http://127.0.0.1:8000)"),
     "train": ("runtime.trainer.cli", "run one training job: workbench train PRESET --run-dir DIR"),
     "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
-    "demo-assets": ("runtime.assets.cli", "build the local demo models, digits and encoder"),
-    "plan": ("runtime.plan.cli", "predict a preset's VRAM and step time on a device profile"),
+    "demo-assets": ("runtime.trainer.demo_cli", "build the local demo models, digits and encoder"),
+    "plan": ("backend.plan_cli", "predict a preset's VRAM and step time on a device profile"),
     "tune": ("runtime.plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
 }
 

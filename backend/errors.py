@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
@@ -173,13 +173,12 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 def allowed_methods(request: Request) -> list[str]:
     """The methods this app takes at ``request``'s path (OPTIONS included), sorted: those of
-    every route whose path matches (the API's routers, the dashboard's routes and static files;
-    websockets are not HTTP methods)."""
-    from backend.api import ROUTERS  # the routers import this module
-
+    every route whose path matches (the API's routers, given to ``install``; the dashboard's
+    routes and static files; websockets are not HTTP methods)."""
     path = request.url.path
     methods = {"OPTIONS"}
-    for route in [*(r for router in ROUTERS for r in router.routes), *request.app.routes]:
+    routers = request.app.state.api_routers
+    for route in [*(r for router in routers for r in router.routes), *request.app.routes]:
         regex = getattr(route, "path_regex", None)
         if isinstance(route, WebSocketRoute) or regex is None or not regex.match(path):
             continue
@@ -237,8 +236,11 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def install(app: FastAPI) -> None:
-    """Route every error path of ``app`` to the one body."""
+def install(app: FastAPI, routers: Sequence[APIRouter]) -> None:
+    """Route every error path of ``app`` to the one body. ``routers``: the API's
+    (``backend.api.ROUTERS``), whose methods a 405 or OPTIONS answer lists; given here because
+    the routers import this module."""
+    app.state.api_routers = list(routers)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _request_validation)

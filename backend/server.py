@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"workbench serve: {exc}", file=sys.stderr)
         return 2
-    from backend.executors import LaunchError, make_executor
+    from backend.executors import LaunchError
+    from backend.executors.factory import make_executor
 
     try:
         executor = make_executor(settings)  # an unreachable cluster fails here, not on a run

@@ -10,6 +10,8 @@ a signal, finds it again after a server restart and names the stream its telemet
   ``ray.job_submission.JobSubmissionClient``; Ray places it and accounts for its GPU; telemetry
   from the shared run folder or from the job's log stream. Imported only when chosen, so ray
   is an optional extra (``pip install stagehand-workbench[ray]``).
+
+``backend.executors.factory.make_executor`` builds the one a server's settings name.
 """
 
 from __future__ import annotations
@@ -150,19 +152,3 @@ class Executor(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: most executors hold nothing to release
         """Release clients and threads; workers keep running."""
-
-
-def make_executor(settings: Any) -> Executor:
-    """The executor ``settings.executor`` names (``local`` | ``ray``).
-
-    Raises ``ValueError`` naming the setting when it is unknown, and ``LaunchError`` when the
-    Ray executor is chosen but ray is not installed or its address does not answer."""
-    if settings.executor == "local":
-        from backend.executors.local import LocalExecutor
-
-        return LocalExecutor(settings)
-    if settings.executor == "ray":
-        from backend.executors.ray_jobs import RayExecutor
-
-        return RayExecutor(settings)
-    raise ValueError(f"executor: expected one of {', '.join(EXECUTORS)}, got {settings.executor!r}")

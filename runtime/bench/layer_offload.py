@@ -5,7 +5,7 @@
 Prints one line per row: median step time (ms), its ratio to the plain model's, and the device
 peak (MB): tracked bytes on CPU (``DeviceMemory``: resident + streamed weights + kept saved
 activations), the allocator's on CUDA. The plain rows have nothing tracking them on CPU; their
-figure is *counted* (``runtime.bench.workload.counted_device_bytes``: parameters + LoRA
+figure is *counted* (``runtime.plan.workload.counted_device_bytes``: parameters + LoRA
 gradients + AdamW state + saved activations). The workload is ``runtime.bench``'s: a LoRA step
 (rank 4 on ``to_q/to_k/to_v/to_out.0``), MSE against a fixed target, AdamW.
 """
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from runtime.assets import build_model, model_class
-from runtime.bench.workload import (
+from runtime.config import MB
+from runtime.plan.workload import (
     counted_device_bytes,
     enable_checkpointing,
     load_model,
@@ -28,7 +29,6 @@ from runtime.bench.workload import (
     model_sizes,
     train_steps,
 )
-from runtime.config import MB
 from runtime.strategy import build_strategy
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from runtime.bench.workload import block_lists, param_bytes
 from runtime.common.telemetry import Telemetry
+from runtime.plan.workload import block_lists, param_bytes
 from runtime.strategy.base import MemoryStrategy
 
 

@@ -28,7 +28,10 @@ from runtime.bench.probes import (
     pinned_h2d_bandwidth,
     transition_cost,
 )
-from runtime.bench.workload import (
+from runtime.common.memory import cache_host_allocations
+from runtime.common.telemetry import ListSink, Telemetry
+from runtime.config import MB
+from runtime.plan.workload import (
     build_scale_model,
     counted_device_bytes,
     enable_checkpointing,
@@ -37,9 +40,6 @@ from runtime.bench.workload import (
     model_sizes,
     train_steps,
 )
-from runtime.common.memory import cache_host_allocations
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.config import MB
 from runtime.strategy import build_strategy
 
 # The loaded model classes resolve diffusers' lazy imports now, in the fork server.

@@ -1,11 +1,8 @@
 """The Conductor: arbitration of VRAM, pinned host memory and PCIe slots between the memory
-runtimes (``shared/seeds/conductor.md``)."""
+runtimes (``shared/seeds/conductor.md``). The adapters of the weight and activation runtimes are
+the strategy's (``runtime.strategy.adapters``): the Conductor imports no runtime."""
 
-from runtime.conductor.adapters import (
-    ActStagehandConductorAdapter,
-    ConductorAdapter,
-    StagehandConductorAdapter,
-)
+from runtime.conductor.adapter import ConductorAdapter
 from runtime.conductor.budget import BudgetManager, Reservation
 from runtime.conductor.coordinator import PhaseCoordinator
 from runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
@@ -14,7 +11,6 @@ from runtime.conductor.transfer import TransferGrant, TransferManager
 from runtime.conductor.types import BudgetMode, DenialReason, GrantOutcome, Priority
 
 __all__ = [
-    "ActStagehandConductorAdapter",
     "BudgetManager",
     "BudgetMode",
     "ConductorAdapter",
@@ -26,7 +22,6 @@ __all__ = [
     "Priority",
     "Reservation",
     "RuntimeLimitHints",
-    "StagehandConductorAdapter",
     "TransferGrant",
     "TransferManager",
 ]

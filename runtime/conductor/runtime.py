@@ -22,7 +22,7 @@ from typing import Any
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase
 from runtime.common.telemetry import Telemetry
-from runtime.conductor.adapters import ConductorAdapter, StagehandConductorAdapter
+from runtime.conductor.adapter import ConductorAdapter
 from runtime.conductor.budget import BudgetManager, Reservation
 from runtime.conductor.coordinator import PhaseCoordinator
 from runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
@@ -139,11 +139,7 @@ class ConductorRuntime:
             self.budget.reset_counts()
             self.transfer.reset_counts()
             self.transfer.consecutive_full = 0
-            windows = [
-                a.base_prefetch_window()
-                for a in self.adapters
-                if isinstance(a, StagehandConductorAdapter)
-            ]
+            windows = [w for a in self.adapters if (w := a.base_prefetch_window()) is not None]
             self.policy.reset(max(windows) if windows else None)
             hints = self.policy.hints
         else:

@@ -1,6 +1,6 @@
 """The planner: predicted VRAM and step time of a preset on a device, before launch.
 
-``workbench plan PRESET --device rtx4090`` (``runtime.plan.cli``) reads a preset, builds its
+``workbench plan PRESET --device rtx4090`` (``backend.plan_cli``) reads a preset, builds its
 transformer on the ``meta`` device from its config (no weights; dtypes from the safetensors
 headers), measures blocks, resident bytes, LoRA and optimizer bytes and each block's saved
 activations and FLOPs (``inventory``), and runs the weight runtime's own schedule (its

@@ -126,8 +126,8 @@ def calibrate(gemm_tflops: float, mem_gbps: float, copy_gbps: float) -> dict[str
     fallback when that solution is not positive.
     """
     from runtime.assets import build_model, example_inputs
-    from runtime.bench.workload import load_model
     from runtime.common.telemetry import Telemetry
+    from runtime.plan.workload import load_model
     from runtime.strategy import build_strategy
 
     def run(model, memory: dict, folder=None, steps: int = 8) -> tuple[float, dict]:

@@ -22,8 +22,8 @@ from runtime.config import MB, MemoryConfig
 
 def _inventory(folder: str, size: str, cache: dict):
     from runtime.assets import example_inputs
-    from runtime.bench.workload import LORA_RANK, LORA_TARGETS, latent_hw_for
     from runtime.plan.inventory import add_lora, folder_model, inventory
+    from runtime.plan.workload import LORA_RANK, LORA_TARGETS, latent_hw_for
 
     if folder not in cache:
         model = folder_model(folder)

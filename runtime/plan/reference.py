@@ -188,7 +188,7 @@ def ltx2_plan(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.plan.cli import table
+    from runtime.plan.table import table
 
     cases = [
         ("rtx4090", 2048, streaming_memory(3000, 2000, 2000), "2048 px, seed-like budget"),

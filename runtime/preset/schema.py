@@ -100,7 +100,7 @@ class ModelSection(_Strict):
     size: Literal["tiny", "small", "large"] = "small"
     pretrained: Literal["digits"] | None = None
     """``digits``: the factory ``flux`` model and its VAE trained on the digits when the assets
-    are built (``runtime.assets.demo``: the demo's samples are digits, not noise); None: the
+    are built (``runtime.trainer.demo``: the demo's samples are digits, not noise); None: the
     random-initialised factory model and VAE."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the frozen weights are loaded in."""

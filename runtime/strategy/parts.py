@@ -25,16 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runtime.common.phases import Phase
-from runtime.conductor import (
-    ActStagehandConductorAdapter,
-    ConductorRuntime,
-    StagehandConductorAdapter,
-)
+from runtime.conductor import ConductorRuntime
 from runtime.config import Watermarks
+from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
 
 if TYPE_CHECKING:
     from runtime.activations import ActivationRuntime
-    from runtime.conductor.adapters import ConductorAdapter
+    from runtime.conductor.adapter import ConductorAdapter
     from runtime.weights import StagehandRuntime
 
 _NOTHING = contextlib.nullcontext()

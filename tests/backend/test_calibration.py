@@ -11,8 +11,8 @@ import json
 import pytest
 
 from backend.calibration import Calibrator
+from backend.plan_cli import main as plan_main
 from backend.store import Store
-from runtime.plan.cli import main as plan_main
 from runtime.plan.feedback import predicted_figures
 from runtime.preset import load_preset
 

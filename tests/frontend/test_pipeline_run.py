@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.browser]
 
 @pytest.fixture(scope="module")
 def flux_folder(tmp_path_factory):
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("flux", tmp_path_factory.mktemp("pipelines"))
 

@@ -1,4 +1,4 @@
-"""The demo's trained models (runtime/assets/demo.py), on a reduced build: the tiny transformer
+"""The demo's trained models (runtime/trainer/demo.py), on a reduced build: the tiny transformer
 and fewer steps than the demo's, so the figures asserted are what a short training reaches."""
 
 import hashlib
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.assets.demo import (
+from runtime.trainer.demo import (
     DemoSpec,
     build_demo,
     caption_text,

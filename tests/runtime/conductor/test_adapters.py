@@ -4,10 +4,10 @@ real runtimes (``runtimes.py``)."""
 
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase
-from runtime.conductor.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
 from runtime.conductor.policy import RuntimeLimitHints
 from runtime.conductor.runtime import ConductorRuntime
 from runtime.config import ConductorConfig
+from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
 from runtime.weights.scheduler import BlockScheduler
 from tests.runtime.conductor.runtimes import activation_runtime, weight_runtime
 

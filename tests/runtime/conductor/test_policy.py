@@ -5,11 +5,11 @@ from hypothesis import strategies as st
 
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase
-from runtime.conductor.adapters import StagehandConductorAdapter
 from runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
 from runtime.conductor.runtime import ConductorRuntime
 from runtime.conductor.types import DenialReason
 from runtime.config import MB, ConductorConfig
+from runtime.strategy.adapters import StagehandConductorAdapter
 from tests.runtime.conductor.runtimes import weight_runtime
 
 CONFIG = ConductorConfig(

@@ -5,11 +5,11 @@ import pytest
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import PhaseError
 from runtime.common.telemetry import ListSink, Telemetry
-from runtime.conductor.adapters import StagehandConductorAdapter
 from runtime.conductor.runtime import ConductorRuntime
 from runtime.conductor.telemetry import STEP_FIELDS
 from runtime.conductor.types import DenialReason
 from runtime.config import MB, ConductorConfig
+from runtime.strategy.adapters import StagehandConductorAdapter
 from tests.runtime.conductor.runtimes import weight_runtime
 
 

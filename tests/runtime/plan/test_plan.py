@@ -16,13 +16,13 @@ import json
 import pytest
 import torch
 
+from backend.plan_cli import main
 from runtime.assets import example_inputs
-from runtime.bench.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
 from runtime.common.telemetry import Telemetry
 from runtime.config import MB
 from runtime.plan import PlanInputError, plan_model, plan_preset, profile
-from runtime.plan.cli import main
 from runtime.plan.inventory import add_lora, folder_model
+from runtime.plan.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
 from runtime.strategy import build_strategy
 
 LATENT = (8, 8)
@@ -279,7 +279,7 @@ def test_flux_dev_12b_from_its_config_on_meta():
 def test_pipeline_folder_plans_its_transformer_with_the_family_targets(asset_cache):
     """A diffusers pipeline folder: the transformer subfolder, and the family's LoRA targets
     unless the preset names some (as the trainer does)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     folder = build_pipeline("flux", asset_cache)
     data = {**_TINY, "model": {"path": str(folder), "dtype": "float32"}}

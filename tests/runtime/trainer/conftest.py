@@ -80,7 +80,7 @@ def run_io():
 @pytest.fixture(scope="session")
 def flux_pipeline_dir(asset_cache) -> Path:
     """The tiny FluxPipeline folder (CLIP + T5, 3 double + 5 single blocks), built once."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("flux", asset_cache)
 
@@ -88,7 +88,7 @@ def flux_pipeline_dir(asset_cache) -> Path:
 @pytest.fixture(scope="session")
 def qwenimage_pipeline_dir(asset_cache) -> Path:
     """The tiny QwenImagePipeline folder (Qwen2.5-VL 3 layers, 3 transformer blocks)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("qwenimage", asset_cache)
 
@@ -96,7 +96,7 @@ def qwenimage_pipeline_dir(asset_cache) -> Path:
 @pytest.fixture(scope="session")
 def wan_pipeline_dir(asset_cache) -> Path:
     """The tiny WanPipeline folder (Wan 2.1 layout: UMT5 3 layers, 3 blocks, 3D VAE z_dim 4)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("wan", asset_cache)
 
@@ -104,7 +104,7 @@ def wan_pipeline_dir(asset_cache) -> Path:
 @pytest.fixture(scope="session")
 def wan22_pipeline_dir(asset_cache) -> Path:
     """The tiny Wan 2.2 layout: two experts (transformer, transformer_2), boundary 0.875."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("wan22", asset_cache)
 
@@ -113,7 +113,7 @@ def wan22_pipeline_dir(asset_cache) -> Path:
 def ltx2_pipeline_dir(asset_cache) -> Path:
     """The tiny LTX2Pipeline folder (Gemma 3 3 layers + connectors, 3 blocks, video and audio
     VAEs, vocoder)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("ltx2", asset_cache)
 
@@ -121,7 +121,7 @@ def ltx2_pipeline_dir(asset_cache) -> Path:
 @pytest.fixture(scope="session")
 def zimage_pipeline_dir(asset_cache) -> Path:
     """The tiny ZImagePipeline folder (Qwen3 3 layers, 3 layers + 1 + 1 refiners)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("zimage", asset_cache)
 
@@ -130,7 +130,7 @@ def zimage_pipeline_dir(asset_cache) -> Path:
 def sd3_pipeline_dir(asset_cache) -> Path:
     """The tiny StableDiffusion3Pipeline folder (CLIP-L 3 + CLIP-G 5 layers, T5 3 layers,
     3 joint blocks)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("sd3", asset_cache)
 
@@ -139,7 +139,7 @@ def sd3_pipeline_dir(asset_cache) -> Path:
 def sdxl_pipeline_dir(asset_cache) -> Path:
     """The tiny StableDiffusionXLPipeline folder (CLIP-L 3 + CLIP-G 5 layers, UNet of 2 levels,
     v-prediction)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("sdxl", asset_cache)
 
@@ -147,7 +147,7 @@ def sdxl_pipeline_dir(asset_cache) -> Path:
 @pytest.fixture(scope="session")
 def flux2_pipeline_dir(asset_cache) -> Path:
     """The tiny Flux2KleinPipeline folder (Qwen3 28 tiny layers, 3 double + 5 single blocks)."""
-    from runtime.assets.pipelines import build_pipeline
+    from tests.fixtures.pipelines import build_pipeline
 
     return build_pipeline("flux2", asset_cache)
 

@@ -91,9 +91,9 @@ def test_qwenimage_parts_match_the_pipeline(qwenimage_pipeline_dir, tmp_path):
     normalisation is what ``__call__`` inverts; a transformer that does not fit is named."""
     from diffusers import QwenImagePipeline
 
-    from runtime.assets.tiny_tokenizers import QWEN_TEMPLATE
     from runtime.trainer.families import Text
     from runtime.trainer.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from tests.fixtures.tiny_tokenizers import QWEN_TEMPLATE
 
     info = inspect_pipeline(qwenimage_pipeline_dir)
     assert info.family == "qwenimage"

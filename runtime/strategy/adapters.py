@@ -20,62 +20,15 @@ suppress_speculative  ``scheduler.window_cap`` <= 1         D2H cap 0 in OPTIMIZ
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runtime.common.phases import Phase
+from runtime.conductor.adapter import ConductorAdapter
 from runtime.conductor.policy import RuntimeLimitHints
 
 if TYPE_CHECKING:
     from runtime.activations import ActivationRuntime
     from runtime.weights import StagehandRuntime
-
-
-class ConductorAdapter:
-    """Base adapter: attach/detach, the phase broadcast, and the runtime's snapshot.
-
-    Raises (on ``attach``): ``RuntimeError`` when attached twice.
-    """
-
-    name = "runtime"
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self.conductor: Any = None
-
-    @property
-    def attached(self) -> bool:
-        return self.conductor is not None
-
-    def attach(self, conductor: Any) -> None:
-        """Give the runtime the Conductor (it asks it for transfer slots)."""
-        if self.attached:
-            raise RuntimeError(f"{type(self).__name__} is already attached")
-        self.conductor = conductor
-        self.runtime.conductor = conductor
-
-    def detach(self) -> None:
-        """Clear the caps and take the Conductor away from the runtime."""
-        if not self.attached:
-            return
-        self.clear()
-        self.runtime.conductor = None
-        self.conductor = None
-
-    def on_phase(self, phase: Phase, hints: RuntimeLimitHints) -> None:
-        """Called by the coordinator at each phase boundary (and on a Rule 3 tightening)."""
-        self.apply(phase, hints)
-
-    def apply(self, phase: Phase | None, hints: RuntimeLimitHints) -> None:
-        """Publish the caps ``hints`` mean in ``phase``."""
-        raise NotImplementedError
-
-    def clear(self) -> None:
-        """Remove every cap."""
-        raise NotImplementedError
-
-    def snapshot(self) -> dict[str, Any]:
-        """The runtime's ``snapshot()``: its knobs in force."""
-        return dict(self.runtime.snapshot())
 
 
 class StagehandConductorAdapter(ConductorAdapter):

@@ -7,10 +7,10 @@ import argparse
 import time
 
 from runtime.assets.cache import AssetError, cache_root
-from runtime.assets.demo import build_demo
 from runtime.assets.digits import build_digits
 from runtime.assets.models import ARCHS, SIZES, build_all, build_model
 from runtime.assets.text_encoder import minilm_path
+from runtime.trainer.demo import build_demo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from .cache import build_once, cache_root
-from .digits import caption_for, digit_pixels
-from .models import MODEL_SPECS, TARGET_SHARDS, check_spec, instantiate
+from runtime.assets.cache import build_once, cache_root
+from runtime.assets.digits import caption_for, digit_pixels
+from runtime.assets.models import MODEL_SPECS, TARGET_SHARDS, check_spec, instantiate
 
 #: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels).
 #: The digits are 8x8 images upscaled; with the demo's 200 steps it reconstructs held-out ones to a
@@ -228,9 +228,8 @@ def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
 def caption_text(max_tokens: int):
     """``families.Text`` with one row per digit 0..9 (its caption), as stage 1 caches captions:
     all-MiniLM-L6-v2's last hidden state padded to ``max_tokens``, the mask, the masked mean."""
+    from runtime.assets.text_encoder import load_text_encoder
     from runtime.trainer.families import Text
-
-    from .text_encoder import load_text_encoder
 
     tokenizer, encoder = load_text_encoder()
     tok = tokenizer(

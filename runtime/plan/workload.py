@@ -3,6 +3,9 @@
 One step is forward + MSE loss against a fixed random target + backward + AdamW on the LoRA
 parameters (rank 4 on ``to_q/to_k/to_v/to_out.0``), inside the strategy's phase contexts
 (``runtime.strategy.base``). Inputs come from ``runtime.assets.example_inputs``.
+
+``workbench bench`` measures this step and the planner calibrates its CPU profile on it
+(``runtime.plan.calibrate``); it lives in the planner, which the bench sits above.
 """
 
 from __future__ import annotations

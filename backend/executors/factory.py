@@ -1,0 +1,24 @@
+"""``make_executor``: the executor a server's settings name. Apart from the interface
+(``backend.executors``) because it imports the implementations, which import the interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backend.executors import EXECUTORS, Executor
+
+
+def make_executor(settings: Any) -> Executor:
+    """The executor ``settings.executor`` names (``local`` | ``ray``).
+
+    Raises ``ValueError`` naming the setting when it is unknown, and ``LaunchError`` when the
+    Ray executor is chosen but ray is not installed or its address does not answer."""
+    if settings.executor == "local":
+        from backend.executors.local import LocalExecutor
+
+        return LocalExecutor(settings)
+    if settings.executor == "ray":
+        from backend.executors.ray_jobs import RayExecutor
+
+        return RayExecutor(settings)
+    raise ValueError(f"executor: expected one of {', '.join(EXECUTORS)}, got {settings.executor!r}")

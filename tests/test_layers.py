@@ -1,0 +1,263 @@
+"""One way down: every import of the ``runtime`` and ``backend`` packages runs down the layer order,
+no import closes a circle, and no source module is over 450 lines (issue 29).
+
+The order, bottom first (``ORDER``): common -> the runtimes -> strategy -> trainer -> plan ->
+bench -> backend -> frontend. A *room* is a package directly under ``runtime/``
+(``runtime.weights``), a loose module there (``runtime.config``) or the whole ``backend``;
+``ORDER`` gives each room a rank. The rules, checked by walking the source with ``ast`` (nothing is imported):
+
+- An arrow is an ``import`` or ``from ... import`` of a project module, absolute or relative,
+  wherever it stands: at module level, inside a function (a lazy import is the same dependency,
+  paid later) or under ``if TYPE_CHECKING:`` (a type from a layer above is still knowledge of
+  it). ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``;
+  an arrow points at the module named, not at the packages above it.
+- Order: an arrow between two rooms goes to a room of strictly lower rank. Rooms of one rank are
+  peers and import nothing of each other (the Conductor sits beside the weight and activation
+  runtimes: what ties them together is the strategy's). Since every arrow between rooms goes
+  strictly down, the rooms cannot form a circle.
+- Circles: no circle between modules through the imports that run (module level and lazy ones).
+  ``if TYPE_CHECKING:`` imports never run, so a circle they alone would close is allowed (a
+  runtime's hooks naming its runtime class in annotations).
+- Size: no module of ``runtime/``, ``backend/`` or ``frontend/js/`` over ``MAX_LINES`` lines.
+
+``python tests/test_layers.py`` prints every violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("runtime", "backend")
+MAX_LINES = 450
+
+#: Rooms by rank, bottom first; each tuple holds peers. A new room fails the test until it is
+#: placed here.
+ORDER: list[tuple[str, tuple[str, ...]]] = [
+    # Plain values and names that every layer shares; they import nothing of the project.
+    ("common", ("runtime", "runtime.config", "runtime.records", "runtime.status")),
+    # Device, memory and telemetry helpers; the preset schema (on runtime.config); the model and
+    # data factory (random models from small configs, the digits, the text encoder).
+    ("common", ("runtime.common", "runtime.preset", "runtime.assets")),
+    # The runtimes beside each other.
+    ("runtimes", ("runtime.weights", "runtime.activations", "runtime.conductor")),
+    # Layer offload: a runtime built on the weight runtime's blocks and scheduler.
+    ("runtimes", ("runtime.layer_offload",)),
+    # The strategy composes the runtimes into the one object a training loop drives.
+    ("strategy", ("runtime.strategy",)),
+    ("trainer", ("runtime.trainer",)),
+    # The planner reads the trainer's pipeline families; it defines the workload it calibrates on.
+    ("plan", ("runtime.plan",)),
+    # The bench measures strategies on the planner's workload, and records the planner's CPU
+    # profile of the machine its rows ran on.
+    ("bench", ("runtime.bench",)),
+    ("backend", ("backend",)),
+]
+RANK = {room: rank for rank, (_, rooms) in enumerate(ORDER) for room in rooms}
+LAYER = {room: name for name, rooms in ORDER for room in rooms}
+
+
+@dataclass(frozen=True)
+class Arrow:
+    source: str  # importing module
+    target: str  # imported module
+    path: str  # importing file, relative to the repository
+    line: int
+    runs: bool  # False under ``if TYPE_CHECKING:``
+
+    def __str__(self) -> str:
+        how = "" if self.runs else " (TYPE_CHECKING)"
+        return f"{self.path}:{self.line} {self.source} -> {self.target}{how}"
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package's ``__init__``) for every module of ``PACKAGES``."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            is_init = parts[-1] == "__init__"
+            found[".".join(parts[:-1] if is_init else parts)] = (path, is_init)
+    return found
+
+
+def room(module: str) -> str:
+    if module.split(".")[0] == "backend":
+        return "backend"
+    return ".".join(module.split(".")[:2])
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, runs: bool = True):
+    """``(node, runs)`` for every import statement below ``tree``, functions included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, runs
+        elif isinstance(node, ast.If) and _type_checking(node.test):
+            yield from _imports(ast.Module(body=node.body, type_ignores=[]), False)
+            yield from _imports(ast.Module(body=node.orelse, type_ignores=[]), runs)
+        else:
+            yield from _imports(node, runs)
+
+
+def arrows() -> list[Arrow]:
+    """Every import of a project module by a project module (see the module docstring)."""
+    mods = modules()
+
+    def known(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found = []
+    for source, (path, is_init) in mods.items():
+        rel = str(path.relative_to(ROOT))
+        for node, runs in _imports(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Import):
+                targets = [known(alias.name) for alias in node.names]
+            else:
+                if node.level:
+                    base = source.split(".")[: len(source.split(".")) + is_init - node.level]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [
+                    f"{module}.{a.name}" if f"{module}.{a.name}" in mods else known(module)
+                    for a in node.names
+                ]
+            for target in dict.fromkeys(targets):
+                if target and target != source:
+                    found.append(Arrow(source, target, rel, node.lineno, runs))
+    return found
+
+
+def order_violations(found: list[Arrow]) -> list[tuple[Arrow, str]]:
+    """``(arrow, why)`` for the arrows between rooms that do not go strictly down ``ORDER``."""
+    out = []
+    for a in found:
+        src, dst = room(a.source), room(a.target)
+        if src == dst:
+            continue
+        if src not in RANK or dst not in RANK:
+            out.append((a, f"room {src if src not in RANK else dst} is not placed in ORDER"))
+        elif RANK[dst] >= RANK[src]:
+            way = "sideways" if RANK[dst] == RANK[src] else "up"
+            out.append((a, f"{LAYER[src]} ({src}) -> {LAYER[dst]} ({dst}), {way}"))
+    return out
+
+
+def circles(found: list[Arrow]) -> list[list[str]]:
+    """The module circles (strongly connected components) of the arrows that run."""
+    graph: dict[str, set[str]] = {}
+    for a in found:
+        if a.runs:
+            graph.setdefault(a.source, set()).add(a.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def long_modules() -> list[str]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    files += (ROOT / "frontend" / "js").rglob("*.js")
+    sizes = {p: len(p.read_text().splitlines()) for p in files}
+    return [
+        f"{p.relative_to(ROOT)}: {n} lines (over {MAX_LINES})"
+        for p, n in sorted(sizes.items())
+        if n > MAX_LINES
+    ]
+
+
+def test_every_room_is_placed_and_the_walk_sees_the_known_arrows():
+    found = arrows()
+    rooms = {room(m) for m in modules()}
+    assert rooms == set(RANK)
+    pairs = {(a.source, a.target) for a in found}
+    # Not vacuous: a top-level, a lazy and a TYPE_CHECKING import, absolute and relative.
+    assert ("runtime.strategy.layer_offload", "runtime.layer_offload.manager") in pairs
+    assert ("backend.server", "backend.executors") in pairs  # inside main()
+    assert ("runtime.assets", "runtime.assets.cache") in pairs  # from .cache import ...
+    assert any(not a.runs for a in found)
+    assert len(found) > 500
+
+
+def test_no_import_runs_against_the_layer_order():
+    assert [f"{a}: {why}" for a, why in order_violations(arrows())] == []
+
+
+def test_no_import_circle_between_modules():
+    assert circles(arrows()) == []
+
+
+def test_readme_draws_the_rooms_in_this_order():
+    """README's layer drawing ("## Architecture") lists every room: a higher rank on an earlier
+    line, peers on one line."""
+    text = (ROOT / "README.md").read_text().split("\nImports run one way", 1)[1]
+    drawing = text.split("```")[1].splitlines()
+
+    def line_of(room: str) -> int:
+        name = room.rpartition(".")[2]
+        end = "/" if (ROOT / room.replace(".", "/")).is_dir() else r"\.py"
+        found = [i for i, line in enumerate(drawing) if re.search(rf"(^|[\s/]){name}{end}", line)]
+        assert found, f"README's layer drawing does not name {room}"
+        return found[0]
+
+    lines = {room: line_of(room) for room in RANK if room != "runtime"}
+    for a, b in itertools.combinations(lines, 2):
+        if RANK[a] == RANK[b]:
+            assert lines[a] == lines[b], (a, b)
+        else:
+            assert (lines[a] < lines[b]) == (RANK[a] > RANK[b]), (a, b)
+
+
+def test_no_source_module_over_the_line_limit():
+    assert long_modules() == []
+
+
+if __name__ == "__main__":
+    found = arrows()
+    problems = order_violations(found)
+    print(f"{len(found)} arrows; {len(problems)} against the order:")
+    print("\n".join(f"  {a}: {why}" for a, why in problems))
+    loops = circles(found)
+    print(f"{len(loops)} circles:")
+    for loop in loops:
+        inner = [a for a in found if a.runs and a.source in loop and a.target in loop]
+        print(f"  {' '.join(loop)}")
+        print("\n".join(f"    {a}" for a in inner))
+    sizes = long_modules()
+    print(f"{len(sizes)} modules over {MAX_LINES} lines:")
+    print("\n".join(f"  {s}" for s in sizes))
+    sys.exit(1 if problems or loops or sizes else 0)
