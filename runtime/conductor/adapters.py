@@ -139,4 +139,5 @@ class ActStagehandConductorAdapter(ConductorAdapter):
         self.runtime.transfer.set_caps(None, None)
 
     def reclaim(self, direction: str) -> None:
-        self.runtime.table.poll()  # finished spills and restores give their slots back
+        if direction == "d2h":  # spills hold D2H slots; restores ask for none
+            self.runtime.table.poll()  # finished spills give their slots back
