@@ -142,11 +142,11 @@ def _layer_offload(fraction: float, cuda: bool) -> dict[str, Any]:
     }
 
 
-LAYER_OFFLOAD_RSS_NOTE = (
-    "module-backed: host RSS holds a master copy of every offloaded block (FLUX.1-dev at 0.9: "
-    "51 of 57 blocks, 19.6 GB in bf16; 30 GB RSS measured on an H100 host), as the seed's run did; "
-    "memory.stagehand.file_backed: true reads them from the checkpoint instead"
-)
+LAYER_OFFLOAD_RSS_NOTE = "module-backed: RSS holds host masters of the offloaded blocks"
+"""Why layer offload's RSS is high: a host master copy of every offloaded block (FLUX.1-dev at
+0.9: 51 of 57 blocks, 19.6 GB in bf16; 30 GB RSS measured on an H100 host), as the seed's run
+did; ``memory.stagehand.file_backed: true`` reads them from the checkpoint instead
+(docs/perf-gpu.md)."""
 
 
 BASELINE = BenchConfig(

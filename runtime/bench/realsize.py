@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from runtime.bench.configs import LAYER_OFFLOAD_RSS_NOTE
 from runtime.bench.realmodel import (
     build_weights,
     load_lora_model,
@@ -218,6 +219,8 @@ def _notes(row: dict[str, Any]) -> str:
         f"denials {c['denials']}",
         f"pageable {c['pageable_copies']}",
     ]
+    if row["name"].startswith("layer_offload"):
+        notes.append(LAYER_OFFLOAD_RSS_NOTE)
     return ", ".join(notes)
 
 
