@@ -5,7 +5,11 @@ from under 1 KB to over 200 MB, so one uniform slab size either wastes memory or
 them; the pool keeps several classes of slabs instead:
 
 - a request takes the smallest class whose slab size is >= the bytes needed, then larger
-  classes, and finally an unpinned host tensor outside the pool (a pool *miss*);
+  classes, and finally a host tensor outside the pool (a pool *miss*), page-locked like the
+  pool: PyTorch's caching host allocator hands it out and takes it back for the next miss, so
+  a miss costs host memory, never a pageable (synchronous) copy. Layer offload at FLUX.1-dev
+  size spills 61 checkpoint inputs of ~25 MB per step: the default pool holds a dozen, and
+  the ~49 unpinned misses were its ~100 pageable copies per step on an H100 (issue 27);
 - buffers come back to their class by data pointer;
 - each class is one host allocation made at construction (pinned when ``pin``), split into
   slabs. Beyond the seed (its v0 limit "fixed pool at init"), ``grow`` adds slabs between steps
@@ -118,7 +122,7 @@ class CPUSpillBackend:
         """A host buffer of exactly ``nbytes`` bytes (uint8, 1-D) and whether it is pooled.
 
         Smallest fitting class first, then larger classes; when every fitting class is empty,
-        an unpinned tensor outside the pool (counted in ``misses``).
+        a tensor outside the pool (counted in ``misses``), page-locked when the pool is.
 
         Raises:
             ValueError: ``nbytes`` is not positive.
@@ -134,7 +138,7 @@ class CPUSpillBackend:
                     self.hits += 1
                     return slab[:nbytes], True
         self.misses += 1
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = host_buffer(nbytes, pin=self.pin)
         self._fallback.add(buffer.data_ptr())
         return buffer, False
 

@@ -1,6 +1,11 @@
 """``workbench bench``: every configuration side by side, a printed table and a JSON file.
 
     workbench bench [--model tiny|small|large] [--arch flux|sd3|ltx] [--quick] [--out bench.json]
+    workbench bench --model flux-dev --folder DIR [--size real|tiny] [--out realsize.json]
+
+``--model flux-dev`` runs the real-size rows instead (``runtime.bench.realsize``: a real
+model's config with random weights saved in ``--folder``, every strategy against all-resident,
+with the probes and each row's bound); ``--size tiny`` is its CPU smoke run.
 
 Each row runs in its own child process (``runtime.bench.runner``) so its RSS peak is its own;
 all rows of one invocation run one after another from the same parent, in ``--rounds`` turns
@@ -69,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.bench.configs import ModelInfo, large_configs, main_configs, scale_configs
+from runtime.bench.realmodel import REAL_MODELS
 from runtime.bench.report import add_ratios, goals, goals_text, table, timeline_text
 from runtime.bench.runner import Runner
 
@@ -85,9 +91,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workbench bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
-        choices=("tiny", "small", "large"),
+        choices=("tiny", "small", "large", *REAL_MODELS),
         default="small",
-        help="factory size of the main table's model (default small)",
+        help="factory size of the main table's model (default small), or a real model "
+        "(the real-size rows)",
+    )
+    p.add_argument("--folder", default=None, help="real-size rows: the weights' folder")
+    p.add_argument(
+        "--size",
+        choices=("real", "tiny"),
+        default="real",
+        help="real-size rows: the real config, or scaled to tiny widths (CPU smoke run)",
     )
     p.add_argument("--arch", choices=ARCHS, default="flux", help="model family (default flux)")
     p.add_argument(
@@ -189,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.model in REAL_MODELS:
+        from runtime.bench import realsize_cli
+
+        return realsize_cli.run(args, log)
     device = args.device or _default_device()
     cuda = device.startswith("cuda")
     steps = args.steps or (5 if args.quick else 10)

@@ -298,7 +298,24 @@ def _measure(
     return out
 
 
-JOBS = {"prepare": prepare, "hardware": hardware, "row": run_row}
+def _realsize(name: str):
+    def job(spec: dict[str, Any]) -> dict[str, Any]:
+        from runtime.bench import realsize
+
+        return getattr(realsize, name)(spec)
+
+    return job
+
+
+JOBS = {
+    "prepare": prepare,
+    "hardware": hardware,
+    "row": run_row,
+    # The real-size rows (``runtime.bench.realsize``), imported when first run.
+    "realsize_build": _realsize("build_job"),
+    "realsize_probe": _realsize("probe_job"),
+    "realsize_row": _realsize("row_job"),
+}
 
 
 def run_job(kind: str, job: dict[str, Any]) -> dict[str, Any]:

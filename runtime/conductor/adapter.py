@@ -57,6 +57,11 @@ class ConductorAdapter:
         """Remove every cap."""
         raise NotImplementedError
 
+    def reclaim(self, direction: str) -> None:
+        """Hand back the slots of ``direction`` copies the device already finished (never
+        blocks; NOTE [ Reclaiming finished copies ], ``runtime.strategy.adapters``). The base
+        adapter holds none."""
+
     def snapshot(self) -> dict[str, Any]:
         """The runtime's ``snapshot()``: its knobs in force."""
         return dict(self.runtime.snapshot())

@@ -27,7 +27,7 @@ from runtime.conductor.budget import BudgetManager, Reservation
 from runtime.conductor.coordinator import PhaseCoordinator
 from runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
 from runtime.conductor.telemetry import ConductorTelemetry
-from runtime.conductor.transfer import TransferGrant, TransferManager
+from runtime.conductor.transfer import TransferGrant, TransferManager, parse_direction
 from runtime.conductor.types import BudgetMode, GrantOutcome, Priority
 from runtime.config import MB, ConductorConfig
 
@@ -167,12 +167,18 @@ class ConductorRuntime:
     # -- requests -------------------------------------------------------------------------------
     def request_transfer(self, direction: str, priority: Priority | str) -> TransferGrant:
         """A PCIe slot for one copy, or a typed denial (see ``runtime.conductor.transfer``).
+        When the pool looks full, the adapters first hand back the slots of copies that
+        already finished (NOTE [ Reclaiming finished copies ] in ``runtime.strategy.adapters``).
 
         Raises:
             ValueError: bad ``direction`` or ``priority`` (enabled Conductor only).
         """
         if not self._enabled:
             return _OPEN.get(direction) or _OPEN["h2d"]
+        direction = parse_direction(direction)
+        if self.transfer.looks_full(direction):
+            for adapter in self.adapters:
+                adapter.reclaim(direction)
         grant = self.transfer.request_transfer(direction, priority)
         if self.policy.contended(self.transfer.consecutive_full):
             tightened = self.policy.on_contention(self.transfer.consecutive_full)

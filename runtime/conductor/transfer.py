@@ -109,6 +109,12 @@ class TransferManager:
     def inflight(self, direction: str) -> int:
         return len(self._held[parse_direction(direction)])
 
+    def looks_full(self, direction: str) -> bool:
+        """Whether a request now would find every slot held, or the policy's cap reached
+        (``direction`` already parsed): the moment to reclaim finished copies first."""
+        held = len(self._held[direction])
+        return held >= self.slots[direction] or held >= self.limit[direction]
+
     def set_limits(self, max_inflight_h2d: int, max_inflight_d2h: int, suppress: bool) -> None:
         """The policy's caps and suppression for the phase now starting."""
         self.limit = {"h2d": max_inflight_h2d, "d2h": max_inflight_d2h}

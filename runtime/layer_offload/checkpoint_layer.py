@@ -89,6 +89,9 @@ class OffloadCheckpointLayer(nn.Module):
         self.shared = shared
         self.non_blocking = non_blocking
         self.training = layer.training
+        self.pageable_copies = 0
+        """Host inputs moved to a CUDA device from pageable memory (synchronous copies): the
+        layer-offload part's ``pageable_copies`` counts them with the runtimes' own."""
 
     def train(self, mode: bool = True) -> OffloadCheckpointLayer:
         self.layer.train(mode)
@@ -115,6 +118,10 @@ class OffloadCheckpointLayer(nn.Module):
         self.before_layer(self.index, recompute)
         tensors = [by_ref[i] if held else moved[i] for held, i in slots]
         # The kwargs fix: every tensor, however it was passed, is on the device before compute.
+        if self.device.type == "cuda":
+            self.pageable_copies += sum(
+                1 for t in tensors if t.device.type == "cpu" and not t.is_pinned()
+            )
         tensors = [t.to(self.device, non_blocking=self.non_blocking) for t in tensors]
         args, kwargs = rebuild(tensors)
         out = self.layer(*args, **kwargs)

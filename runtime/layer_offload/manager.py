@@ -137,6 +137,15 @@ class LayerOffloadManager:
     def blocks(self) -> list[Any]:
         return self.weights.blocks
 
+    def pageable_copies(self) -> int:
+        """Host inputs the layer wrappers moved from pageable memory, over the manager's life
+        (``OffloadCheckpointLayer.pageable_copies``; 0 on a CPU device)."""
+        return sum(
+            parent._modules[key].pageable_copies
+            for parent, key, _ in self._installed
+            if isinstance(parent._modules[key], OffloadCheckpointLayer)
+        )
+
     def offloaded_on_device(self) -> list[int]:
         """Indices of non-resident blocks loaded now."""
         return [b.index for b in self.weights.blocks if b.on_device and not b.resident]

@@ -111,6 +111,12 @@ class ModelSection(_Strict):
     transformer_path: str | None = None
     """A single-file transformer checkpoint (``.safetensors``, loaded with diffusers'
     ``from_single_file``) replacing ``path/transformer``; the rest comes from ``path``."""
+    cudnn_sdp: Literal["auto", "on", "off"] = "auto"
+    """cuDNN's fused attention (an SDPA backend) on CUDA: ``auto`` turns it off where PyTorch
+    makes it the default and it crashed a FLUX.1-dev LoRA step (torch >= 2.11 on sm90/sm100),
+    ``on`` leaves PyTorch's choice, ``off`` turns it off (NOTE [ cuDNN SDPA guard ] in
+    ``runtime/common/attention.py``). Applied once at the run's start, recorded in
+    ``trainer/run_started``."""
     expert: Literal["high_noise", "low_noise"] | None = None
     """Wan 2.2's two experts: which one a run trains (``transformer`` / ``transformer_2``),
     its timesteps drawn from that expert's range of the pipeline's ``boundary_ratio``."""

@@ -49,6 +49,19 @@ class LayerOffloadPart(WeightsPart):
     def __init__(self, manager: LayerOffloadManager) -> None:
         super().__init__(manager.weights)
         self.manager = manager
+        self._pageable_at_begin = 0
+
+    def begin_step(self, step: int) -> None:
+        super().begin_step(step)
+        self._pageable_at_begin = self.manager.pageable_copies()
+
+    def counters(self) -> dict[str, int]:
+        """The weight runtime's counters; ``pageable_copies`` adds the layer wrappers' host
+        inputs moved from pageable memory this step."""
+        counters = super().counters()
+        moved = self.manager.pageable_copies() - self._pageable_at_begin
+        counters["pageable_copies"] = counters.get("pageable_copies", 0) + moved
+        return counters
 
     def phase(
         self, phase: Phase, optimizer: torch.optim.Optimizer | None

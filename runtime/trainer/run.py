@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.common.attention import apply_attention_backend
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
 from runtime.preset import Preset, load_preset, validate_preset
 from runtime.records import RUN_FINISHED
@@ -97,6 +98,8 @@ class Run:
         name, raw = load_preset(self.spec)
         preset = validate_preset(raw)
         preset.check_paths()
+        # Process-wide, before any model runs: NOTE [ cuDNN SDPA guard ].
+        attention = apply_attention_backend(preset.model.cudnn_sdp, self.device)
         self.progress.log_every = preset.log_every
         self.stop.install()
         (self.run_dir / "config.json").write_text(
@@ -116,6 +119,7 @@ class Run:
             device=self.device,
             model_dir=model_dir,
             resume=self.resume,
+            attention=attention.as_record(),
         )
         if isinstance(self.family, PipelineFamily):
             records.report_pipeline(self.family.info, self.telemetry, self.progress)

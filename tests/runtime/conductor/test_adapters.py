@@ -104,3 +104,31 @@ def test_a_full_step_through_the_conductor_then_shutdown_clears_every_cap():
     assert weights.conductor is None and acts.conductor is None
     acts.close()
     weights.close()
+
+
+def test_slots_of_finished_copies_are_reclaimed_before_a_full_pool_denies():
+    from runtime.common.telemetry import Telemetry
+    from runtime.config import StagehandConfig
+    from runtime.weights import StagehandRuntime
+    from tests.runtime.conductor.runtimes import Blocks
+    from tests.runtime.lagging import lagging_device
+
+    config = StagehandConfig(pinned_pool_mb=4, pinned_slab_mb=1, max_inflight_transfers=2)
+    with lagging_device(100) as clock:  # copies run only when the test lets the device go
+        rt = StagehandRuntime(Blocks(), config, device="cpu", telemetry=Telemetry())
+        rt.scheduler.order = [0, 1, 2, 3]
+        conductor = ConductorRuntime(ConductorConfig(enabled=True, h2d_slots=2))
+        conductor.register_adapter(StagehandConductorAdapter(rt))
+        conductor.begin_step(0)
+        conductor.enter_forward()
+        for block in rt.blocks[:2]:
+            assert rt._load_ahead(block)  # each holds a slot until its copy is retired
+        assert conductor.transfer.inflight("h2d") == 2
+        in_flight = conductor.request_transfer("h2d", "speculative")
+        assert in_flight.reason.value == "h2d_slots_exhausted"  # both copies still running
+        clock.drain()  # both copies finished; the runtime has not retired them
+        grant = conductor.request_transfer("h2d", "speculative")
+        assert grant.granted and conductor.transfer.inflight("h2d") == 1
+        grant.release()
+        conductor.shutdown()
+        rt.close()

@@ -35,6 +35,33 @@ def test_host_keyword_tensors_are_moved_to_the_device():
     out.sum().backward()
     assert {d.type for d in seen.values()} == {"cuda"}
     assert torch.equal(x.grad, torch.ones(2, 3, device="cuda"))
+    assert wrapper.pageable_copies == 1  # pair[0]; the pinned context is not counted
+
+
+def test_layer_offload_makes_no_pageable_copy_when_the_activation_pool_misses(tiny_flux):
+    """Every checkpoint input spills; a pool of one 1 MB slab misses nearly all of them, and a
+    miss's buffer is page-locked like the pool: no copy of the step is pageable (issue 27)."""
+    model = make_model("flux", tiny_flux)
+    small_pool = {"pinned_pool_classes_mb": [1], "slabs_per_class": [1]}
+    memory = layer_offload(
+        0.9,
+        True,
+        enable_async_offloading=True,
+        stagehand={"activation_stagehand": small_pool},
+    )
+    strategy = build_strategy(model, memory, device="cuda")
+    counters = []
+    train(
+        model,
+        strategy,
+        steps=2,
+        latent_hw=(64, 64),
+        on_backward=lambda step: counters.append(strategy.counters()),
+    )
+    assert strategy.activations.pool.misses > 0
+    for c in counters:
+        assert c["tensors_spilled"] > 0 and c["pageable_copies"] == 0, c
+    strategy.close()
 
 
 def test_cuda_layer_offload_trains_and_frees_the_offloaded_blocks(tiny_flux):

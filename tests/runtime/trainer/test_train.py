@@ -25,6 +25,10 @@ def test_tiny_ci_trains_end_to_end(tiny_run, run_io):
     assert [r["seq"] for r in recs] == list(range(len(recs)))
     started = run_io.of(recs, "trainer", "run_started")[0]
     assert started["preset"] == "tiny-ci" and started["max_steps"] == 8
+    # The attention backend guard, applied once at start (issue 27); CPU: not applicable.
+    assert started["attention"]["cudnn_sdp"] == "auto"
+    assert started["attention"]["cudnn_sdp_enabled"] is False
+    assert started["attention"]["device"] == "cpu"
     stages = run_io.of(recs, "trainer", "stage")
     cache = [s for s in stages if s["stage"] == "cache"]
     assert cache[-1]["done"] == cache[-1]["total"] == 64 + 10  # 64 images + 10 captions

@@ -1,0 +1,76 @@
+"""``workbench bench --model flux-dev --size tiny``: the real-size rows' CPU smoke run (issue 27).
+
+The tiny size is FLUX.1-dev's config scaled to tiny widths with all 57 blocks, so the block
+loads, file reads and Conductor answers per step are the real model's (the H100 run counted
+2,188 file reads per step file-backed). Speed is not asserted (figures go in the output).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime.bench.cli import main
+from runtime.bench.realmodel import REAL_MODELS, real_model, section_scale
+from runtime.bench.realsize import ROWS, row_memory
+from runtime.plan.inventory import meta_model
+
+
+def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():
+    spec = REAL_MODELS["flux-dev"]
+    model = meta_model(spec.class_name, spec.model_config("real"), torch.bfloat16)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 11.90
+    assert spec.inputs_shape("real") == ((128, 128), 512)  # 1024 px: 4096 image tokens
+    stream = row_memory("stream_file", "flux-dev", "real")["stagehand"]
+    assert stream["file_backed"] is True and "conductor_config" not in stream
+    assert (stream["prefetch_window_blocks"], stream["max_inflight_transfers"]) == (2, 2)
+    assert (stream["pinned_pool_mb"], stream["pinned_slab_mb"]) == (5248, 656)
+    assert row_memory("stream_module", "flux-dev", "real")["stagehand"]["file_backed"] is False
+    preset = row_memory("preset", "flux-dev", "real")["stagehand"]
+    assert preset["conductor_config"]["vram_soft_cap_mb"] == 22000
+    tiny = row_memory("preset", "flux-dev", "tiny")["stagehand"]["conductor_config"]
+    assert tiny["vram_soft_cap_mb"] == pytest.approx(22000 * section_scale(spec, "tiny"))
+    assert row_memory("layer_offload_0.9", "flux-dev", "real")["layer_offload_fraction"] == 0.9
+    with pytest.raises(ValueError, match="real-size rows are"):
+        row_memory("nope", "flux-dev", "real")
+    with pytest.raises(ValueError, match="--model must be one of"):
+        real_model("flux-9")
+
+
+def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
+    out = tmp_path / "realsize.json"
+    argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
+    argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["kind"] == "bench_realsize" and result["size"] == "tiny"
+    assert result["build"]["params"] > 0 and not result["build"]["reused"]
+    probe = result["probe"]
+    assert probe["memcpy_gbps"] > 0
+    assert all(probe[f"pagecache_to_host_{t}t_gbps"] > 0 for t in (1, 4, 8))
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == list(ROWS) and all(r["status"] == "ok" for r in rows.values())
+    resident = rows["resident"]
+    assert resident["counters"]["blocks_loaded"] == 0 and resident["x_resident"] == 1.0
+    for name in ("stream_file", "stream_module", "preset"):
+        c = rows[name]["counters"]
+        # 57 blocks: forward, checkpoint recomputation and backward, all prefetched.
+        assert c["blocks_loaded"] == 110 and c["prefetch_misses"] == 0
+        assert rows[name]["h2d_bytes_per_step"] > 0
+    assert rows["stream_file"]["counters"]["file_reads"] == 2188  # as on the H100
+    assert rows["stream_module"]["counters"]["file_reads"] == 0
+    assert rows["preset"]["counters"]["denials"] == 0  # the section has room
+    assert rows["preset"]["counters"]["grants"] >= 110  # the Conductor answered every prefetch
+    offload = rows["layer_offload_0.9"]["counters"]
+    assert offload["blocks_loaded"] == 2 * 51 and offload["pageable_copies"] == 0
+    for row in rows.values():
+        assert row["bound_ms"] >= resident["step_ms_median"]
+        assert row["x_bound"] == pytest.approx(row["step_ms_median"] / row["bound_ms"])
+        assert row["attention"]["device"] == "cpu"
+    printed = capsys.readouterr().out
+    assert "layer_offload_0.9" in printed and "x bound" in printed
+    # A second run reuses the weights.
+    assert main([*argv[:-1], str(tmp_path / "again.json"), "--only", "resident"]) == 0
+    assert json.loads((tmp_path / "again.json").read_text())["build"]["reused"] is True
