@@ -113,6 +113,11 @@ class StagehandConfig(_Strict):
     """Only blocks of at least this many MB go to the reader threads: a smaller block's read
     (~13 MB: ~3 ms) costs less than the handoff, which waits for Python's thread switch (an H100
     bench, flux-small's 13 MB blocks: 116 ms per step with 2 readers for all, 103 ms without)."""
+    host_cache_mb: NonNegMB | None = None
+    """Host RAM (MB) for frozen blocks kept after their first read (page-locked on CUDA), so
+    later loads copy straight from it: no file read, no slab (``runtime/weights/host_cache.py``).
+    None: on CUDA the RAM available at set-up minus a margin (25% of RAM, at least 8 GiB), off
+    on CPU; 0: off. Blocks that do not fit keep streaming from their files (file-backed)."""
     block_pattern: str | None = None
     """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
     file_backed: bool = True

@@ -46,6 +46,7 @@ from runtime.records import WEIGHTS_STEP
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.hooks import BlockBoundaries, SavedViews
+from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
 from runtime.weights.optimizer import trainable_on_device
 from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
@@ -113,6 +114,12 @@ class StagehandRuntime:
         check_sizes(self.blocks, self.pool, self.device)
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
         self.memory.track(self.resident_bytes, "weights")
+        self.cache = HostCache(cache_budget(config.host_cache_mb, cuda), pin=cuda)
+        if cuda or self.cache.enabled:  # module-backed frozen blocks: one (locked) image each
+            for block in self.blocks:
+                self.cache.register(block)
+        self.mode_reason = weights_mode(self.blocks, self.cache, config.host_cache_mb, cuda)
+        """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
         readers = config.reader_threads
         if readers is None:
@@ -125,6 +132,7 @@ class StagehandRuntime:
             config.max_inflight_transfers,
             reader_threads=readers,
             reader_min_bytes=int(config.reader_min_block_mb * MB),
+            cache=self.cache,
         )
         self.views = SavedViews(self._ensure_loaded)
         self.views.frozen = not any(block.trainable for block in self.blocks)
@@ -208,6 +216,7 @@ class StagehandRuntime:
             "vram_high_watermark_mb": self.high_mb,
             "vram_low_watermark_mb": self.low_mb,
             "prefetch_window_blocks": self.scheduler.prefetch_window,  # the user's setting
+            **self.cache.record(*self.mode_reason),
             "trace_updated": traced,
             "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
@@ -228,6 +237,8 @@ class StagehandRuntime:
             file_reads=source.reads if source is not None else 0,
             file_read_bytes=source.read_bytes if source is not None else 0,
             pageable_copies=transfer.stream.pageable_copies,
+            host_cache_hits=self.cache.hits,
+            file_reads_avoided=self.cache.reads_avoided,
         )
 
     def step_metrics(self) -> dict[str, Any]:
@@ -409,6 +420,9 @@ class StagehandRuntime:
         if restore:
             restore_blocks(self.blocks, self.source, self.device)
         self.pool.close()
+        if self.cache.pin:  # restore's copies read the images: done before they are unlocked
+            torch.cuda.synchronize(self.device)
+        self.cache.close()
         if self.source is not None:
             self.source.close()
         self.memory.untrack(self.resident_bytes, "weights")

@@ -32,9 +32,9 @@ def test_reader_threads_train_exactly_off_the_calling_thread(tiny_flux, monkeypa
     threads: list[str] = []
     read_plan = SafetensorsCheckpoint.read_plan
 
-    def spy(self, runs, dst):
+    def spy(self, runs, dst, count=True):
         threads.append(threading.current_thread().name)
-        return read_plan(self, runs, dst)
+        return read_plan(self, runs, dst, count)
 
     monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", spy)
     model, built = _streamed(tiny_flux, 2, checkpointing)
@@ -52,16 +52,16 @@ def test_reader_threads_train_exactly_off_the_calling_thread(tiny_flux, monkeypa
 
 
 def test_a_reader_error_reaches_the_training_loop(tiny_flux, monkeypatch):
-    def broken(self, runs, dst):
+    def broken(self, runs, dst, count=True):
         raise OSError("short read from transformer/diffusion_pytorch_model.safetensors")
 
     model, built = _streamed(tiny_flux, 2)
     read_plan = SafetensorsCheckpoint.read_plan
 
-    def broken_on_readers(self, runs, dst):
+    def broken_on_readers(self, runs, dst, count=True):
         if threading.current_thread().name.startswith("stagehand-read"):
             broken(self, runs, dst)
-        return read_plan(self, runs, dst)
+        return read_plan(self, runs, dst, count)
 
     monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", broken_on_readers)
     inputs = exact.inputs_for(model, 0)
