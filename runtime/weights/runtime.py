@@ -45,6 +45,7 @@ from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.records import WEIGHTS_STEP
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
+from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
 from runtime.weights.optimizer import trainable_on_device
@@ -84,15 +85,19 @@ class StagehandRuntime:
     ) -> None:
         if mode not in ("training", "inference"):
             raise ValueError(f'mode must be "training" or "inference", got {mode!r}')
-        self.model, self.config, self.mode = model, config, mode
         self.device = torch.device(device)
+        cuda = uses_cuda(self.device)
+        found = find_blocks(model, config.block_pattern)
+        vram = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
+        # Pipeline settings the preset left out, from the blocks and the card (defaults.py).
+        config = resolve(config, block_bytes(found), cuda=cuda, vram_bytes=vram)
+        self.model, self.config, self.mode = model, config, mode
         self._owns_memory = memory is None
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self._owns_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else default_telemetry(TELEMETRY_FILE)
         self.conductor: Any | None = None
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
-        cuda = uses_cuda(self.device)
         self.pool = PinnedPool(
             int(config.pinned_pool_mb * MB),
             int(config.pinned_slab_mb * MB),
@@ -101,7 +106,6 @@ class StagehandRuntime:
             allow_pageable=config.allow_pageable_fallback,
         )
         self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
-        found = find_blocks(model, config.block_pattern)
         self.blocks: list[Block] = register_blocks(
             model,
             found,
@@ -121,16 +125,13 @@ class StagehandRuntime:
         self.mode_reason = weights_mode(self.blocks, self.cache, config.host_cache_mb, cuda)
         """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
-        readers = config.reader_threads
-        if readers is None:
-            readers = 2 if self.device.type == "cuda" else 0
         self.transfer = TransferEngine(
             self.device,
             self.pool,
             self.memory,
             self.source,
             config.max_inflight_transfers,
-            reader_threads=readers,
+            reader_threads=config.reader_threads,
             reader_min_bytes=int(config.reader_min_block_mb * MB),
             cache=self.cache,
         )
