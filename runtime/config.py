@@ -92,27 +92,37 @@ class Watermarks:
 class StagehandConfig(_Strict):
     """Weight streaming (block swap). Defaults are the seed's LTX-2 24 GB run."""
 
-    pinned_pool_mb: PosInt = 8192
-    """Host pool of uniform slabs, allocated once (pinned when CUDA is present)."""
-    pinned_slab_mb: PosInt = 1024
-    """Size of one slab; a block larger than a slab takes the direct path."""
+    pinned_pool_mb: PosInt | None = None
+    """Host pool of uniform slabs, allocated once (pinned when CUDA is present). None: one slab
+    per copy in flight plus one on CUDA, 8192 on CPU (``runtime/weights/defaults.py``)."""
+    pinned_slab_mb: PosInt | None = None
+    """Size of one slab; a block larger than a slab takes the direct path. None: the largest
+    block (whole MB) on CUDA, 1024 on CPU."""
     vram_high_watermark_mb: NonNegMB = 20000
     """Speculative prefetch stops when a load would cross this."""
     vram_low_watermark_mb: NonNegMB = 16000
     """Eviction runs until usage is under this."""
-    prefetch_window_blocks: Annotated[int, Field(ge=0)] = 2
-    """Blocks loaded ahead of use along the traced order (0 disables prefetch)."""
-    max_inflight_transfers: PosInt = 2
-    """H2D block copies in flight at once."""
+    prefetch_window_blocks: Annotated[int, Field(ge=0)] | None = None
+    """Blocks loaded ahead of use along the traced order (0 disables prefetch). None: derived
+    from the largest block and the card (about 1 GiB ahead, 2 to 8 blocks) on CUDA, 2 on CPU
+    (NOTE [ Pipeline depth ] in ``runtime/weights/defaults.py``)."""
+    max_inflight_transfers: PosInt | None = None
+    """H2D block copies in flight at once. None: twice the window on CUDA, 2 on CPU."""
     reader_threads: Annotated[int, Field(ge=0, le=16)] | None = None
     """Threads that read prefetched blocks from their safetensors files into slabs and issue
     the H2D copies, so file reads (page-cache speed, ~5 GB/s) run beside the thread that queues
     the kernels instead of on it (a demand load reads on the calling thread: it is waited on at
-    once). 0: every read on the calling thread; None: 2 on CUDA, 0 on CPU."""
+    once). 0: every read on the calling thread; None: half the cores (2 to 8) on CUDA, 0 on
+    CPU. One block's read is shared by every reader."""
     reader_min_block_mb: NonNegMB = 64
     """Only blocks of at least this many MB go to the reader threads: a smaller block's read
     (~13 MB: ~3 ms) costs less than the handoff, which waits for Python's thread switch (an H100
     bench, flux-small's 13 MB blocks: 116 ms per step with 2 readers for all, 103 ms without)."""
+    host_cache_mb: NonNegMB | None = None
+    """Host RAM (MB) for frozen blocks kept after their first read (page-locked on CUDA), so
+    later loads copy straight from it: no file read, no slab (``runtime/weights/host_cache.py``).
+    None: on CUDA the RAM available at set-up minus a margin (25% of RAM, at least 8 GiB), off
+    on CPU; 0: off. Blocks that do not fit keep streaming from their files (file-backed)."""
     block_pattern: str | None = None
     """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
     file_backed: bool = True
@@ -133,7 +143,8 @@ class StagehandConfig(_Strict):
     @model_validator(mode="after")
     def _watermarks(self) -> StagehandConfig:
         Watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
-        if self.pinned_slab_mb > self.pinned_pool_mb:
+        slab, pool = self.pinned_slab_mb, self.pinned_pool_mb
+        if slab is not None and pool is not None and slab > pool:
             raise ValueError(
                 f"pinned_slab_mb ({self.pinned_slab_mb}) is larger than pinned_pool_mb "
                 f"({self.pinned_pool_mb}): the pool would hold zero slabs"

@@ -63,7 +63,8 @@ class Plan:
         pinned = 0
         sh = self.memory.get("stagehand") or {}
         if self.memory.get("strategy") == "stagehand":
-            pinned = int(sh.get("pinned_pool_mb", 8192) * MB)
+            section = weight_section(inv, check_memory(self.memory), self.profile)
+            pinned = int(section.pinned_pool_mb * MB)  # as the runtime derives it when left out
             act = sh.get("activation_stagehand") or {}
             if act.get("enabled", False):
                 classes = act.get("pinned_pool_classes_mb", [1, 4, 16, 64, 256])

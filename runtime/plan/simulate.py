@@ -36,7 +36,9 @@ from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
 from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
+from runtime.weights.defaults import resolve
 from runtime.weights.policy import make_room, prefetch, release_after_use
+from runtime.weights.registry import ALIGN
 from runtime.weights.scheduler import BlockScheduler
 
 
@@ -94,7 +96,13 @@ def weight_section(
     ``stagehand`` section, or for layer offload the one its strategy derives (``section_for``,
     from the inventory's largest block and weights and the profile's memory)."""
     if memory.strategy != "layer_offload":
-        return memory.stagehand
+        sh = memory.stagehand
+        if sh is None:
+            return None
+        # The pipeline settings the preset leaves out, as the runtime derives them.
+        sizes = [-(-b.param_bytes // ALIGN) * ALIGN for b in inv.blocks]
+        cuda = not profile.tracked
+        return resolve(sh, sizes, cuda=cuda, vram_bytes=profile.vram_bytes if cuda else 0)
     weights = inv.param_bytes + inv.buffer_bytes
     return section_for(
         memory,

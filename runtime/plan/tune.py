@@ -30,8 +30,9 @@ from typing import Any
 
 from runtime.config import MB
 from runtime.layer_offload.schedule import resident_count
-from runtime.plan.inventory import PlanInputError, inventory
+from runtime.plan.inventory import Inventory, PlanInputError, inventory
 from runtime.plan.profiles import DeviceProfile
+from runtime.plan.simulate import weight_section
 
 HIGH_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0)
 """High watermarks tried, as fractions of the budget."""
@@ -128,8 +129,14 @@ def _offload_grid(n_blocks: int):
             yield _offload_limits(n_blocks, resident, offload)
 
 
-def _limits_of(memory: dict[str, Any], n_blocks: int = 0) -> dict[str, Any]:
-    """The flat limits of a (validated) memory section."""
+def _limits_of(
+    memory: dict[str, Any],
+    n_blocks: int = 0,
+    inv: Inventory | None = None,
+    profile: DeviceProfile | None = None,
+) -> dict[str, Any]:
+    """The flat limits of a (validated) memory section; with ``inv`` and ``profile`` the
+    pipeline settings it leaves out are those the runtime derives (``weight_section``)."""
     from runtime.plan.plan import check_memory
 
     config = check_memory(memory)
@@ -137,7 +144,7 @@ def _limits_of(memory: dict[str, Any], n_blocks: int = 0) -> dict[str, Any]:
         resident = resident_count(config.layer_offload_fraction, n_blocks)
         own = _offload_limits(n_blocks, resident, config.enable_activation_offloading)
         return {**own, "fraction": config.layer_offload_fraction}
-    sh = config.stagehand
+    sh = config.stagehand if inv is None else weight_section(inv, config, profile)
     act = sh.activation_stagehand if sh is not None else None
     on = act is not None and act.enabled
     return {
@@ -267,7 +274,7 @@ def propose(
     feasible = list(seen.values())
     trials: list[dict[str, Any]] = []
     if layer_offload or sh is not None and base.strategy == "stagehand" and sh.weight_streaming:
-        own = _limits_of(memory, n_blocks)
+        own = _limits_of(memory, n_blocks, inv, profile)
         predicted = predict(own, memory)
         if predicted["peak_mb"] <= budget_mb:
             trials.append(

@@ -2,6 +2,10 @@
 
 ``python -m runtime.weights.bench [--sizes tiny small] [--steps 4] [--device cpu]`` prints one
 line per configuration and the per-step prefetch hits/misses. Figures, not assertions.
+
+``python -m runtime.weights.bench --readers 1 2 4 [--read-mb 1024]`` measures instead how one
+block's read scales with the reader threads: page cache -> host buffer (pinned on CUDA), GB/s,
+the block's read plan split over the threads as the runtime splits it (``readers.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from peft import LoraConfig
 from runtime.assets import build_model, example_inputs, model_class, output_tensor
 from runtime.common import DeviceMemory, ListSink, Telemetry
 from runtime.config import MB, StagehandConfig
+from runtime.weights.readers import Readers
 from runtime.weights.runtime import StagehandRuntime
+from runtime.weights.sources import SafetensorsCheckpoint, split_plan
+from runtime.weights.transfer import PART_MIN_BYTES
 
 
 def _model(path, device):
@@ -43,14 +50,51 @@ def _steps(model, steps, runtime=None, device="cpu"):
     return times
 
 
+def reader_scaling(threads: list[int], read_mb: int, folder: str, repeats: int = 5) -> None:
+    """Print GB/s of one ``read_mb`` block read (page cache -> host buffer) per thread count:
+    a file of 64 tensors of ``read_mb / 64`` MB each, read once before timing (page cache)."""
+    from safetensors.torch import save_file
+
+    count = 64
+    numel = read_mb * MB // count
+    tensors = {f"w{i}": torch.full((numel,), i, dtype=torch.uint8) for i in range(count)}
+    save_file(tensors, f"{folder}/model.safetensors")
+    del tensors
+    source = SafetensorsCheckpoint(folder)
+    runs = source.plan([(f"w{i}", i * numel) for i in range(count)])
+    pin = torch.cuda.is_available()
+    dst = torch.empty(count * numel, dtype=torch.uint8, pin_memory=pin)
+    source.read_plan(runs, dst)  # into the page cache
+    for n in threads:
+        parts = split_plan(runs, n, PART_MIN_BYTES)
+        readers = Readers(n)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            reads = [lambda part=part: source.read_plan(part, dst, False) for part in parts]
+            readers.stage(reads, lambda: None).result()
+            best = min(best, time.perf_counter() - t0)
+        readers.shutdown()
+        print(
+            f"readers {n}: {len(parts)} parts, {read_mb} MB in {best * 1e3:.1f} ms = "
+            f"{read_mb * MB / best / 1e9:.2f} GB/s (best of {repeats}, pinned={pin})"
+        )
+    source.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cache", default=None)
+    parser.add_argument("--readers", nargs="+", type=int, default=None)
+    parser.add_argument("--read-mb", type=int, default=1024)
     args = parser.parse_args()
     cache = args.cache or tempfile.mkdtemp(prefix="stagehand-bench-")
+    if args.readers:
+        reader_scaling(args.readers, args.read_mb, cache)
+        return
     for size in args.sizes:
         path = build_model("flux", size, cache)
         plain = _model(path, args.device).to(args.device)

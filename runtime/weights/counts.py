@@ -19,6 +19,10 @@ class Totals:
     """Bytes read from the safetensors files (``SafetensorsCheckpoint.read_bytes``)."""
     pageable_copies: int = 0
     """Asynchronous copies a pageable host buffer made synchronous (0 expected)."""
+    host_cache_hits: int = 0
+    """Loads copied straight from a block image (``HostCache.hits``)."""
+    file_reads_avoided: int = 0
+    """Checkpoint tensors those loads did not read (``HostCache.reads_avoided``)."""
 
 
 @dataclass
@@ -55,10 +59,14 @@ class StepCounts:
 
     def record(self, now: Totals) -> dict[str, Any]:
         """The counts of a ``stagehand/step`` record (docs/contracts.md): ``counters`` plus
-        ``prefetch_skipped``, ``stall_time_ms`` and ``file_read_bytes``."""
+        ``prefetch_skipped``, ``stall_time_ms``, ``file_read_bytes``, ``host_cache_hits`` and
+        ``file_reads_avoided``."""
+        begin = self.at_begin
         return {
             **self.counters(now),
             "prefetch_skipped": self.prefetch_skipped,
             "stall_time_ms": self.stall_time_ms,
-            "file_read_bytes": now.file_read_bytes - self.at_begin.file_read_bytes,
+            "file_read_bytes": now.file_read_bytes - begin.file_read_bytes,
+            "host_cache_hits": now.host_cache_hits - begin.host_cache_hits,
+            "file_reads_avoided": now.file_reads_avoided - begin.file_reads_avoided,
         }

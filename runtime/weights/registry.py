@@ -118,6 +118,8 @@ class Block:
     read_plan: list | None = None
     """``SafetensorsCheckpoint.plan`` of its file-backed parameters (built at the first load;
     empty without a checkpoint)."""
+    read_parts: list | None = None
+    """``read_plan`` cut into one part per reader thread (``sources.split_plan``)."""
     staged: list[ParamSlot] = field(default_factory=list)
     """Slots copied into the staging buffer one by one at each load (built with ``read_plan``):
     host masters, and checkpoint tensors stored in another precision."""

@@ -45,7 +45,9 @@ from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.records import WEIGHTS_STEP
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
+from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
+from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
 from runtime.weights.optimizer import trainable_on_device
 from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
@@ -83,15 +85,19 @@ class StagehandRuntime:
     ) -> None:
         if mode not in ("training", "inference"):
             raise ValueError(f'mode must be "training" or "inference", got {mode!r}')
-        self.model, self.config, self.mode = model, config, mode
         self.device = torch.device(device)
+        cuda = uses_cuda(self.device)
+        found = find_blocks(model, config.block_pattern)
+        vram = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
+        # Pipeline settings the preset left out, from the blocks and the card (defaults.py).
+        config = resolve(config, block_bytes(found), cuda=cuda, vram_bytes=vram)
+        self.model, self.config, self.mode = model, config, mode
         self._owns_memory = memory is None
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self._owns_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else default_telemetry(TELEMETRY_FILE)
         self.conductor: Any | None = None
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
-        cuda = uses_cuda(self.device)
         self.pool = PinnedPool(
             int(config.pinned_pool_mb * MB),
             int(config.pinned_slab_mb * MB),
@@ -100,7 +106,6 @@ class StagehandRuntime:
             allow_pageable=config.allow_pageable_fallback,
         )
         self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
-        found = find_blocks(model, config.block_pattern)
         self.blocks: list[Block] = register_blocks(
             model,
             found,
@@ -113,18 +118,22 @@ class StagehandRuntime:
         check_sizes(self.blocks, self.pool, self.device)
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
         self.memory.track(self.resident_bytes, "weights")
+        self.cache = HostCache(cache_budget(config.host_cache_mb, cuda), pin=cuda)
+        if cuda or self.cache.enabled:  # module-backed frozen blocks: one (locked) image each
+            for block in self.blocks:
+                self.cache.register(block)
+        self.mode_reason = weights_mode(self.blocks, self.cache, config.host_cache_mb, cuda)
+        """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
-        readers = config.reader_threads
-        if readers is None:
-            readers = 2 if self.device.type == "cuda" else 0
         self.transfer = TransferEngine(
             self.device,
             self.pool,
             self.memory,
             self.source,
             config.max_inflight_transfers,
-            reader_threads=readers,
+            reader_threads=config.reader_threads,
             reader_min_bytes=int(config.reader_min_block_mb * MB),
+            cache=self.cache,
         )
         self.views = SavedViews(self._ensure_loaded)
         self.views.frozen = not any(block.trainable for block in self.blocks)
@@ -208,6 +217,7 @@ class StagehandRuntime:
             "vram_high_watermark_mb": self.high_mb,
             "vram_low_watermark_mb": self.low_mb,
             "prefetch_window_blocks": self.scheduler.prefetch_window,  # the user's setting
+            **self.cache.record(*self.mode_reason),
             "trace_updated": traced,
             "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
@@ -228,6 +238,8 @@ class StagehandRuntime:
             file_reads=source.reads if source is not None else 0,
             file_read_bytes=source.read_bytes if source is not None else 0,
             pageable_copies=transfer.stream.pageable_copies,
+            host_cache_hits=self.cache.hits,
+            file_reads_avoided=self.cache.reads_avoided,
         )
 
     def step_metrics(self) -> dict[str, Any]:
@@ -409,6 +421,9 @@ class StagehandRuntime:
         if restore:
             restore_blocks(self.blocks, self.source, self.device)
         self.pool.close()
+        if self.cache.pin:  # restore's copies read the images: done before they are unlocked
+            torch.cuda.synchronize(self.device)
+        self.cache.close()
         if self.source is not None:
             self.source.close()
         self.memory.untrack(self.resident_bytes, "weights")

@@ -67,6 +67,34 @@ def _after(buffers: list[memoryview], skip: int) -> list[memoryview]:
     return out
 
 
+def split_plan(runs: list[tuple], parts: int, min_bytes: int) -> list[list[tuple]]:
+    """``runs`` (``SafetensorsCheckpoint.plan``) cut into at most ``parts`` lists of runs of
+    about equal bytes, none under ``min_bytes`` (unless the whole is), so the reader threads
+    share one block's read: a positional read of a file range needs no other read before it,
+    so a tensor may be cut anywhere. One part when ``parts`` <= 1 or the block is small."""
+    total = sum(end - start for _, start, end, _ in runs)
+    parts = min(parts, total // max(min_bytes, 1))
+    if parts <= 1:
+        return [runs]
+    target = -(-total // parts)
+    out: list[list[tuple]] = [[]]
+    room = target
+    for path, start, _end, pieces in runs:
+        first, pos, cut = start, start, []
+        for dest, nbytes in pieces:
+            while nbytes:
+                take = min(nbytes, room)
+                cut.append((dest, take))
+                dest, nbytes, pos, room = dest + take, nbytes - take, pos + take, room - take
+                if room == 0:
+                    out[-1].append((path, first, pos, cut))
+                    out.append([])
+                    first, cut, room = pos, [], target
+        if cut:
+            out[-1].append((path, first, pos, cut))
+    return [part for part in out if part]
+
+
 def checkpoint_key(name: str) -> str:
     """The checkpoint key of a model parameter name: peft's ``base_model.model.`` prefix and
     ``.base_layer`` (LoRA-wrapped layers) removed."""
@@ -201,6 +229,10 @@ class SafetensorsCheckpoint:
         return fd
 
     def _count(self, reads: int, nbytes: int) -> None:
+        self.count_reads(reads, nbytes)
+
+    def count_reads(self, reads: int, nbytes: int) -> None:
+        """Add ``reads`` tensors and ``nbytes`` bytes to the read counters (thread-safe)."""
         with self._lock:
             self.reads += reads
             self.read_bytes += nbytes
@@ -227,9 +259,14 @@ class SafetensorsCheckpoint:
         return [tuple(run) for run in runs]
 
     def read_plan(
-        self, runs: list[tuple[Path, int, list[tuple[int, int]]]], dst: torch.Tensor
+        self,
+        runs: list[tuple[Path, int, int, list[tuple[int, int]]]],
+        dst: torch.Tensor,
+        count: bool = True,
     ) -> None:
-        """Execute ``plan``'s runs into ``dst`` (a contiguous CPU uint8 tensor)."""
+        """Execute ``plan``'s runs (or one part of ``split_plan``) into ``dst`` (a contiguous CPU
+        uint8 tensor). ``count``: add the pieces read to ``reads`` (a part of a split plan may
+        hold a piece of a tensor: the caller counts the block's tensors once instead)."""
         view = memoryview(dst.numpy()).cast("B")
         for path, start, end, pieces in runs:
             fd = self._fd(path)
@@ -241,7 +278,7 @@ class SafetensorsCheckpoint:
                 if n <= 0:
                     raise OSError(f"short read from {path} at byte {start + done}")
                 done += n
-            self._count(len(pieces), want)
+            self._count(len(pieces) if count else 0, want)
 
     def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A fresh CPU tensor holding checkpoint tensor ``key`` in ``dtype`` (default: the

@@ -15,17 +15,25 @@ before the copy finished (a defect of the public implementation).
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from runtime.common.device import TransferEvent, TransferStream, host_buffer, host_like
 from runtime.common.memory import DeviceMemory
+from runtime.config import MB
+from runtime.weights.host_cache import HostCache
 from runtime.weights.pool import PinnedPool, Slab
+from runtime.weights.readers import Readers
 from runtime.weights.registry import Block, BlockState, slot_views
-from runtime.weights.sources import SafetensorsCheckpoint
+from runtime.weights.sources import SafetensorsCheckpoint, split_plan
+
+PART_MIN_BYTES = 8 * MB
+"""A block's read is shared by the readers in parts of at least this (a part's handoff costs
+~0.1 ms, 8 MB of page-cache reads ~2 ms)."""
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
 
@@ -43,6 +51,10 @@ def placeholder(dtype: torch.dtype) -> torch.Tensor:
 def _converts(source: SafetensorsCheckpoint, slot: Any) -> bool:
     """Whether ``slot``'s checkpoint tensor is stored in another precision (read one by one)."""
     return source.entries[slot.key].dtype != slot.dtype
+
+
+def _nothing() -> None:
+    """The one part of a block with nothing to read (host masters only)."""
 
 
 class StagedCopy:
@@ -75,7 +87,7 @@ class StagedCopy:
 @dataclass(eq=False)
 class InFlight:
     """One issued H2D copy and what it holds until its event completes: the staging it reads
-    (a slab, or the direct path's host buffer) and the Conductor's H2D grant. The entry owns
+    (a slab, the direct path's host buffer, or a block image) and the Conductor's H2D grant. The entry owns
     them, not the block: a block evicted and reloaded before ``retire`` ran has two entries,
     each released with its own copy."""
 
@@ -98,15 +110,15 @@ class TransferEngine:
         max_inflight: int,
         reader_threads: int = 0,
         reader_min_bytes: int = 0,
+        cache: HostCache | None = None,
     ) -> None:
         self.device = device
         self.stream = TransferStream(device)
-        self.readers = (
-            ThreadPoolExecutor(reader_threads, thread_name_prefix="stagehand-read")
-            if reader_threads > 0
-            else None
-        )
-        """Reader threads (``reader_threads``): they stage blocks and issue their H2D copies."""
+        self.readers = Readers(reader_threads) if reader_threads > 0 else None
+        """Reader threads (``reader_threads``): they share each block's read, and the last
+        part's reader issues its H2D copy (``readers.py``)."""
+        self.cache = cache if cache is not None else HostCache(0, pin=False)
+        """Block images (``host_cache.py``): a load with a ready image copies from it."""
         self.reader_min_bytes = reader_min_bytes
         """Prefetched blocks of at least this many bytes go to the readers."""
         self.pool = pool
@@ -186,11 +198,21 @@ class TransferEngine:
             return False
         while len(self.inflight) >= self.inflight_limit:
             self._wait_oldest()
-        if block.nbytes > self.pool.slab_bytes:
+        if block.read_plan is None:
+            self._plan(block)
+        image = self.cache.ready(block)
+        fill = None
+        if image is None:
+            fill = self.cache.reserve(block)
+        if image is not None or fill is not None:
+            # A block image: the copy reads it directly, no slab (host_cache.py).
+            staging: Slab | torch.Tensor = image if image is not None else fill
+            host = staging
+        elif block.nbytes > self.pool.slab_bytes:
             # Direct path (seed): one contiguous host staging buffer, one copy; pinned like the
             # pool (PyTorch's host cache reuses it from the second load on), else the
             # "asynchronous" copy would run synchronously.
-            staging: Slab | torch.Tensor = host_buffer(block.nbytes, pin=self.pool.pin)
+            staging = host_buffer(block.nbytes, pin=self.pool.pin)
             host = staging
         else:
             slab = (
@@ -204,21 +226,28 @@ class TransferEngine:
         if block.d2h_event is not None:  # this block's host masters may still be arriving
             block.d2h_event.synchronize()
             block.d2h_event = None
-        if block.read_plan is None:
-            self._plan(block)
-        block.to(BlockState.HOST_STAGED)  # staging (here, or on a reader thread)
+        block.to(BlockState.HOST_STAGED)  # staging (here, or on reader threads)
         # Allocated on this thread's (compute) stream, which frees it after its last use.
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
-        if self.readers is None or not speculative or block.nbytes < self.reader_min_bytes:
-            # A demand load is waited on at once, and a small block reads faster than a handoff
-            # to a reader thread (which waits for Python's thread switch): read here.
-            event: TransferEvent | StagedCopy = self._stage_and_copy(block, host, flat, None)
+        parts = block.read_parts
+        if image is not None:
+            event: TransferEvent | StagedCopy = self._copy(host, flat, None)
+        elif self.readers is None or not (
+            len(parts) > 1 or speculative and block.nbytes >= self.reader_min_bytes
+        ):
+            # A small block reads faster than a handoff to a reader thread (which waits for
+            # Python's thread switch), and a demand load is waited on at once: read here,
+            # unless the block's read is shared by several readers (faster than one thread).
+            for part in parts:
+                self.source.read_plan(part, host, count=False)
+            event = self._finish(block, host, flat, None, fill is not None)
         else:
             # The copy must follow the compute work queued so far (``flat`` may be memory that
-            # work still uses), which the reader's thread cannot see: an event marks it.
+            # work still uses), which the readers' threads cannot see: an event marks it.
             after = self.stream.mark()
-            future = self.readers.submit(self._stage_and_copy, block, host, flat, after)
-            event = StagedCopy(future)
+            reads = [partial(self.source.read_plan, part, host, False) for part in parts]
+            finish = partial(self._finish, block, host, flat, after, fill is not None)
+            event = StagedCopy(self.readers.stage(reads or [_nothing], finish))
         block.flat, block.load_event = flat, event
         block.to(BlockState.PREFETCHING)
         self.memory.track(block.nbytes, "weights")
@@ -238,22 +267,39 @@ class TransferEngine:
             if source is not None and s.key is not None and not _converts(source, s)
         ]
         block.read_plan = source.plan([(s.key, s.offset) for s in direct]) if direct else []
+        threads = self.readers.threads if self.readers is not None else 1
+        block.read_parts = split_plan(block.read_plan, threads, PART_MIN_BYTES)
+        if block.read_parts == [[]]:
+            block.read_parts = []
         chosen = {id(s) for s in direct}
         block.staged = [s for s in block.layout if id(s) not in chosen]
 
-    def _stage_and_copy(
-        self, block: Block, host: torch.Tensor, flat: torch.Tensor, after: TransferEvent | None
+    def _finish(
+        self,
+        block: Block,
+        host: torch.Tensor,
+        flat: torch.Tensor,
+        after: TransferEvent | None,
+        fills_image: bool,
     ) -> TransferEvent:
-        """Read ``block``'s bytes into ``host`` (its read plan, converted tensors, host masters)
-        and issue the H2D copy into ``flat``: on the loading thread, or on a reader thread."""
-        if block.read_plan:
-            self.source.read_plan(block.read_plan, host)
+        """After ``block``'s read plan was read into ``host``: its other slots (host masters,
+        converted tensors), the read counters, the image marked filled, then the H2D copy into
+        ``flat``. On the loading thread, or on the reader that read the last part."""
         for slot in block.staged:
             dst = host[slot.offset : slot.offset + slot.nbytes]
             if slot.key is None:
                 dst.view(slot.dtype).view(slot.shape).copy_(slot.host)
             else:
                 self.source.read_into(slot.key, dst, slot.dtype)
+        if block.read_plan:  # the parts counted bytes; a cut tensor is still one tensor
+            self.source.count_reads(sum(len(run[3]) for run in block.read_plan), 0)
+        if fills_image:
+            self.cache.filled(block)
+        return self._copy(host, flat, after)
+
+    def _copy(
+        self, host: torch.Tensor, flat: torch.Tensor, after: TransferEvent | None
+    ) -> TransferEvent:
         with self.stream.use(after=after):
             self.stream.copy_(flat, host)
             return self.stream.record()
@@ -261,7 +307,7 @@ class TransferEngine:
     def close(self) -> None:
         """Stop the reader threads (after ``drain``)."""
         if self.readers is not None:
-            self.readers.shutdown(wait=True)
+            self.readers.shutdown()
             self.readers = None
 
     def ready(self, block: Block) -> None:

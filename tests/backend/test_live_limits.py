@@ -41,12 +41,13 @@ class PlayedWorker:
 
 
 def test_config_limits_are_those_of_the_runtimes_that_are_on():
-    # The runtime's defaults where the config says nothing.
+    # The runtime's defaults where the config says nothing; None: derived by the runtime at
+    # the run's start from its blocks and device (runtime/weights/defaults.py).
     assert config_limits({}) == {
         "vram_high_watermark_mb": 20000,
         "vram_low_watermark_mb": 16000,
-        "prefetch_window_blocks": 2,
-        "max_inflight_transfers": 2,
+        "prefetch_window_blocks": None,
+        "max_inflight_transfers": None,
     }
     spill_only = {
         "memory": {

@@ -5,10 +5,19 @@ from runtime.weights.counts import StepCounts, Totals
 
 
 def test_counters_and_record_are_the_step_share_of_the_life_figures():
-    counts = StepCounts(at_begin=Totals(h2d_bytes=100, file_reads=3, file_read_bytes=40))
+    counts = StepCounts(
+        at_begin=Totals(h2d_bytes=100, file_reads=3, file_read_bytes=40, host_cache_hits=2)
+    )
     counts.blocks_loaded, counts.blocks_evicted, counts.prefetch_hits = 4, 3, 2
     counts.prefetch_misses, counts.prefetch_skipped, counts.stall_time_ms = 1, 5, 2.5
-    now = Totals(h2d_bytes=164, file_reads=7, file_read_bytes=90, pageable_copies=1)
+    now = Totals(
+        h2d_bytes=164,
+        file_reads=7,
+        file_read_bytes=90,
+        pageable_copies=1,
+        host_cache_hits=5,
+        file_reads_avoided=12,
+    )
     assert counts.counters(now) == {
         "blocks_loaded": 4,
         "blocks_evicted": 3,
@@ -24,4 +33,6 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         "prefetch_skipped": 5,
         "stall_time_ms": 2.5,
         "file_read_bytes": 50,
+        "host_cache_hits": 3,
+        "file_reads_avoided": 12,
     }

@@ -32,9 +32,9 @@ def test_reader_threads_train_exactly_off_the_calling_thread(tiny_flux, monkeypa
     threads: list[str] = []
     read_plan = SafetensorsCheckpoint.read_plan
 
-    def spy(self, runs, dst):
+    def spy(self, runs, dst, count=True):
         threads.append(threading.current_thread().name)
-        return read_plan(self, runs, dst)
+        return read_plan(self, runs, dst, count)
 
     monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", spy)
     model, built = _streamed(tiny_flux, 2, checkpointing)
@@ -52,16 +52,16 @@ def test_reader_threads_train_exactly_off_the_calling_thread(tiny_flux, monkeypa
 
 
 def test_a_reader_error_reaches_the_training_loop(tiny_flux, monkeypatch):
-    def broken(self, runs, dst):
+    def broken(self, runs, dst, count=True):
         raise OSError("short read from transformer/diffusion_pytorch_model.safetensors")
 
     model, built = _streamed(tiny_flux, 2)
     read_plan = SafetensorsCheckpoint.read_plan
 
-    def broken_on_readers(self, runs, dst):
+    def broken_on_readers(self, runs, dst, count=True):
         if threading.current_thread().name.startswith("stagehand-read"):
             broken(self, runs, dst)
-        return read_plan(self, runs, dst)
+        return read_plan(self, runs, dst, count)
 
     monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", broken_on_readers)
     inputs = exact.inputs_for(model, 0)
@@ -82,4 +82,47 @@ def test_no_reader_threads_on_cpu_by_default(tiny_flux):
     assert built.weights.transfer.readers is None
     with torch.no_grad(), built.step(0), built.forward():
         model(**exact.inputs_for(model, 0))
+    built.close()
+
+
+def test_one_block_is_read_by_several_readers(tiny_flux, monkeypatch):
+    """One block in flight at a time (1 copy slot), its read cut into parts (``split_plan``):
+    the parts go to several reader threads, training is exact, and each tensor read counts
+    once however many parts it was cut into."""
+    from runtime.weights import transfer
+
+    monkeypatch.setattr(transfer, "PART_MIN_BYTES", 4096)
+    reference = exact.make_model("flux", tiny_flux, "lora", "non-reentrant", ordinary=True)
+    expected = exact.train(reference, build_strategy(reference, {"strategy": "none"}, device="cpu"))
+    calls: list[tuple[str, int]] = []
+    read_plan = SafetensorsCheckpoint.read_plan
+
+    def spy(self, runs, dst, count=True):
+        calls.append((threading.current_thread().name, count))
+        return read_plan(self, runs, dst, count)
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read_plan", spy)
+    model, built = _streamed(tiny_flux, 4)
+    engine = built.weights.transfer
+    engine.max_inflight = 1
+    finished: list[int] = []
+    finish = engine._finish
+
+    def counted(block, *args):
+        finished.append(block.index)
+        return finish(block, *args)
+
+    engine._finish = counted
+    before = built.weights.source.reads  # set-up's reads (resident weights)
+    got = exact.train(model, built)
+    exact.assert_exact(expected, got)
+    readers = {name for name, _ in calls if name.startswith("stagehand-read")}
+    assert len(readers) >= 2, readers
+    assert all(not count for name, count in calls if name in readers)  # parts count bytes only
+    blocks = built.weights.blocks
+    assert all(len(b.read_parts) == 4 for b in blocks)
+    tensors = {b.index: sum(len(run[3]) for run in b.read_plan) for b in blocks}
+    restored = sum(tensors.values())  # ``exact.train`` closes: every tensor read back once
+    loads = sum(tensors[i] for i in finished)
+    assert built.weights.source.reads - before == loads + restored and loads > 0
     built.close()

@@ -1,0 +1,222 @@
+"""The host cache: frozen blocks kept in host memory as *images* laid out like their device buffer,
+so a load is one H2D copy straight from the image (no file read, no slab, no second host copy).
+
+Two kinds of image, one per block at most, both only for blocks with no trainable parameter
+(trainable ones are copied back to their host masters at eviction: they are never cached):
+
+- *cached* (file-backed blocks): made at the block's first load, filled by that load's read and
+  kept; later loads copy from it. Budget: ``host_cache_mb`` (None: auto, from the RAM available
+  at set-up minus a margin on CUDA, off on CPU where the device's memory is the host's, 0: off),
+  and at each new image the RAM available now must stay above the margin. A block that does
+  not fit keeps streaming from its file through the slabs (``refused_blocks`` counts them; the
+  ``stagehand/step`` record reports it), so a model larger than RAM still runs file-backed.
+- *registered* (module-backed blocks): made at set-up from the host masters, which become views
+  of it (the masters' bytes move, they are not doubled). On CUDA this is what page-locks
+  module-backed weights, so the copy engine reads them directly; on CPU images are made only
+  with the cache on (an explicit ``host_cache_mb``), else module-backed blocks stage as before.
+
+On CUDA an image is page-locked (``page_locked_buffer``: ``cudaHostRegister``, whole pages, no
+power-of-two rounding); a lock that fails (a pinned-memory cap) stops the caching for the run,
+with the reason in ``refusal``; blocks go on streaming through the slabs. ``close`` unlocks every
+image (the memory stays valid pageable memory for views still held). Frozen images are never
+written after their fill, so a copy may read one while another block's copy is issued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from runtime.common.device import host_buffer, page_locked_buffer, unlock
+from runtime.config import MB
+from runtime.weights.registry import Block, slot_views
+
+MARGIN_FRACTION = 0.25
+"""Share of the machine's RAM the cache leaves free (the trainer's own memory, the activation
+pools, the OS): an image is refused when it would leave less available."""
+MIN_MARGIN_BYTES = 8 * 1024 * MB
+"""The margin is at least this (8 GiB)."""
+
+
+def ram_margin(total: int) -> int:
+    """Bytes of RAM the cache leaves available on a machine of ``total`` bytes."""
+    return max(MIN_MARGIN_BYTES, int(MARGIN_FRACTION * total))
+
+
+def cache_budget(host_cache_mb: float | None, cuda: bool) -> int:
+    """The cache's budget in bytes: ``host_cache_mb`` when given (0: off); None: on CUDA the RAM
+    available now minus ``ram_margin``, on CPU 0 (a CPU "device" is host memory: a cache there
+    would hold every block twice)."""
+    if host_cache_mb is not None:
+        return int(host_cache_mb * MB)
+    if not cuda:
+        return 0
+    vm = psutil.virtual_memory()
+    return max(0, vm.available - ram_margin(vm.total))
+
+
+def cacheable(block: Block) -> bool:
+    """Whether ``block`` may have an image: no trainable parameter in its layout."""
+    return not block.trainable
+
+
+@dataclass(eq=False)
+class Image:
+    buffer: torch.Tensor
+    """uint8, the block's ``nbytes``, laid out as its device buffer."""
+    ready: bool = False
+    """Filled (cached: set by the load that read it; registered: at once)."""
+    registered: bool = False
+
+
+class HostCache:
+    """Images of frozen blocks (see the module docstring). ``budget``: bytes of cached images
+    (``cache_budget``); ``pin``: page-lock images (CUDA)."""
+
+    def __init__(self, budget: int, pin: bool) -> None:
+        self.budget, self.pin = budget, pin
+        self.images: dict[int, Image] = {}
+        self.cached_bytes = 0
+        """Bytes of cached (file-backed) images, ready or being filled."""
+        self.registered_bytes = 0
+        """Bytes of registered (module-backed) images."""
+        self.hits = 0
+        """Loads copied straight from a ready image."""
+        self.reads_avoided = 0
+        """Checkpoint tensors those loads did not read from the files."""
+        self.refused: set[int] = set()
+        """Blocks that did not fit (they stream from the file through the slabs)."""
+        self.refusal: str | None = None
+        """Why caching stopped for the run (a failed page-lock), None while it may go on."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def _buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A new image buffer, or None (and caching stopped, with the reason) when it cannot be
+        page-locked."""
+        if not self.pin:
+            return host_buffer(nbytes, pin=False)
+        try:
+            return page_locked_buffer(nbytes)
+        except RuntimeError as exc:
+            self.refusal = f"page-locking a {nbytes / MB:.0f} MB block image failed: {exc}"
+            return None
+
+    def ready(self, block: Block) -> torch.Tensor | None:
+        """``block``'s filled image (a load copies from it: counted as a hit), else None."""
+        image = self.images.get(block.index)
+        if image is None or not image.ready:
+            return None
+        self.hits += 1
+        if not image.registered:
+            self.reads_avoided += sum(len(run[3]) for run in block.read_plan or ())
+        return image.buffer
+
+    def reserve(self, block: Block) -> torch.Tensor | None:
+        """An image for ``block``'s first load to fill (``filled`` marks it ready), or None:
+        not cacheable, cache off or stopped, over the budget, or the RAM available now would
+        fall under the margin (then the block counts in ``refused``)."""
+        image = self.images.get(block.index)
+        if image is not None:
+            return image.buffer  # an earlier fill that failed: filled again
+        if not self.enabled or self.refusal is not None or not cacheable(block):
+            return None
+        if block.index in self.refused:
+            return None
+        vm = psutil.virtual_memory()
+        over = self.cached_bytes + block.nbytes > self.budget
+        if over or vm.available - block.nbytes < ram_margin(vm.total):
+            self.refused.add(block.index)
+            return None
+        buffer = self._buffer(block.nbytes)
+        if buffer is None:
+            return None
+        self.images[block.index] = Image(buffer)
+        self.cached_bytes += block.nbytes
+        return buffer
+
+    def filled(self, block: Block) -> None:
+        """``block``'s image holds its bytes (called by the reader that filled it)."""
+        self.images[block.index].ready = True
+
+    def register(self, block: Block) -> bool:
+        """Move a module-backed frozen block's host masters into one image (they become views
+        of it); False (masters unchanged) when the block has a file-backed or trainable
+        parameter or the image cannot be page-locked."""
+        if self.refusal is not None or not cacheable(block):
+            return False
+        if any(slot.host is None for slot in block.layout):
+            return False
+        buffer = self._buffer(block.nbytes)
+        if buffer is None:
+            return False
+        for slot, view in zip(block.layout, slot_views(buffer, block.layout), strict=True):
+            view.copy_(slot.host)
+            slot.host = view
+            slot.param.data = view
+        self.images[block.index] = Image(buffer, ready=True, registered=True)
+        self.registered_bytes += block.nbytes
+        return True
+
+    def record(self, mode: str, reason: str) -> dict[str, object]:
+        """The cache's fields of a ``stagehand/step`` record (docs/contracts.md)."""
+        return {
+            "weights_mode": mode,
+            "weights_mode_reason": reason,
+            "host_cache_mb": self.cached_bytes / MB,
+            "host_cache_budget_mb": self.budget / MB,
+            "host_cache_registered_mb": self.registered_bytes / MB,
+            "host_cache_refused_blocks": len(self.refused),
+            "host_cache_refusal": self.refusal,
+        }
+
+    def close(self) -> None:
+        """Unlock every page-locked image (call after the copies reading them finished)."""
+        if self.pin:
+            for image in self.images.values():
+                unlock(image.buffer)
+        self.images.clear()
+
+
+def weights_mode(
+    blocks: list[Block], cache: HostCache, host_cache_mb: float | None, cuda: bool
+) -> tuple[str, str]:
+    """Which mode a run streams in, and why (the ``stagehand/step`` record's ``weights_mode``
+    and ``weights_mode_reason``; the README's "Which mode a run is in"):
+
+    - ``"host-cache"``: file-backed blocks, every frozen one within the cache's budget: read
+      once, then copied from host memory;
+    - ``"host-cache-partial"``: the budget holds only part of them; the rest is read from the
+      files at every load (the reason gives both sizes);
+    - ``"file-backed"``: file-backed blocks read from their files at every load (cache off, or
+      every streamed block has trainable weights);
+    - ``"module-backed"``: every block weight held in host memory by the module (no checkpoint
+      folder, ``file_backed: false``, or trainable block weights), page-locked when registered.
+    """
+    files = [b for b in blocks if any(slot.key is not None for slot in b.layout)]
+    if not files:
+        locked = sum(1 for i in cache.images.values() if i.registered)
+        how = f"{locked} of {len(blocks)} blocks' host weights in one image each"
+        how += ", page-locked" if cache.pin else ""
+        return "module-backed", f"no block weight is read from a checkpoint file; {how}"
+    frozen = sum(b.nbytes for b in files if cacheable(b))
+    if cache.budget <= 0:
+        why = "host_cache_mb: 0" if host_cache_mb == 0 else "host_cache_mb not set"
+        if host_cache_mb is None:
+            why += " (auto: off on CPU)" if not cuda else " and no RAM above the margin"
+        return "file-backed", f"{why}: every load reads its block from the files"
+    if frozen == 0:
+        return "file-backed", "every streamed block has trainable weights (never cached)"
+    if cache.budget < frozen:
+        return "host-cache-partial", (
+            f"host cache of {cache.budget / MB:.0f} MB holds part of {frozen / MB:.0f} MB of "
+            "frozen blocks; the rest is read from the files at every load"
+        )
+    return "host-cache", (
+        f"{frozen / MB:.0f} MB of frozen blocks within the host cache's {cache.budget / MB:.0f} "
+        "MB: read from the files once, then copied from host memory"
+    )
