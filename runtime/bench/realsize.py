@@ -156,9 +156,9 @@ def probe_job(job: dict[str, Any]) -> dict[str, Any]:
 def row_job(job: dict[str, Any]) -> dict[str, Any]:
     """One row: ``warmup + steps`` LoRA steps under the row's section (module docstring)."""
     from runtime.assets import example_inputs
-    from runtime.plan.workload import train_steps
     from runtime.common.attention import apply_attention_backend
     from runtime.common.telemetry import ListSink, Telemetry
+    from runtime.plan.workload import train_steps
     from runtime.strategy import build_strategy
 
     spec, size, device = real_model(job["model"]), job["size"], torch.device(job["device"])
