@@ -190,27 +190,31 @@ def _shard_size(model: torch.nn.Module, size: str) -> int:
     return max(1, math.ceil(total / TARGET_SHARDS[size]))
 
 
+def model_spec(arch: str, size: str) -> dict[str, Any]:
+    """What the (arch, size) folder is built from; its hash is the folder's ``.complete``."""
+    import diffusers
+
+    return {
+        "arch": arch,
+        "size": size,
+        "class": MODEL_CLASSES[arch],
+        "config": check_spec(arch, size),
+        "seed": SEED,
+        "target_shards": TARGET_SHARDS[size],
+        "diffusers": diffusers.__version__,
+        "format": 1,
+    }
+
+
 def build_model(arch: str, size: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Build (once) the (arch, size) model into the cache and return its folder.
 
     The folder is a normal diffusers model folder: ``cls.from_pretrained(folder)`` loads it.
     A second call with the same spec is a no-op (``.complete`` marker).
     """
-    config = check_spec(arch, size)
     root = cache_root(cache_dir)
     final = root / "models" / f"{arch}-{size}"
-    import diffusers
-
-    spec = {
-        "arch": arch,
-        "size": size,
-        "class": MODEL_CLASSES[arch],
-        "config": config,
-        "seed": SEED,
-        "target_shards": TARGET_SHARDS[size],
-        "diffusers": diffusers.__version__,
-        "format": 1,
-    }
+    spec = model_spec(arch, size)
 
     def _build(tmp: Path) -> None:
         model = instantiate(arch, size)
