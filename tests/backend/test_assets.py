@@ -93,9 +93,10 @@ def test_the_server_starts_the_build_and_stops_it_on_shutdown(api_factory, cache
     status reads ``interrupted`` at the stage it was in (the next start resumes there)."""
     api = api_factory(asset_cache=cache, demo_assets=True)
     deadline = time.monotonic() + 60
-    while not any(
-        s["state"] == "running" for s in (body := api.get("/api/assets").json())["stages"]
-    ):
+    while True:
+        body = api.get("/api/assets").json()
+        if any(s["state"] == "running" for s in body["stages"]):
+            break
         assert time.monotonic() < deadline, body
         time.sleep(0.05)
     assert body["state"] == "building" and body["running"] is True and body["estimate_s"] > 0
