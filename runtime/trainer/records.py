@@ -27,8 +27,10 @@ def run_started(
     device: torch.device,
     model_dir: Path,
     resume: bool,
+    **fields: Any,
 ) -> None:
-    """The ``trainer/run_started`` record: who runs what, where, on which device."""
+    """The ``trainer/run_started`` record: who runs what, where, on which device, and
+    ``fields`` (a video run's ``frames`` and ``frames_from``, ``stage1.resolve_frames``)."""
     telemetry.emit(
         *RUN_STARTED,
         run_name=run_dir.name,
@@ -43,6 +45,7 @@ def run_started(
         model=str(model_dir),
         strategy=preset.memory.strategy,
         resume=resume,
+        **fields,
     )
 
 
