@@ -162,7 +162,11 @@ def needed_by(config: dict[str, Any]) -> list[str]:
 def _stage_text(stage: dict[str, Any]) -> str:
     text = f"stage {stage['name']!r} {stage.get('done', 0)}/{stage.get('total', 0)}"
     left = stage.get("estimate_s")
-    return text + (f", about {left / 60:.1f} min left" if left else "")
+    if left is None:
+        return text
+    return text + (
+        f", about {left:.0f} s left" if left < 90 else f", about {left / 60:.1f} min left"
+    )
 
 
 def run_refusal(config: dict[str, Any], root: Path) -> str | None:

@@ -192,13 +192,14 @@ def _shard_size(model: torch.nn.Module, size: str) -> int:
 
 def model_spec(arch: str, size: str) -> dict[str, Any]:
     """What the (arch, size) folder is built from; its hash is the folder's ``.complete``."""
+    config = check_spec(arch, size)  # an unknown arch or size: AssetError naming the choices
     import diffusers
 
     return {
         "arch": arch,
         "size": size,
         "class": MODEL_CLASSES[arch],
-        "config": check_spec(arch, size),
+        "config": config,
         "seed": SEED,
         "target_shards": TARGET_SHARDS[size],
         "diffusers": diffusers.__version__,
