@@ -52,7 +52,9 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page,
     assert "Retry starts again at that stage; the stages already built are kept" in text
     assert page.locator('.asset-stage[data-stage="digits"]').get_attribute("data-state") == "done"
     assert "1797/1797 images" in page.locator('.asset-stage[data-stage="digits"]').inner_text()
-    assert page.locator('.asset-stage[data-stage="demo VAE"]').get_attribute("data-state") == "failed"
+    assert (
+        page.locator('.asset-stage[data-stage="demo VAE"]').get_attribute("data-state") == "failed"
+    )
     # default waits for its assets; Start is off, and says why.
     page.wait_for_function("document.querySelector('#preset-select').value === 'default'")
     page.wait_for_selector("#asset-note:not([hidden])")
