@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import sys
 import time
@@ -186,9 +187,19 @@ def _run_one(stage: Stage, row: dict, tracker: _Tracker, stream: TextIO, bar: bo
     tracker.save(force=True)
     progress = None
     if bar:
+        # tqdm comes with huggingface_hub (diffusers, transformers). The size is given, with a
+        # fallback: on a pty that reports 0 x 0 (script, some CI) tqdm would draw nothing.
         from tqdm import tqdm
 
-        progress = tqdm(total=stage.total, desc=stage.name, unit=stage.unit, file=stream)
+        size = shutil.get_terminal_size((100, 20))
+        progress = tqdm(
+            total=stage.total,
+            desc=f"{stage.name:<14}",
+            unit=stage.unit,
+            file=stream,
+            ncols=min(size.columns, 120),
+            nrows=size.lines,
+        )
     else:
         stream.write(f"demo assets: {stage.name}: {stage.total} {stage.unit}\n")
         stream.flush()
