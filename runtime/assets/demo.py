@@ -129,15 +129,17 @@ def build_demo(
 ) -> Path:
     """Train (once) the demo VAE and base transformer; return the folder holding ``vae/``,
     ``transformer/`` and ``demo.json``. ``log`` gets a line per phase (the build takes minutes).
-    The same stages as ``workbench demo-assets`` (``demo_stages.model_stages``), without its
-    lock and status file: a stage already built is kept.
+    The same stages as ``workbench demo-assets`` (``demo_stages.model_stages``) under its lock
+    (waiting for a build in progress), without its status file: a stage already built is kept.
     """
     from .demo_stages import model_stages
+    from .stages import build_lock
 
     root = cache_root(cache_dir)  # created and checked writable
-    for stage in model_stages(root, spec, log):
-        if not stage.complete():
-            stage.build(lambda n: None)
+    with build_lock(root, log):
+        for stage in model_stages(root, spec, log):
+            if not stage.complete():
+                stage.build(lambda n: None)
     return demo_dir(cache_dir, spec)
 
 

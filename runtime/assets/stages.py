@@ -14,6 +14,7 @@ it stay ``pending``, and the next run starts at that stage.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -21,7 +22,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -94,6 +95,24 @@ def _acquire(root: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def build_lock(root: Path, log: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold ``root``'s build lock, waiting for a build in progress to end first (``log`` is
+    told whom it waits for): a worker that builds the demo on demand never builds beside
+    ``workbench demo-assets``, and finds what that build made complete."""
+    try:
+        fd = _acquire(root)
+    except BuildBusy as busy:
+        if log is not None:
+            log(f"waiting for the demo-asset build in process {busy.pid} to end")
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _raise_interrupted(signum, frame) -> None:

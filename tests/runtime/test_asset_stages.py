@@ -225,3 +225,22 @@ def test_real_stages_on_a_tiny_spec_make_what_the_refusal_checks(tmp_path, monke
     marker.write_text(good)
     again = run_stages(all_stages(tmp_path, spec), tmp_path, bar=False)
     assert [s["kept"] for s in again["stages"]] == [True] * 5
+
+
+def test_an_on_demand_build_waits_for_the_running_one(tmp_path):
+    """``build_demo`` (a worker's on-demand build) takes the same lock, waiting for
+    ``workbench demo-assets`` to end: it then finds that build's output complete."""
+    from runtime.assets.stages import build_lock
+
+    mark = tmp_path / "builds.txt"
+    proc = _starter(tmp_path, mark, 1.5)
+    deadline = time.monotonic() + 30
+    while not mark.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    said: list[str] = []
+    with build_lock(tmp_path, said.append):
+        assert (tmp_path / "slow.done").exists()  # the other build ended before we got the lock
+        assert asset_status.lock_holder(tmp_path) is not None
+    assert said == [f"waiting for the demo-asset build in process {proc.pid} to end"]
+    assert proc.wait(timeout=30) == 0 and mark.read_text() == "built\n"
