@@ -58,16 +58,19 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page,
     # default waits for its assets; Start is off, and says why.
     page.wait_for_function("document.querySelector('#preset-select').value === 'default'")
     page.wait_for_selector("#asset-note:not([hidden])")
-    assert page.locator("#start-run").is_disabled()
     note = page.locator("#asset-note").inner_text()
-    assert "Start is off until the demo assets are built" in note
+    assert "This preset cannot start until the demo assets are built" in note
     assert "the build failed at stage 'demo VAE'" in note
+    page.click("#start-run")  # the server refuses it, with the same reason
+    box = page.wait_for_selector(".page-errors .error-box")
+    assert "This run cannot start yet: the demo assets it needs" in box.inner_text()
+    assert "(HTTP 409, assets_not_ready)" in box.inner_text()
+    assert api.call("GET", "/api/runs")["count"] == 0
     _shot(page, tmp_path, "assets-failed-desktop")
-    page.select_option("#preset-select", "tiny-ci")  # another preset starts meanwhile
-    assert not page.locator("#start-run").is_disabled()
+    page.select_option("#preset-select", "tiny-ci")  # another preset is not held back
     assert page.locator("#asset-note").is_hidden()
     page.select_option("#preset-select", "default")
-    assert page.locator("#start-run").is_disabled()
+    assert page.locator("#asset-note").is_visible()
 
     digits_marker = cache / "data" / "digits-64px" / ".complete"
     built_at = digits_marker.stat().st_mtime_ns
@@ -83,8 +86,7 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page,
     page.wait_for_selector('#asset-strip[data-state="ready"]', timeout=240_000)
     assert digits_marker.stat().st_mtime_ns == built_at  # the retry kept the digits
     assert "ready: the default preset can start" in page.locator("#asset-summary").inner_text()
-    page.wait_for_function("!document.querySelector('#start-run').disabled")
-    assert page.locator("#asset-note").is_hidden()
+    page.wait_for_selector("#asset-note", state="hidden")
     page.click("#start-run")
     page.wait_for_url(re.compile(r"#/runs/\d+$"), timeout=60_000)
     run_id = int(page.url.rsplit("/", 1)[1])

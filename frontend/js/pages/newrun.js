@@ -125,14 +125,15 @@ export function mount(root, { params }) {
   );
   root.addEventListener("input", gate);
 
-  /** Start off, with the reason, while the selected preset's demo assets build (GET /api/assets
-   * blocked_presets); a pipeline folder (another model) lifts it. */
+  /** Says why the selected preset cannot start while its demo assets build (GET /api/assets
+   * blocked_presets; Start is refused by the server with the same reason, 409
+   * assets_not_ready); a pipeline folder (another model) lifts it. */
   function gate() {
     const why = assets?.blocked_presets?.[presetSel.value];
     const blocked = Boolean(why) && !("model" in deepDiff(base, config));
-    startBtn.disabled = blocked;
+    startBtn.classList.toggle("waiting", blocked);
     assetNote.hidden = !blocked;
-    assetNote.textContent = blocked ? `Start is off until the demo assets are built: ${why}.` : "";
+    assetNote.textContent = blocked ? `This preset cannot start until the demo assets are built: ${why}.` : "";
   }
   const offAssets = onAssets((status) => {
     assets = status;
