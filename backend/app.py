@@ -17,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from backend import apidocs, errors, openapi
 from backend.api import ROUTERS
 from backend.api.deps import public_run
+from backend.assets import AssetBuild
 from backend.calibration import Calibrator
 from backend.errors import NotFound
 from backend.executors import Executor
@@ -77,12 +78,16 @@ async def lifespan(app: FastAPI):
     )
     app.state.store, app.state.hub, app.state.tailer = store, hub, tailer
     app.state.supervisor, app.state.probe = supervisor, probe
+    app.state.assets = assets = AssetBuild(settings.asset_cache)
+    if settings.demo_assets:
+        assets.start()
     calibrator.start()
     supervisor.start()
     tailer.start()
     try:
         yield
     finally:
+        assets.stop()
         supervisor.stop()
         calibrator.stop()
         tailer.stop()

@@ -75,10 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def log_config(base: dict) -> dict:
-    """uvicorn's logging config with ``RedactToken`` on the access log."""
+    """uvicorn's logging config with ``RedactToken`` and ``QuietAssetPolls`` on the access log."""
     config = copy.deepcopy(base)
     config.setdefault("filters", {})["redact_token"] = {"()": "backend.security.RedactToken"}
+    config["filters"]["quiet_asset_polls"] = {"()": "backend.assets.QuietAssetPolls"}
     config["handlers"]["access"].setdefault("filters", []).append("redact_token")
+    config["handlers"]["access"]["filters"].append("quiet_asset_polls")
     return config
 
 
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     url = f"http://{args.host}:{args.port}/"
+    # The URL first: the demo-asset build's progress bars follow it on this terminal.
+    print(f"Stagehand Workbench: {url}", flush=True)
     if not args.no_browser and not needs_token(args.host):
         threading.Timer(1.5, webbrowser.open, args=(url,)).start()
     uvicorn.run(

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.asset_status import cache_dir
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """The checkout: ``presets/`` (built-in presets) and ``frontend/`` (the dashboard) live here."""
 
@@ -87,6 +89,11 @@ class Settings:
     """Plan each succeeded run's config and store its calibration (``backend.calibration``):
     seconds of CPU per run on the server (the first plan on ``cpu`` measures this machine).
     ``STAGEHAND_WORKBENCH_CALIBRATE=0`` turns it off (test servers, whose CPU is the tests')."""
+    demo_assets: bool = field(default_factory=lambda: _env("DEMO_ASSETS", "1") != "0")
+    """Start the demo-asset build (``backend.assets``) beside the server; it keeps what is built.
+    ``STAGEHAND_WORKBENCH_DEMO_ASSETS=0`` leaves it to ``POST /api/assets/build`` (the tests)."""
+    asset_cache: Path = field(default_factory=cache_dir)
+    """The asset cache the build and the workers use (``$STAGEHAND_WORKBENCH_CACHE``)."""
     worker_module: str = field(default_factory=lambda: _env("WORKER_MODULE", "backend.cli") or "")
     """``python -m <worker_module> train CONFIG --run-dir DIR`` launches a worker."""
 

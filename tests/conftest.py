@@ -11,6 +11,9 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Test servers do not start the demo-asset build (minutes of CPU); tests/backend/test_assets.py
+# and tests/frontend/test_assets_ui.py start it themselves.
+os.environ.setdefault("STAGEHAND_WORKBENCH_DEMO_ASSETS", "0")
 
 from pathlib import Path  # noqa: E402
 

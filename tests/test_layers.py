@@ -40,7 +40,16 @@ MAX_LINES = 450
 #: placed here.
 ORDER: list[tuple[str, tuple[str, ...]]] = [
     # Plain values and names that every layer shares; they import nothing of the project.
-    ("common", ("runtime", "runtime.config", "runtime.records", "runtime.status")),
+    (
+        "common",
+        (
+            "runtime",
+            "runtime.config",
+            "runtime.records",
+            "runtime.status",
+            "runtime.asset_status",
+        ),
+    ),
     # Device, memory and telemetry helpers; the preset schema (on runtime.config); the model and
     # data factory (random models from small configs, the digits, the text encoder).
     ("common", ("runtime.common", "runtime.preset", "runtime.assets")),

@@ -2,6 +2,7 @@
 
 from backend.api import (
     artifacts,
+    assets,
     compare,
     data,
     pipelines,
@@ -16,6 +17,7 @@ from backend.api import (
 
 ROUTERS = [
     system.router,
+    assets.router,
     presets.router,
     runs.router,
     artifacts.router,

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
+from backend.assets import AssetBuild
 from backend.errors import NotFound
 from backend.hub import Hub
 from backend.limits import effective_limits
@@ -43,11 +44,16 @@ def get_probe(conn: HTTPConnection) -> SystemProbe:
     return conn.app.state.probe
 
 
+def get_assets(conn: HTTPConnection) -> AssetBuild:
+    return conn.app.state.assets
+
+
 StoreDep = Annotated[Store, Depends(get_store)]
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 HubDep = Annotated[Hub, Depends(get_hub)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProbeDep = Annotated[SystemProbe, Depends(get_probe)]
+AssetsDep = Annotated[AssetBuild, Depends(get_assets)]
 
 
 def run_row(store: Store, run_id: int) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, status
 
+from backend.api.assets import check_run_assets
 from backend.api.deps import (
+    AssetsDep,
     SettingsDep,
     StoreDep,
     SupervisorDep,
@@ -48,12 +50,20 @@ def list_runs(
 
 
 @router.post(
-    "", response_model=RunPublic, status_code=status.HTTP_201_CREATED, responses=errors(404)
+    "",
+    response_model=RunPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses=errors(404, 409),
 )
 def create_run(
-    body: RunCreate, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep
+    body: RunCreate,
+    store: StoreDep,
+    supervisor: SupervisorDep,
+    settings: SettingsDep,
+    assets: AssetsDep,
 ) -> dict:
     config = run_config(store, body.preset, body.overrides)
+    check_run_assets(assets, config)
     run_id = store.create_run(body.name or body.preset, body.preset, config, body.device)
     if body.name is None:
         store.update_run(run_id, name=f"{body.preset}-{run_id}")

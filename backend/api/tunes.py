@@ -12,7 +12,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, status
 
-from backend.api.deps import SettingsDep, StoreDep, SupervisorDep
+from backend.api.assets import check_run_assets
+from backend.api.deps import AssetsDep, SettingsDep, StoreDep, SupervisorDep
 from backend.errors import Conflict, Invalid, NotFound
 from backend.models import MAX_ID, TuneCreate, TunePreset
 from backend.openapi import errors
@@ -122,14 +123,19 @@ def _tune(store: Store, tune_id: int) -> dict[str, Any]:
     return tune
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=errors(404))
+@router.post("", status_code=status.HTTP_201_CREATED, responses=errors(404, 409))
 def create_tune(
-    body: TuneCreate, store: StoreDep, supervisor: SupervisorDep, settings: SettingsDep
+    body: TuneCreate,
+    store: StoreDep,
+    supervisor: SupervisorDep,
+    settings: SettingsDep,
+    assets: AssetsDep,
 ) -> dict:
     """Plan the candidates and queue one trial run per candidate, all in one group.
 
     Raises:
         NotFound (404): no such preset (``field: "preset"``).
+        Conflict (409): the preset's demo assets are not built yet (``assets_not_ready``).
         Invalid (422): a budget below the smallest feasible plan (``field: "budget_mb"``, the
             message giving that minimum), an unknown device (``device``), a preset the planner
             cannot model (``preset.<path>``).
@@ -137,6 +143,7 @@ def create_tune(
     from runtime.plan.tune import trial_overrides
 
     base = run_config(store, body.preset, body.overrides)
+    check_run_assets(assets, base)
     proposal = _propose(body, base, store)
     proposal["base_config"] = base
     # Every trial's config validated before anything is stored: a tune is queued whole or not.

@@ -128,6 +128,11 @@ const enc = encodeURIComponent;
 
 export const api = {
   system: () => request("GET", "/api/system"),
+  /** The demo-asset build: `{state, running, stages: [{name, state, done, total, unit,
+   * elapsed_s, estimate_s, kept, error}], failed_stage, error, estimate_s, blocked_presets}`. */
+  assets: () => request("GET", "/api/assets"),
+  /** Start, retry or resume the build (409 while one runs). */
+  buildAssets: () => request("POST", "/api/assets/build"),
 
   presets: () => request("GET", "/api/presets"),
   preset: (name) => request("GET", `/api/presets/${enc(name)}`),

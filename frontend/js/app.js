@@ -4,6 +4,7 @@
 // page (closing its sockets and timers) before mounting the next one.
 
 import { api } from "./api.js";
+import { mountAssetStrip } from "./assets.js";
 import { fill, fmtMB, h, parseHash, showError } from "./ui.js";
 import * as runsPage from "./pages/runs.js";
 import * as newRunPage from "./pages/newrun.js";
@@ -82,4 +83,5 @@ window.addEventListener("unhandledrejection", (event) => {
 
 window.addEventListener("hashchange", route);
 loadSystem();
+mountAssetStrip(document.getElementById("asset-strip"));
 route();

@@ -47,3 +47,10 @@ export function scanView(scan, { open = false } = {}) {
             h("td", {}, h("code", {}, r.file)), h("td", { class: "scan-kind" }, label[r.kind]), h("td", {}, r.what))))))
       : null);
 }
+
+/** A video run's frames per clip as its trainer/run_started record gives them: the value and
+ * where it came from ("data.frames", or why the default was chosen from the clips). */
+export function framesView(rec) {
+  return h("p", { id: "data-frames" }, h("strong", {}, `${rec.frames} frame${rec.frames === 1 ? "" : "s"} per clip`),
+    ` (${rec.frames_from})`);
+}

@@ -20,9 +20,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ENV_VAR = "STAGEHAND_WORKBENCH_CACHE"
-DEFAULT_CACHE = Path("~/.cache/stagehand-workbench")
-MARKER = ".complete"
+from runtime.asset_status import DEFAULT_CACHE, ENV_VAR, MARKER
+from runtime.asset_status import cache_dir as cache_dir_of
+
+__all__ = [
+    "DEFAULT_CACHE",
+    "ENV_VAR",
+    "MARKER",
+    "AssetError",
+    "build_once",
+    "cache_root",
+    "is_complete",
+    "spec_hash",
+]
 
 
 class AssetError(ValueError):
@@ -36,13 +46,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None, *, create: bool = Tru
     With ``create=True`` (default) the folder is created and checked to be writable;
     failure raises :class:`AssetError` naming the folder and the fix.
     """
-    if cache_dir is not None:
-        root = Path(cache_dir)
-    elif os.environ.get(ENV_VAR):
-        root = Path(os.environ[ENV_VAR])
-    else:
-        root = DEFAULT_CACHE
-    root = root.expanduser().absolute()
+    root = cache_dir_of(cache_dir)
     if create:
         _ensure_writable(root)
     return root

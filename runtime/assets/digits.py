@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from runtime.asset_status import digits_folder
 
 from .cache import build_once, cache_root
 
@@ -52,17 +55,26 @@ def _digit_pixels(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def digits_dir(cache_dir: str | os.PathLike | None = None, size: int = 64) -> Path:
     """Where the digits folder for ``size`` lives (built or not)."""
-    return cache_root(cache_dir, create=False) / "data" / f"digits-{int(size)}px"
+    return cache_root(cache_dir, create=False) / digits_folder(size)
 
 
-def build_digits(cache_dir: str | os.PathLike | None = None, size: int = 64) -> Path:
-    """Write (once) the digits image folder upscaled (bicubic) to ``size`` px; return it."""
+def digits_spec(size: int) -> dict:
+    """What the digits folder at ``size`` px is built from (its ``.complete`` is this hash)."""
+    return {"dataset": "sklearn.load_digits", "size": int(size), "resample": "bicubic", "format": 1}
+
+
+def build_digits(
+    cache_dir: str | os.PathLike | None = None,
+    size: int = 64,
+    advance: Callable[[int], None] | None = None,
+) -> Path:
+    """Write (once) the digits image folder upscaled (bicubic) to ``size`` px; return it.
+    ``advance(1)`` is called per image written (``NUM_DIGITS`` in all)."""
     if int(size) < 8:
         raise ValueError(f"size must be >= 8 px, got {size}")
     size = int(size)
     root = cache_root(cache_dir)
-    final = root / "data" / f"digits-{size}px"
-    spec = {"dataset": "sklearn.load_digits", "size": size, "resample": "bicubic", "format": 1}
+    final = root / digits_folder(size)
 
     def _build(tmp: Path) -> None:
         from PIL import Image
@@ -71,5 +83,7 @@ def build_digits(cache_dir: str | os.PathLike | None = None, size: int = 64) -> 
         for i, (img, label) in enumerate(zip(images, labels, strict=True)):
             Image.fromarray(img, mode="L").convert("RGB").save(tmp / f"{i:05d}.png", format="PNG")
             (tmp / f"{i:05d}.txt").write_text(caption_for(label) + "\n")
+            if advance is not None:
+                advance(1)
 
-    return build_once(final, spec, _build)
+    return build_once(final, digits_spec(size), _build)

@@ -190,18 +190,12 @@ def _shard_size(model: torch.nn.Module, size: str) -> int:
     return max(1, math.ceil(total / TARGET_SHARDS[size]))
 
 
-def build_model(arch: str, size: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Build (once) the (arch, size) model into the cache and return its folder.
-
-    The folder is a normal diffusers model folder: ``cls.from_pretrained(folder)`` loads it.
-    A second call with the same spec is a no-op (``.complete`` marker).
-    """
-    config = check_spec(arch, size)
-    root = cache_root(cache_dir)
-    final = root / "models" / f"{arch}-{size}"
+def model_spec(arch: str, size: str) -> dict[str, Any]:
+    """What the (arch, size) folder is built from; its hash is the folder's ``.complete``."""
+    config = check_spec(arch, size)  # an unknown arch or size: AssetError naming the choices
     import diffusers
 
-    spec = {
+    return {
         "arch": arch,
         "size": size,
         "class": MODEL_CLASSES[arch],
@@ -211,6 +205,17 @@ def build_model(arch: str, size: str, cache_dir: str | os.PathLike | None = None
         "diffusers": diffusers.__version__,
         "format": 1,
     }
+
+
+def build_model(arch: str, size: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build (once) the (arch, size) model into the cache and return its folder.
+
+    The folder is a normal diffusers model folder: ``cls.from_pretrained(folder)`` loads it.
+    A second call with the same spec is a no-op (``.complete`` marker).
+    """
+    root = cache_root(cache_dir)
+    final = root / "models" / f"{arch}-{size}"
+    spec = model_spec(arch, size)
 
     def _build(tmp: Path) -> None:
         model = instantiate(arch, size)

@@ -83,6 +83,50 @@ def _frames(path: Path, count: int | None):
     return out
 
 
+def frame_count(path: Path) -> int:
+    """Frames of the clip at ``path``: the container's count, or the decoded frames when the
+    container gives none (webm, mkv).
+
+    Raises:
+        DataError: the file cannot be decoded.
+    """
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            if stream.frames:
+                return int(stream.frames)
+            return sum(1 for _ in container.decode(video=0))
+    except (av.FFmpegError, IndexError, ValueError) as exc:
+        raise DataError(
+            f"data.path: clip {path.name!r} cannot be decoded ({type(exc).__name__}: {exc}); "
+            "expected a video FFmpeg reads (mp4, webm, mov, mkv)"
+        ) from None
+
+
+def default_frames(samples: list[Sample], temporal: int) -> tuple[int, str]:
+    """``(frames, why)``: ``data.frames`` for a video family when the preset leaves it out. 1
+    for a folder of images (each is a clip of one frame); with clips, the largest
+    ``temporal * k + 1`` (what a VAE compressing ``temporal`` frames into one after the first
+    takes) that every clip can give, i.e. the shortest clip's.
+
+    Raises:
+        DataError: a clip cannot be decoded or has no frame (names the file).
+    """
+    counts = {s.files[0].name: frame_count(s.files[0]) for s in samples if is_video(s.files[0])}
+    if not counts:
+        return 1, "default for a folder of images: 1 frame"
+    shortest = min(counts, key=counts.__getitem__)
+    if counts[shortest] < 1:
+        raise DataError(f"data.path: clip {shortest!r} has no frame")
+    frames = (counts[shortest] - 1) // temporal * temporal + 1
+    return frames, (
+        f"default: the largest {temporal}k + 1 every clip gives "
+        f"({len(counts)} clips, the shortest {shortest!r} has {counts[shortest]} frames)"
+    )
+
+
 def _fit(img, hw: tuple[int, int]) -> torch.Tensor:
     """(3, H, W) in [-1, 1]: resized to cover ``hw``, center-cropped (as ``data.load_image``)."""
     from PIL import Image

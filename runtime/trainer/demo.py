@@ -32,18 +32,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from runtime.assets.cache import build_once, cache_root
-from runtime.assets.digits import caption_for, digit_pixels
-from runtime.assets.models import MODEL_SPECS, TARGET_SHARDS, check_spec, instantiate
+from runtime.asset_status import demo_folder
+from runtime.assets.cache import cache_root
+from runtime.assets.digits import caption_for
+from runtime.assets.models import MODEL_SPECS, check_spec, instantiate
 
 #: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels).
 #: The digits are 8x8 images upscaled; with the demo's 200 steps it reconstructs held-out ones to a
@@ -53,7 +52,7 @@ VAE_CONFIG = MODEL_SPECS[("vae", "tiny")]
 
 @dataclass(frozen=True)
 class DemoSpec:
-    """What the demo build trains. The defaults are the demo's (``build_demo``); tests pass a
+    """What the demo build trains. The defaults are the demo's (``demo_stages.build_demo``); tests pass a
     smaller one (a tiny transformer, fewer steps)."""
 
     size: str = "small"
@@ -80,27 +79,39 @@ class DemoSpec:
 
 DEMO = DemoSpec()
 
+SPEC_ENV = "STAGEHAND_WORKBENCH_DEMO_SPEC"
+"""A JSON object of ``DemoSpec`` fields that replace the demo's for the build and the runs that
+use it (``{"vae_steps": 2, "base_steps": 2}``: a build of seconds whose samples are noise; the
+browser tests use it). Unset: the demo's own spec."""
+
+
+def demo_spec(size: str = DEMO.size) -> DemoSpec:
+    """The demo's spec for the Flux-style ``size``, with ``$STAGEHAND_WORKBENCH_DEMO_SPEC``'s fields.
+
+    Raises:
+        ValueError: the variable is not a JSON object of ``DemoSpec`` fields.
+    """
+    raw = os.environ.get(SPEC_ENV)
+    try:
+        fields = json.loads(raw) if raw else {}
+        return DemoSpec(**{**fields, "size": size})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{SPEC_ENV}: expected a JSON object of DemoSpec fields, got {raw!r} ({exc})"
+        ) from None
+
 
 def demo_dir(cache_dir: str | os.PathLike | None = None, spec: DemoSpec = DEMO) -> Path:
     """Where the demo models for ``spec`` live (built or not)."""
-    return cache_root(cache_dir, create=False) / "models" / f"flux-{spec.size}-digits"
+    return cache_root(cache_dir, create=False) / demo_folder(spec.size)
 
 
-def build_demo(
-    cache_dir: str | os.PathLike | None = None,
-    spec: DemoSpec = DEMO,
-    log: Callable[[str], None] | None = None,
-) -> Path:
-    """Train (once) the demo VAE and base transformer; return the folder holding ``vae/``,
-    ``transformer/`` and ``demo.json``. ``log`` gets a line per phase (the build takes minutes).
-    """
+def demo_key(spec: DemoSpec = DEMO) -> dict:
+    """What the demo folder is built from: its ``.complete`` marker is this dict's hash."""
     check_spec("flux", spec.size)
     import diffusers
 
-    say = log or (lambda line: None)
-    final = demo_dir(cache_dir, spec)
-    cache_root(cache_dir)  # created and checked writable
-    key = {
+    return {
         "demo": asdict(spec),
         "vae": VAE_CONFIG,
         "flux": MODEL_SPECS[("flux", spec.size)],
@@ -109,17 +120,9 @@ def build_demo(
         "format": 1,
     }
 
-    def _build(tmp: Path) -> None:
-        say(f"training the demo VAE and flux-{spec.size} on the digits into {final} (once)")
-        with _deterministic():
-            report = _train(tmp, spec, say)
-        (tmp / "demo.json").write_text(json.dumps({"spec": asdict(spec), **report}, indent=1))
-
-    return build_once(final, key, _build)
-
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def deterministic() -> Iterator[None]:
     """One thread and deterministic kernels for the build; the caller's settings come back."""
     threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
@@ -129,41 +132,6 @@ def _deterministic() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(strict)
         torch.set_num_threads(threads)
-
-
-def _train(out: Path, spec: DemoSpec, say: Callable[[str], None]) -> dict:
-    t0 = time.perf_counter()
-    images, labels = digit_pixels(spec.resolution)
-    pixels = torch.from_numpy(images).float().div(127.5).sub(1.0)  # (N, H, W) in [-1, 1]
-    pixels = pixels[:, None].expand(-1, 3, -1, -1).contiguous()  # (N, 3, H, W), as the trainer
-    labels = torch.from_numpy(labels)
-    n_train = len(pixels) - spec.held_out
-    report: dict = {"train_digits": n_train, "held_out_digits": spec.held_out}
-
-    vae, vae_report = train_vae(pixels[:n_train], pixels[n_train:], spec)
-    report["vae"] = vae_report
-    vae.save_pretrained(out / "vae", safe_serialization=True)
-    say(
-        f"demo vae: {spec.vae_steps} steps, held-out MSE {vae_report['held_out_mse']:.4f} "
-        f"(random VAE {vae_report['random_held_out_mse']:.4f}), {time.perf_counter() - t0:.0f} s"
-    )
-
-    latents = encode(vae, pixels)  # (N, 4, h, w), scaled
-    text = caption_text(spec.max_tokens)
-    t1 = time.perf_counter()
-    model, losses = pretrain_base(latents[:n_train], labels[:n_train], text, spec)
-    report["base"] = {"steps": spec.base_steps, "loss_first": losses[0], "loss_last": losses[-1]}
-    report["base"]["loss_last_10_mean"] = sum(losses[-10:]) / len(losses[-10:])
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    shard = max(1, math.ceil(total / TARGET_SHARDS[spec.size]))
-    model.save_pretrained(out / "transformer", safe_serialization=True, max_shard_size=shard)
-    say(
-        f"demo base: {spec.base_steps} steps, loss {losses[0]:.3f} -> "
-        f"{report['base']['loss_last_10_mean']:.3f}, {time.perf_counter() - t1:.0f} s"
-    )
-    report["samples"] = sample_check(model, vae, text, pixels[n_train:], labels[n_train:], spec)
-    say(f"demo samples: nearest class mean = prompt's digit {report['samples']['matches']}/10")
-    return report
 
 
 def _loss_vae(vae, x: torch.Tensor, g: torch.Generator, spec: DemoSpec) -> torch.Tensor:
@@ -185,11 +153,17 @@ def reconstruction_mse(vae, x: torch.Tensor) -> float:
     return float(sum(errs) / len(x))
 
 
-def train_vae(train: torch.Tensor, held: torch.Tensor, spec: DemoSpec):
+def train_vae(
+    train: torch.Tensor,
+    held: torch.Tensor,
+    spec: DemoSpec,
+    advance: Callable[[int], None] | None = None,
+):
     """``(vae, report)``: the demo AutoencoderKL trained on ``train`` (N, 3, H, W) in [-1, 1]
     (L1 + L2 reconstruction of a posterior sample, a small KL term), with ``scaling_factor`` and
     ``shift_factor`` set so the trainer's latents ``(mean - shift) * scale`` have zero mean and
-    unit variance. The report gives held-out MSE before (random init) and after."""
+    unit variance. The report gives held-out MSE before (random init) and after. ``advance(1)``
+    is called after each step."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(spec.seed)
@@ -204,6 +178,8 @@ def train_vae(train: torch.Tensor, held: torch.Tensor, spec: DemoSpec):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if advance is not None:
+            advance(1)
     vae.eval()
     with torch.no_grad():
         z = torch.cat([vae.encode(b).latent_dist.mean for b in train.split(64)])  # (N, 4, h, w)
@@ -252,9 +228,16 @@ def _rows(text, k: torch.Tensor):
     return Text(hidden=text.hidden[k], mask=text.mask[k], pooled=text.pooled[k])
 
 
-def pretrain_base(latents: torch.Tensor, labels: torch.Tensor, text, spec: DemoSpec):
+def pretrain_base(
+    latents: torch.Tensor,
+    labels: torch.Tensor,
+    text,
+    spec: DemoSpec,
+    advance: Callable[[int], None] | None = None,
+):
     """``(model, losses)``: the Flux-style transformer trained from its factory init on
-    ``latents`` (N, 4, h, w) with their captions' ``text`` rows (NOTE [ Demo pre-training ])."""
+    ``latents`` (N, 4, h, w) with their captions' ``text`` rows (NOTE [ Demo pre-training ]);
+    ``advance(1)`` after each step."""
     from runtime.trainer.families import FluxFamily, flow_pair, sample_sigmas
 
     family = FluxFamily()
@@ -277,6 +260,8 @@ def pretrain_base(latents: torch.Tensor, labels: torch.Tensor, text, spec: DemoS
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if advance is not None:
+            advance(1)
     return model.eval(), losses
 
 

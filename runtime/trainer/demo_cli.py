@@ -1,47 +1,70 @@
-"""``workbench demo-assets``: build the local models, the digits folder, the demo's trained VAE
-and base model, and check the encoder."""
+"""``workbench demo-assets``: build the digits, the demo's trained VAE and base model and the
+factory models as resumable stages (``demo_stages``), with a progress bar per stage and the
+status file the dashboard reads; check the encoder.
+
+Exit status: 0 built (or already built), 1 a stage failed (named, with its error; run the
+command again to retry from that stage), 2 bad input, 3 another process is already building
+into this cache, 130 interrupted (run it again to resume).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
+from runtime.asset_status import STATUS_FILE
 from runtime.assets.cache import AssetError, cache_root
-from runtime.assets.digits import build_digits
-from runtime.assets.models import ARCHS, SIZES, build_all, build_model
+from runtime.assets.models import ARCHS, SIZES, build_model
+from runtime.assets.stages import BuildBusy, Interrupted, run_stages
 from runtime.assets.text_encoder import minilm_path
-from runtime.trainer.demo import build_demo
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="workbench demo-assets",
-        description="Build the demo models (sharded safetensors), the digits image folder, the "
-        "demo's VAE and base model trained on the digits (a few minutes on 2 CPU cores, once) "
-        "and locate the MiniLM text encoder, into the cache folder. A second call is a no-op.",
+        description="Build the digits image folder, the demo's VAE and base model trained on "
+        "the digits (~6 minutes on one core, once) and the factory models into the cache "
+        "folder, as resumable stages, and locate the MiniLM text encoder. Stages already built "
+        "are kept: a second call is a no-op, and a call after a failure or an interruption "
+        "resumes at the stage that did not finish.",
     )
     parser.add_argument(
         "--cache-dir",
         help="cache folder (default $STAGEHAND_WORKBENCH_CACHE or ~/.cache/stagehand-workbench)",
     )
-    parser.add_argument("--arch", choices=ARCHS, help="build only this architecture")
+    parser.add_argument("--arch", choices=ARCHS, help="build only this factory architecture")
     parser.add_argument("--size", choices=SIZES, help="with --arch: only this size")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
         root = cache_root(args.cache_dir)
+        minilm = minilm_path()
         if args.arch:
             sizes = [args.size] if args.size else ["tiny", "small"]
-            paths = {f"{args.arch}-{s}": build_model(args.arch, s, root) for s in sizes}
-        else:
-            paths = build_all(root)
-            paths["digits"] = build_digits(root)
-            paths["demo"] = build_demo(root, log=print)
-        paths["text-encoder"] = minilm_path()
-    except AssetError as exc:
-        print(f"workbench demo-assets: {exc}")
-        return 2
-    for name, path in paths.items():
-        print(f"{name:<14} {path}")
-    print(f"ready in {time.perf_counter() - t0:.1f} s (cache {root})")
+            for s in sizes:
+                print(f"{args.arch}-{s:<9} {build_model(args.arch, s, root)}")
+            return 0
+        from runtime.trainer.demo import demo_spec
+        from runtime.trainer.demo_stages import all_stages
+
+        stages = all_stages(root, demo_spec(), log=lambda line: print(line, file=sys.stderr))
+    except (AssetError, ValueError) as exc:
+        print(f"workbench demo-assets: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"demo assets: building into {root} (progress in {root / STATUS_FILE})", flush=True)
+    try:
+        status = run_stages(stages, root)
+    except BuildBusy as exc:
+        print(f"workbench demo-assets: {exc}; its progress: {root / STATUS_FILE}", file=sys.stderr)
+        return EXIT_BUSY
+    except (KeyboardInterrupt, Interrupted):
+        print("\ndemo assets: interrupted; run `workbench demo-assets` again to resume")
+        return EXIT_INTERRUPTED
+    if status["state"] != "ready":
+        return EXIT_FAILED
+    print(f"text encoder   {minilm}")
+    print(f"demo assets ready in {time.perf_counter() - t0:.1f} s (cache {root})", flush=True)
     return 0

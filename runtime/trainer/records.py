@@ -28,9 +28,11 @@ def run_started(
     model_dir: Path,
     resume: bool,
     attention: dict[str, Any] | None = None,
+    **fields: Any,
 ) -> None:
-    """The ``trainer/run_started`` record: who runs what, where, on which device, and the
-    attention backend choice (``runtime.common.attention.AttentionChoice.as_record``)."""
+    """The ``trainer/run_started`` record: who runs what, where, on which device, the
+    attention backend choice (``runtime.common.attention.AttentionChoice.as_record``) and
+    ``fields`` (a video run's ``frames`` and ``frames_from``, ``stage1.resolve_frames``)."""
     telemetry.emit(
         *RUN_STARTED,
         run_name=run_dir.name,
@@ -46,6 +48,7 @@ def run_started(
         strategy=preset.memory.strategy,
         resume=resume,
         attention=attention,
+        **fields,
     )
 
 

@@ -32,7 +32,7 @@ from runtime.trainer.progress import Progress
 from runtime.trainer.sampling import Sampler
 from runtime.trainer.scan import Sample
 from runtime.trainer.setup import check_text_dim, family_targets, pipeline_family, resolve_assets
-from runtime.trainer.stage1 import build_cache, scan_data
+from runtime.trainer.stage1 import build_cache, resolve_frames, scan_data
 
 TELEMETRY_STDOUT_ENV = "STAGEHAND_TELEMETRY_STDOUT"
 """``1``: every telemetry record is also written to stdout after ``STDOUT_MARKER``."""
@@ -109,6 +109,7 @@ class Run:
         )
         self.family = pipeline_family(preset, self.device)
         samples = self.scan(preset)  # before any model is built or loaded
+        preset, frames = resolve_frames(preset, self.family, samples)
         model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family, self.progress.line)
         self.family = self.family or family(preset.family)
         records.run_started(
@@ -120,6 +121,7 @@ class Run:
             model_dir=model_dir,
             resume=self.resume,
             attention=attention.as_record(),
+            **frames,
         )
         if isinstance(self.family, PipelineFamily):
             records.report_pipeline(self.family.info, self.telemetry, self.progress)

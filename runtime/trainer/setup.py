@@ -90,9 +90,10 @@ def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path
         vae_dir = Path(m.vae_path) if m.vae_path else fam.root / "vae"
         return fam.transformer_dir, vae_dir, None, data_folder(preset)
     if m.factory and m.pretrained == "digits":
-        from runtime.trainer.demo import DemoSpec, build_demo
+        from runtime.trainer.demo import demo_spec
+        from runtime.trainer.demo_stages import build_demo
 
-        demo = build_demo(spec=DemoSpec(size=m.size), log=log)
+        demo = build_demo(spec=demo_spec(m.size), log=log)
         model_dir = demo / "transformer"
         vae_dir = Path(m.vae_path) if m.vae_path else demo / "vae"
     elif m.factory:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from runtime.common.telemetry import Telemetry
 from runtime.preset import Preset
 from runtime.trainer import encode, loop
-from runtime.trainer.clips import scan_clips
+from runtime.trainer.clips import default_frames, scan_clips
 from runtime.trainer.data import group_by_shape
 from runtime.trainer.families import Family
 from runtime.trainer.pipelines import PipelineFamily
@@ -42,7 +43,8 @@ def scan_data(
     if isinstance(family, PipelineFamily):
         family.check_caption_tokens(data.max_caption_tokens)
     if isinstance(family, PipelineFamily) and family.video:
-        family.check_frames(data.frames)
+        if data.frames is not None:  # left out, it is chosen from the clips (resolve_frames)
+            family.check_frames(data.frames)
         samples = scan_clips(
             folder,
             captions=data.captions,
@@ -70,6 +72,23 @@ def scan_data(
         progress.line(f"  warning {item.file}: {item.message}")
     found.check()
     return found.samples
+
+
+def resolve_frames(
+    preset: Preset, family: Family | None, samples: list[Sample]
+) -> tuple[Preset, dict[str, Any]]:
+    """The preset with ``data.frames`` set for a video family, and the fields the run's first
+    record (``trainer/run_started``) carries: ``frames`` and ``frames_from`` (``data.frames``
+    when the preset gives it, which always wins, else why the default, ``clips.default_frames``).
+    Other families: the preset unchanged and no fields."""
+    if not (isinstance(family, PipelineFamily) and family.video):
+        return preset, {}
+    if preset.data.frames is not None:
+        return preset, {"frames": preset.data.frames, "frames_from": "data.frames"}
+    frames, why = default_frames(samples, family.temporal_ratio())
+    family.check_frames(frames)
+    data = preset.data.model_copy(update={"frames": frames})
+    return preset.model_copy(update={"data": data}), {"frames": frames, "frames_from": why}
 
 
 def build_cache(

@@ -10,12 +10,12 @@ import torch
 
 from runtime.trainer.demo import (
     DemoSpec,
-    build_demo,
     caption_text,
     encode,
     nearest_class_means,
     sample_check,
 )
+from runtime.trainer.demo_stages import build_demo
 
 # The demo's recipe at 32 px (4x4 latents, 4 packed tokens) on the tiny transformer, with a
 # fifth of the VAE steps and 2/3 of its batch, 3/4 of the base steps: ~15 s on one core.

@@ -8,6 +8,7 @@
 // predicts VRAM and step time of the config on a device profile before Start.
 
 import { api } from "../api.js";
+import { onAssets } from "../assets.js";
 import { noteworthy, scanView } from "../scan.js";
 import { clearErrors, deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
 import { planPanel } from "../plan.js";
@@ -86,6 +87,9 @@ export function mount(root, { params }) {
   const scanBox = h("div", { class: "scan-box", id: "data-scan", hidden: true });
   let shownScan = null; // the request (JSON) whose scan the user has seen
   const saveBtn = h("button", { id: "save-preset", onclick: savePreset }, "Save as new preset");
+  // A preset waiting for the demo-asset build (its model unchanged) cannot start yet: say why.
+  const assetNote = h("p", { class: "asset-note", id: "asset-note", role: "status", hidden: true });
+  let assets = null;
   const from = params.get("from");
   const title = h("h1", {}, from ? `Re-run ${from} with changes` : "New run");
 
@@ -116,8 +120,25 @@ export function mount(root, { params }) {
         h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
       scanBox,
       planPanel({ getConfig: () => (fromJson() ? config : null), getRequest: () => runRequest() }),
+      assetNote,
       h("div", { class: "toolbar actions-row" }, startBtn, scanBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
   );
+  root.addEventListener("input", gate);
+
+  /** Says why the selected preset cannot start while its demo assets build (GET /api/assets
+   * blocked_presets; Start is refused by the server with the same reason, 409
+   * assets_not_ready); a pipeline folder (another model) lifts it. */
+  function gate() {
+    const why = assets?.blocked_presets?.[presetSel.value];
+    const blocked = Boolean(why) && !("model" in deepDiff(base, config));
+    startBtn.classList.toggle("waiting", blocked);
+    assetNote.hidden = !blocked;
+    assetNote.textContent = blocked ? `This preset cannot start until the demo assets are built: ${why}.` : "";
+  }
+  const offAssets = onAssets((status) => {
+    assets = status;
+    gate();
+  });
 
   function clearFieldErrors() {
     if (shownScan !== JSON.stringify([presetSel.value, deepDiff(base, config)])) {
@@ -197,6 +218,7 @@ export function mount(root, { params }) {
     bindPaths();
     toForm();
     toJson();
+    gate();
   }
 
   /** A pipeline folder replaces the preset's model: model.path set, model.factory and
@@ -209,6 +231,7 @@ export function mount(root, { params }) {
     bindPaths();
     toForm();
     toJson();
+    gate();
   }
 
   function selectPreset(name) {
@@ -290,6 +313,7 @@ export function mount(root, { params }) {
       showApiError(err, "start run");
     } finally {
       startBtn.disabled = false;
+      gate();
     }
   }
 
@@ -365,5 +389,5 @@ export function mount(root, { params }) {
     }
   })();
 
-  return () => {};
+  return () => offAssets();
 }

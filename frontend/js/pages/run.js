@@ -9,7 +9,7 @@ import { calibrationView, drawOverlay } from "../calibration.js";
 import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
 import { sampleStep, stepText } from "../samples.js";
-import { scanView } from "../scan.js";
+import { framesView, scanView } from "../scan.js";
 import { RunStream, StreamState } from "../stream.js";
 import { clearErrors, fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
@@ -303,6 +303,7 @@ export function mount(root, { parts }) {
       if (key === "trainer/run_started") {
         live.maxSteps = rec.max_steps ?? live.maxSteps;
         headerDirty = true;
+        if (rec.frames != null) dataCard.hidden = !fill(dataCard, h("h2", {}, "Data"), framesView(rec));
       } else if (key === "trainer/step") {
         live.step = rec.step;
         if (typeof rec.step_time_ms === "number") live.stepTimes.push(rec.step_time_ms);

@@ -96,10 +96,13 @@ class WanPipelineFamily(PipelineFamily):
                 + "; ".join(problems)
             )
 
+    def temporal_ratio(self) -> int:
+        """Pixel frames per latent frame after the first (the VAE's ``scale_factor_temporal``)."""
+        config = read_json(self.root / "vae" / "config.json", "the VAE's config")
+        return int(config.get("scale_factor_temporal", 4))
+
     def check_frames(self, frames):
-        temporal = read_json(self.root / "vae" / "config.json", "the VAE's config").get(
-            "scale_factor_temporal", 4
-        )
+        temporal = self.temporal_ratio()
         if frames is None or frames % temporal != 1:
             raise ValueError(
                 f"data.frames is {frames}; the Wan VAE compresses {temporal} frames into one after "

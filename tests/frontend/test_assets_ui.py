@@ -1,0 +1,106 @@
+"""The demo-asset build on the dashboard: a server that starts the real ``workbench demo-assets``
+beside it (a temp cache, 2 training steps per model so it takes seconds), a stage that fails
+(a file where its folder goes) shown with its reason and a Retry button, the New run page
+refusing ``default`` meanwhile while other presets start, the retry's progress bars (the built
+stage kept), then ``default`` started from the page once the assets are on disk."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+
+from tests.frontend.conftest import SHOTS, Api, _start_server, _stop_server
+
+pytestmark = [pytest.mark.browser]
+
+TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4}'
+
+
+@pytest.fixture
+def building_server(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "build").write_text("in the way")  # the demo's work folder cannot be made
+    env = {
+        "STAGEHAND_WORKBENCH_DEMO_ASSETS": "1",
+        "STAGEHAND_WORKBENCH_CACHE": str(cache),
+        "STAGEHAND_WORKBENCH_DEMO_SPEC": TINY_BUILD,
+    }
+    proc, base = _start_server(tmp_path / "data", env)
+    yield base, cache
+    _stop_server(proc)
+
+
+def _shot(page, tmp_path, name: str) -> None:
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, SHOTS / path.name)
+
+
+def test_asset_progress_failure_retry_then_default_starts(building_server, page, tmp_path):
+    base, cache = building_server
+    api = Api(base)
+    page.goto(base + "/#/new")
+    strip = page.locator("#asset-strip")
+    page.wait_for_selector('#asset-strip[data-state="failed"]', timeout=120_000)
+    text = strip.inner_text()
+    assert 'Stage "demo VAE" failed: AssetError: cache folder' in text
+    assert "Retry starts again at that stage; the stages already built are kept" in text
+    assert page.locator('.asset-stage[data-stage="digits"]').get_attribute("data-state") == "done"
+    assert "1797/1797 images" in page.locator('.asset-stage[data-stage="digits"]').inner_text()
+    assert (
+        page.locator('.asset-stage[data-stage="demo VAE"]').get_attribute("data-state") == "failed"
+    )
+    # default waits for its assets; Start is off, and says why.
+    page.wait_for_function("document.querySelector('#preset-select').value === 'default'")
+    page.wait_for_selector("#asset-note:not([hidden])")
+    note = page.locator("#asset-note").inner_text()
+    assert "This preset cannot start until the demo assets are built" in note
+    assert "the build failed at stage 'demo VAE'" in note
+    page.click("#start-run")  # the server refuses it, with the same reason
+    box = page.wait_for_selector(".page-errors .error-box")
+    assert "This run cannot start yet: the demo assets it needs" in box.inner_text()
+    assert "(HTTP 409, assets_not_ready)" in box.inner_text()
+    assert api.call("GET", "/api/runs")["count"] == 0
+    _shot(page, tmp_path, "assets-failed-desktop")
+    page.select_option("#preset-select", "tiny-ci")  # another preset is not held back
+    assert page.locator("#asset-note").is_hidden()
+    page.select_option("#preset-select", "default")
+    assert page.locator("#asset-note").is_visible()
+
+    digits_marker = cache / "data" / "digits-64px" / ".complete"
+    built_at = digits_marker.stat().st_mtime_ns
+    (cache / "build").unlink()
+    page.click("#asset-retry")
+    running = page.wait_for_selector('.asset-stage[data-state="running"]', timeout=60_000)
+    row = running.inner_text()
+    assert re.search(r"elapsed \d+s · about \d+s left", row), row
+    assert "already built, kept" in page.locator('.asset-stage[data-stage="digits"]').inner_text()
+    assert "building, about" in page.locator("#asset-summary").inner_text()
+    _shot(page, tmp_path, "assets-progress-desktop")
+
+    page.wait_for_selector('#asset-strip[data-state="ready"]', timeout=240_000)
+    assert digits_marker.stat().st_mtime_ns == built_at  # the retry kept the digits
+    assert "ready: the default preset can start" in page.locator("#asset-summary").inner_text()
+    page.wait_for_selector("#asset-note", state="hidden")
+    page.click("#start-run")
+    page.wait_for_url(re.compile(r"#/runs/\d+$"), timeout=60_000)
+    run_id = int(page.url.rsplit("/", 1)[1])
+    run = api.call("GET", f"/api/runs/{run_id}")
+    assert run["preset"] == "default"
+    # The worker found the assets on disk (no rebuild): it records run_started, then trains.
+    deadline = time.monotonic() + 180
+    while True:
+        recs = api.call("GET", f"/api/runs/{run_id}/telemetry?kind=run_started")["data"]
+        if recs:
+            break
+        assert time.monotonic() < deadline, api.call("GET", f"/api/runs/{run_id}")
+        time.sleep(0.5)
+    assert recs[0]["model"].endswith("models/flux-small-digits/transformer")
+    _shot(page, tmp_path, "assets-default-run-desktop")
+    api.call("POST", f"/api/runs/{run_id}/cancel")
+    api.wait_run(run_id, {"cancelled", "succeeded", "failed", "killed"}, timeout=120)
