@@ -52,15 +52,9 @@ SEED_FLUX_2048 = {"device": "rtx3090", "allocated_gb": 4.15, "reserved_gb": 4.46
 
 def streaming_memory(high_mb: float, low_mb: float, spill_mb: float | None) -> dict[str, Any]:
     """A ``memory`` section: weight streaming with checkpointed blocks and, with ``spill_mb``,
-    activation spill from that watermark (the flux-dev-24gb preset's shape)."""
-    section: dict[str, Any] = {
-        "pinned_pool_mb": 5248,
-        "pinned_slab_mb": 656,
-        "vram_high_watermark_mb": high_mb,
-        "vram_low_watermark_mb": low_mb,
-        "prefetch_window_blocks": 2,
-        "max_inflight_transfers": 2,
-    }
+    activation spill from that watermark (the flux-dev-24gb preset's shape: pool, slab, window
+    and copies in flight left out, derived from the blocks and the card as a run derives them)."""
+    section: dict[str, Any] = {"vram_high_watermark_mb": high_mb, "vram_low_watermark_mb": low_mb}
     if spill_mb is not None:
         section["activation_stagehand"] = {
             "enabled": True,

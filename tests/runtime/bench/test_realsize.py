@@ -15,7 +15,11 @@ import torch
 from runtime.bench.cli import main
 from runtime.bench.realmodel import REAL_MODELS, real_model, section_scale
 from runtime.bench.realsize import ROWS, row_memory
-from runtime.plan.inventory import meta_model
+from runtime.config import StagehandConfig
+from runtime.plan.inventory import add_lora, meta_model
+from runtime.plan.profiles import profile
+from runtime.weights.defaults import block_bytes, resolve
+from runtime.weights.registry import find_blocks
 
 
 def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():
@@ -25,8 +29,14 @@ def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():
     assert spec.inputs_shape("real") == ((128, 128), 512)  # 1024 px: 4096 image tokens
     stream = row_memory("stream_file", "flux-dev", "real")["stagehand"]
     assert stream["file_backed"] is True and "conductor_config" not in stream
-    assert (stream["prefetch_window_blocks"], stream["max_inflight_transfers"]) == (2, 2)
-    assert (stream["pinned_pool_mb"], stream["pinned_slab_mb"]) == (5248, 656)
+    # The preset leaves the pipeline settings out: on an H100 the runtime derives them from
+    # the bench model's blocks (LoRA r16 on attention: the largest 648.9 MiB).
+    add_lora(model, spec.lora_rank, spec.lora_targets)
+    sizes = block_bytes(find_blocks(model))
+    h100 = profile("h100").vram_bytes
+    got = resolve(StagehandConfig(**stream), sizes, cuda=True, vram_bytes=h100, cpus=16)
+    assert (got.prefetch_window_blocks, got.max_inflight_transfers) == (2, 4)
+    assert (got.pinned_pool_mb, got.pinned_slab_mb) == (5 * 649, 649)
     assert row_memory("stream_module", "flux-dev", "real")["stagehand"]["file_backed"] is False
     preset = row_memory("preset", "flux-dev", "real")["stagehand"]
     assert preset["conductor_config"]["vram_soft_cap_mb"] == 22000
