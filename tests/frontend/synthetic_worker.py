@@ -126,6 +126,8 @@ def main(argv: list[str]) -> int:
         vram_source="cuda",
         model="synthetic",
         strategy="stagehand",
+        # A video run's frames per clip, as the trainer records an explicit data.frames.
+        **({"frames": data["frames"], "frames_from": "data.frames"} if data.get("frames") else {}),
     )
     for done in range(0, 11, 5):
         w.emit("trainer", "stage", stage="cache", done=done, total=10, message="text embeddings")

@@ -169,3 +169,26 @@ def test_new_run_page_scans_the_data_before_start_and_the_run_page_shows_it(
     assert page.inner_text("#run-data .scan-summary") == summary
     api.wait_run(run_id, {"succeeded"}, timeout=60)
     shoot(f"{synthetic_server}/#/runs/{run_id}", "run-data-scan", ready="#run-data .scan-summary")
+
+
+def test_run_page_shows_the_frames_per_clip_beside_the_scan(
+    synthetic_server, page, shoot, tmp_path
+):
+    """A video run's ``trainer/run_started`` carries the frames per clip it chose (issue 28);
+    the run page's Data card shows them together with the scan recorded before it."""
+    from PIL import Image
+
+    api = Api(synthetic_server)
+    folder = tmp_path / "stills"
+    folder.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (40 * i, 90, 200)).save(folder / f"still{i}.png")
+        (folder / f"still{i}.txt").write_text(f"a still number {i}")
+    make_preset(api, "synth-frames", steps=2, step_s=0, data={"path": str(folder), "frames": 1})
+    run_id = api.call("POST", "/api/runs", {"preset": "synth-frames", "name": "frames"})["id"]
+    api.wait_run(run_id, {"succeeded"}, timeout=120)
+    page.goto(f"{synthetic_server}/#/runs/{run_id}")
+    page.wait_for_selector("#run-data #data-frames")
+    assert page.inner_text("#run-data #data-frames") == "1 frame per clip (data.frames)"
+    assert page.inner_text("#run-data .scan-summary").startswith("2 samples")
+    shoot(f"{synthetic_server}/#/runs/{run_id}", "run-data-frames", ready="#run-data #data-frames")

@@ -294,6 +294,15 @@ export function mount(root, { parts }) {
     }
   }
 
+  // The Data card: the worker's scan (trainer/dataset_scan, recorded first) and, for a video run,
+  // the frames per clip its trainer/run_started chose; each record fills its part, neither hides the other.
+  const shown = { scan: null, frames: null };
+  function showData(part) {
+    Object.assign(shown, part);
+    fill(dataCard, h("h2", {}, "Data"), shown.frames && framesView(shown.frames), shown.scan && scanView(shown.scan));
+    dataCard.hidden = false;
+  }
+
   function onRecords(records) {
     let headerDirty = false;
     for (const rec of records) {
@@ -303,7 +312,7 @@ export function mount(root, { parts }) {
       if (key === "trainer/run_started") {
         live.maxSteps = rec.max_steps ?? live.maxSteps;
         headerDirty = true;
-        if (rec.frames != null) dataCard.hidden = !fill(dataCard, h("h2", {}, "Data"), framesView(rec));
+        if (rec.frames != null) showData({ frames: rec });
       } else if (key === "trainer/step") {
         live.step = rec.step;
         if (typeof rec.step_time_ms === "number") live.stepTimes.push(rec.step_time_ms);
@@ -315,8 +324,7 @@ export function mount(root, { parts }) {
         if (rec.stage === "train") Object.assign(live.figures, { stage1: false, trained: true });
         headerDirty = true;
       } else if (key === "trainer/dataset_scan") {
-        fill(dataCard, h("h2", {}, "Data"), scanView(rec));
-        dataCard.hidden = false;
+        showData({ scan: rec });
       } else if (key === "trainer/sample" && rec.path) {
         addSample(rec.path.split("/").pop(), rec.prompt);
       } else if (key === "strategy/limits_applied" || (key === "trainer/event" && rec.event === "control_rejected")) {
