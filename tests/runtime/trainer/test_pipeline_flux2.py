@@ -98,7 +98,7 @@ def test_flux2_lora_and_its_comfyui_copy_load_and_agree(flux2_run, flux2_pipelin
     pipe.load_lora_weights(lora, weight_name=COMFY_FILE, adapter_name="comfyui")
     # Not an exactness test: the ComfyUI copy fuses q, k, v into one qkv LoRA (A stacked, B
     # block-diagonal), another GEMM shape, so its float32 rounding depends on the CPU's kernel
-    # path (AVX2 on an AMD EPYC: 2.0e-6 at most on images in [0, 1], ATen's baseline kernels:
+    # path (AVX512 on an AMD EPYC: 2.0e-6 at most on images in [0, 1], ATen's baseline kernels:
     # under 1e-6). A wrong conversion (q and k swapped, alpha not folded, a block missed) moves
     # the images by about the LoRA's own effect (9.1e-4 here), so the copy must reproduce
     # that effect to 1%.
