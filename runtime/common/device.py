@@ -9,7 +9,9 @@ an event recorded after a copy (``TransferEvent.wait``), a device-side wait. A h
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -79,27 +81,68 @@ def page_locked_buffer(nbytes: int) -> torch.Tensor:
     pages, so the buffer, its storage and the locked range all start at one page boundary.
     Unlike ``pin_memory``, no power-of-two rounding and no trip through PyTorch's host cache.
     ``is_pinned()`` is True for it and for every view of it (PyTorch asks the driver about the
-    storage's first byte). Release it with ``unlock``.
+    storage's first byte).
+
+    The lock ends with ``unlock``, or by itself when the last view of the buffer is freed: the
+    pages are unregistered *before* they are unmapped (a range freed while registered stays
+    locked until the process exits, and a later mapping at the same address could not be
+    registered), so a runtime whose set-up raised, or that was never closed, leaks no lock.
 
     Raises:
-        RuntimeError: the memory cannot be page-locked (no CUDA, or a pinned-memory cap).
+        RuntimeError: the memory cannot be page-locked (no CUDA, or a pinned-memory cap); the
+            failed call's CUDA error is cleared first (``_clear_cuda_error``).
     """
     page = mmap.PAGESIZE
     locked = max(1, -(-nbytes // page)) * page
     mapping = mmap.mmap(-1, locked)  # page-aligned and zero-filled by the kernel
-    buffer = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]  # keeps ``mapping`` alive
+    # The tensor holds ``pages`` (a view of ``mapping``); ``pages`` is freed, and its finalizer
+    # runs, before it lets go of ``mapping`` (CPython clears weak references first).
+    pages = (ctypes.c_ubyte * locked).from_buffer(mapping)
+    ptr = ctypes.addressof(pages)
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), locked, 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, locked, 0))
     except (AssertionError, RuntimeError) as exc:  # a build or machine without CUDA
         raise RuntimeError(f"cannot page-lock host memory: {exc}") from exc
     if err != 0:
+        _clear_cuda_error()
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
-    return buffer
+    finalizer = weakref.finalize(pages, _unregister, ptr)
+    finalizer.atexit = False  # at interpreter exit the process's locks end with it
+    _LOCKED[ptr] = finalizer
+    return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
+
+
+_LOCKED: dict[int, weakref.finalize] = {}
+"""Start address of each range ``page_locked_buffer`` locked -> its unlock (called once)."""
+
+
+def _unregister(ptr: int) -> None:
+    _LOCKED.pop(ptr, None)
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _clear_cuda_error()
 
 
 def unlock(buffer: torch.Tensor) -> None:
-    """Undo ``page_locked_buffer`` (the buffer stays valid pageable memory)."""
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    """Undo ``page_locked_buffer`` now (the buffer stays valid pageable memory); a no-op for a
+    buffer already unlocked."""
+    finalizer = _LOCKED.get(buffer.data_ptr())
+    if finalizer is not None:
+        finalizer()
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call whose code was handled here.
+
+    A failed ``cudaHostRegister`` leaves its code as the thread's last error, and PyTorch checks
+    ``cudaGetLastError()`` after every kernel launch: the next kernel would raise it (e.g. "CUDA
+    error: out of memory") though the failure was handled. ``torch.cuda.cudart()`` has no
+    ``cudaGetLastError``; a kernel launched here reads the stale code (PyTorch's launch check
+    calls ``cudaGetLastError``, which resets it) and raises it, which is swallowed.
+    """
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
 
 
 class TransferEvent:
