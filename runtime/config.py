@@ -213,7 +213,9 @@ class ConductorConfig(_Strict):
     vram_soft_cap_mb: NonNegMB = 22000
     vram_hard_cap_mb: NonNegMB = 23500
     pinned_budget_mb: NonNegMB = 16384
-    """Pinned host memory the runtimes may reserve together."""
+    """Pinned host memory the runtimes' pools may reserve together (weight slabs, activation
+    size classes). The weight runtime's host cache is sized by its own ``host_cache_mb`` from
+    the host's RAM and is not counted here; the step records' ``pinned_mb`` counts both."""
     h2d_slots: PosInt = 2
     d2h_slots: PosInt = 2
     backward_pressure_threshold: Annotated[float, Field(gt=0, le=1)] = 0.8

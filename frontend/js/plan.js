@@ -27,7 +27,7 @@ function summary(plan) {
     h("ul", {},
       h("li", { id: "plan-peak" }, `peak VRAM ${mb(plan.peak_bytes.steady)} steady, ${mb(plan.peak_bytes.trace_step)} trace step${cap}`),
       h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
-      h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
+      h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}, of it host cache ${mb(plan.host.host_cache_bytes ?? 0)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
       h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
       plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
 }

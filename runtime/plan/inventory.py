@@ -44,6 +44,9 @@ class BlockInfo:
     forward_flops: int
     saved: list[int] = field(default_factory=list)
     """Bytes of each activation tensor autograd saves in the block's forward (no checkpointing)."""
+    frozen: bool = True
+    """No trainable parameter in its layout: the weight runtime's host cache may keep an image
+    of it (``runtime/weights/host_cache.py``)."""
     input_bytes: int = 0
     """Bytes of the block's tensor inputs: what a checkpointed block keeps from its forward."""
     forward_ops: int = 0
@@ -331,7 +334,14 @@ def inventory(
     counter = _SavedCounter(model, len(found))
     shared = SharedTensors()
     infos = [
-        BlockInfo(name=b.name, index=b.index, nbytes=b.nbytes, params=0, forward_flops=0)
+        BlockInfo(
+            name=b.name,
+            index=b.index,
+            nbytes=b.nbytes,
+            params=0,
+            forward_flops=0,
+            frozen=not any(slot.trainable for slot in b.layout),
+        )
         for b in layouts
     ]
     handles = []

@@ -88,6 +88,7 @@ class Plan:
         file_backed = streaming and self.memory.get("strategy") == "stagehand"
         file_backed = file_backed and sh.get("file_backed", True)
         masters = 0 if file_backed or not streaming else inv.block_bytes
+        cache = host_cache_bytes(inv, self.memory, self.profile) if streaming else 0
         return {
             "preset": self.preset,
             "device": self.profile.to_dict(),
@@ -100,9 +101,15 @@ class Plan:
             "peak_bytes": {"trace_step": first.peak_bytes, "steady": s.peak_bytes},
             "steady_band_bytes": [s.low_bytes, s.peak_bytes],
             "host": {  # stage 2; on a CPU device the device bytes are host bytes too
-                "ram_peak_bytes": pinned + masters + (s.peak_bytes if self.profile.tracked else 0),
+                # Images of file-backed blocks are host memory of their own; module-backed
+                # ones are the masters, moved (counted once).
+                "ram_peak_bytes": pinned
+                + masters
+                + (cache if file_backed else 0)
+                + (s.peak_bytes if self.profile.tracked else 0),
                 "block_masters_bytes": masters,
-                "pinned_bytes": pinned,
+                "host_cache_bytes": cache,
+                "pinned_bytes": pinned + cache,
                 "lora_and_optimizer_bytes": inv.lora_bytes + inv.optimizer_bytes,
                 "spilled_activation_bytes": s.spilled_bytes,
             },
@@ -123,6 +130,25 @@ class Plan:
                 "event": [e for _, _, e in s.curve],
             },
         }
+
+
+def host_cache_bytes(inv: Inventory, memory: dict[str, Any], profile: DeviceProfile) -> int:
+    """Bytes of the weight runtime's host-cache images in a streamed run (its rules, in
+    ``runtime/weights/host_cache.py``): only frozen blocks have one. Module-backed blocks
+    (``file_backed: false``, layer offload) are all registered on a GPU, or on a CPU device
+    with ``host_cache_mb`` set. File-backed blocks are cached up to ``host_cache_mb``; left
+    out, on a GPU up to the RAM available above a margin, which a plan does not know: every
+    frozen block is counted (the most it holds), and none on a CPU device (off there)."""
+    frozen = sum(b.nbytes for b in inv.blocks if b.frozen)
+    sh = memory.get("stagehand") or {}
+    mb = sh.get("host_cache_mb")
+    on = not profile.tracked if mb is None else mb > 0
+    file_backed = memory.get("strategy") == "stagehand" and sh.get("file_backed", True)
+    if not file_backed:
+        return frozen if (on or not profile.tracked) else 0
+    if not on:
+        return 0
+    return frozen if mb is None else min(frozen, int(mb * MB))
 
 
 def simulate(

@@ -33,8 +33,9 @@ def table(plan: dict[str, Any]) -> str:
     host = plan["host"]
     lines.append(
         f"  host         RAM peak {host['ram_peak_bytes'] / MB:.0f} MB (pinned "
-        f"{host['pinned_bytes'] / MB:.0f} MB, block masters {host['block_masters_bytes'] / MB:.0f}"
-        f" MB), spilled activations "
+        f"{host['pinned_bytes'] / MB:.0f} MB, of it host cache "
+        f"{host.get('host_cache_bytes', 0) / MB:.0f} MB; block masters "
+        f"{host['block_masters_bytes'] / MB:.0f} MB), spilled activations "
         f"{host['spilled_activation_bytes'] / MB:.1f} MB/step"
     )
     lines.append(

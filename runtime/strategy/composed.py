@@ -136,7 +136,7 @@ class StagehandStrategy(MemoryStrategy):
                 if adapter is not None:
                     self.conductor.register_adapter(adapter)
                 if part.pinned_owner is not None:
-                    self._reserve_pinned(part.pinned_owner, part.pinned_bytes())
+                    self._reserve_pinned(part.pinned_owner, part.pool_bytes())
         self._packing = [p for p in runtime_parts if p.packer is not None]
 
     def _reserve_pinned(self, owner: str, nbytes: int) -> None:
@@ -254,7 +254,8 @@ class StagehandStrategy(MemoryStrategy):
         return any(part.needs_optimizer() for part in self.parts)
 
     def pinned_bytes(self) -> int:
-        """Host bytes held by the pools (pinned on CUDA), for the trainer's ``pinned_mb``."""
+        """Host bytes held by the pools and the host cache's images (pinned on CUDA), for the
+        trainer's ``pinned_mb``."""
         return sum(part.pinned_bytes() for part in self.parts)
 
     def snapshot(self) -> dict[str, Any]:

@@ -83,9 +83,15 @@ class MemoryPart:
         """This step's work, keys of ``runtime.strategy.base.COUNTERS`` (summed over parts)."""
         return {}
 
-    def pinned_bytes(self) -> int:
-        """Host bytes of the part's pool (pinned on CUDA)."""
+    def pool_bytes(self) -> int:
+        """Host bytes of the part's pool (pinned on CUDA): what it reserves in the Conductor's
+        ``pinned_budget_mb``."""
         return 0
+
+    def pinned_bytes(self) -> int:
+        """Host bytes the part holds in pools and images (page-locked on CUDA), for the
+        trainer's ``pinned_mb``: its pool unless it keeps more."""
+        return self.pool_bytes()
 
     def needs_optimizer(self) -> bool:
         """Whether ``strategy.optimizer()`` must be given the optimizer."""
@@ -194,8 +200,16 @@ class WeightsPart(MemoryPart):
     def counters(self) -> dict[str, int]:
         return self.runtime.counters()
 
-    def pinned_bytes(self) -> int:
+    def pool_bytes(self) -> int:
         return self.runtime.pool.pool_bytes
+
+    def pinned_bytes(self) -> int:
+        """The slab pool plus the host cache's images (page-locked on CUDA: cached file-backed
+        blocks and registered module-backed ones). The images are sized by ``host_cache_mb``
+        from the host's RAM, not reserved in the Conductor's ``pinned_budget_mb``
+        (``runtime/weights/host_cache.py``)."""
+        cache = self.runtime.cache
+        return self.pool_bytes() + cache.cached_bytes + cache.registered_bytes
 
     def needs_optimizer(self) -> bool:
         return any(slot.trainable for block in self.runtime.blocks for slot in block.layout)
@@ -280,7 +294,7 @@ class ActivationsPart(MemoryPart):
         transfer = self.runtime.transfer
         return transfer.d2h.pageable_copies + transfer.h2d.pageable_copies
 
-    def pinned_bytes(self) -> int:
+    def pool_bytes(self) -> int:
         return self.runtime.pool.total_bytes()
 
     def adapter(self) -> ConductorAdapter:

@@ -192,9 +192,23 @@ def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
     ms = out["step_ms"]
     assert ms["total"] == pytest.approx(ms["compute"] + ms["stall"] + ms["spill"], abs=1e-3)
     assert ms["h2d"] > 0 and ms["exposed_h2d"] == ms["stall"]
-    # File-backed streaming keeps no host copy of the blocks: the pinned pool is the host RAM.
-    assert out["host"]["block_masters_bytes"] == 0
-    assert out["host"]["ram_peak_bytes"] == out["host"]["pinned_bytes"] == 8 * MB
+    # File-backed streaming keeps no host copy of the blocks: the pinned pool is the host RAM,
+    # with (on a GPU, host_cache_mb left out) the host cache's image of every frozen block (the
+    # LoRA stays resident: every block is frozen), page-locked as well.
+    host = out["host"]
+    assert host["block_masters_bytes"] == 0
+    assert host["host_cache_bytes"] == out["model"]["block_bytes"] > 0
+    assert host["ram_peak_bytes"] == host["pinned_bytes"] == 8 * MB + host["host_cache_bytes"]
+    # host_cache_mb caps it (0: off); module-backed blocks are all registered on a GPU.
+    capped = _stream(*sizes)
+    capped["stagehand"]["host_cache_mb"] = sizes[0]
+    assert _plan(tiny_flux, capped).to_dict()["host"]["host_cache_bytes"] == int(sizes[0] * MB)
+    capped["stagehand"]["host_cache_mb"] = 0
+    assert _plan(tiny_flux, capped).to_dict()["host"]["pinned_bytes"] == 8 * MB
+    capped["stagehand"]["file_backed"] = False
+    module = _plan(tiny_flux, capped).to_dict()["host"]
+    assert module["host_cache_bytes"] == module["block_masters_bytes"] == host["host_cache_bytes"]
+    assert module["ram_peak_bytes"] == 8 * MB + module["block_masters_bytes"]
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,8 @@ def test_frozen_blocks_are_read_once_then_copied_from_the_cache(tiny_flux):
     assert last["host_cache_mb"] == pytest.approx(nbytes / MB)
     assert last["weights_mode"] == "host-cache" and last["host_cache_refused_blocks"] == 0
     assert runtime.pool.allocated_bytes == 0  # no slab was ever needed
+    # pinned_mb counts the images beside the pool; the Conductor's budget holds the pool only.
+    assert built.pinned_bytes() == runtime.pool.pool_bytes + nbytes
     built.close()
 
 
@@ -91,6 +93,8 @@ def test_module_backed_frozen_blocks_load_from_one_image_of_their_masters(tiny_f
     assert record["weights_mode"] == "module-backed"
     assert record["host_cache_registered_mb"] > 0
     assert runtime.pool.allocated_bytes == 0  # no staging copy through a slab
+    nbytes = sum(b.nbytes for b in runtime.blocks)
+    assert built.pinned_bytes() == runtime.pool.pool_bytes + nbytes
     built.close()
 
 
