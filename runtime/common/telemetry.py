@@ -16,6 +16,7 @@ continues from its last record, so the backend can use ``(run, seq)`` as a key.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -113,9 +114,19 @@ class JsonlSink:
         self._file.write(encode(record) + "\n")
 
     def flush(self) -> None:
+        """Push the lines to the OS and sync them to the disk.
+
+        Raises:
+            OSError: the write failed (``ENOSPC`` on a full disk, ``EROFS``...). A file that
+                cannot be synced (``EINVAL``: a pipe, a character device) is only flushed.
+        """
         if not self._file.closed:
             self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
 
     def close(self) -> None:
         if not self._file.closed:
@@ -192,6 +203,9 @@ class Telemetry:
         self.tags: dict[str, Any] = {}
         """Fields added to every record while set (``tagged``), e.g. ``sampling: true``."""
         self._dirty = False
+        self._error: OSError | None = None
+        """What a time-bound flush raised: raised again on the writer's side, at its next
+        ``emit`` or ``flush`` (the flusher thread stops), so the run fails with the first error."""
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         if flush_interval_s is not None:
@@ -208,7 +222,11 @@ class Telemetry:
     def _flush_every(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):
             if self._dirty:
-                self.flush()
+                try:
+                    self.flush()
+                except OSError as exc:
+                    self._error = exc
+                    return
 
     @property
     def next_seq(self) -> int:
@@ -217,6 +235,7 @@ class Telemetry:
     def emit(self, source: str, kind: str, **fields: Any) -> dict[str, Any]:
         """Write one record and return it (with its envelope)."""
         with self._lock:
+            self._raise_flusher_error()
             record = {
                 "seq": self._seq,
                 "time": time.time(),
@@ -245,9 +264,19 @@ class Telemetry:
             self.tags = before
 
     def flush(self) -> None:
+        """Flush the sink.
+
+        Raises:
+            OSError: the sink's, or one a time-bound flush met earlier.
+        """
         with self._lock:
+            self._raise_flusher_error()
             self._dirty = False
             self.sink.flush()
+
+    def _raise_flusher_error(self) -> None:
+        if self._error is not None and threading.current_thread() is not self._flusher:
+            raise self._error
 
     def close(self) -> None:
         self._closed.set()

@@ -78,3 +78,25 @@ def test_a_time_bound_flushes_records_without_a_step(tmp_path):
     assert '"done":1' in (tmp_path / "plain.jsonl").read_text()
     with pytest.raises(ValueError, match="flush_interval_s must be > 0"):
         Telemetry(flush_interval_s=0)
+
+
+def test_a_failed_time_bound_flush_fails_the_next_emit_with_its_error(tmp_path):
+    """A full disk met by the flusher thread is raised on the writer's side at its next
+    ``emit`` (not lost in the thread, nor replaced by a later, different error); a file that
+    cannot be synced (``/dev/full``: ``fsync`` gives EINVAL) is flushed, not failed."""
+    import errno
+    import time
+
+    (tmp_path / "full.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    telemetry = Telemetry(JsonlSink(tmp_path / "full.jsonl"), flush_interval_s=0.02)
+    telemetry.emit("trainer", "stage", stage="cache", done=1, total=9)
+    deadline = time.monotonic() + 5
+    while telemetry._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(OSError) as raised:
+        telemetry.emit("trainer", "stage", stage="cache", done=2, total=9)
+    assert raised.value.errno == errno.ENOSPC
+    with pytest.raises(OSError, match="No space left on device"):
+        telemetry.flush()
+    empty = JsonlSink(tmp_path / "full.jsonl")
+    empty.flush()  # nothing buffered: only the fsync, which /dev/full refuses with EINVAL
