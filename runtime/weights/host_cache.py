@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from runtime.common.device import host_buffer, page_locked_buffer, unlock
+from runtime.common.host_ram import host_ram
 from runtime.config import MB
 from runtime.weights.registry import Block, slot_views
 
@@ -47,14 +47,14 @@ def ram_margin(total: int) -> int:
 
 def cache_budget(host_cache_mb: float | None, cuda: bool) -> int:
     """The cache's budget in bytes: ``host_cache_mb`` when given (0: off); None: on CUDA the RAM
-    available now minus ``ram_margin``, on CPU 0 (a CPU "device" is host memory: a cache there
+    available now (``host_ram``: a container's memory limit counts) minus ``ram_margin``, on CPU 0 (a CPU "device" is host memory: a cache there
     would hold every block twice)."""
     if host_cache_mb is not None:
         return int(host_cache_mb * MB)
     if not cuda:
         return 0
-    vm = psutil.virtual_memory()
-    return max(0, vm.available - ram_margin(vm.total))
+    available, total = host_ram()
+    return max(0, available - ram_margin(total))
 
 
 def cacheable(block: Block) -> bool:
@@ -127,9 +127,9 @@ class HostCache:
             return None
         if block.index in self.refused:
             return None
-        vm = psutil.virtual_memory()
+        available, total = host_ram()
         over = self.cached_bytes + block.nbytes > self.budget
-        if over or vm.available - block.nbytes < ram_margin(vm.total):
+        if over or available - block.nbytes < ram_margin(total):
             self.refused.add(block.index)
             return None
         buffer = self._buffer(block.nbytes)

@@ -5,7 +5,6 @@ fit, trainable blocks and a failed page-lock fall back to streaming through the 
 
 from __future__ import annotations
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -112,8 +111,7 @@ def test_trainable_blocks_are_never_cached(tiny_flux):
 
 def test_cache_budget_and_margin(monkeypatch):
     total, available = 128 * 1024 * MB, 120 * 1024 * MB
-    vm = psutil.virtual_memory()._replace(total=total, available=available)
-    monkeypatch.setattr(host_cache.psutil, "virtual_memory", lambda: vm)
+    monkeypatch.setattr(host_cache, "host_ram", lambda: (available, total))
     assert ram_margin(total) == 32 * 1024 * MB and ram_margin(16 * 1024 * MB) == 8 * 1024 * MB
     assert cache_budget(None, cuda=True) == available - 32 * 1024 * MB
     assert cache_budget(None, cuda=False) == 0  # a CPU device's memory is the host's
@@ -122,8 +120,7 @@ def test_cache_budget_and_margin(monkeypatch):
 
 def test_a_block_refused_when_ram_would_fall_under_the_margin(tiny_flux, monkeypatch):
     model, built, sink = _run(tiny_flux, host_cache_mb=64)
-    low = psutil.virtual_memory()._replace(total=64 * 1024 * MB, available=16 * 1024 * MB)
-    monkeypatch.setattr(host_cache.psutil, "virtual_memory", lambda: low)
+    monkeypatch.setattr(host_cache, "host_ram", lambda: (16 * 1024 * MB, 64 * 1024 * MB))
     exact.train(model, built, steps=2)
     last = sink.of("stagehand", "step")[-1]
     assert last["host_cache_mb"] == 0 and last["host_cache_hits"] == 0
