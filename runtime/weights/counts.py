@@ -13,6 +13,9 @@ class Totals:
 
     h2d_bytes: int = 0
     """Bytes of block weights copied to the device (``TransferEngine.h2d_bytes``)."""
+    d2h_bytes: int = 0
+    """Bytes copied back to the host at evictions: trainable gradients, and weights an
+    optimizer step changed on the device (``TransferEngine.d2h_bytes``)."""
     file_reads: int = 0
     """Tensors read from the safetensors files (``SafetensorsCheckpoint.reads``)."""
     file_read_bytes: int = 0
@@ -59,13 +62,14 @@ class StepCounts:
 
     def record(self, now: Totals) -> dict[str, Any]:
         """The counts of a ``stagehand/step`` record (docs/contracts.md): ``counters`` plus
-        ``prefetch_skipped``, ``stall_time_ms``, ``file_read_bytes``, ``host_cache_hits`` and
-        ``file_reads_avoided``."""
+        ``prefetch_skipped``, ``stall_time_ms``, ``d2h_bytes``, ``file_read_bytes``,
+        ``host_cache_hits`` and ``file_reads_avoided``."""
         begin = self.at_begin
         return {
             **self.counters(now),
             "prefetch_skipped": self.prefetch_skipped,
             "stall_time_ms": self.stall_time_ms,
+            "d2h_bytes": now.d2h_bytes - begin.d2h_bytes,
             "file_read_bytes": now.file_read_bytes - begin.file_read_bytes,
             "host_cache_hits": now.host_cache_hits - begin.host_cache_hits,
             "file_reads_avoided": now.file_reads_avoided - begin.file_reads_avoided,

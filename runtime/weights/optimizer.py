@@ -55,7 +55,10 @@ def trainable_on_device(
     moved: list[ParamSlot] = []
     for block in blocks:
         if block.state is BlockState.GPU_READY:
-            continue  # already on the device, as views of the block buffer
+            # Already on the device, as views of the block buffer: the step updates them there,
+            # so they are copied back at the block's eviction.
+            block.dirty = bool(block.trainable)
+            continue
         for slot in block.layout:
             if slot.trainable:
                 slot.param.data = slot.host.to(device, copy=True, non_blocking=non_blocking)

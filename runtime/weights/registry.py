@@ -128,6 +128,10 @@ class Block:
     gradients follow them to the device."""
     prefetched: bool = False
     """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
+    dirty: bool = False
+    """Its device weights are newer than its host masters (an optimizer step ran while it was
+    loaded): its next eviction copies them back. Else an eviction copies back only gradients
+    (the weights on the device are the masters' own copy)."""
     d2h_event: object | None = None
     """The copy back of trainable parameters to their host masters (read only after it)."""
     resident: bool = False

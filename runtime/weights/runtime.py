@@ -235,9 +235,10 @@ class StagehandRuntime:
         source, transfer = self.source, self.transfer
         return Totals(
             h2d_bytes=transfer.h2d_bytes,
+            d2h_bytes=transfer.d2h_bytes,
             file_reads=source.reads if source is not None else 0,
             file_read_bytes=source.read_bytes if source is not None else 0,
-            pageable_copies=transfer.stream.pageable_copies,
+            pageable_copies=transfer.stream.pageable_copies + transfer.d2h_stream.pageable_copies,
             host_cache_hits=self.cache.hits,
             file_reads_avoided=self.cache.reads_avoided,
         )

@@ -6,9 +6,10 @@ On CPU the same calls run as synchronous copies: "loading" materialises the bloc
 buffer and "evicting" releases it, and both are counted in ``DeviceMemory`` (category
 ``"weights"``), so the tracked figure falls with streaming exactly as VRAM would.
 
-Eviction of trainable (module-backed) parameters copies data and gradients back to their host
-masters on the transfer stream and records one event per block; whoever reads those host tensors
-first waits on it (``synchronize_d2h``): a gradient copied with ``non_blocking`` is never read
+Eviction of trainable (module-backed) parameters copies their gradients back to the host, and
+their data to the host masters when an optimizer step changed it on the device (the weights of a
+block loaded from its masters are the masters' own copy until then), on a D2H stream of its own,
+and records one event per block; whoever reads those host tensors first waits on it (``synchronize_d2h``): a gradient copied with ``non_blocking`` is never read
 before the copy finished (a defect of the public implementation).
 """
 
@@ -114,6 +115,12 @@ class TransferEngine:
     ) -> None:
         self.device = device
         self.stream = TransferStream(device)
+        """H2D copies (block loads)."""
+        self.d2h_stream = TransferStream(device)
+        """D2H copies (trainable weights and gradients copied back at eviction): a stream of
+        their own, so a prefetch is not queued behind an eviction and the copy engines run both
+        directions at once. A load of a block whose copy back is still running waits for it
+        first (``block.d2h_event``)."""
         self.readers = Readers(reader_threads) if reader_threads > 0 else None
         """Reader threads (``reader_threads``): they share each block's read, and the last
         part's reader issues its H2D copy (``readers.py``)."""
@@ -130,6 +137,8 @@ class TransferEngine:
         self.inflight: deque[InFlight] = deque()
         """Issued copies in issue order (a stream completes them in that order)."""
         self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        """Bytes copied back to the host at evictions (gradients, and weights when dirty)."""
         self.d2h_events: list[TransferEvent] = []
 
     # -- completion -----------------------------------------------------------------------------
@@ -325,8 +334,9 @@ class TransferEngine:
     # -- evict ----------------------------------------------------------------------------------
     def evict(self, block: Block) -> None:
         """-> GPU_FREEING -> UNLOADED. File-backed parameters are dropped (they reload from disk);
-        module-backed ones point back at their host masters, trainable ones after their data and
-        gradients were copied back (EVICTING -> HOST_STAGED; the seed's bug 2)."""
+        module-backed ones point back at their host masters, trainable ones after their
+        gradients, and their data when an optimizer step changed it on the device
+        (``block.dirty``), were copied back (EVICTING -> HOST_STAGED; the seed's bug 2)."""
         if block.state is BlockState.PREFETCHING:
             # A prefetch evicted before its use: nothing on the compute stream waited for its
             # copy, so its device buffer may be dropped only after the copy (host wait, rare).
@@ -336,25 +346,29 @@ class TransferEngine:
         host_grads: dict[int, torch.Tensor] = {}
         if trainable and block.state is BlockState.GPU_READY:
             block.to(BlockState.EVICTING)
-            with self.stream.use():
+            with self.d2h_stream.use():
                 for slot in trainable:
-                    self.stream.copy_(slot.host, slot.param.data)
+                    if block.dirty:
+                        self.d2h_stream.copy_(slot.host, slot.param.data)
+                        self.d2h_bytes += slot.nbytes
                     grad = slot.param.grad
                     if grad is not None:
+                        self.d2h_bytes += grad.nbytes
                         # A fresh host gradient per eviction, as autograd gives a fresh ``.grad``
                         # after ``zero_grad(set_to_none=True)``: one the user kept is never
                         # overwritten. Pinned ones come from PyTorch's caching host allocator.
-                        host_grads[id(slot)] = host = host_like(grad, self.stream.non_blocking)
-                        self.stream.copy_(host, grad)
-                block.d2h_event = self.stream.record()
+                        host_grads[id(slot)] = host = host_like(grad, self.d2h_stream.non_blocking)
+                        self.d2h_stream.copy_(host, grad)
+                block.d2h_event = self.d2h_stream.record()
                 self.d2h_events.append(block.d2h_event)
+            block.dirty = False
             pending = block.nbytes
-            if self.stream.stream is not None:  # device gradients are real allocations
+            if self.d2h_stream.stream is not None:  # device gradients are real allocations
                 pending += sum(s.param.grad.nbytes for s in trainable if s.param.grad is not None)
-                block.flat.record_stream(self.stream.stream)
+                block.flat.record_stream(self.d2h_stream.stream)
                 for slot in trainable:
                     if slot.param.grad is not None:
-                        slot.param.grad.record_stream(self.stream.stream)
+                        slot.param.grad.record_stream(self.d2h_stream.stream)
             # Freed below, yet read by the D2H copy until its event: not reusable before.
             self.memory.release_after(block.d2h_event, pending)
             block.to(BlockState.HOST_STAGED)

@@ -140,3 +140,48 @@ def test_h2d_copies_overlap_compute_without_host_syncs():
     last = sink.of("stagehand", "step")[-1]
     assert last["prefetch_skipped"] == 0
     assert (last["prefetch_hits"], last["prefetch_misses"]) == (8, 0)
+
+
+def test_copies_back_run_beside_prefetches():
+    """Full fine-tune: after a block's backward its gradients go back on the D2H stream while
+    the next blocks' weights come in on the H2D stream; the copy engines run both directions at
+    once, which one shared stream would serialise. At least one D2H copy overlaps an H2D one."""
+    model = Wide(depth=6)
+    runtime = StagehandRuntime(
+        model,
+        config(
+            pinned_pool_mb=8 * 65,
+            pinned_slab_mb=65,  # a 64.02 MB block in one slab
+            max_inflight_transfers=4,
+            prefetch_window_blocks=2,
+            resident_trainable_max_fraction=0,  # trainable weights stream with their block
+            vram_high_watermark_mb=20000,
+            vram_low_watermark_mb=20000,
+        ),
+        device="cuda",
+    )
+    x = torch.randn(8192, 2048, device="cuda")
+
+    def step():
+        with runtime.managed_forward():
+            loss = model(x).pow(2).mean()
+        with runtime.managed_backward():
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        runtime.end_step()
+
+    step()  # trace step
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    runtime.close()
+    events = prof.events()
+    h2d = [e for e in events if "Memcpy HtoD" in e.name]
+    d2h = [e for e in events if "Memcpy DtoH" in e.name]
+    assert h2d and d2h
+    assert any(
+        a.time_range.start < b.time_range.end and b.time_range.start < a.time_range.end
+        for a in h2d
+        for b in d2h
+    ), "no D2H copy ran while an H2D copy ran"
