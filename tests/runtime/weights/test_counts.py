@@ -6,12 +6,15 @@ from runtime.weights.counts import StepCounts, Totals
 
 def test_counters_and_record_are_the_step_share_of_the_life_figures():
     counts = StepCounts(
-        at_begin=Totals(h2d_bytes=100, file_reads=3, file_read_bytes=40, host_cache_hits=2)
+        at_begin=Totals(
+            h2d_bytes=100, d2h_bytes=8, file_reads=3, file_read_bytes=40, host_cache_hits=2
+        )
     )
     counts.blocks_loaded, counts.blocks_evicted, counts.prefetch_hits = 4, 3, 2
     counts.prefetch_misses, counts.prefetch_skipped, counts.stall_time_ms = 1, 5, 2.5
     now = Totals(
         h2d_bytes=164,
+        d2h_bytes=30,
         file_reads=7,
         file_read_bytes=90,
         pageable_copies=1,
@@ -32,6 +35,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         **counts.counters(now),
         "prefetch_skipped": 5,
         "stall_time_ms": 2.5,
+        "d2h_bytes": 22,
         "file_read_bytes": 50,
         "host_cache_hits": 3,
         "file_reads_avoided": 12,
