@@ -222,6 +222,11 @@ class RunSummary(BaseModel):
     mean_step_time_ms: float | None = None
     spill_bytes: int | None = None
     stall_ms: float | None = None
+    weights_mode: str | None = None
+    """How weight streaming reached the GPU in training (``host-cache``, ``host-cache-partial``,
+    ``file-backed``, ``module-backed``; None without streaming): the last ``stagehand/step``
+    record's, with its ``weights_mode_reason`` (README "Which mode weight streaming runs in")."""
+    weights_mode_reason: str | None = None
 
 
 class RunError(BaseModel):

@@ -348,6 +348,9 @@ class TelemetryTables:
         ).fetchone()
         started = self.last_record(run_id, *RUN_STARTED) or {}
         finished = self.last_record(run_id, *RUN_FINISHED) or {}
+        # The training stage's weight-streaming mode: the last one recorded (stage 1's text
+        # encoders stream before it).
+        weights = self.last_record(run_id, "stagehand", "step") or {}
         return {
             "steps_done": finished.get("steps_done", steps),
             "max_steps": started.get("max_steps"),
@@ -357,4 +360,6 @@ class TelemetryTables:
             "mean_step_time_ms": mean_ms,
             "spill_bytes": int(spill) if spill is not None else None,
             "stall_ms": stall,
+            "weights_mode": weights.get("weights_mode"),
+            "weights_mode_reason": weights.get("weights_mode_reason"),
         }

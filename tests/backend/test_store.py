@@ -157,13 +157,27 @@ def test_summary_peak_vram_per_stage(tmp_path):
     store.ingest(other, [row(0, "trainer", "step", step=0, vram_peak_mb=9.0, loss=1.0)], 10)
     assert store.summary(other)["peak_vram_mb"] == 9.0
     assert store.summary(other)["encode_peak_vram_mb"] is None
+    # The weights mode: the last stagehand step record's (none said one yet).
+    assert store.summary(run_id)["weights_mode"] is None
     rows = [
-        row(3, "stagehand", "step", step=0, vram_peak_mb=36.0),
+        row(
+            3,
+            "stagehand",
+            "step",
+            step=0,
+            vram_peak_mb=36.0,
+            weights_mode="host-cache",
+            weights_mode_reason="within the cache",
+        ),
         row(4, "trainer", "step", step=0, vram_peak_mb=35.5, loss=1.0),
     ]
     store.ingest(run_id, rows, 20)
     summary = store.summary(run_id)
     assert summary["peak_vram_mb"] == 36.0 and summary["encode_peak_vram_mb"] == 52.8
+    assert (summary["weights_mode"], summary["weights_mode_reason"]) == (
+        "host-cache",
+        "within the cache",
+    )
     # A sampling step's records (same step number) stay out of the series Compare draws.
     store.ingest(
         run_id, [row(5, "stagehand", "step", step=0, vram_peak_mb=99.0, sampling=True)], 30

@@ -63,6 +63,13 @@ def test_start_from_form_watch_live_change_watermark_reconnect_finish(backend_se
     assert loss_points(page) < STEPS, "the run finished before the live growth could be seen"
     assert page.get_attribute(".run-header .badge", "data-status") == "running"
     assert re.fullmatch(rf"\d+/{STEPS}", page.inner_text("#fact-step .fact-value"))
+    # How weight streaming reaches the device, and why, from the worker's stagehand records
+    # (tiny-ci streams file-backed; the host cache is off on a CPU device).
+    records = api.call("GET", f"/api/runs/{run_id}/telemetry?source=stagehand&kind=step")
+    last = records["data"][-1]
+    page.wait_for_selector("#fact-weights")
+    assert page.inner_text("#fact-weights .fact-value") == last["weights_mode"] == "file-backed"
+    assert page.inner_text("#fact-weights .fact-note") == last["weights_mode_reason"]
 
     # A dropped socket: banner while reconnecting, then the stream resumes after its last seq.
     before = page.evaluate("window.__runView.stream.lastSeq")
@@ -121,6 +128,9 @@ def test_start_from_form_watch_live_change_watermark_reconnect_finish(backend_se
     peak = api.call("GET", f"/api/runs/{run_id}")["summary"]["peak_vram_mb"]
     assert page.text_content("#fact-peak .fact-label") == "peak VRAM (training)"
     assert page.inner_text("#fact-peak .fact-value") == f"{peak:.1f} MB"
+    summary = api.call("GET", f"/api/runs/{run_id}")["summary"]
+    assert page.inner_text("#fact-weights .fact-value") == summary["weights_mode"] == "file-backed"
+    assert page.get_attribute("#fact-weights", "title") == summary["weights_mode_reason"]
     phases = page.evaluate("document.getElementById('phases').data.map(t => t.x.length)")
     assert phases == [STEPS] * 4
     shoot(backend_server + f"/#/runs/{run_id}", "run-finished", ready="#loss .main-svg")

@@ -8,50 +8,12 @@ import { loadHistory } from "../history.js";
 import { calibrationView, drawOverlay } from "../calibration.js";
 import { afterPaint } from "../charts.js";
 import { RunCharts } from "../runcharts.js";
+import { addFigures, figuresOf, newFigures, weightsFact } from "../runfigures.js";
 import { sampleStep, stepText } from "../samples.js";
 import { framesView, scanView } from "../scan.js";
 import { RunStream, StreamState } from "../stream.js";
 import { clearErrors, fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../ui.js";
 import { LimitsPanel } from "./limits.js";
-
-/** The header's figures, summed from records as `store.summary` sums them in the backend:
- * peak VRAM per stage (stage 1 from the trainer's "cache" stage record to its "train" one). */
-function newFigures() {
-  return { loss: null, peak: null, encodePeak: null, stage1: false, trained: false, stepMsSum: 0, steps: 0, spill: null };
-}
-
-/** Adds one `step` record (any source); true when a figure changed. */
-function addFigures(f, rec) {
-  let changed = false;
-  const key = f.stage1 ? "encodePeak" : "peak";
-  if (typeof rec.vram_peak_mb === "number" && (f[key] === null || rec.vram_peak_mb > f[key])) {
-    f[key] = rec.vram_peak_mb;
-    changed = true;
-  }
-  if (rec.source === "trainer") {
-    if (typeof rec.loss === "number") f.loss = rec.loss;
-    if (typeof rec.step_time_ms === "number") {
-      f.stepMsSum += rec.step_time_ms;
-      f.steps += 1;
-    }
-    changed = true;
-  } else if (rec.source === "activation_stagehand" && typeof rec.spill_bytes === "number") {
-    f.spill = (f.spill ?? 0) + rec.spill_bytes;
-    changed = true;
-  }
-  return changed;
-}
-
-/** The figures as `RunSummary` fields (absent where no record said anything yet). */
-function figuresOf(f) {
-  const out = {};
-  if (f.loss !== null) out.final_loss = f.loss;
-  if (f.peak !== null) out.peak_vram_mb = f.peak;
-  if (f.encodePeak !== null) out.encode_peak_vram_mb = f.encodePeak;
-  if (f.steps) out.mean_step_time_ms = f.stepMsSum / f.steps;
-  if (f.spill !== null) out.spill_bytes = f.spill;
-  return out;
-}
 
 export function mount(root, { parts }) {
   const runId = parts[1];
@@ -152,6 +114,7 @@ export function mount(root, { parts }) {
         s.encode_peak_vram_mb != null ? fact("peak VRAM (encoding)", fmtMB(s.encode_peak_vram_mb), "fact-encode-peak") : null,
         fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
         fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
+        weightsFact(s),
         run.exit_code != null ? fact("exit code", String(run.exit_code), "fact-exit") : null));
   }
 
