@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.trainer.data import target_size
+from runtime.trainer.data import WHITE, image_hw, load_image, target_size
 from runtime.trainer.scan import IMAGE_SUFFIXES, DataError, Sample, read_caption
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")
@@ -141,19 +141,23 @@ def _fit(img, hw: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
-def load_clip(sample: Sample, frames: int | None, resolution: int, bucketing: bool) -> torch.Tensor:
-    """(F, 3, H, W) in [-1, 1]: ``frames`` frames of a clip, or an image as one frame.
+def load_clip(
+    sample: Sample,
+    frames: int | None,
+    resolution: int,
+    bucketing: bool,
+    background: tuple[int, int, int] = WHITE,
+) -> torch.Tensor:
+    """(F, 3, H, W) in [-1, 1]: ``frames`` frames of a clip, or an image as one frame (read as
+    ``data.load_image`` reads it: upright, 16-bit scaled, transparency on ``background``).
 
     Raises:
         DataError: a clip that cannot be decoded or is too short (names the file).
     """
-    from PIL import Image
-
     path = sample.files[0]
-    if is_video(path):
-        images = _frames(path, frames)
-    else:
-        with Image.open(path) as img:
-            images = [img.copy()]
+    if not is_video(path):
+        hw = target_size(image_hw(path), resolution, bucketing)
+        return load_image(path, hw, background)[None]  # (1, 3, H, W)
+    images = _frames(path, frames)
     hw = target_size((images[0].height, images[0].width), resolution, bucketing)
     return torch.stack([_fit(img, hw) for img in images])
