@@ -206,7 +206,15 @@ def scan_folder(
     entries = sorted(folder.iterdir())
     kinds = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if videos else ())
     owners = [e for e in entries if not e.name.startswith(".") and _is_sample(e, frames, kinds)]
-    claimed = {e.with_suffix(suffix).name for e in owners}
+    names = {e.name for e in entries}
+    # A caption differing only in case (IMG_1.TXT beside IMG_1.JPG, as Windows and cameras
+    # write them) is the image's caption; an exact match wins.
+    folded = {n.lower(): n for n in sorted(names) if n.lower().endswith(suffix.lower())}
+    caption_of = {}
+    for e in owners:
+        want = e.with_suffix(suffix).name
+        caption_of[e] = want if want in names else folded.get(want.lower(), want)
+    claimed = set(caption_of.values())
     for entry in entries:
         if limit is not None and len(scan.samples) >= limit:
             break
@@ -226,7 +234,7 @@ def scan_folder(
                 why = f"not {what} ({', '.join(kinds)}) or a {suffix} caption"
             scan.skipped.append(Skipped(name, why, bad=False))
         else:
-            _add_sample(scan, entry, suffix, default_caption, frames)
+            _add_sample(scan, entry, folder / caption_of[entry], default_caption, frames)
     return scan
 
 
@@ -237,9 +245,9 @@ def _is_sample(entry: Path, frames: int | None, kinds: tuple[str, ...]) -> bool:
 
 
 def _add_sample(
-    scan: Scan, entry: Path, suffix: str, default_caption: str | None, frames: int | None
+    scan: Scan, entry: Path, cap: Path, default_caption: str | None, frames: int | None
 ) -> None:
-    """Checks one image or clip and its caption; appends a ``Sample`` or a ``Skipped``."""
+    """Checks one image or clip and its caption ``cap``; appends a ``Sample`` or a ``Skipped``."""
     rel = entry.name
     if entry.is_dir():
         stack = sorted(
@@ -261,7 +269,6 @@ def _add_sample(
             name = str(frame.relative_to(scan.folder))
             scan.skipped.append(Skipped(name, problem, bad=True))
             return
-    cap = entry.with_suffix(suffix)
     if cap.is_file():
         try:
             caption, warning = read_caption(cap)

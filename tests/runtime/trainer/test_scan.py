@@ -102,6 +102,25 @@ def test_transparent_pixels_take_the_background(tmp_path):
     assert np.asarray(to_rgb(palette, (0, 0, 255)))[0, 0].tolist() == [0, 0, 255]
 
 
+def test_a_caption_whose_extension_differs_in_case_is_the_images(tmp_path):
+    """``IMG_1.JPG`` + ``IMG_1.TXT`` (Windows, cameras): the caption was listed as "caption
+    without an image" and the image trained uncaptioned."""
+    for name in ("IMG_1.JPG", "IMG_2.png", "img_3.png"):
+        Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / name)
+    (tmp_path / "IMG_1.TXT").write_text("upper case")
+    (tmp_path / "IMG_2.Txt").write_text("mixed case")
+    (tmp_path / "img_3.txt").write_text("exact")
+    (tmp_path / "img_3.TXT").write_text("folded")
+    scan = scan_folder(tmp_path)
+    assert [(s.files[0].name, s.caption) for s in scan.samples] == [
+        ("IMG_1.JPG", "upper case"),
+        ("IMG_2.png", "mixed case"),
+        ("img_3.png", "exact"),  # an exact match wins
+    ]
+    assert [(s.file, s.reason) for s in scan.skipped] == [("img_3.TXT", "caption without an image")]
+    assert scan.warnings == []
+
+
 def test_exif_orientation_turns_a_phone_photo_upright(tmp_path):
     # A phone stores a portrait photo as landscape pixels tagged "rotate 90 clockwise" (6).
     stored = np.zeros((40, 80, 3), dtype=np.uint8)  # (H, W, 3): 80 wide, 40 high as stored
