@@ -87,6 +87,24 @@ def test_missing_and_extra_components_are_named(flux_copy):
         inspect_pipeline(flux_copy)
 
 
+def test_shard_missing_from_an_interrupted_download_is_named(flux_copy, flux_pipeline_dir):
+    """Before, the inspection read the shards present, and the run failed with diffusers'
+    FileNotFoundError when the transformer loaded, after the whole of stage 1."""
+    for part in ("transformer", "vae"):
+        shards = sorted((flux_copy / part).glob("*.safetensors"))
+        assert len(shards) > 1  # the fixture is sharded as a downloaded folder is
+        shards[1].unlink()
+        index = next((flux_copy / part).glob("*.safetensors.index.json"))
+        with pytest.raises(PipelineFolderError) as err:
+            inspect_pipeline(flux_copy)
+        assert str(err.value) == (
+            f"{index}: shard(s) {[shards[1].name]} missing; expected every shard its "
+            "weight_map names (download the folder again)"
+        )
+        shutil.copytree(flux_pipeline_dir / part, flux_copy / part, dirs_exist_ok=True)
+    assert inspect_pipeline(flux_copy).family == "flux"
+
+
 def test_unknown_pipeline_class_is_named(flux_copy):
     index = json.loads((flux_copy / "model_index.json").read_text())
     (flux_copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "Nope"}))
