@@ -140,7 +140,17 @@ def build_cache(
         return None
     latents, _ = result
     row = {t: i for i, t in enumerate(texts)}
-    family.check_latents(tuple(latents[0].shape))
+    try:
+        family.check_latents(tuple(latents[0].shape))
+    except ValueError as exc:
+        if data.bucketing:  # bucket sides are multiples of 64: never the preset's choice
+            raise
+        h, w = latents[0].shape[-2:]
+        factor = preset.resolution // w
+        raise ValueError(
+            f"resolution: {preset.resolution} px gives latents of {h} x {w} (the VAE downscales "
+            f"{factor}x), and {exc}; expected a multiple of {2 * factor} px, or data.bucketing"
+        ) from None
     held_out = held_out_samples(preset, len(samples))
     train = [i for i in range(len(samples)) if i not in held_out]
     groups = group_by_shape([tuple(latents[i].shape) for i in train])

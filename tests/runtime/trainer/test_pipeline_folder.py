@@ -252,6 +252,26 @@ def test_bad_input_through_workbench_train_is_the_error_record(
     assert not (tmp_path / "cache").exists()  # nothing half-written
 
 
+def test_resolution_the_latent_patches_do_not_divide_is_named(
+    flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """The error was only "flux packs 2x2 latent patches: latent h, w (25, 25) must be even"."""
+    from runtime.assets import ENV_VAR
+    from runtime.trainer.cli import main
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    data = {"path": str(wide_images), "bucketing": False}
+    preset = pipe_io.preset(tmp_path, flux_pipeline_dir, wide_images, resolution=100, data=data)
+    assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 1
+    last = pipe_io.records(tmp_path / "run")[-1]
+    assert last["kind"] == "error" and last["message"] == (
+        "resolution: 100 px gives latents of 25 x 25 (the VAE downscales 4x), and flux packs "
+        "2x2 latent patches: latent h, w (25, 25) must be even; expected a multiple of 8 px, "
+        "or data.bucketing"
+    )
+    assert not (tmp_path / "run" / "lora").exists()
+
+
 def test_single_file_transformer_trains_streamed_from_its_converted_copy(
     flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
 ):
