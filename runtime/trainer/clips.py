@@ -1,6 +1,7 @@
 """Video clips for the video pipeline families: a folder of ``.mp4`` / ``.webm`` / ``.mov`` /
 ``.mkv`` files with ``.txt`` captions beside them, decoded with PyAV (FFmpeg's bindings); images
-in the same folder are clips of one frame.
+in the same folder are clips of one frame. The folder is scanned as the image families' are
+(``scan.scan_folder(videos=True)``: hidden, unreadable and uncaptioned files are named).
 
 Each clip gives its first ``data.frames`` frames, each resized to cover the target size and
 center-cropped (the same rule as ``data.load_image``), as (F, 3, H, W) in [-1, 1].
@@ -13,47 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.trainer.data import target_size
-from runtime.trainer.scan import IMAGE_SUFFIXES, DataError, Sample, read_caption
-
-VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")
-
-
-def _caption(path: Path, ext: str, default: str) -> str:
-    cap = path.with_suffix("." + ext.lstrip("."))
-    return read_caption(cap)[0] if cap.is_file() else default
+from runtime.trainer.data import WHITE, image_hw, load_image, target_size
+from runtime.trainer.scan import VIDEO_SUFFIXES, DataError, Sample
 
 
 def is_video(path: Path) -> bool:
     return path.suffix.lower() in VIDEO_SUFFIXES
-
-
-def scan_clips(
-    folder: str | Path,
-    *,
-    captions: str = "txt",
-    default_caption: str = "",
-    limit: int | None = None,
-) -> list[Sample]:
-    """The clips and images of ``folder``, sorted by name (``Sample.files``: the one file).
-
-    Raises:
-        DataError: the folder does not exist or holds no clip and no image.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DataError(f"data.path: {str(folder)!r} is not a folder")
-    samples = []
-    for entry in sorted(folder.iterdir()):
-        suffix = entry.suffix.lower()
-        if entry.is_file() and (suffix in VIDEO_SUFFIXES or suffix in IMAGE_SUFFIXES):
-            samples.append(Sample((entry,), _caption(entry, captions, default_caption)))
-        if limit is not None and len(samples) >= limit:
-            break
-    if not samples:
-        kinds = ", ".join(VIDEO_SUFFIXES + IMAGE_SUFFIXES)
-        raise DataError(f"data.path: no clips or images ({kinds}) in {str(folder)!r}")
-    return samples
 
 
 def _frames(path: Path, count: int | None):
@@ -141,19 +107,23 @@ def _fit(img, hw: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
-def load_clip(sample: Sample, frames: int | None, resolution: int, bucketing: bool) -> torch.Tensor:
-    """(F, 3, H, W) in [-1, 1]: ``frames`` frames of a clip, or an image as one frame.
+def load_clip(
+    sample: Sample,
+    frames: int | None,
+    resolution: int,
+    bucketing: bool,
+    background: tuple[int, int, int] = WHITE,
+) -> torch.Tensor:
+    """(F, 3, H, W) in [-1, 1]: ``frames`` frames of a clip, or an image as one frame (read as
+    ``data.load_image`` reads it: upright, 16-bit scaled, transparency on ``background``).
 
     Raises:
         DataError: a clip that cannot be decoded or is too short (names the file).
     """
-    from PIL import Image
-
     path = sample.files[0]
-    if is_video(path):
-        images = _frames(path, frames)
-    else:
-        with Image.open(path) as img:
-            images = [img.copy()]
+    if not is_video(path):
+        hw = target_size(image_hw(path), resolution, bucketing)
+        return load_image(path, hw, background)[None]  # (1, 3, H, W)
+    images = _frames(path, frames)
     hw = target_size((images[0].height, images[0].width), resolution, bucketing)
     return torch.stack([_fit(img, hw) for img in images])

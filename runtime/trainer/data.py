@@ -1,7 +1,8 @@
 """Training data: images (or frame stacks) brought to the training size, aspect buckets, batches.
 
 Which files make samples is the dataset scan's business (``scan.py``). Images are converted to
-8-bit RGB without damage (``to_rgb``), resized (shorter side to the target) and center-cropped
+8-bit RGB without damage (``to_rgb``), turned upright as their EXIF orientation says (phones store
+portrait photos as landscape pixels with an orientation tag), resized (shorter side to the target) and center-cropped
 to ``resolution`` x ``resolution``, or, with bucketing, to the aspect bucket nearest their own
 aspect ratio (``resolution**2`` pixels, sides multiples of 64 so every family's latent patching
 divides).
@@ -21,6 +22,8 @@ BUCKET_MULTIPLE = 64
 WHITE = (255, 255, 255)
 _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 """Modes Pillow opens 16-bit grayscale PNGs in (``I``: 32-bit ints holding 0..65535)."""
+_QUARTER_TURNS = (5, 6, 7, 8)
+"""EXIF orientations that turn the stored pixels a quarter turn (transposed or rotated 90)."""
 
 
 def buckets(resolution: int) -> list[tuple[int, int]]:
@@ -59,15 +62,25 @@ def to_rgb(img, background: tuple[int, int, int] = WHITE):
     return img.convert("RGB")
 
 
+def image_hw(path: Path) -> tuple[int, int]:
+    """``(height, width)`` of the image at ``path`` as it is shown: EXIF orientations 5-8 turn
+    it a quarter turn, so its stored sides swap."""
+    from PIL import ExifTags, Image
+
+    with Image.open(path) as img:
+        turned = img.getexif().get(ExifTags.Base.Orientation) in _QUARTER_TURNS
+        return (img.width, img.height) if turned else (img.height, img.width)
+
+
 def load_image(
     path: Path, hw: tuple[int, int], background: tuple[int, int, int] = WHITE
 ) -> torch.Tensor:
-    """(3, H, W) float32 in [-1, 1]: resized so it covers ``hw``, then center-cropped.
-    Transparent pixels show ``background``."""
-    from PIL import Image
+    """(3, H, W) float32 in [-1, 1]: turned upright (EXIF orientation), resized so it covers
+    ``hw``, then center-cropped. Transparent pixels show ``background``."""
+    from PIL import Image, ImageOps
 
     with Image.open(path) as img:
-        img = to_rgb(img, background)
+        img = to_rgb(ImageOps.exif_transpose(img), background)
         h, w = hw
         scale = max(h / img.height, w / img.width)
         new = (max(w, round(img.width * scale)), max(h, round(img.height * scale)))
@@ -82,10 +95,7 @@ def load_sample(
     sample: Sample, resolution: int, bucketing: bool, background: tuple[int, int, int] = WHITE
 ) -> torch.Tensor:
     """(3, H, W) for an image, (F, 3, H, W) for a clip of ``F`` frames."""
-    from PIL import Image
-
-    with Image.open(sample.files[0]) as first:
-        hw = target_size((first.height, first.width), resolution, bucketing)
+    hw = target_size(image_hw(sample.files[0]), resolution, bucketing)
     frames = [load_image(f, hw, background) for f in sample.files]
     return frames[0] if len(frames) == 1 else torch.stack(frames)
 

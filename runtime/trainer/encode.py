@@ -184,8 +184,8 @@ def encode_latents(
     latents: list[torch.Tensor] = []
     if family is not None and family.video:
         try:
-            return _encode_clips(samples, vae, family, frames, resolution, bucketing, device,
-                                 path, progress, should_stop)  # fmt: skip
+            return _encode_clips(samples, vae, family, frames, resolution, bucketing,
+                                 background, device, path, progress, should_stop)  # fmt: skip
         finally:
             del vae
             gc.collect()
@@ -223,7 +223,17 @@ def encode_latents(
 
 
 def _encode_clips(
-    samples, vae, family, frames, resolution, bucketing, device, path, progress, should_stop
+    samples,
+    vae,
+    family,
+    frames,
+    resolution,
+    bucketing,
+    background,
+    device,
+    path,
+    progress,
+    should_stop,
 ) -> tuple[list[torch.Tensor], float] | None:
     """One clip at a time through a video family's 3D VAE; cached like the images."""
     from runtime.trainer.clips import load_clip
@@ -233,7 +243,7 @@ def _encode_clips(
         for i, sample in enumerate(samples):
             if should_stop():
                 return None
-            pixels = load_clip(sample, frames, resolution, bucketing)  # (F, 3, H, W)
+            pixels = load_clip(sample, frames, resolution, bucketing, background)  # (F,3,H,W)
             batch = pixels.permute(1, 0, 2, 3)[None].to(device)  # (1, 3, F, H, W)
             latents.append(family.encode_pixels(vae, batch)[0].float().cpu())  # (C, F', h, w)
             progress(i + 1, len(samples), "encoding clips")
@@ -245,9 +255,6 @@ def load_shape(nxt: Sample, pixels: torch.Tensor, resolution: int, bucketing: bo
     """Whether ``nxt`` loads to the same pixel size as ``pixels`` (so they batch together)."""
     if not bucketing:
         return True
-    from PIL import Image
+    from runtime.trainer.data import image_hw, target_size
 
-    from runtime.trainer.data import target_size
-
-    with Image.open(nxt.files[0]) as img:
-        return target_size((img.height, img.width), resolution, True) == tuple(pixels.shape[-2:])
+    return target_size(image_hw(nxt.files[0]), resolution, True) == tuple(pixels.shape[-2:])

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")
+"""Clips the video families (Wan, LTX-2) take, scanned with ``videos=True``."""
 LISTED_IN_ERRORS = 20
 """Files an error message names; the ``trainer/dataset_scan`` record lists all of them."""
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -135,6 +137,23 @@ def image_problem(path: Path) -> str | None:
     return None
 
 
+def clip_problem(path: Path) -> str | None:
+    """Why PyAV cannot decode a first frame of the clip at ``path``, or None when it can."""
+    import av
+
+    try:
+        if path.stat().st_size == 0:
+            return "empty file (0 bytes)"
+        with av.open(str(path)) as container:
+            next(container.decode(video=0))
+    except StopIteration:
+        return "clip has no video frame"
+    # FFmpeg's errors, a container without a video stream (IndexError), a damaged header...
+    except Exception as exc:  # noqa: BLE001
+        return f"unreadable clip ({type(exc).__name__}: {exc})"
+    return None
+
+
 def read_caption(path: Path) -> tuple[str, str | None]:
     """``(caption, warning)`` of a caption file: UTF-8 (a BOM is dropped); otherwise UTF-16 with
     a BOM, cp1252 or Latin-1, with a warning saying which.
@@ -167,11 +186,13 @@ def scan_folder(
     limit: int | None = None,
     frames: int | None = None,
     on_bad_file: str = "skip",
+    videos: bool = False,
 ) -> Scan:
     """Scan ``folder`` in name order until ``limit`` usable samples (all of it without one).
 
     With ``frames``, sub-folders are clips of at least ``frames`` images (the first ``frames``,
-    by name, are used) and a still image is a clip of identical frames.
+    by name, are used) and a still image is a clip of identical frames. With ``videos`` (the
+    video families), video files (``VIDEO_SUFFIXES``) are samples too, each checked to decode.
 
     Raises:
         DataError: ``folder`` is not a folder. (A folder without a usable sample is a ``Scan``
@@ -183,8 +204,17 @@ def scan_folder(
     suffix = "." + captions.lstrip(".")
     scan = Scan(folder=folder, on_bad_file=on_bad_file)
     entries = sorted(folder.iterdir())
-    owners = [e for e in entries if not e.name.startswith(".") and _is_sample(e, frames)]
-    claimed = {e.with_suffix(suffix).name for e in owners}
+    kinds = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if videos else ())
+    owners = [e for e in entries if not e.name.startswith(".") and _is_sample(e, frames, kinds)]
+    names = {e.name for e in entries}
+    # A caption differing only in case (IMG_1.TXT beside IMG_1.JPG, as Windows and cameras
+    # write them) is the image's caption; an exact match wins.
+    folded = {n.lower(): n for n in sorted(names) if n.lower().endswith(suffix.lower())}
+    caption_of = {}
+    for e in owners:
+        want = e.with_suffix(suffix).name
+        caption_of[e] = want if want in names else folded.get(want.lower(), want)
+    claimed = set(caption_of.values())
     for entry in entries:
         if limit is not None and len(scan.samples) >= limit:
             break
@@ -194,28 +224,30 @@ def scan_folder(
         elif entry.name.lower().endswith(suffix.lower()) and not entry.is_dir():
             if entry.name not in claimed:
                 scan.skipped.append(Skipped(name, "caption without an image", bad=True))
-        elif not _is_sample(entry, frames):
-            why = (
-                "a folder: sub-folders are read only as clips (data.frames)"
-                if entry.is_dir()
-                else f"not an image ({', '.join(IMAGE_SUFFIXES)}) or a {suffix} caption"
-            )
+        elif not _is_sample(entry, frames, kinds):
+            if entry.is_dir() and videos:
+                why = f"a folder: clips are video files ({', '.join(VIDEO_SUFFIXES)})"
+            elif entry.is_dir():
+                why = "a folder: sub-folders are read only as clips (data.frames)"
+            else:
+                what = "an image or clip" if videos else "an image"
+                why = f"not {what} ({', '.join(kinds)}) or a {suffix} caption"
             scan.skipped.append(Skipped(name, why, bad=False))
         else:
-            _add_sample(scan, entry, suffix, default_caption, frames)
+            _add_sample(scan, entry, folder / caption_of[entry], default_caption, frames)
     return scan
 
 
-def _is_sample(entry: Path, frames: int | None) -> bool:
+def _is_sample(entry: Path, frames: int | None, kinds: tuple[str, ...]) -> bool:
     if entry.is_dir():
         return frames is not None
-    return entry.suffix.lower() in IMAGE_SUFFIXES
+    return entry.suffix.lower() in kinds
 
 
 def _add_sample(
-    scan: Scan, entry: Path, suffix: str, default_caption: str | None, frames: int | None
+    scan: Scan, entry: Path, cap: Path, default_caption: str | None, frames: int | None
 ) -> None:
-    """Checks one image or clip and its caption; appends a ``Sample`` or a ``Skipped``."""
+    """Checks one image or clip and its caption ``cap``; appends a ``Sample`` or a ``Skipped``."""
     rel = entry.name
     if entry.is_dir():
         stack = sorted(
@@ -231,12 +263,12 @@ def _add_sample(
     else:
         files = (entry,) * (frames or 1)  # a still image is a clip of identical frames
     for frame in dict.fromkeys(files):
-        problem = image_problem(frame)
+        video = frame.suffix.lower() in VIDEO_SUFFIXES
+        problem = clip_problem(frame) if video else image_problem(frame)
         if problem is not None:
             name = str(frame.relative_to(scan.folder))
             scan.skipped.append(Skipped(name, problem, bad=True))
             return
-    cap = entry.with_suffix(suffix)
     if cap.is_file():
         try:
             caption, warning = read_caption(cap)

@@ -18,7 +18,7 @@ import torch
 from runtime.common.telemetry import Telemetry
 from runtime.preset import Preset
 from runtime.trainer import encode, loop
-from runtime.trainer.clips import default_frames, scan_clips
+from runtime.trainer.clips import default_frames
 from runtime.trainer.data import group_by_shape
 from runtime.trainer.families import Family
 from runtime.trainer.pipelines import PipelineFamily
@@ -37,29 +37,22 @@ def scan_data(
     """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
     before ``DataError`` ends a run that has no usable sample, or bad files under
     ``data.on_bad_file: fail``; the error names the files. A video family takes clips (and
-    images as one-frame clips)."""
+    images as one-frame clips), checked the same way."""
     data = preset.data
     folder = data_folder(preset)
     if isinstance(family, PipelineFamily):
         family.check_caption_tokens(data.max_caption_tokens)
-    if isinstance(family, PipelineFamily) and family.video:
-        if data.frames is not None:  # left out, it is chosen from the clips (resolve_frames)
-            family.check_frames(data.frames)
-        samples = scan_clips(
-            folder,
-            captions=data.captions,
-            default_caption=data.default_caption,
-            limit=data.limit,
-        )
-        progress.line(f"data: {len(samples)} clips and images from {folder}")
-        return samples
+    video = isinstance(family, PipelineFamily) and family.video
+    if video and data.frames is not None:  # left out, it is chosen from the clips (resolve_frames)
+        family.check_frames(data.frames)
     found = scan_folder(
         folder,
         captions=data.captions,
         default_caption=data.default_caption,
         limit=data.limit,
-        frames=data.frames,
+        frames=None if video else data.frames,  # a video family's data.frames: frames per clip
         on_bad_file=data.on_bad_file,
+        videos=video,
     )
     telemetry.emit("trainer", "dataset_scan", **found.record())
     progress.line(
@@ -147,7 +140,17 @@ def build_cache(
         return None
     latents, _ = result
     row = {t: i for i, t in enumerate(texts)}
-    family.check_latents(tuple(latents[0].shape))
+    try:
+        family.check_latents(tuple(latents[0].shape))
+    except ValueError as exc:
+        if data.bucketing:  # bucket sides are multiples of 64: never the preset's choice
+            raise
+        h, w = latents[0].shape[-2:]
+        factor = preset.resolution // w
+        raise ValueError(
+            f"resolution: {preset.resolution} px gives latents of {h} x {w} (the VAE downscales "
+            f"{factor}x), and {exc}; expected a multiple of {2 * factor} px, or data.bucketing"
+        ) from None
     held_out = held_out_samples(preset, len(samples))
     train = [i for i in range(len(samples)) if i not in held_out]
     groups = group_by_shape([tuple(latents[i].shape) for i in train])

@@ -309,6 +309,32 @@ def test_data_scan_before_start_names_every_file_left_out(client, tmp_path):
     assert client.get("/api/runs").json()["count"] == runs  # scanning queues nothing
 
 
+def test_data_scan_of_a_video_pipeline_takes_its_clips(client, tmp_path):
+    """A Wan / LTX-2 run trains on clips: the scan before Start takes them as the worker does
+    (before, every clip was "not an image" and the folder had "no usable image")."""
+    import json
+
+    from tests.runtime.trainer.conftest import write_clip
+
+    model = tmp_path / "wan"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    write_clip(folder / "a.mp4", 3, size_hw=(16, 16))
+    (folder / "a.txt").write_text("a clip")
+    (folder / "b.mov").write_bytes(b"not a clip")
+    overrides = {
+        "model": {"factory": None, "path": str(model), "text_encoder_model_name": None},
+        "data": {"factory": None, "path": str(folder), "frames": 1},
+    }
+    scan = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": overrides})
+    found = scan.json()
+    assert (found["usable"], found["bad"], found["problem"]) == (1, 1, None), scan.text
+    (bad,) = found["skipped"]
+    assert bad["file"] == "b.mov" and bad["reason"].startswith("unreadable clip (")
+
+
 def test_openapi_lists_every_error_with_the_one_body_and_the_bounds(client):
     doc = client.get("/openapi.json").json()
     schemas = doc["components"]["schemas"]

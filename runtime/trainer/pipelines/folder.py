@@ -112,7 +112,22 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a component folder (all shards), sorted."""
+    """The safetensors files of a component folder (all shards), sorted.
+
+    Raises:
+        PipelineFolderError: a shard that the folder's ``*.safetensors.index.json`` names is
+            missing (an interrupted download): found here, not when the model loads after
+            stage 1.
+    """
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        weight_map = read_json(index, "a safetensors index").get("weight_map")
+        shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        missing = sorted(str(s) for s in shards if not (folder / str(s)).is_file())
+        if missing:
+            raise PipelineFolderError(
+                f"{index}: shard(s) {missing} missing; expected every shard its weight_map "
+                "names (download the folder again)"
+            )
     return sorted(folder.glob("*.safetensors"))
 
 

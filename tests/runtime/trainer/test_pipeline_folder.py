@@ -87,6 +87,24 @@ def test_missing_and_extra_components_are_named(flux_copy):
         inspect_pipeline(flux_copy)
 
 
+def test_shard_missing_from_an_interrupted_download_is_named(flux_copy, flux_pipeline_dir):
+    """Before, the inspection read the shards present, and the run failed with diffusers'
+    FileNotFoundError when the transformer loaded, after the whole of stage 1."""
+    for part in ("transformer", "vae"):
+        shards = sorted((flux_copy / part).glob("*.safetensors"))
+        assert len(shards) > 1  # the fixture is sharded as a downloaded folder is
+        shards[1].unlink()
+        index = next((flux_copy / part).glob("*.safetensors.index.json"))
+        with pytest.raises(PipelineFolderError) as err:
+            inspect_pipeline(flux_copy)
+        assert str(err.value) == (
+            f"{index}: shard(s) {[shards[1].name]} missing; expected every shard its "
+            "weight_map names (download the folder again)"
+        )
+        shutil.copytree(flux_pipeline_dir / part, flux_copy / part, dirs_exist_ok=True)
+    assert inspect_pipeline(flux_copy).family == "flux"
+
+
 def test_unknown_pipeline_class_is_named(flux_copy):
     index = json.loads((flux_copy / "model_index.json").read_text())
     (flux_copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "Nope"}))
@@ -232,6 +250,26 @@ def test_bad_input_through_workbench_train_is_the_error_record(
     assert last["error_type"] == "PipelineFolderError"
     assert f"{flux_copy / 'model_index.json'}: not found" in last["message"]
     assert not (tmp_path / "cache").exists()  # nothing half-written
+
+
+def test_resolution_the_latent_patches_do_not_divide_is_named(
+    flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """The error was only "flux packs 2x2 latent patches: latent h, w (25, 25) must be even"."""
+    from runtime.assets import ENV_VAR
+    from runtime.trainer.cli import main
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    data = {"path": str(wide_images), "bucketing": False}
+    preset = pipe_io.preset(tmp_path, flux_pipeline_dir, wide_images, resolution=100, data=data)
+    assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 1
+    last = pipe_io.records(tmp_path / "run")[-1]
+    assert last["kind"] == "error" and last["message"] == (
+        "resolution: 100 px gives latents of 25 x 25 (the VAE downscales 4x), and flux packs "
+        "2x2 latent patches: latent h, w (25, 25) must be even; expected a multiple of 8 px, "
+        "or data.bucketing"
+    )
+    assert not (tmp_path / "run" / "lora").exists()
 
 
 def test_single_file_transformer_trains_streamed_from_its_converted_copy(

@@ -6,7 +6,8 @@ import pytest
 
 from runtime.assets import ENV_VAR
 from runtime.trainer.cli import main
-from runtime.trainer.clips import _frames, default_frames, frame_count, scan_clips
+from runtime.trainer.clips import _frames, default_frames, frame_count
+from runtime.trainer.scan import scan_folder
 from tests.runtime.trainer.conftest import write_clip
 
 
@@ -27,7 +28,7 @@ def uneven_clips(tmp_path_factory):
 
 
 def test_default_is_the_largest_tk_plus_1_every_clip_gives(uneven_clips, wide_images):
-    clips = scan_clips(uneven_clips)
+    clips = scan_folder(uneven_clips, videos=True).samples
     assert [frame_count(s.files[0]) for s in clips[1:]] == [11, 7]
     assert [len(_frames(s.files[0], None)) for s in clips[1:]] == [11, 7]  # as decoded
     frames, why = default_frames(clips, 4)
@@ -37,7 +38,7 @@ def test_default_is_the_largest_tk_plus_1_every_clip_gives(uneven_clips, wide_im
     )
     assert default_frames(clips, 2)[0] == 7
     assert default_frames(clips, 8)[0] == 1
-    assert default_frames(scan_clips(wide_images), 4) == (
+    assert default_frames(scan_folder(wide_images, videos=True).samples, 4) == (
         1,
         "default for a folder of images: 1 frame",
     )
@@ -82,3 +83,37 @@ def test_wan_and_ltx2_choose_frames_and_record_them(
 
     explicit, _ = _run(pipe_io, tmp_path, wan_pipeline_dir, uneven_clips, "wan-explicit", frames=1)
     assert (explicit["frames"], explicit["frames_from"]) == (1, "data.frames")
+
+
+def test_a_messy_clip_folder_is_scanned_as_an_image_folder_is(
+    wan_pipeline_dir, uneven_clips, tmp_path, monkeypatch, pipe_io
+):
+    """Wan / LTX-2 folders get the dataset scan too: before it, a clip folder's uncaptioned
+    image reached UMT5 as ``None`` (``TypeError: argument of type 'NoneType' is not
+    iterable``), and macOS ``._`` files and empty files were taken as images."""
+    import shutil
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    shutil.copy(uneven_clips / "00.png", folder)  # an image without a caption
+    shutil.copy(uneven_clips / "01.mp4", folder)
+    shutil.copy(uneven_clips / "01.txt", folder)
+    (folder / "._01.mp4").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (folder / "empty.png").write_bytes(b"")
+    (folder / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
+    (folder / "broken.txt").write_text("a clip cut short")
+    started, recs = _run(pipe_io, tmp_path, wan_pipeline_dir, folder, "wan-messy", frames=1)
+    (scan,) = pipe_io.of(recs, "trainer", "dataset_scan")
+    assert scan["usable"] == 2 and scan["bad"] == 2
+    reasons = {s["file"]: s["reason"] for s in scan["skipped"]}
+    assert reasons["._01.mp4"] == "hidden file" and reasons["empty.png"] == "empty file (0 bytes)"
+    assert reasons["broken.mp4"].startswith("unreadable clip (")
+    assert [w["file"] for w in scan["warnings"]] == ["00.png"]
+
+    data = {"path": str(folder), "frames": 1, "on_bad_file": "fail"}
+    preset = pipe_io.preset(tmp_path, wan_pipeline_dir, folder, name="wan-fail", data=data)
+    assert main([str(preset), "--run-dir", str(tmp_path / "wan-fail")]) == 1
+    recs = pipe_io.records(tmp_path / "wan-fail")
+    assert [r["kind"] for r in recs] == ["dataset_scan", "error"]
+    assert "  broken.mp4: unreadable clip (" in recs[-1]["message"]

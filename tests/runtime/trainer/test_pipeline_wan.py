@@ -177,13 +177,14 @@ def test_clip_that_cannot_be_decoded_or_wrong_frames_is_named(
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
     clips = shutil.copytree(wide_clips, tmp_path / "clips")
     (clips / "02.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
-    cases = {
-        "bad": (clips, 5, "clip '02.mp4' cannot be decoded"),
+    cases = {  # the scan names an undecodable clip (left out unless on_bad_file is fail)
+        "bad": (clips, 5, "  02.mp4: unreadable clip (InvalidDataError"),
         "frames": (wide_clips, 4, "data.frames is 4; the Wan VAE compresses 4 frames"),
         "short": (wide_clips, 13, "data.frames: clip '01.mp4' has 9 frames, expected >= 13"),
     }
     for name, (folder, frames, message) in cases.items():
         data = {"path": str(folder), "frames": frames, "max_caption_tokens": 16}
+        data["on_bad_file"] = "fail"
         path = _preset(pipe_io, tmp_path, wan_pipeline_dir, folder, name=name, data=data)
         assert main([str(path), "--run-dir", str(tmp_path / name)]) == 1
         last = pipe_io.records(tmp_path / name)[-1]

@@ -1,12 +1,15 @@
 """The dataset scan on a messy folder built here, caption encodings, and the conversions that
-used to damage images (16-bit PNGs, transparency)."""
+used to damage images (16-bit PNGs, transparency, EXIF orientation), for the image and the
+video families alike."""
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from runtime.trainer.data import load_image, to_rgb
-from runtime.trainer.scan import DataError, read_caption, scan_folder
+from runtime.trainer.clips import load_clip
+from runtime.trainer.data import load_image, load_sample, to_rgb
+from runtime.trainer.scan import DataError, Sample, read_caption, scan_folder
 from tests.runtime.trainer.messy_data import BAD, LEFT_OUT, USABLE, WARNED, build_messy
 
 
@@ -97,6 +100,57 @@ def test_transparent_pixels_take_the_background(tmp_path):
     palette = img.convert("RGB").convert("P")
     palette.info["transparency"] = palette.getpixel((0, 0))  # black is transparent
     assert np.asarray(to_rgb(palette, (0, 0, 255)))[0, 0].tolist() == [0, 0, 255]
+
+
+def test_a_caption_whose_extension_differs_in_case_is_the_images(tmp_path):
+    """``IMG_1.JPG`` + ``IMG_1.TXT`` (Windows, cameras): the caption was listed as "caption
+    without an image" and the image trained uncaptioned."""
+    for name in ("IMG_1.JPG", "IMG_2.png", "img_3.png"):
+        Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / name)
+    (tmp_path / "IMG_1.TXT").write_text("upper case")
+    (tmp_path / "IMG_2.Txt").write_text("mixed case")
+    (tmp_path / "img_3.txt").write_text("exact")
+    (tmp_path / "img_3.TXT").write_text("folded")
+    scan = scan_folder(tmp_path)
+    assert [(s.files[0].name, s.caption) for s in scan.samples] == [
+        ("IMG_1.JPG", "upper case"),
+        ("IMG_2.png", "mixed case"),
+        ("img_3.png", "exact"),  # an exact match wins
+    ]
+    assert [(s.file, s.reason) for s in scan.skipped] == [("img_3.TXT", "caption without an image")]
+    assert scan.warnings == []
+
+
+def test_exif_orientation_turns_a_phone_photo_upright(tmp_path):
+    # A phone stores a portrait photo as landscape pixels tagged "rotate 90 clockwise" (6).
+    stored = np.zeros((40, 80, 3), dtype=np.uint8)  # (H, W, 3): 80 wide, 40 high as stored
+    stored[:, :40] = 255  # the stored left half white: the top half once upright
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    Image.fromarray(stored).save(tmp_path / "portrait.jpg", exif=exif.tobytes(), quality=95)
+    sample = Sample((tmp_path / "portrait.jpg",), "a portrait")
+    for pixels in (load_sample(sample, 96, True), load_clip(sample, 1, 96, True)[0]):
+        assert tuple(pixels.shape) == (3, 128, 64)  # the portrait bucket, not the landscape one
+        assert float(pixels[:, :60].mean()) > 0.95 and float(pixels[:, 68:].mean()) < -0.95
+
+
+def test_video_families_read_images_as_the_image_families_do(tmp_path):
+    """A still image in a Wan / LTX-2 folder: 16-bit scaled, not clipped; transparent pixels
+    on ``data.background`` (they came out clipped to white, and black, before)."""
+    ramp16 = np.tile(np.linspace(0, 65535, 64), (64, 1)).astype(np.uint16)
+    Image.fromarray(ramp16).save(tmp_path / "ramp16.png")
+    Image.fromarray(np.zeros((64, 64, 4), dtype=np.uint8), mode="RGBA").save(tmp_path / "clear.png")
+    for name in ("ramp16.png", "clear.png"):
+        sample = Sample((tmp_path / name,), "")
+        for background in ((255, 255, 255), (0, 0, 255)):
+            clip = load_clip(sample, 1, 64, False, background)  # (1, 3, 64, 64)
+            assert tuple(clip.shape) == (1, 3, 64, 64)
+            assert torch.equal(clip[0], load_sample(sample, 64, False, background))
+    blue = load_clip(Sample((tmp_path / "clear.png",), ""), 1, 64, False, (0, 0, 255))[0]
+    assert blue[:, 0, 0].tolist() == [-1.0, -1.0, 1.0]
+    assert float(
+        (load_clip(Sample((tmp_path / "ramp16.png",), ""), 1, 64, False) == 1).float().mean()
+    ) == pytest.approx(1 / 64)
 
 
 def test_messy_folder_trains_with_every_bad_file_named(cache_env, tmp_path, make_preset, run_io):
