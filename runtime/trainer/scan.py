@@ -75,6 +75,8 @@ class Scan:
     warnings: list[ScanWarning] = field(default_factory=list)
     captions_defaulted: int = 0
     """Images that took ``data.default_caption`` (no caption file)."""
+    videos: bool = False
+    """Video files were samples too (``scan_folder(videos=True)``)."""
 
     @property
     def bad(self) -> list[Skipped]:
@@ -84,7 +86,8 @@ class Scan:
         """Why the run cannot start on this data (no usable sample, or bad files under
         ``on_bad_file: fail``), naming the files; None when it can."""
         if not self.samples:
-            why = f"data.path: no usable image in {str(self.folder)!r}"
+            kind = "image or clip" if self.videos else "image"
+            why = f"data.path: no usable {kind} in {str(self.folder)!r}"
             return _listed(why, self.skipped)
         if self.bad and self.on_bad_file == "fail":
             why = f"data.on_bad_file is fail and {len(self.bad)} file(s) cannot be used"
@@ -202,7 +205,7 @@ def scan_folder(
     if not folder.is_dir():
         raise DataError(f"data.path: {str(folder)!r} is not a folder")
     suffix = "." + captions.lstrip(".")
-    scan = Scan(folder=folder, on_bad_file=on_bad_file)
+    scan = Scan(folder=folder, on_bad_file=on_bad_file, videos=videos)
     entries = sorted(folder.iterdir())
     kinds = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if videos else ())
     owners = [e for e in entries if not e.name.startswith(".") and _is_sample(e, frames, kinds)]

@@ -56,6 +56,8 @@ def test_fail_policy_and_a_folder_without_a_usable_image(tmp_path):
     empty = scan_folder(folder)
     assert empty.problem().startswith(f"data.path: no usable image in {str(folder)!r}:")
     assert "  i_empty.png: empty file (0 bytes)" in empty.problem()
+    clips = scan_folder(folder, videos=True)  # a video family's folder
+    assert clips.problem().startswith(f"data.path: no usable image or clip in {str(folder)!r}:")
     limited = scan_folder(build_messy(tmp_path / "again"), default_caption="untitled", limit=2)
     assert [s.caption for s in limited.samples] == [
         "a picture called G_UPPER.PNG",
