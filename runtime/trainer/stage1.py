@@ -106,13 +106,32 @@ def build_cache(
     cache_dir = cache_root() / "trainer-cache"
     stage("cache", 0, total, f"{len(samples)} samples, {len(texts)} distinct texts")
 
+    # Latents first: the VAE is quick beside the text encoders (T5-XXL streams 9 GB), and a
+    # resolution the family cannot patch is named before them.
+    result = encode.encode_latents(
+        samples,
+        vae_dir,
+        resolution=preset.resolution,
+        bucketing=data.bucketing,
+        background=data.background_rgb,
+        device=device,
+        cache_dir=cache_dir,
+        progress=lambda d, t, m: stage("cache", d, total, m),
+        should_stop=should_stop,
+        family=family if isinstance(family, PipelineFamily) else None,
+        frames=data.frames,
+    )
+    if result is None:
+        return None
+    latents, _ = result
+    _check_resolution(family, preset, tuple(latents[0].shape))
     text_kwargs = dict(
         memory=preset.memory,
         device=device,
         telemetry=telemetry,
         cache_dir=cache_dir,
         max_tokens=data.max_caption_tokens,
-        progress=lambda d, t, m: stage("cache", d, total, m),
+        progress=lambda d, t, m: stage("cache", len(samples) + d, total, m),
         should_stop=should_stop,
     )
     if isinstance(family, PipelineFamily):
@@ -122,35 +141,8 @@ def build_cache(
         text = encode.encode_texts(texts, encoder_dir, **text_kwargs)
     if text is None:
         return None
-    stage("cache", len(texts), total, "text encoder released")
-    result = encode.encode_latents(
-        samples,
-        vae_dir,
-        resolution=preset.resolution,
-        bucketing=data.bucketing,
-        background=data.background_rgb,
-        device=device,
-        cache_dir=cache_dir,
-        progress=lambda d, t, m: stage("cache", len(texts) + d, total, m),
-        should_stop=should_stop,
-        family=family if isinstance(family, PipelineFamily) else None,
-        frames=data.frames,
-    )
-    if result is None:
-        return None
-    latents, _ = result
+    stage("cache", total, total, "text encoder released")
     row = {t: i for i, t in enumerate(texts)}
-    try:
-        family.check_latents(tuple(latents[0].shape))
-    except ValueError as exc:
-        if data.bucketing:  # bucket sides are multiples of 64: never the preset's choice
-            raise
-        h, w = latents[0].shape[-2:]
-        factor = preset.resolution // w
-        raise ValueError(
-            f"resolution: {preset.resolution} px gives latents of {h} x {w} (the VAE downscales "
-            f"{factor}x), and {exc}; expected a multiple of {2 * factor} px, or data.bucketing"
-        ) from None
     held_out = held_out_samples(preset, len(samples))
     train = [i for i in range(len(samples)) if i not in held_out]
     groups = group_by_shape([tuple(latents[i].shape) for i in train])
@@ -162,3 +154,23 @@ def build_cache(
         groups={k: [train[j] for j in v] for k, v in groups.items()},
         held_out=held_out,
     )
+
+
+def _check_resolution(family: Family, preset: Preset, shape: tuple[int, ...]) -> None:
+    """``family.check_latents`` on a sample's latent ``shape``, its error naming
+    ``resolution`` and what it takes when the preset chose the size (no bucketing).
+
+    Raises:
+        ValueError: the family cannot patch latents of this size.
+    """
+    try:
+        family.check_latents(shape)
+    except ValueError as exc:
+        if preset.data.bucketing:  # bucket sides are multiples of 64: never the preset's choice
+            raise
+        h, w = shape[-2:]
+        factor = preset.resolution // w
+        raise ValueError(
+            f"resolution: {preset.resolution} px gives latents of {h} x {w} (the VAE downscales "
+            f"{factor}x), and {exc}; expected a multiple of {2 * factor} px, or data.bucketing"
+        ) from None

@@ -255,7 +255,8 @@ def test_bad_input_through_workbench_train_is_the_error_record(
 def test_resolution_the_latent_patches_do_not_divide_is_named(
     flux_pipeline_dir, wide_images, tmp_path, monkeypatch, pipe_io
 ):
-    """The error was only "flux packs 2x2 latent patches: latent h, w (25, 25) must be even"."""
+    """The error was only "flux packs 2x2 latent patches: latent h, w (25, 25) must be even",
+    after the text encoders ran."""
     from runtime.assets import ENV_VAR
     from runtime.trainer.cli import main
 
@@ -270,6 +271,12 @@ def test_resolution_the_latent_patches_do_not_divide_is_named(
         "or data.bucketing"
     )
     assert not (tmp_path / "run" / "lora").exists()
+    # Named before the text encoders ran (stage 1 encodes the latents first).
+    stages = [r for r in pipe_io.records(tmp_path / "run") if r["kind"] == "stage"]
+    assert [(r["done"], r["message"]) for r in stages] == [
+        (0, "6 samples, 7 distinct texts"),
+        (6, "encoding images"),
+    ]
 
 
 def test_single_file_transformer_trains_streamed_from_its_converted_copy(
