@@ -38,6 +38,18 @@ const FIELDS = [
   { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
 ];
 
+/** Paths of values `base` holds that `config` no longer has: overrides only add or replace
+ * (the server merges them into the preset), so a run would still get these. */
+function removedPaths(base, config, prefix = "") {
+  return Object.entries(base || {}).flatMap(([key, value]) => {
+    const path = prefix ? `${prefix}.${key}` : key;
+    const now = config ? config[key] : undefined;
+    if (now === undefined) return value === null ? [] : [path]; // null: as if not set
+    const nested = value && typeof value === "object" && !Array.isArray(value) && now && typeof now === "object" && !Array.isArray(now);
+    return nested ? removedPaths(value, now, path) : [];
+  });
+}
+
 function deletePath(obj, path) {
   const keys = splitPath(path);
   const parent = getPath(obj, keys.slice(0, -1).join("."));
@@ -267,12 +279,29 @@ export function mount(root, { params }) {
     return body;
   }
 
+  /** Why the form cannot become a run request (no preset, or a value of the preset removed,
+   * which overrides cannot do) as an error naming the field, shown beside it; null when it can. */
+  function requestProblem() {
+    if (!presetSel.value) {
+      return { field: null, message: "pick a preset, or save this config as a new preset and start that", details: [], describe() { return this.message; } };
+    }
+    const [path] = removedPaths(base, config);
+    if (!path) return null;
+    const message = `${path}: preset "${presetSel.value}" sets it and a run's changes cannot remove it; give it a value, or save this config as a new preset and start that`;
+    return { field: `overrides.${path}`, message, details: [], describe: () => message };
+  }
+
   /** Scans the data of `body`'s run and shows it; the scan, or null on an API error. */
   async function scanData(body = null) {
     clearFieldErrors();
     if (!body) {
       clearErrors(errors);
       if (!fromJson()) return null;
+      const problem = requestProblem();
+      if (problem) {
+        showApiError(problem, "check data");
+        return null;
+      }
       body = runRequest();
     }
     try {
@@ -298,6 +327,11 @@ export function mount(root, { params }) {
     clearFieldErrors();
     clearErrors(errors); // a new attempt: the last one's errors come back if they still hold
     if (!fromJson()) return;
+    const problem = requestProblem();
+    if (problem) {
+      showApiError(problem, "start run");
+      return;
+    }
     const body = runRequest();
     const seen = shownScan === JSON.stringify([body.preset, body.overrides]);
     startBtn.disabled = true;
@@ -375,7 +409,13 @@ export function mount(root, { params }) {
         const [run, limits] = await Promise.all([api.run(from), api.limits(from)]);
         await loadPresets(run.preset);
         const preset = presets.find((p) => p.name === run.preset);
-        if (!preset) showError(errors, new Error(`preset "${run.preset}" no longer exists; pick one, the run's config is loaded`), "re-run");
+        if (!preset) {
+          // Its config is loaded as it ran; another preset's would add to it: save it under a name first.
+          presetSel.prepend(h("option", { value: "" }, `(${run.preset}: deleted)`));
+          presetSel.value = "";
+          presetName.value = run.preset;
+          showError(errors, new Error(`preset "${run.preset}" no longer exists; the run's config is loaded: save it as a new preset to start it`), "re-run");
+        }
         load(preset ? preset.config : run.config, withLimits(run.config, limits));
         limitsNote(limits);
         nameInput.value = `${run.name || `run ${run.id}`} (re-run)`;
