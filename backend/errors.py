@@ -214,10 +214,29 @@ async def _request_validation(request: Request, exc: RequestValidationError) -> 
     # Strip FastAPI's "body"/"query"/"path" head: the field is the client's JSON path.
     for e in errors:
         loc = tuple(e.get("loc", ()))
+        if loc == ("body",):  # no body, or one FastAPI did not read as JSON: say what it takes
+            got = _body_kind(request, e)
+            e["msg"] = f"expected a JSON object body (Content-Type: application/json), got {got}"
         if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
             e["loc"] = loc[1:]
     err = from_validation_list(errors)
     return JSONResponse(err.body(), status_code=422)
+
+
+def _body_kind(request: Request, error: dict[str, Any]) -> str:
+    content_type = request.headers.get("content-type")
+    if error.get("type") == "missing":
+        return "no body"
+    if content_type and "json" not in content_type.lower():
+        return f"Content-Type {content_type!r}"
+    kinds = {
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
+    return f"{kinds.get(type(error.get('input')), 'null')} in JSON"
 
 
 def from_validation_list(errors: list[dict[str, Any]]) -> Invalid:

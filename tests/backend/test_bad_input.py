@@ -51,6 +51,22 @@ def test_error_body_on_every_error_path(client):
     assert err["field"] == "extra"
 
 
+def test_a_body_that_is_not_a_json_object_says_what_is_expected(client):
+    expected = "expected a JSON object body (Content-Type: application/json), got "
+    cases = [
+        (client.post("/api/runs"), "no body"),
+        (
+            client.post("/api/presets", content=b"name=x", headers={"content-type": "text/plain"}),
+            "Content-Type 'text/plain'",
+        ),
+        (client.put("/api/presets/tiny-ci", json=[1, 2]), "an array in JSON"),
+        (client.patch("/api/runs/1", json="notes"), "a string in JSON"),
+    ]
+    for response, got in cases:
+        err = assert_error_body(response, 422)
+        assert (err["field"], err["message"]) == (None, expected + got), err
+
+
 def test_invalid_overrides_name_the_json_path(client):
     err = assert_error_body(
         client.post(
