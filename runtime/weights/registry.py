@@ -129,9 +129,10 @@ class Block:
     prefetched: bool = False
     """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
     dirty: bool = False
-    """Its device weights are newer than its host masters (an optimizer step ran while it was
-    loaded): its next eviction copies them back. Else an eviction copies back only gradients
-    (the weights on the device are the masters' own copy)."""
+    """Its device weights may be newer than its host masters (an optimizer step ran while it
+    was loaded, or it was left loaded at a step's end, when the user's code may write weights):
+    its next eviction copies them back. Else an eviction copies back only gradients (the
+    weights on the device are the masters' own copy)."""
     d2h_event: object | None = None
     """The copy back of trainable parameters to their host masters (read only after it)."""
     resident: bool = False

@@ -223,6 +223,19 @@ class StagehandRuntime:
         }
         self.telemetry.emit(*WEIGHTS_STEP, **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Between steps the user's code may write trainable weights (a resumed state dict,
+        EMA weights swapped in for an eval, a clamp): each trainable block left on the device
+        is bound to its buffer (a write must land in the copy the next forward uses, not in a
+        host master already staged) and dirty (its eviction copies it back), so no write is
+        lost (``Block.dirty``)."""
+        for block in self.blocks:
+            if block.trainable and block.on_device:
+                if block.state is BlockState.PREFETCHING:
+                    self._ready(block)
+                block.dirty = True
 
     def counters(self) -> dict[str, int]:
         """Work of the open step (the last one between steps): ``blocks_loaded``,

@@ -4,6 +4,9 @@ their own; training stays bit-identical to the plain model."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from runtime.common import ListSink, Telemetry
 from runtime.strategy import build_strategy
 from tests.runtime import exact
@@ -60,3 +63,37 @@ def test_blocks_loaded_at_the_optimizer_step_copy_their_weights_back(tiny_flux):
     assert seen == [flags] * len(seen)
     grads = sum(s.nbytes for b in blocks if not b.resident for s in b.trainable)
     assert [r["d2h_bytes"] for r in sink.of("stagehand", "step")] == [grads] * len(seen)
+
+
+@pytest.mark.parametrize("strategy", ["stream-module", "stream-file", "composed"])
+def test_weights_written_between_steps_are_kept(tmp_path, strategy):
+    """Blocks left on the device between steps (loose watermarks; loaded again by an eval
+    forward after the optimizer step, so not changed by it) are written by the user's code (a
+    state dict loaded back, EMA weights swapped in): their eviction copies the writes back.
+    Before, an eviction dropped them (the block was not dirty): the next steps trained on the
+    weights from before the write."""
+    path = exact.build_toy("dual", tmp_path / "dual")
+
+    def run(ordinary, section=None):
+        model = exact.make_model("dual", path, "full", ordinary=ordinary)
+        built = build_strategy(
+            model, section or {"strategy": "none"}, device="cpu", checkpoint_dir=path
+        )
+        evals = []
+
+        def after_step(strategy):
+            with strategy.step(100 + len(evals)):
+                with torch.no_grad(), strategy.forward():
+                    evals.append(model(**exact.inputs_for(model, 9)).sum().item())
+            with torch.no_grad():
+                model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+
+        run = exact.train(model, built, steps=4, after_step=after_step)
+        return run, evals
+
+    section = memory_section(strategy, False)
+    section["stagehand"].update(vram_high_watermark_mb=1000, vram_low_watermark_mb=1000)
+    reference, ref_evals = run(True)
+    got, evals = run(False, section)
+    exact.assert_exact(reference, got)
+    assert evals == ref_evals
