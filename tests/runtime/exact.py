@@ -20,6 +20,8 @@ Two small diffusers models built here reproduce the two gradient defects of issu
 ``TiedToy`` (tied weights: a layer shared by two blocks, and by a block and a resident module)
 reproduces a set-up defect: a frozen tied weight was laid out in two blocks (the second layout
 read the first one's empty placeholder) or streamed while a resident module used it.
+``OwnCheckpointToy`` (a model checkpointing its blocks itself) one of layer offload: its
+per-layer checkpoint, recomputed inside the model's, saved other tensors the second time.
 """
 
 from __future__ import annotations
@@ -126,13 +128,34 @@ class TiedToy(SharedContextToy):
         self.blocks[3].to_v = self.proj
 
 
-TOYS = {"dual": DualStreamToy, "shared": SharedContextToy, "tied": TiedToy}
+class OwnCheckpointToy(SharedContextToy):
+    """``SharedContextToy`` checkpointing each block itself behind a flag of its own
+    (``grad_checkpointing``, as timm models have it): layer offload cannot switch it off, so its
+    per-layer checkpoint runs inside this one, and is recomputed by it."""
+
+    @register_to_config
+    def __init__(self, dim: int = 32, num_layers: int = 3) -> None:
+        super().__init__(dim, num_layers)
+        self.grad_checkpointing = True
+
+    def _block(self, block: nn.Module, *args: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and self.grad_checkpointing:
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
+
+
+TOYS = {
+    "dual": DualStreamToy,
+    "shared": SharedContextToy,
+    "tied": TiedToy,
+    "own-gc": OwnCheckpointToy,
+}
 
 
 def build_toy(kind: str, folder: Path) -> Path:
     """Save a seeded ``kind`` toy in diffusers' folder layout (``config.json`` +
     ``diffusion_pytorch_model.safetensors``) under ``folder`` and return the folder."""
-    torch.manual_seed({"dual": 0, "shared": 1, "tied": 2}[kind])
+    torch.manual_seed({"dual": 0, "shared": 1, "tied": 2, "own-gc": 3}[kind])
     model = TOYS[kind]()
     # ``save_pretrained`` refuses tensors that share memory: every key gets its own copy
     # (``from_pretrained`` loads both keys into the one tied parameter).
