@@ -9,6 +9,7 @@ import torch
 
 from runtime.common import ListSink, Telemetry
 from runtime.strategy import build_strategy
+from runtime.weights.errors import FrozenParameterError
 from tests.runtime import exact
 from tests.runtime.test_exactness import memory_section
 
@@ -97,3 +98,26 @@ def test_weights_written_between_steps_are_kept(tmp_path, strategy):
     got, evals = run(False, section)
     exact.assert_exact(reference, got)
     assert evals == ref_evals
+
+
+@pytest.mark.parametrize("strategy", ["stream-module", "stream-file", "layer-offload"])
+def test_unfreezing_a_streamed_parameter_mid_run_is_refused(tmp_path, strategy):
+    """Which block parameters train is fixed when the strategy is built: one unfrozen later
+    (progressive unfreezing) is named at the next optimizer step. Before, its update was lost
+    at its block's eviction (host memory) or the step failed on the empty placeholder of a
+    file-backed weight ("size of tensor a (0) must match")."""
+    path = exact.build_toy("dual", tmp_path / "dual")
+    model = exact.make_model("dual", path, "full", "non-reentrant")
+    model.blocks[0].requires_grad_(False)
+    built = build_strategy(model, memory_section(strategy, True), device="cpu", checkpoint_dir=path)
+    model.blocks[0].to_q.weight.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with built.step(0):
+        with built.forward():
+            loss = model(**exact.inputs_for(model, 0)).pow(2).mean()
+        with built.backward():
+            loss.backward()
+        with pytest.raises(FrozenParameterError, match=r"'blocks\.0\.to_q\.weight' was frozen"):
+            with built.optimizer(opt):
+                opt.step()
+    built.close()
