@@ -22,6 +22,8 @@ reproduces a set-up defect: a frozen tied weight was laid out in two blocks (the
 read the first one's empty placeholder) or streamed while a resident module used it.
 ``OwnCheckpointToy`` (a model checkpointing its blocks itself) one of layer offload: its
 per-layer checkpoint, recomputed inside the model's, saved other tensors the second time.
+``NestedToy`` (blocks in a list of lists) one of block discovery: the inner lists, never
+called, were the blocks, so nothing streamed and file-backed weights stayed empty.
 """
 
 from __future__ import annotations
@@ -144,18 +146,41 @@ class OwnCheckpointToy(SharedContextToy):
         return block(*args)
 
 
+class NestedToy(_Toy):
+    """``SharedContextToy``'s blocks in stages: a ``ModuleList`` of lists (and a
+    ``ModuleDict`` stage), never called themselves: the blocks are their entries."""
+
+    @register_to_config
+    def __init__(self, dim: int = 32, num_stages: int = 2) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.stages = nn.ModuleList(
+            nn.ModuleList(CrossBlock(dim) for _ in range(2)) for _ in range(num_stages)
+        )
+        self.stages.append(nn.ModuleDict({"a": CrossBlock(dim), "b": CrossBlock(dim)}))
+        self.gradient_checkpointing = False
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        context = self.proj(c)
+        for stage in self.stages:
+            for block in stage.values() if isinstance(stage, nn.ModuleDict) else stage:
+                x = self._block(block, x, context)
+        return x
+
+
 TOYS = {
     "dual": DualStreamToy,
     "shared": SharedContextToy,
     "tied": TiedToy,
     "own-gc": OwnCheckpointToy,
+    "nested": NestedToy,
 }
 
 
 def build_toy(kind: str, folder: Path) -> Path:
     """Save a seeded ``kind`` toy in diffusers' folder layout (``config.json`` +
     ``diffusion_pytorch_model.safetensors``) under ``folder`` and return the folder."""
-    torch.manual_seed({"dual": 0, "shared": 1, "tied": 2, "own-gc": 3}[kind])
+    torch.manual_seed({"dual": 0, "shared": 1, "tied": 2, "own-gc": 3, "nested": 4}[kind])
     model = TOYS[kind]()
     # ``save_pretrained`` refuses tensors that share memory: every key gets its own copy
     # (``from_pretrained`` loads both keys into the one tied parameter).
