@@ -42,7 +42,17 @@ def check_transition(current: Phase | None, new: Phase) -> None:
     if new not in LEGAL_NEXT[current]:
         expected = " or ".join(sorted(p.name for p in LEGAL_NEXT[current]))
         found = current.name if current else "no phase"
-        raise PhaseError(f"illegal phase order: after {found} expected {expected}, got {new.name}")
+        hint = ""
+        if new in (Phase.FORWARD, Phase.OPTIMIZER) and current in (Phase.BACKWARD, Phase.OPTIMIZER):
+            hint = (
+                " (one forward, backward and optimizer phase per step: for gradient accumulation"
+                " run each micro-batch in a step of its own and enter the optimizer phase in the"
+                " last one only, gradients add up across steps; step every optimizer inside one"
+                " optimizer phase)"
+            )
+        raise PhaseError(
+            f"illegal phase order: after {found} expected {expected}, got {new.name}{hint}"
+        )
 
 
 class PhaseMachine:

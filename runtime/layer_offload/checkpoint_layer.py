@@ -156,19 +156,25 @@ def split_inputs(
 
 
 class SharedTensors:
-    """``shared(tensor)``: True when ``tensor`` (the same object) was already passed to a layer
-    of this forward (see NOTE [ Checkpoint inputs as activations ]); ``clear()`` at each forward.
-    Weak references: a tensor freed and another allocated at its id is not taken for it."""
+    """``shared(tensor, owner)``: True when ``tensor`` (the same object) was already passed to a
+    layer of this forward, other than ``owner`` (the calling layer's index; None: any layer)
+    (see NOTE [ Checkpoint inputs as activations ]); ``clear()`` at each forward. Weak
+    references: a tensor freed and another allocated at its id is not taken for it.
+
+    A layer called again with the same tensors gets the same answer: a checkpoint of the
+    model's own around a wrapped layer (one this runtime cannot switch off) recomputes the
+    wrapper with the same objects, and its checkpoint must save what the first call saved.
+    """
 
     def __init__(self) -> None:
-        self._seen: dict[int, weakref.ref] = {}
+        self._seen: dict[int, tuple[weakref.ref, int | None]] = {}
 
-    def __call__(self, tensor: torch.Tensor) -> bool:
+    def __call__(self, tensor: torch.Tensor, owner: int | None = None) -> bool:
         key = id(tensor)
-        ref = self._seen.get(key)
-        if ref is not None and ref() is tensor:
-            return True
-        self._seen[key] = weakref.ref(tensor)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is tensor:
+            return owner is None or seen[1] != owner
+        self._seen[key] = (weakref.ref(tensor), owner)
         return False
 
     def clear(self) -> None:

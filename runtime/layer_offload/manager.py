@@ -28,6 +28,7 @@ whose end never came (an exception mid-block, a partial backward) cannot accumul
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ class LayerOffloadManager:
                     before_layer=self.before_layer,
                     after_layer=self.after_layer,
                     checkpointing=self.checkpointing,
-                    shared=self.shared,
+                    shared=partial(self.shared, owner=index),
                     non_blocking=non_blocking,
                 ),
             )
@@ -162,10 +163,10 @@ class LayerOffloadManager:
         stopped recomputation skips)."""
         self.stats["after_layer_recompute" if recompute else "after_layer_forward"] += 1
 
-    def shared(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` was already passed to a layer of this forward (see NOTE
-        [ Checkpoint inputs as activations ] in ``checkpoint_layer.py``)."""
-        return self._seen(tensor)
+    def shared(self, tensor: torch.Tensor, owner: int | None = None) -> bool:
+        """True when ``tensor`` was already passed to a layer of this forward other than layer
+        ``owner`` (see NOTE [ Checkpoint inputs as activations ] in ``checkpoint_layer.py``)."""
+        return self._seen(tensor, owner)
 
     def forward_begin(self) -> None:
         """A new forward: no tensor is shared yet."""

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from runtime.weights.convert import _resident_trainable
+from runtime.weights.convert import _resident_trainable, shared_parameters
 from runtime.weights.registry import Block, build_layout, find_blocks
 
 
@@ -314,7 +314,9 @@ def inventory(
 
     found = find_blocks(model, block_pattern)
     qualnames = {p: n for n, p in model.named_parameters()}
-    resident = _resident_trainable(found, resident_trainable_max_fraction)
+    resident = shared_parameters(model, found) | _resident_trainable(
+        found, resident_trainable_max_fraction
+    )
     layouts = []
     for index, (name, module) in enumerate(found):
         block = Block(name=name, index=index, module=module)

@@ -84,9 +84,12 @@ def register_blocks(
         UnmatchedParameterError: a parameter has no checkpoint tensor (or is on ``meta`` with no
             checkpoint to read it from).
         ParameterMismatchError: shape or dtype differ from the checkpoint tensor.
+
+    A parameter shared by several blocks, or by a block and a module outside the blocks (tied
+    weights), stays resident (NOTE [ Shared parameters ]).
     """
     qualnames = {p: n for n, p in model.named_parameters()}
-    resident = (
+    resident = shared_parameters(model, found) | (
         frozenset() if inference else _resident_trainable(found, resident_trainable_max_fraction)
     )
     blocks = []
@@ -135,6 +138,27 @@ def register_blocks(
 # weights only ever move host -> device, nothing is copied back, and the optimizer finds
 # parameters, gradients and state where they are. A full fine-tune (every block parameter
 # trainable) is far above the fraction: its blocks stream with a copy back, as before.
+
+
+# NOTE [ Shared parameters ]
+# A parameter object can sit in several modules (tied weights: an embedding shared with the
+# head, a projection shared by two blocks). Streamed with one block, it would be a view of that
+# block's buffer while another block, or a resident module, computes with it: evicted, it is an
+# empty placeholder (file-backed) or the host master (the wrong device on a GPU); laid out in two
+# blocks, the second layout would read the placeholder the first one left. Such a parameter is
+# left out of every layout and stays resident, as the plain model has it (numbers unchanged).
+
+
+def shared_parameters(model: nn.Module, found: list[tuple[str, nn.Module]]) -> frozenset[int]:
+    """``id`` of every parameter reachable from more than one block, or from a block and a
+    module outside the blocks (see the NOTE)."""
+    blocks = [name + "." if name else "" for name, _ in found]
+    owners: dict[int, set[int]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = next((i for i, prefix in enumerate(blocks) if name.startswith(prefix)), -1)
+        owners.setdefault(id(param), set()).add(owner)
+    in_blocks = {id(p) for _, module in found for p in module.parameters()}
+    return frozenset(k for k, seen in owners.items() if len(seen) > 1 and k in in_blocks)
 
 
 def _resident_trainable(found: list[tuple[str, nn.Module]], max_fraction: float) -> frozenset[int]:

@@ -36,5 +36,10 @@ class SlabTimeoutError(StagehandError):
     """A slab acquire waited longer than ``slab_acquire_timeout_s``; names the holders."""
 
 
+class FrozenParameterError(StagehandError):
+    """A block parameter frozen when the runtime was built requires grad now (unfrozen mid-run):
+    which block parameters train is fixed at set-up."""
+
+
 class BlockStateError(StagehandError):
     """An illegal block state transition; names the state expected and the state found."""

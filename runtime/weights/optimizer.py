@@ -18,6 +18,7 @@ import torch
 
 from runtime.common.device import host_like, uses_cuda
 from runtime.common.memory import DeviceMemory
+from runtime.weights.errors import FrozenParameterError
 from runtime.weights.registry import Block, BlockState, ParamSlot
 
 
@@ -39,6 +40,21 @@ def _move_state(
                     state[name] = host
                 else:
                     state[name] = value.to(device, non_blocking=non_blocking)
+
+
+def refuse_unfrozen(frozen: list[ParamSlot]) -> None:
+    """Raise ``FrozenParameterError`` for a block parameter frozen at set-up (``frozen``) that
+    requires grad now: it has no host master to update (file-backed) or none kept in step with
+    its device copy (its gradient is not copied back, its update is lost at eviction)."""
+    for slot in frozen:
+        if slot.param.requires_grad:
+            source = "its checkpoint file" if slot.file_backed else "host memory"
+            raise FrozenParameterError(
+                f"parameter {slot.qualname!r} was frozen when the memory strategy was built and "
+                f"requires grad now: it streams read-only from {source}, so it cannot be "
+                "trained (unfreezing mid-run); set requires_grad before build_strategy, or close "
+                "the strategy and build it again after unfreezing"
+            )
 
 
 @contextlib.contextmanager

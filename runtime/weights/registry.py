@@ -129,9 +129,10 @@ class Block:
     prefetched: bool = False
     """Loaded speculatively and not used yet (a use then counts as a prefetch hit)."""
     dirty: bool = False
-    """Its device weights are newer than its host masters (an optimizer step ran while it was
-    loaded): its next eviction copies them back. Else an eviction copies back only gradients
-    (the weights on the device are the masters' own copy)."""
+    """Its device weights may be newer than its host masters (an optimizer step ran while it
+    was loaded, or it was left loaded at a step's end, when the user's code may write weights):
+    its next eviction copies them back. Else an eviction copies back only gradients (the
+    weights on the device are the masters' own copy)."""
     d2h_event: object | None = None
     """The copy back of trainable parameters to their host masters (read only after it)."""
     resident: bool = False
@@ -164,7 +165,8 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
     ``model.language_model.layers``; a UNet: ``down_blocks`` and ``up_blocks``, whose entries
     are of different classes). A module beside a streamed list that is built like the list's
     entries (it holds lists of the same kinds of part: a UNet's ``mid_block`` of resnets and
-    attentions beside its down and up blocks) is one more block (NOTE [ Stage siblings ]).
+    attentions beside its down and up blocks) is one more block (NOTE [ Stage siblings ]). An
+    entry that is itself a ``ModuleList`` or ``ModuleDict`` (never called) gives its entries.
 
     Raises:
         BlockDiscoveryError: nothing matched (names the pattern or the model class).
@@ -183,7 +185,7 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
             raise BlockDiscoveryError(
                 f"block_pattern {pattern!r} matched no module of {type(model).__name__}"
             )
-        return found
+        return _callable(found)
     candidates: list[tuple[str, nn.ModuleList, int]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
@@ -210,7 +212,25 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
         for i, child in enumerate(module)
     ]
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return sorted(blocks + stages, key=lambda b: order[b[0]])
+    return _callable(sorted(blocks + stages, key=lambda b: order[b[0]]))
+
+
+def _callable(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``blocks`` with each container (``ModuleList``, ``ModuleDict``: a list of lists, stages
+    of named layers) replaced by its parameter-holding entries, recursively: a container is
+    never called, so a block boundary on it would never fire (its weights never loaded)."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in blocks:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            entries = [
+                (f"{name}.{key}" if name else key, child)
+                for key, child in module.named_children()
+                if _holds_parameters(child)
+            ]
+            out.extend(_callable(entries))
+        else:
+            out.append((name, module))
+    return out
 
 
 # NOTE [ Stage siblings ]

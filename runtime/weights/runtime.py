@@ -48,7 +48,7 @@ from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
-from runtime.weights.optimizer import trainable_on_device
+from runtime.weights.optimizer import refuse_unfrozen, trainable_on_device
 from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, find_blocks
@@ -135,6 +135,12 @@ class StagehandRuntime:
             reader_min_bytes=int(config.reader_min_block_mb * MB),
             cache=self.cache,
         )
+        self._frozen = (
+            []
+            if mode == "inference"
+            else [s for b in self.blocks for s in b.layout if not s.trainable]
+        )
+        """Block parameters frozen at set-up (``refuse_unfrozen``)."""
         self.views = SavedViews(self._ensure_loaded)
         self.views.frozen = not any(block.trainable for block in self.blocks)
         self.packer = self.views.pack
@@ -223,6 +229,14 @@ class StagehandRuntime:
         }
         self.telemetry.emit(*WEIGHTS_STEP, **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
+        # The user's code runs next and may write trainable weights (a state dict loaded back,
+        # EMA weights swapped in): a trainable block left on the device is bound to its buffer
+        # (not a host master already staged) and dirty, so its eviction keeps the write.
+        for block in self.blocks:
+            if block.trainable and block.on_device:
+                if block.state is BlockState.PREFETCHING:
+                    self._ready(block)
+                block.dirty = True
 
     def counters(self) -> dict[str, int]:
         """Work of the open step (the last one between steps): ``blocks_loaded``,
@@ -268,6 +282,7 @@ class StagehandRuntime:
     ) -> contextlib.AbstractContextManager[None]:
         """Trainable block parameters, their gradients and optimizer state on the compute device
         for ``optimizer.step()``, back to their host masters after (the seed's bug 6)."""
+        refuse_unfrozen(self._frozen)
         self.transfer.synchronize_d2h()
         for block in self.blocks:
             if block.state is BlockState.PREFETCHING:

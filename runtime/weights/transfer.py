@@ -7,8 +7,9 @@ buffer and "evicting" releases it, and both are counted in ``DeviceMemory`` (cat
 ``"weights"``), so the tracked figure falls with streaming exactly as VRAM would.
 
 Eviction of trainable (module-backed) parameters copies their gradients back to the host, and
-their data to the host masters when an optimizer step changed it on the device (the weights of a
-block loaded from its masters are the masters' own copy until then), on a D2H stream of its own,
+their data to the host masters when it may have changed on the device (an optimizer step, or
+the user's code between steps: ``Block.dirty``; the weights of a block loaded from its masters
+are the masters' own copy until then), on a D2H stream of its own,
 and records one event per block; whoever reads those host tensors first waits on it (``synchronize_d2h``): a gradient copied with ``non_blocking`` is never read
 before the copy finished (a defect of the public implementation).
 """

@@ -16,6 +16,14 @@ Two small diffusers models built here reproduce the two gradient defects of issu
   only ``x``: the last block's ``txt`` gets no gradient in the plain model (``.grad`` None).
 - ``SharedContextToy``: ``context = proj(c)`` is passed to every block and used twice in each
   (``k(context)``, ``v(context)``): ``proj``'s gradient is summed in autograd's arrival order.
+
+``TiedToy`` (tied weights: a layer shared by two blocks, and by a block and a resident module)
+reproduces a set-up defect: a frozen tied weight was laid out in two blocks (the second layout
+read the first one's empty placeholder) or streamed while a resident module used it.
+``OwnCheckpointToy`` (a model checkpointing its blocks itself) one of layer offload: its
+per-layer checkpoint, recomputed inside the model's, saved other tensors the second time.
+``NestedToy`` (blocks in a list of lists) one of block discovery: the inner lists, never
+called, were the blocks, so nothing streamed and file-backed weights stayed empty.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from diffusers.loaders import PeftAdapterMixin
 from peft import LoraConfig
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -110,14 +119,74 @@ class SharedContextToy(_Toy):
         return x
 
 
-TOYS = {"dual": DualStreamToy, "shared": SharedContextToy}
+class TiedToy(SharedContextToy):
+    """``SharedContextToy`` with tied weights: block 1's ``to_k`` is block 0's (one module in
+    two blocks), block 3's ``to_v`` is ``proj`` (a block and a resident module share it)."""
+
+    @register_to_config
+    def __init__(self, dim: int = 32, num_layers: int = 4) -> None:
+        super().__init__(dim, num_layers)
+        self.blocks[1].to_k = self.blocks[0].to_k
+        self.blocks[3].to_v = self.proj
+
+
+class OwnCheckpointToy(SharedContextToy):
+    """``SharedContextToy`` checkpointing each block itself behind a flag of its own
+    (``grad_checkpointing``, as timm models have it): layer offload cannot switch it off, so its
+    per-layer checkpoint runs inside this one, and is recomputed by it."""
+
+    @register_to_config
+    def __init__(self, dim: int = 32, num_layers: int = 3) -> None:
+        super().__init__(dim, num_layers)
+        self.grad_checkpointing = True
+
+    def _block(self, block: nn.Module, *args: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and self.grad_checkpointing:
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
+
+
+class NestedToy(_Toy):
+    """``SharedContextToy``'s blocks in stages: a ``ModuleList`` of lists (and a
+    ``ModuleDict`` stage), never called themselves: the blocks are their entries."""
+
+    @register_to_config
+    def __init__(self, dim: int = 32, num_stages: int = 2) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.stages = nn.ModuleList(
+            nn.ModuleList(CrossBlock(dim) for _ in range(2)) for _ in range(num_stages)
+        )
+        self.stages.append(nn.ModuleDict({"a": CrossBlock(dim), "b": CrossBlock(dim)}))
+        self.gradient_checkpointing = False
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        context = self.proj(c)
+        for stage in self.stages:
+            for block in stage.values() if isinstance(stage, nn.ModuleDict) else stage:
+                x = self._block(block, x, context)
+        return x
+
+
+TOYS = {
+    "dual": DualStreamToy,
+    "shared": SharedContextToy,
+    "tied": TiedToy,
+    "own-gc": OwnCheckpointToy,
+    "nested": NestedToy,
+}
 
 
 def build_toy(kind: str, folder: Path) -> Path:
     """Save a seeded ``kind`` toy in diffusers' folder layout (``config.json`` +
     ``diffusion_pytorch_model.safetensors``) under ``folder`` and return the folder."""
-    torch.manual_seed({"dual": 0, "shared": 1}[kind])
-    TOYS[kind]().save_pretrained(folder)
+    torch.manual_seed({"dual": 0, "shared": 1, "tied": 2, "own-gc": 3, "nested": 4}[kind])
+    model = TOYS[kind]()
+    # ``save_pretrained`` refuses tensors that share memory: every key gets its own copy
+    # (``from_pretrained`` loads both keys into the one tied parameter).
+    model.save_config(folder)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(Path(folder) / "diffusion_pytorch_model.safetensors"))
     return folder
 
 

@@ -48,6 +48,19 @@ def test_phases_outside_a_step_or_out_of_order_raise():
                 pass
 
 
+def test_a_second_forward_in_a_step_names_how_to_accumulate_gradients():
+    model, _, strategy = _strategy()
+    with pytest.raises(
+        PhaseError, match="gradient accumulation run each micro-batch in a step of its own"
+    ):
+        with strategy.step(0):
+            for _ in range(2):  # two micro-batches in one step
+                with strategy.forward():
+                    loss = model(torch.ones(2, 4)).sum()
+                with strategy.backward():
+                    loss.backward()
+
+
 def test_limits_apply_at_next_step_begin_and_are_acknowledged():
     _, sink, strategy = _strategy()
     strategy.set_limits({"vram_high_watermark_mb": 10, "vram_low_watermark_mb": 5}, "req-1")
