@@ -123,7 +123,7 @@ export function mount(root, { params }) {
     }
     if (range && new Set(lastSteps).size > 1) {
       grid.before(h("p", { class: "muted", id: "compare-range" },
-        `Runs of ${lastSteps.map((n) => (Number.isFinite(n) ? n : "no")).join(", ")} steps: every chart shows steps ${range[0]}–${range[1]}; `
+        `Runs of ${lastSteps.map((n) => (Number.isFinite(n) ? n : 0)).join(", ")} steps: every chart shows steps ${range[0]}–${range[1]}; `
         + `drag to zoom (all charts follow), double-click to return.`));
     }
 
