@@ -55,8 +55,9 @@ function curve(el, plan) {
 }
 
 /**
- * @param {{getConfig: () => object|null, getRequest?: () => {preset: string, overrides: object}}} opts
- *   the config being edited (null when invalid), and the run request it makes (for Tune)
+ * @param {{getConfig: () => object|null, getRequest?: () => ({preset: string, overrides: object}|null)}} opts
+ *   the config being edited (null when invalid), and the run request it makes (for Tune; null
+ *   when it cannot make one, the page having said why)
  * @returns {HTMLElement}
  */
 export function planPanel({ getConfig, getRequest }) {
@@ -91,7 +92,9 @@ export function planPanel({ getConfig, getRequest }) {
   async function tune() {
     fill(errors);
     if (!getConfig() || !getRequest) return;
-    const { preset, overrides } = getRequest();
+    const request = getRequest(); // null: the page said why
+    if (!request) return;
+    const { preset, overrides } = request;
     tuneBtn.disabled = true;
     try {
       // Numbers as typed: the API says which field is wrong and why (a budget below the

@@ -62,6 +62,13 @@ def test_a_preset_value_cleared_in_the_form_is_named_not_silently_kept(synthetic
     text = page.inner_text("#error-vram_high_watermark_mb")
     assert "memory.stagehand.vram_high_watermark_mb" in text and "cannot remove" in text
     assert posts == []
+    # Tune's trials start from the same request: refused the same way, nothing sent.
+    tunes: list[str] = []
+    page.on("request", lambda r: tunes.append(r.url) if r.url.endswith("/api/tunes") else None)
+    page.click("#tune-run")
+    page.wait_for_selector(".page-errors .error-box[data-key='tune']")
+    assert "cannot remove" in page.inner_text("#error-vram_high_watermark_mb")
+    assert tunes == []
     page.fill("#field-vram_high_watermark_mb", "3")
     page.click("#scan-data")
     page.wait_for_selector("#data-scan:not([hidden])")

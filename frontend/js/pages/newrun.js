@@ -131,7 +131,7 @@ export function mount(root, { params }) {
         h("div", {}, h("h2", {}, "Key fields"), form),
         h("div", {}, h("h2", {}, "Full config (JSON)"), jsonArea, jsonError)),
       scanBox,
-      planPanel({ getConfig: () => (fromJson() ? config : null), getRequest: () => runRequest() }),
+      planPanel({ getConfig: () => (fromJson() ? config : null), getRequest: tuneRequest }),
       assetNote,
       h("div", { class: "toolbar actions-row" }, startBtn, scanBtn, h("div", { class: "spacer" }), presetName, saveBtn)),
   );
@@ -289,6 +289,18 @@ export function mount(root, { params }) {
     if (!path) return null;
     const message = `${path}: preset "${presetSel.value}" sets it and a run's changes cannot remove it; give it a value, or save this config as a new preset and start that`;
     return { field: `overrides.${path}`, message, details: [], describe: () => message };
+  }
+
+  /** The run request Tune's trials start from, or null (the problem shown beside its field)
+   * when the form cannot become one (`requestProblem`). */
+  function tuneRequest() {
+    clearFieldErrors();
+    const problem = requestProblem();
+    if (problem) {
+      showApiError(problem, "tune");
+      return null;
+    }
+    return runRequest();
   }
 
   /** Scans the data of `body`'s run and shows it; the scan, or null on an API error. */
