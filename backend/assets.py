@@ -58,17 +58,19 @@ class AssetBuild:
             proc.kill()
             proc.wait()
 
-    def status(self) -> dict[str, Any]:
-        """The status file settled against the lock (``asset_status.current``); ``running``
-        also counts a build this server started that has not taken the lock yet."""
-        status = current(self.cache)
-        if not status["running"] and self.running():
+    def status(self, on_disk: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The status file settled against the lock (``asset_status.current``; ``on_disk``:
+        read already); ``running`` also counts a build this server started that has not taken
+        the lock yet."""
+        status = dict(on_disk) if on_disk is not None else current(self.cache)
+        if not status["running"] and self._proc is not None and self._proc.poll() is None:
             status.update(running=True, state="building" if status["state"] != "ready" else "ready")
         return status
 
-    def refusal(self, config: dict[str, Any]) -> str | None:
-        """Why a run of ``config`` may not start until the build is done (``run_refusal``)."""
-        return run_refusal(config, self.cache)
+    def refusal(self, config: dict[str, Any], status: dict[str, Any] | None = None) -> str | None:
+        """Why a run of ``config`` may not start until the build is done (``run_refusal``;
+        ``status``: ``current(self.cache)`` already read)."""
+        return run_refusal(config, self.cache, status)
 
 
 class QuietAssetPolls(logging.Filter):

@@ -169,15 +169,18 @@ def _stage_text(stage: dict[str, Any]) -> str:
     )
 
 
-def run_refusal(config: dict[str, Any], root: Path) -> str | None:
+def run_refusal(
+    config: dict[str, Any], root: Path, status: dict[str, Any] | None = None
+) -> str | None:
     """Why a run of ``config`` may not start yet, or None. A run whose needed demo products
     (:func:`needed_by`) are all built (their ``.complete`` markers on disk hold the digest the
     build recorded) may start; so may a run needing a product this build does not make (the
-    worker builds it itself, as before)."""
+    worker builds it itself, as before). ``status``: ``current(root)`` when the caller has
+    read it already (one read for many presets)."""
     needs = needed_by(config)
     if not needs:
         return None
-    status = current(root)
+    status = status if status is not None else current(root)
     provides: dict[str, str] = {}
     for stage in status["stages"]:
         provides.update(stage.get("provides") or {})

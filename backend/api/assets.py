@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from backend.api.deps import AssetsDep, StoreDep
 from backend.errors import Conflict
 from backend.openapi import errors
+from runtime.asset_status import current
 
 router = APIRouter(prefix="/api/assets", tags=["assets"])
 
@@ -46,10 +47,13 @@ class AssetsPublic(BaseModel):
 
 
 def _public(assets, store) -> dict[str, Any]:
-    body = assets.status()
+    # The status file read once: settled for the answer, as it is for every preset's refusal
+    # (a build this server just started, not holding the lock yet, changes no refusal).
+    on_disk = current(assets.cache)
+    body = assets.status(on_disk)
     blocked = {}
     for preset in store.list_presets():
-        why = assets.refusal(preset["config"])
+        why = assets.refusal(preset["config"], on_disk)
         if why is not None:
             blocked[preset["name"]] = why
     return {**body, "blocked_presets": blocked}

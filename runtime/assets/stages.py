@@ -83,12 +83,13 @@ class _Tracker:
             self.written = now
 
 
-def _acquire(root: Path) -> int:
-    """Open and lock ``<root>/demo-build.lock`` (exclusive, non-blocking); write our pid."""
+def _acquire(root: Path, block: bool = False) -> int:
+    """Open and lock ``<root>/demo-build.lock`` (exclusive; waiting for it with ``block``, else
+    ``BuildBusy``); write our pid."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise BuildBusy(lock_holder(root)) from None
@@ -107,8 +108,7 @@ def build_lock(root: Path, log: Callable[[str], None] | None = None) -> Iterator
     except BuildBusy as busy:
         if log is not None:
             log(f"waiting for the demo-asset build in process {busy.pid} to end")
-        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = _acquire(root, block=True)
     try:
         yield
     finally:

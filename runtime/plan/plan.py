@@ -62,23 +62,16 @@ class Plan:
         inv = self.inventory
         pinned = 0
         sh = self.memory.get("stagehand") or {}
-        if self.memory.get("strategy") == "stagehand":
-            section = weight_section(inv, check_memory(self.memory), self.profile)
-            pinned = int(section.pinned_pool_mb * MB)  # as the runtime derives it when left out
-            act = sh.get("activation_stagehand") or {}
-            if act.get("enabled", False):
-                classes = act.get("pinned_pool_classes_mb", [1, 4, 16, 64, 256])
-                counts = act.get("slabs_per_class", [512, 2, 2, 2, 2])
-                counts = [counts] * len(classes) if isinstance(counts, int) else counts
-                pinned += int(sum(c * n for c, n in zip(classes, counts, strict=False)) * MB)
-        if self.memory.get("strategy") == "layer_offload":
+        if self.memory.get("strategy") in ("stagehand", "layer_offload"):
+            # The sections as the runtimes resolve them (pool derived when left out).
             section = weight_section(inv, check_memory(self.memory), self.profile)
             pinned = int(section.pinned_pool_mb * MB)
             act = section.activation_stagehand
-            counts = act.slab_counts()
-            pinned += int(
-                sum(c * n for c, n in zip(act.pinned_pool_classes_mb, counts, strict=True)) * MB
-            )
+            if act is not None and act.enabled:
+                counts = act.slab_counts()
+                pinned += int(
+                    sum(c * n for c, n in zip(act.pinned_pool_classes_mb, counts, strict=True)) * MB
+                )
         # Host copies of the blocks: none when they stream from the safetensors files (reads land
         # in the pinned pool; the page cache is not the process's), all of them module-backed
         # (layer offload's are).

@@ -127,9 +127,11 @@ class HostCache:
             return None
         if block.index in self.refused:
             return None
-        available, total = host_ram()
-        over = self.cached_bytes + block.nbytes > self.budget
-        if over or available - block.nbytes < ram_margin(total):
+        if self.cached_bytes + block.nbytes > self.budget:
+            self.refused.add(block.index)
+            return None
+        available, total = host_ram()  # read only for an image the budget allows
+        if available - block.nbytes < ram_margin(total):
             self.refused.add(block.index)
             return None
         buffer = self._buffer(block.nbytes)

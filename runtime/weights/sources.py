@@ -217,7 +217,7 @@ class SafetensorsCheckpoint:
                     f"short read of {key!r} from {entry.path} at byte {entry.start + done}"
                 )
             done += n
-        self._count(1, entry.nbytes)
+        self.count_reads(1, entry.nbytes)
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -227,9 +227,6 @@ class SafetensorsCheckpoint:
                 if fd is None:
                     fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
-
-    def _count(self, reads: int, nbytes: int) -> None:
-        self.count_reads(reads, nbytes)
 
     def count_reads(self, reads: int, nbytes: int) -> None:
         """Add ``reads`` tensors and ``nbytes`` bytes to the read counters (thread-safe)."""
@@ -278,7 +275,7 @@ class SafetensorsCheckpoint:
                 if n <= 0:
                     raise OSError(f"short read from {path} at byte {start + done}")
                 done += n
-            self._count(len(pieces) if count else 0, want)
+            self.count_reads(len(pieces) if count else 0, want)
 
     def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A fresh CPU tensor holding checkpoint tensor ``key`` in ``dtype`` (default: the
