@@ -3,7 +3,8 @@
 - ``DIR/lora/pytorch_lora_weights.safetensors``: keys ``transformer.<module>.lora_A.weight`` /
   ``lora_B.weight``, written by the family's diffusers LoRA mixin (``FluxLoraLoaderMixin``...)
   with the peft config as adapter metadata, so ``pipeline.load_lora_weights(DIR/lora)`` and
-  ``transformer.load_lora_adapter(path, prefix="transformer")`` read it back.
+  ``transformer.load_lora_adapter(path, prefix="transformer")`` read it back. Every LoRA file
+  has the LoRA scale ``alpha / rank`` folded into ``lora_B`` (NOTE [ LoRA scale ]).
 - ``DIR/model/diffusion_pytorch_model.safetensors``: the weights of a full (non-LoRA) run.
 - ``DIR/checkpoints/step-N/``: ``trainable.safetensors`` (trainable parameters by name),
   ``optimizer.pt``, ``scheduler.pt``, ``rng.pt``, ``state.json`` (``{"step": N}``), written to a
@@ -28,7 +29,7 @@ from runtime.trainer.families import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 COMFY_FILE = "comfyui-lora.safetensors"
-"""The ComfyUI-layout copy beside ``LORA_FILE`` (``diffusion_model.`` keys with ``.alpha``)."""
+"""The ComfyUI-layout copy beside ``LORA_FILE`` (the original model's module names)."""
 REMOVAL_WAIT_S = 2.0
 """How long ``folder_problem`` gives a removal in progress to take the run folder itself."""
 _UNWRITABLE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
@@ -74,11 +75,72 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+# NOTE [ LoRA scale ]
+# peft computes a LoRA layer as ``W x + scale * B (A x)`` with ``scale = lora_alpha / r``
+# (``use_rslora``: ``/ sqrt(r)``; per module with ``alpha_pattern`` / ``rank_pattern``). The
+# readers of a LoRA file do not agree on where the scale comes from:
+# - diffusers' ``load_lora_adapter`` builds the ``LoraConfig`` from the file's
+#   ``lora_adapter_metadata`` when there is one, else from ``network_alphas`` its mixin's
+#   ``lora_state_dict`` pulls out of ``.alpha`` keys (FLUX.1 and the kohya converters only;
+#   the Wan, Qwen-Image, LTX-2 mixins keep no ``.alpha``), else ``alpha = r``; metadata and
+#   ``network_alphas`` together raise ``ValueError`` (diffusers 0.42 ``loaders/peft.py``).
+# - ComfyUI (``comfy/lora.py`` ``load_lora``, ``comfy/weight_adapter/lora.py``
+#   ``LoRAAdapter.calculate_weight``) adds ``strength * (alpha / down.shape[0]) * up @ down``
+#   when the file has ``<module>.alpha``, and ``strength * up @ down`` otherwise; it never reads
+#   the metadata. A diffusers file with alpha only in its metadata loads there at r / alpha of
+#   its strength.
+# So every file written here holds ``B' = scale * B`` (per module, the scale peft applied in
+# training) and says ``lora_alpha = r`` (``alpha_pattern = rank_pattern``, no rslora): scale 1
+# for diffusers, for ComfyUI without ``.alpha``, and for kohya copies, whose ``.alpha`` is the
+# rank. The trained alpha and rank stay in ``stagehand.alpha`` / ``stagehand.rank``. With a
+# power-of-two scale the folded file reproduces the trained model bit for bit; otherwise
+# ``B'`` is ``scale * B`` rounded once (0.5 ulp of fp32).
+
+
+def fold_lora_scale(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], adapter: str = "default"
+) -> dict[str, torch.Tensor]:
+    """``state`` (``<module>.lora_A.weight`` (r, in) / ``lora_B.weight`` (out, r), as
+    ``get_peft_model_state_dict`` names them) with each ``lora_B`` times the scale peft applies
+    to its module in ``model`` (NOTE [ LoRA scale ]); other tensors as they are.
+
+    Raises:
+        ValueError: a ``lora_B`` whose module in ``model`` has no LoRA ``adapter`` scale.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    scales = {
+        f"{name}.lora_B.weight": float(module.scaling[adapter])
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and adapter in module.scaling
+    }
+    out = {}
+    for key, value in state.items():
+        if ".lora_B." in key:
+            if key not in scales:
+                raise ValueError(f"{key}: no LoRA module {adapter!r} in the model has this name")
+            value = value * scales[key]
+        out[key] = value
+    return out
+
+
+def unit_scale_config(config: dict) -> dict:
+    """The peft ``LoraConfig`` dict ``config`` saying scale 1 everywhere (alpha = rank)."""
+    return {
+        **config,
+        "lora_alpha": config["r"],
+        "alpha_pattern": dict(config.get("rank_pattern") or {}),
+        "use_rslora": False,
+    }
+
+
 def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int = 0) -> Path:
     """Save the LoRA (or, for a full run, the whole model) and return the file written.
 
-    A pipeline family's LoRA also carries ``stagehand.*`` safetensors metadata (base model,
-    family, rank, alpha, targets, steps) beside the mixin's ``lora_adapter_metadata``.
+    The LoRA is written with its scale folded into ``lora_B`` (NOTE [ LoRA scale ]) and
+    ``stagehand.*`` safetensors metadata beside the mixin's ``lora_adapter_metadata``: the
+    trained ``rank`` and ``alpha``, ``scale_folded`` (alpha / rank, now in ``lora_B``),
+    ``targets``, ``steps``, and for a pipeline family its base model and family.
     """
     if getattr(model, "peft_config", None):
         from peft.utils import get_peft_model_state_dict
@@ -87,25 +149,26 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
             k: v.detach().to("cpu", copy=True).contiguous()
             for k, v in get_peft_model_state_dict(model).items()
         }
+        state = fold_lora_scale(model, state)
         folder = run_dir / "lora"
         folder.mkdir(parents=True, exist_ok=True)
         config = model.peft_config["default"]
-        family.save_lora(str(folder), state, config.to_dict())
+        family.save_lora(str(folder), state, unit_scale_config(config.to_dict()))
         extra = getattr(family, "lora_metadata", None)
-        if extra is not None:
-            metadata = {
-                **extra(),
-                "stagehand.rank": str(config.r),
-                "stagehand.alpha": str(config.lora_alpha),
-                "stagehand.targets": json.dumps(sorted(config.target_modules)),
-                "stagehand.steps": str(steps),
-            }
-            add_metadata(folder / LORA_FILE, metadata)
-            comfy = family.comfy_state_dict(state, config.lora_alpha)
-            if comfy is not None:
-                tmp = folder / f".{COMFY_FILE}.tmp"
-                save_file(comfy, str(tmp), metadata={"format": "pt", **metadata})
-                os.replace(tmp, folder / COMFY_FILE)
+        metadata = {
+            **(extra() if extra is not None else {}),
+            "stagehand.rank": str(config.r),
+            "stagehand.alpha": str(config.lora_alpha),
+            "stagehand.scale_folded": str(config.lora_alpha / config.r),
+            "stagehand.targets": json.dumps(sorted(config.target_modules)),
+            "stagehand.steps": str(steps),
+        }
+        add_metadata(folder / LORA_FILE, metadata)
+        comfy = family.comfy_state_dict(state) if extra is not None else None
+        if comfy is not None:
+            tmp = folder / f".{COMFY_FILE}.tmp"
+            save_file(comfy, str(tmp), metadata={"format": "pt", **metadata})
+            os.replace(tmp, folder / COMFY_FILE)
         return folder / LORA_FILE
     folder = run_dir / "model"
     folder.mkdir(parents=True, exist_ok=True)

@@ -254,11 +254,11 @@ class PipelineFamily(Family):
             output_type="pil",
         ).images
 
-    def comfy_state_dict(
-        self, state: dict[str, torch.Tensor], alpha: float
-    ) -> dict[str, torch.Tensor] | None:
-        """The LoRA in ComfyUI's key layout (``diffusion_model.<module>.lora_A.weight``, with
-        ``.alpha``), or None when the family's module names are not ComfyUI's."""
+    def comfy_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The LoRA ``state`` (scale folded into ``lora_B``: ``outputs.fold_lora_scale``) in
+        ComfyUI's key layout, ``diffusion_model.<original module>.lora_A.weight`` /
+        ``lora_B.weight`` and no ``.alpha`` (ComfyUI and diffusers' converters then apply scale
+        1); None when the family's module names are not ComfyUI's."""
         if self.comfy_prefix is None:
             return None
         out = {}
@@ -268,9 +268,6 @@ class PipelineFamily(Family):
             for ours, theirs in self.comfy_renames:
                 name = name.replace(ours, theirs)
             out[f"{self.comfy_prefix}.{name}"] = value
-            if name.endswith(".lora_A.weight"):
-                module = name[: -len(".lora_A.weight")]
-                out[f"{self.comfy_prefix}.{module}.alpha"] = torch.tensor(float(alpha))
         return out
 
     def lora_metadata(self) -> dict[str, str]:

@@ -56,12 +56,12 @@ class FluxPipelineFamily(PatchedLatents, PipelineFamily):
     FLUX.1 layout (``flux_comfy.py``), written for a FLUX.1-wide transformer only: diffusers'
     converter has FLUX.1's 3072 built in and could not read it for any other width."""
 
-    def comfy_state_dict(self, state, alpha):
+    def comfy_state_dict(self, state):
         from runtime.trainer.pipelines.flux_comfy import kohya_flux_state_dict
 
         cfg = read_json(self.transformer_dir / "config.json", "the transformer's config")
         width = cfg.get("num_attention_heads", 0) * cfg.get("attention_head_dim", 0)
-        return kohya_flux_state_dict(state, alpha, width, self.lora_prefix)
+        return kohya_flux_state_dict(state, width, self.lora_prefix)
 
     def check_components(self) -> None:
         """The transformer's text and latent inputs must be what the encoders and VAE give."""

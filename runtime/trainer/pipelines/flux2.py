@@ -18,8 +18,8 @@ fused, ``.proj``, ``single_blocks.N.linear1`` / ``linear2``), the layout diffuse
 ``_convert_non_diffusers_flux2_lora_to_diffusers`` reads, which takes the number of blocks from
 the keys (no model sizes built in). q, k, v LoRAs become one LoRA of the fused ``qkv`` with
 ``A = [A_q; A_k; A_v]`` (3r x in) and block-diagonal ``B`` (3 out x 3r), the same update; the
-``alpha / r`` scale is folded into every ``B`` and no ``.alpha`` key is written (the converter
-takes none; ComfyUI then scales by 1).
+``B`` come with the ``alpha / r`` scale folded in (``outputs.fold_lora_scale``) and no ``.alpha``
+key is written (the converter takes none; ComfyUI then scales by 1).
 FLUX.2 [dev] (``Flux2Pipeline``: Mistral 3 with a Pixtral processor) is refused.
 """
 
@@ -202,7 +202,7 @@ class Flux2PipelineFamily(PipelineFamily):
             output_type="pil",
         ).images
 
-    def comfy_state_dict(self, state, alpha):
+    def comfy_state_dict(self, state):
         """The LoRA in BFL / ComfyUI names (module doc), ``diffusion_model.`` prefixed; None
         (no copy) when a LoRA module has no BFL name (a target outside the double blocks'
         attention and MLPs and the single blocks' two linears) or only part of q, k, v has one.
@@ -229,13 +229,13 @@ class Flux2PipelineFamily(PipelineFamily):
                 return None
             name = f"{outer}.{index}.{table[inner]}"
             out[f"{self.comfy_prefix}.{name}.lora_A.weight"] = ab["A"]
-            out[f"{self.comfy_prefix}.{name}.lora_B.weight"] = ab["B"] * (alpha / ab["A"].shape[0])
+            out[f"{self.comfy_prefix}.{name}.lora_B.weight"] = ab["B"]
         for name, members in fused.items():
             if sorted(i for i, _ in members) != [0, 1, 2]:
                 return None
             members.sort()
             a = [loras[m]["A"] for _, m in members]  # 3 x (r, in)
-            b = [loras[m]["B"] * (alpha / loras[m]["A"].shape[0]) for _, m in members]
+            b = [loras[m]["B"] for _, m in members]  # 3 x (out, r), scale folded in
             out[f"{self.comfy_prefix}.{name}.lora_A.weight"] = torch.cat(a)  # (3r, in)
             out[f"{self.comfy_prefix}.{name}.lora_B.weight"] = torch.block_diag(*b)  # (3o, 3r)
         return out

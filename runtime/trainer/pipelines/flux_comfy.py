@@ -8,8 +8,9 @@ text stream's ``txt_attn.qkv``) and a single block's q, k, v and MLP input (``li
 LoRAs ``(A_i, B_i)`` of rank r become one of rank n r with ``A = [A_1; ...; A_n]`` and
 block-diagonal ``B``: the same update, and the layout the converter recognises as sparse and
 splits back into the very same ``A_i``, ``B_i``. A part without a LoRA (a single block's
-``proj_mlp``, which the Flux targets leave out) is a zero block. The fused ``.alpha`` is n x
-alpha, so that ``alpha / rank`` is the modules' own.
+``proj_mlp``, which the Flux targets leave out) is a zero block. The ``B`` come with the LoRA
+scale folded in (``outputs.fold_lora_scale``), so every ``.alpha`` is its module's rank (n r
+when fused): scale 1 in ComfyUI and in the converter.
 
 diffusers' converter has FLUX.1's widths built in (a single block's ``linear1`` split as 3072,
 3072, 3072, 12288), so the copy is written only for a transformer of that width: for any other
@@ -44,7 +45,7 @@ _OPTIONAL = {"proj_mlp"}
 
 
 def kohya_flux_state_dict(
-    state: dict[str, torch.Tensor], alpha: float, width: int, prefix: str = "transformer"
+    state: dict[str, torch.Tensor], width: int, prefix: str = "transformer"
 ) -> dict[str, torch.Tensor] | None:
     """``state`` (``transformer.<module>.lora_A.weight`` (r, in) / ``lora_B.weight`` (out, r))
     in kohya's FLUX.1 layout (module doc), or None when the transformer is not FLUX.1-wide
@@ -72,7 +73,7 @@ def kohya_flux_state_dict(
         for inner, name in plain.items():
             lora = loras.get(f"{kind}.{index}.{inner}")
             if lora is not None:
-                out.update(_kohya(f"{stem}_{name}", lora["A"], lora["B"], alpha))
+                out.update(_kohya(f"{stem}_{name}", lora["A"], lora["B"]))
                 used.add(f"{kind}.{index}.{inner}")
         for name, parts in fused.items():
             modules = [f"{kind}.{index}.{p}" for p in parts]
@@ -86,7 +87,7 @@ def kohya_flux_state_dict(
             if group is None:
                 return None
             a, b = group
-            out.update(_kohya(f"{stem}_{name}", a, b, alpha * len(parts)))
+            out.update(_kohya(f"{stem}_{name}", a, b))
             used.update(m for m in modules if m in loras)
     return out if used == set(loras) else None
 
@@ -109,9 +110,10 @@ def _fuse(loras: list[dict[str, torch.Tensor] | None], width: int):
     return torch.cat(a_parts), torch.block_diag(*b_parts)  # (n r, in), (sum out, n r)
 
 
-def _kohya(stem: str, a: torch.Tensor, b: torch.Tensor, alpha: float) -> dict[str, torch.Tensor]:
+def _kohya(stem: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One kohya LoRA module: ``lora_down`` = A (r, in), ``lora_up`` = B (out, r), alpha = r."""
     return {
         f"{stem}.lora_down.weight": a.contiguous(),
         f"{stem}.lora_up.weight": b.contiguous(),
-        f"{stem}.alpha": torch.tensor(float(alpha)),
+        f"{stem}.alpha": torch.tensor(float(a.shape[0])),
     }

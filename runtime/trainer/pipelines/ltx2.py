@@ -108,21 +108,8 @@ class LTX2PipelineFamily(PipelineFamily):
     whole name parts: ``audio_attn1`` and ``audio_ff`` are not matched); see the module doc."""
     comfy_prefix = "diffusion_model"
     """LTX-2's original block module names are diffusers' (its converter only renames modules
-    outside these targets), so ComfyUI's copy is the same names under ``diffusion_model.``."""
-
-    def comfy_state_dict(self, state, alpha):
-        """The base layout without ``.alpha`` keys, the scale ``alpha / rank`` folded into
-        ``lora_B``: diffusers' LTX-2 loader refuses keys without ``lora`` in them, and a LoRA
-        without alpha is read at scale 1 by both it and ComfyUI."""
-        out = {}
-        for key, value in super().comfy_state_dict(state, alpha).items():
-            if key.endswith(".alpha"):
-                continue
-            if key.endswith(".lora_B.weight"):
-                rank = value.shape[1]
-                value = value * (alpha / rank)
-            out[key] = value
-        return out
+    outside these targets), so ComfyUI's copy is the same names under ``diffusion_model.``; it
+    has no ``.alpha`` keys, which diffusers' LTX-2 loader would refuse (no ``lora`` in them)."""
 
     use_cross_timestep = True
     """``__call__``'s default: cross-modal modulation uses the other stream's sigma."""

@@ -253,9 +253,10 @@ class SDXLPipelineFamily(PipelineFamily):
             return_dict=False,
         )[0]
 
-    def comfy_state_dict(self, state, alpha):
-        """The LoRA in kohya's SGM names (module doc), or None when the UNet's
-        ``layers_per_block`` differs per level or a module has no SGM name."""
+    def comfy_state_dict(self, state):
+        """The LoRA ``state`` (scale folded into ``lora_B``) in kohya's SGM names (module doc),
+        ``.alpha`` the rank (scale 1); None when the UNet's ``layers_per_block`` differs per
+        level or a module has no SGM name."""
         layers = read_json(self.transformer_dir / "config.json", "the UNet's config").get(
             "layers_per_block"
         )
@@ -271,7 +272,8 @@ class SDXLPipelineFamily(PipelineFamily):
                 return None
             kohya = "lora_unet_" + name.replace(".", "_")
             out[f"{kohya}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
-            out[f"{kohya}.alpha"] = torch.tensor(float(alpha))
+            if part.startswith("A"):
+                out[f"{kohya}.alpha"] = torch.tensor(float(value.shape[0]))  # the rank
         return out
 
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):

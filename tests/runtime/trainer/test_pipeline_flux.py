@@ -150,17 +150,20 @@ def test_every_text_encoder_is_released_before_the_transformer_loads(
     assert alive == {"encoders": [], "strategies": []}
 
 
-@pytest.mark.parametrize("alpha", [4.0, 8.0])
-def test_flux1_comfyui_copy_round_trips_through_diffusers_converter(alpha):
+def test_flux1_comfyui_copy_round_trips_and_patches_bfl_weights_at_strength():
     """FLUX.1's real width (3072, the converter has it built in) with 1 double + 2 single
-    blocks, on meta; rank-4 LoRAs on the Flux targets. The kohya-layout copy read back by
-    ``FluxPipeline.lora_state_dict`` gives every A and B again, bit for bit (A times
-    alpha / rank, a power of two here, which the converter folds in), plus zero LoRAs on the
-    single blocks' ``proj_mlp`` (the zero block of the fused ``linear1``)."""
+    blocks, on meta; rank-4 LoRAs on the Flux targets, their B holding the folded scale as
+    ``save_lora`` passes them. The kohya-layout copy read back by ``FluxPipeline.lora_state_dict``
+    gives every A and B again, bit for bit, plus zero LoRAs on the single blocks' ``proj_mlp``
+    (the zero block of the fused ``linear1``). Under ComfyUI's rule (``test_lora_export``'s
+    module doc: ``.alpha / rank`` times up @ down) every module patches its BFL weight, whose
+    rows are the diffusers modules' outputs stacked (BFL's ``qkv = Linear(h, 3h)``, ``linear1 =
+    Linear(h, 3h + mlp)``), with exactly the update B @ A of each diffusers module."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     from runtime.trainer.pipelines.flux import FluxPipelineFamily
     from runtime.trainer.pipelines.flux_comfy import kohya_flux_state_dict
+    from tests.runtime.trainer.test_lora_export import comfy_deltas
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(
@@ -170,9 +173,10 @@ def test_flux1_comfyui_copy_round_trips_through_diffusers_converter(alpha):
         )  # fmt: skip
     targets = FluxPipelineFamily.lora_targets
     g = torch.Generator().manual_seed(0)
-    state = {}
+    state, linears = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and any(name.endswith("." + t) for t in targets):
+            linears[name] = module
             state[f"transformer.{name}.lora_A.weight"] = torch.randn(
                 4, module.in_features, generator=g
             )
@@ -181,15 +185,13 @@ def test_flux1_comfyui_copy_round_trips_through_diffusers_converter(alpha):
             )
     assert len(state) == 2 * (12 + 2 * 3)  # 12 targets in the double block, q/k/v in singles
 
-    comfy = kohya_flux_state_dict(state, alpha, width=3072)
+    comfy = kohya_flux_state_dict(state, width=3072)
     qkv = "lora_unet_double_blocks_0_img_attn_qkv"
     assert comfy[f"{qkv}.lora_down.weight"].shape == (12, 3072)  # q, k, v stacked
-    assert comfy[f"{qkv}.alpha"].item() == 3 * alpha
     assert comfy["lora_unet_single_blocks_1_linear1.lora_up.weight"].shape == (3 * 3072 + 12288, 16)
     back = FluxPipeline.lora_state_dict(comfy)
     for key, value in state.items():
-        want = value * (alpha / 4) if ".lora_A." in key else value
-        assert torch.equal(back[key], want), key
+        assert torch.equal(back[key], value), key
     extra = sorted(set(back) - set(state))
     assert extra == [
         f"transformer.single_transformer_blocks.{i}.proj_mlp.lora_{ab}.weight"
@@ -197,4 +199,37 @@ def test_flux1_comfyui_copy_round_trips_through_diffusers_converter(alpha):
         for ab in "AB"
     ]
     assert all(not back[k].any() for k in extra)
-    assert kohya_flux_state_dict(state, alpha, width=16) is None  # not readable back: no copy
+
+    def delta(module: str) -> torch.Tensor:  # the diffusers module's update, (out, in)
+        lora = f"transformer.{module}.lora_"
+        return state[lora + "B.weight"] @ state[lora + "A.weight"]
+
+    fused = {
+        "double_blocks_0_img_attn_qkv": [f"transformer_blocks.0.attn.to_{p}" for p in "qkv"],
+        "double_blocks_0_txt_attn_qkv": [f"transformer_blocks.0.attn.add_{p}_proj" for p in "qkv"],
+        **{
+            f"single_blocks_{i}_linear1": [
+                *(f"single_transformer_blocks.{i}.attn.to_{p}" for p in "qkv"),
+                f"single_transformer_blocks.{i}.proj_mlp",
+            ]
+            for i in range(2)
+        },
+    }
+    stems = [k.removesuffix(".alpha") for k in comfy if k.endswith(".alpha")]
+    assert len(stems) == 12 - 6 + 2 + 2 * 3  # 6 double-block linears, 2 qkv; per single: 3
+    for x in stems:  # the rank: scale 1, the scale is in lora_up
+        assert comfy[f"{x}.alpha"].item() == comfy[f"{x}.lora_down.weight"].shape[0], x
+    for stem, parts in fused.items():
+        patch = comfy_deltas({k: v for k, v in comfy.items() if k.startswith(f"lora_unet_{stem}.")})
+        (rows,) = patch.values()
+        mlp = 4 * 3072  # BFL's single block: linear1 = Linear(h, 3h + mlp_hidden)
+        assert rows.shape == (3 * 3072 + (mlp if "linear1" in stem else 0), 3072), stem
+        at = 0
+        for part in parts:
+            if part.endswith("proj_mlp"):
+                assert not rows[at:].any()  # no LoRA there: a zero block
+                break
+            module = linears[part]
+            assert torch.equal(rows[at : at + module.out_features], delta(part)), part
+            at += module.out_features
+    assert kohya_flux_state_dict(state, width=16) is None  # not readable back: no copy

@@ -84,10 +84,10 @@ def test_sdxl_lora_and_its_comfyui_copy_load_and_agree(sdxl_run, sdxl_pipeline_d
     tuned = generate()
     assert tuned.shape == (1, 3, 64, 128) and (tuned - base).abs().max() > 1e-4
     # kohya's names over the original UNet (down_blocks.1.attentions.0 is input_blocks.3.1 with
-    # one resnet per level), with alpha 8 for rank 4, as ComfyUI and diffusers' converter read.
+    # one resnet per level); alpha 8 / rank 4 is folded into lora_up, so .alpha is the rank.
     comfy = load_file(str(lora / COMFY_FILE))
     key = "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q"
-    assert comfy[f"{key}.alpha"].item() == 8.0 and comfy[f"{key}.lora_down.weight"].shape[0] == 4
+    assert comfy[f"{key}.alpha"].item() == 4.0 and comfy[f"{key}.lora_down.weight"].shape[0] == 4
     assert "lora_unet_middle_block_1_transformer_blocks_2_attn2_to_out_0.lora_up.weight" in comfy
     pipe.delete_adapters("diffusers")
     pipe.load_lora_weights(lora, weight_name=COMFY_FILE, adapter_name="comfyui")

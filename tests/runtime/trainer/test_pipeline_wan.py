@@ -74,7 +74,8 @@ def test_wan_lora_and_its_comfyui_copy_load_and_agree(wan_run, wan_pipeline_dir)
     # Wan's original names, as ComfyUI has them.
     assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in comfy
     assert "diffusion_model.blocks.2.cross_attn.o.lora_B.weight" in comfy
-    assert "diffusion_model.blocks.1.ffn.0.alpha" in comfy
+    assert "diffusion_model.blocks.1.ffn.0.lora_A.weight" in comfy
+    assert not any(k.endswith(".alpha") for k in comfy)  # alpha 8 / rank 4 folded into B
 
     pipe = WanPipeline.from_pretrained(wan_pipeline_dir, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)

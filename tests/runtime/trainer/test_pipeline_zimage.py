@@ -49,7 +49,7 @@ def test_zimage_lora_and_its_comfyui_copy_load_and_agree(zimage_run, zimage_pipe
     lora = run_dir / "lora"
     comfy = load_file(str(lora / COMFY_FILE))
     assert "diffusion_model.layers.0.attention.to_q.lora_A.weight" in comfy
-    assert comfy["diffusion_model.layers.2.feed_forward.w2.alpha"].item() == 8.0
+    assert not any(k.endswith(".alpha") for k in comfy)  # alpha 8 / rank 4 folded into B
     with safe_open(str(lora / "pytorch_lora_weights.safetensors"), "pt") as f:
         targets = json.loads(f.metadata()["stagehand.targets"])
     assert "feed_forward.w1" in targets and "to_out.0" in targets
