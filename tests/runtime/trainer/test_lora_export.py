@@ -13,11 +13,13 @@ gets::
 and the safetensors metadata is never read. The trained model's update of a module is
 ``scaling * (B @ A)`` with peft's ``scaling = lora_alpha / r``.
 
-Where ComfyUI's names are not diffusers', the copy's deltas are put through diffusers'
-single-file converter of the family (``diffusers/loaders/single_file_utils.py``, which loads
-the original checkpoints: BFL's FLUX.2, Lightricks' LTX-2, Wan-AI's Wan, Tongyi's Z-Image), as
-the original model's weights they patch, so the names, the shapes and the fused q/k/v rows are
-checked against the original format as that converter reads it.
+The rule is applied to the diffusers file too: ComfyUI's key map (``model_lora_keys_unet``)
+takes its ``transformer.<diffusers name>`` keys for SD3, FLUX.1, Qwen-Image and Z-Image. Where
+ComfyUI's names are not diffusers', the copy's deltas are put, as the original model's weights
+they patch, through diffusers' single-file converter of the family
+(``diffusers/loaders/single_file_utils.py``, which loads the original checkpoints: BFL's
+FLUX.2, Lightricks' LTX-2, Wan-AI's Wan, Tongyi's Z-Image), so the names, the shapes and the
+fused q/k/v rows are checked against the original format as that converter reads it.
 """
 
 import json
@@ -68,6 +70,26 @@ ORIGINAL_TO_DIFFUSERS = {
 }
 """diffusers' single-file converter from the family's original checkpoint (Qwen-Image's
 original names are diffusers')."""
+
+
+def comfy_zimage_weights(deltas: dict[str, torch.Tensor], dim: int) -> dict[str, torch.Tensor]:
+    """The original Z-Image weights ComfyUI patches with a LoRA in diffusers' names: ComfyUI
+    (``comfy/lora.py`` ``model_lora_keys_unet``, Lumina2 models) maps
+    ``diffusion_model.<diffusers name>`` through ``comfy/utils.py`` ``z_image_to_diffusers``:
+    ``attention.to_q`` / ``to_k`` / ``to_v`` patch rows ``[0, d)``, ``[d, 2d)``, ``[2d, 3d)`` of
+    ``attention.qkv`` (d = ``dim``), ``attention.to_out.0`` patches ``attention.out``, the
+    feed-forward keeps its names. ``deltas``: ``<module>.weight`` -> (out, in)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, delta in deltas.items():
+        parts = [p for p in "qkv" if f".attention.to_{p}." in key]
+        if parts:
+            fused = key.replace(f".attention.to_{parts[0]}.", ".attention.qkv.")
+            rows = out.setdefault(fused, torch.zeros(3 * dim, delta.shape[1]))
+            at = "qkv".index(parts[0]) * dim
+            rows[at : at + dim] = delta
+        else:
+            out[key.replace(".attention.to_out.0.", ".attention.out.")] = delta
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +184,9 @@ def test_lora_files_give_the_trained_delta_under_comfyui_rule(name, trained):
         return
     original = {x.removeprefix("diffusion_model.") + ".weight": d for x, d in deltas.items()}
     assert all(x.startswith("diffusion_model.") for x in deltas)
+    if name == "zimage":  # the copy keeps diffusers' names; ComfyUI fuses them itself
+        original = comfy_zimage_weights(original, model.config.dim)
+        assert any(k.endswith(".attention.qkv.weight") for k in original)
     if name in ORIGINAL_TO_DIFFUSERS:
         import diffusers.loaders.single_file_utils as single_file
 
