@@ -216,7 +216,7 @@ def test_flux1_comfyui_copy_round_trips_and_patches_bfl_weights_at_strength():
         },
     }
     stems = [k.removesuffix(".alpha") for k in comfy if k.endswith(".alpha")]
-    assert len(stems) == 12 - 6 + 2 + 2 * 3  # 6 double-block linears, 2 qkv; per single: 3
+    assert len(stems) == 6 + 2 + 2  # double block: 6 linears and 2 fused qkv; 1 linear1 a single
     for x in stems:  # the rank: scale 1, the scale is in lora_up
         assert comfy[f"{x}.alpha"].item() == comfy[f"{x}.lora_down.weight"].shape[0], x
     for stem, parts in fused.items():
