@@ -80,45 +80,54 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # (``use_rslora``: ``/ sqrt(r)``; per module with ``alpha_pattern`` / ``rank_pattern``). The
 # readers of a LoRA file do not agree on where the scale comes from:
 # - diffusers' ``load_lora_adapter`` builds the ``LoraConfig`` from the file's
-#   ``lora_adapter_metadata`` when there is one, else from ``network_alphas`` its mixin's
-#   ``lora_state_dict`` pulls out of ``.alpha`` keys (FLUX.1 and the kohya converters only;
-#   the Wan, Qwen-Image, LTX-2 mixins keep no ``.alpha``), else ``alpha = r``; metadata and
-#   ``network_alphas`` together raise ``ValueError`` (diffusers 0.42 ``loaders/peft.py``).
+#   ``lora_adapter_metadata`` when there is one, else ``alpha = r`` (diffusers 0.42
+#   ``loaders/peft.py``, ``utils/peft_utils.py``). ``.alpha`` tensors are each mixin's own
+#   business: FLUX.1's ``lora_state_dict`` pops them into ``network_alphas``, which with
+#   metadata raises ``ValueError``; Qwen-Image's and Z-Image's send a file holding one through
+#   their non-diffusers converters; Wan's reads them in ``diffusion_model.`` files only; LTX-2's
+#   refuses keys without ``lora`` in them; FLUX.2's converter takes none.
 # - ComfyUI (``comfy/lora.py`` ``load_lora``, ``comfy/weight_adapter/lora.py``
 #   ``LoRAAdapter.calculate_weight``) adds ``strength * (alpha / down.shape[0]) * up @ down``
 #   when the file has ``<module>.alpha``, and ``strength * up @ down`` otherwise; it never reads
 #   the metadata. A diffusers file with alpha only in its metadata loads there at r / alpha of
 #   its strength.
-# So every file written here holds ``B' = scale * B`` (per module, the scale peft applied in
-# training) and says ``lora_alpha = r`` (``alpha_pattern = rank_pattern``, no rslora): scale 1
-# for diffusers, for ComfyUI without ``.alpha``, and for kohya copies, whose ``.alpha`` is the
-# rank. The trained alpha and rank stay in ``stagehand.alpha`` / ``stagehand.rank``. With a
-# power-of-two scale the folded file reproduces the trained model bit for bit; otherwise
-# ``B'`` is ``scale * B`` rounded once (0.5 ulp of fp32).
+# So ``.alpha`` tensors cannot serve every reader, and every file written here holds
+# ``B' = scale * B`` (per module, the scale peft applied in training) and says
+# ``lora_alpha = r`` (``alpha_pattern = rank_pattern``, no rslora): scale 1 for diffusers, for
+# ComfyUI without ``.alpha``, and for kohya copies, whose ``.alpha`` is the rank (kohya's
+# converters want one). The trained alpha and rank stay in ``stagehand.alpha`` /
+# ``stagehand.rank``. With a power-of-two scale the folded file reproduces the trained model bit
+# for bit; otherwise ``B'`` is ``scale * B`` rounded once (0.5 ulp of fp32).
 
 
-def fold_lora_scale(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], adapter: str = "default"
-) -> dict[str, torch.Tensor]:
-    """``state`` (``<module>.lora_A.weight`` (r, in) / ``lora_B.weight`` (out, r), as
-    ``get_peft_model_state_dict`` names them) with each ``lora_B`` times the scale peft applies
-    to its module in ``model`` (NOTE [ LoRA scale ]); other tensors as they are.
-
-    Raises:
-        ValueError: a ``lora_B`` whose module in ``model`` has no LoRA ``adapter`` scale.
-    """
+def lora_scales(model: torch.nn.Module, adapter: str = "default") -> dict[str, float]:
+    """The scale peft applies to each LoRA module of ``model`` (NOTE [ LoRA scale ]), by the
+    name of its ``lora_B`` weight as ``get_peft_model_state_dict`` gives it
+    (``<module>.lora_B.weight``)."""
     from peft.tuners.lora import LoraLayer
 
-    scales = {
+    return {
         f"{name}.lora_B.weight": float(module.scaling[adapter])
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer) and adapter in module.scaling
     }
+
+
+def fold_lora_scale(
+    state: dict[str, torch.Tensor], scales: dict[str, float]
+) -> dict[str, torch.Tensor]:
+    """``state`` (``<module>.lora_A.weight`` (r, in) / ``lora_B.weight`` (out, r)) with each
+    ``lora_B`` times its module's scale in ``scales`` (``lora_scales``); other tensors as they
+    are.
+
+    Raises:
+        ValueError: a ``lora_B`` with no scale (no LoRA module of that name in the model).
+    """
     out = {}
     for key, value in state.items():
         if ".lora_B." in key:
             if key not in scales:
-                raise ValueError(f"{key}: no LoRA module {adapter!r} in the model has this name")
+                raise ValueError(f"{key}: no LoRA module of the model has this name")
             value = value * scales[key]
         out[key] = value
     return out
@@ -139,7 +148,7 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
 
     The LoRA is written with its scale folded into ``lora_B`` (NOTE [ LoRA scale ]) and
     ``stagehand.*`` safetensors metadata beside the mixin's ``lora_adapter_metadata``: the
-    trained ``rank`` and ``alpha``, ``scale_folded`` (alpha / rank, now in ``lora_B``),
+    trained ``rank`` and ``alpha``, ``scale_folded`` (the scale now in ``lora_B``: alpha / rank),
     ``targets``, ``steps``, and for a pipeline family its base model and family.
     """
     if getattr(model, "peft_config", None):
@@ -149,7 +158,8 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
             k: v.detach().to("cpu", copy=True).contiguous()
             for k, v in get_peft_model_state_dict(model).items()
         }
-        state = fold_lora_scale(model, state)
+        scales = lora_scales(model)
+        state = fold_lora_scale(state, scales)
         folder = run_dir / "lora"
         folder.mkdir(parents=True, exist_ok=True)
         config = model.peft_config["default"]
@@ -159,7 +169,7 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
             **(extra() if extra is not None else {}),
             "stagehand.rank": str(config.r),
             "stagehand.alpha": str(config.lora_alpha),
-            "stagehand.scale_folded": str(config.lora_alpha / config.r),
+            "stagehand.scale_folded": ",".join(str(v) for v in sorted(set(scales.values()))),
             "stagehand.targets": json.dumps(sorted(config.target_modules)),
             "stagehand.steps": str(steps),
         }
