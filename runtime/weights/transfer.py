@@ -136,7 +136,8 @@ class TransferEngine:
         self.inflight_cap: int | None = None
         """The Conductor's cap (published by its adapter, >= 1); None without a Conductor."""
         self.inflight: deque[InFlight] = deque()
-        """Issued copies in issue order (a stream completes them in that order)."""
+        """Issued copies not yet retired, in issue order (they may finish in another order:
+        ``retire``)."""
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         """Bytes copied back to the host at evictions (gradients, and weights when dirty)."""
@@ -146,11 +147,18 @@ class TransferEngine:
     def retire(self) -> bool:
         """Release the staging and grant of copies that finished (never blocks); True if any
         did."""
-        freed = False
-        while self.inflight and self.inflight[0].event.query():
-            self._release(self.inflight.popleft())
-            freed = True
-        return freed
+        # Every finished entry, not only a finished head: copies staged by reader threads reach
+        # the stream when their read ends, a block image's at once, so a later entry may finish
+        # while an earlier one is still being read (and keep its slab and its Conductor grant).
+        kept: deque[InFlight] = deque()
+        finished: list[InFlight] = []
+        for entry in self.inflight:
+            (finished if entry.event.query() else kept).append(entry)
+        if finished:
+            self.inflight = kept
+            for entry in finished:
+                self._release(entry)
+        return bool(finished)
 
     def _release(self, entry: InFlight) -> None:
         if isinstance(entry.staging, Slab):
