@@ -47,7 +47,7 @@ from runtime.weights.convert import check_sizes, place_resident, register_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
-from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
+from runtime.weights.host_cache import HostCache, weights_mode
 from runtime.weights.optimizer import refuse_unfrozen, trainable_on_device
 from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
@@ -104,6 +104,7 @@ class StagehandRuntime:
             pin=cuda,
             timeout_s=config.slab_acquire_timeout_s,
             allow_pageable=config.allow_pageable_fallback,
+            device=self.device if cuda else None,
         )
         self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
         self.blocks: list[Block] = register_blocks(
@@ -118,10 +119,11 @@ class StagehandRuntime:
         check_sizes(self.blocks, self.pool, self.device)
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
         self.memory.track(self.resident_bytes, "weights")
-        self.cache = HostCache(cache_budget(config.host_cache_mb, cuda), pin=cuda)
-        if cuda or self.cache.enabled:  # module-backed frozen blocks: one (locked) image each
-            for block in self.blocks:
-                self.cache.register(block)
+        self.cache = HostCache.for_run(
+            config.host_cache_mb, cuda, self.device, self.pool.locked_bytes
+        )
+        for block in self.blocks:  # module-backed frozen blocks: one (locked) image each
+            self.cache.register(block)
         self.mode_reason = weights_mode(self.blocks, self.cache, config.host_cache_mb, cuda)
         """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
