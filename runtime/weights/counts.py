@@ -22,6 +22,8 @@ class Totals:
     """Bytes read from the safetensors files (``SafetensorsCheckpoint.read_bytes``)."""
     pageable_copies: int = 0
     """Asynchronous copies a pageable host buffer made synchronous (0 expected)."""
+    host_waits: int = 0
+    """Host waits on copies not finished yet (``TransferEngine.host_waits``)."""
     host_cache_hits: int = 0
     """Loads copied straight from a block image (``HostCache.hits``)."""
     file_reads_avoided: int = 0
@@ -58,6 +60,7 @@ class StepCounts:
             "file_reads": now.file_reads - begin.file_reads,
             "h2d_bytes": now.h2d_bytes - begin.h2d_bytes,
             "pageable_copies": now.pageable_copies - begin.pageable_copies,
+            "host_waits": now.host_waits - begin.host_waits,
         }
 
     def record(self, now: Totals) -> dict[str, Any]:
