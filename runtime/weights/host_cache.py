@@ -24,8 +24,10 @@ cap less the pinned pool's lock and ``pinned_headroom`` (a quarter of the cap, a
 kept for the page-locked allocations made later (the activation pool and its misses, host
 gradients, ``pin_memory`` copies); else those would fail with a CUDA out-of-memory mid-step.
 ``host_cache_mb: 0`` turns every image off, registered ones included. ``close`` unlocks every
-image (the memory stays valid pageable memory for views still held). Frozen images are never
-written after their fill, so a copy may read one while another block's copy is issued.
+image (the memory stays valid pageable memory for views still held). A cached image is never
+written after its fill; a registered one only by its own block's copy back (a block left on the
+device while the user's code ran: ``TransferEngine.expose``), which that block's next load waits
+for on the device.
 """
 
 from __future__ import annotations
@@ -157,9 +159,13 @@ class HostCache:
 
     def _buffer(self, nbytes: int) -> torch.Tensor | None:
         """A new image buffer, or None (and caching stopped, with the reason) when it cannot be
-        page-locked: over ``pin_limit``, or the lock failed."""
+        had: over ``pin_limit``, or the allocation or the lock failed (no memory, a cap)."""
         if not self.pin:
-            return host_buffer(nbytes, pin=False)
+            try:
+                return host_buffer(nbytes, pin=False)
+            except RuntimeError as exc:  # PyTorch's CPU allocator out of memory
+                self.refusal = f"allocating a {nbytes / MB:.0f} MB block image failed: {exc}"
+                return None
         if self.pin_limit is not None and self.locked_bytes + nbytes > self.pin_limit[0]:
             self.refusal = (
                 f"page-locked block images stop at {self.pin_limit[1]}: a {nbytes / MB:.0f} MB "

@@ -104,3 +104,16 @@ def test_a_host_that_cannot_map_memory_refuses_instead_of_crashing(monkeypatch, 
     assert not pool.pin and pool.locked_bytes == 0 and len(pool.slabs) == 4
     pool.close()
     assert cudart.registered == []
+
+
+def test_an_unpinned_image_the_allocator_refuses_stops_the_cache(monkeypatch, blocks):
+    """Without pinning (a CPU run with ``host_cache_mb`` set) PyTorch's allocator raising
+    ``RuntimeError`` (out of memory) is the cache's refusal too, not an error out of a load."""
+
+    def out_of_memory(nbytes, pin, dtype=torch.uint8):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(host_cache, "host_buffer", out_of_memory)
+    monkeypatch.setattr(host_cache, "host_ram", lambda: (64 * GiB, 128 * GiB))  # RAM is there
+    cache = HostCache(64 * MB, pin=False)
+    assert cache.reserve(blocks[0]) is None and "can't allocate memory" in cache.refusal
