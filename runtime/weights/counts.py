@@ -14,8 +14,9 @@ class Totals:
     h2d_bytes: int = 0
     """Bytes of block weights copied to the device (``TransferEngine.h2d_bytes``)."""
     d2h_bytes: int = 0
-    """Bytes copied back to the host at evictions: trainable gradients, and weights an
-    optimizer step changed on the device (``TransferEngine.d2h_bytes``)."""
+    """Bytes copied back to the host at evictions: trainable gradients, weights an optimizer
+    step changed on the device, and module-backed weights of blocks left on the device between
+    steps (``TransferEngine.d2h_bytes``)."""
     file_reads: int = 0
     """Tensors read from the safetensors files (``SafetensorsCheckpoint.reads``)."""
     file_read_bytes: int = 0

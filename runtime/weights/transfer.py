@@ -115,7 +115,8 @@ class TransferEngine:
         ``retire``)."""
         self.h2d_bytes = 0
         self.d2h_bytes = 0
-        """Bytes copied back to the host at evictions (gradients, and weights when dirty)."""
+        """Bytes copied back to the host at evictions (``evict``: gradients that changed,
+        weights an optimizer step changed or the user's code could write)."""
         self.d2h_events: list[TransferEvent] = []
         self.host_waits = 0
         """Host waits on a copy (or a reader) not finished yet (``_host_wait``): none belong in
