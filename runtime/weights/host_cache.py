@@ -280,6 +280,8 @@ def weights_mode(
         locked = sum(1 for i in cache.images.values() if i.registered)
         how = f"{locked} of {len(blocks)} blocks' host weights in one image each"
         how += ", page-locked" if cache.pin else ""
+        if host_cache_mb == 0:
+            how = "no block image (host_cache_mb: 0): loads stage through the slabs"
         return "module-backed", f"no block weight is read from a checkpoint file; {how}"
     frozen = sum(b.nbytes for b in files if cacheable(b))
     if cache.budget <= 0:

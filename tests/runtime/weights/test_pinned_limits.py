@@ -14,7 +14,7 @@ from runtime.common import host_ram as host_ram_module
 from runtime.config import MB
 from runtime.weights import host_cache
 from runtime.weights.errors import PoolConfigError
-from runtime.weights.host_cache import HostCache, pinned_headroom
+from runtime.weights.host_cache import HostCache, pinned_headroom, weights_mode
 from runtime.weights.pool import PinnedPool
 from tests.runtime.common.test_page_lock import FakeCudart
 
@@ -46,6 +46,7 @@ def test_host_cache_mb_0_registers_no_image(cudart, blocks):
         assert not any(cache.register(block) for block in blocks)
         assert cache.images == {} and cache.locked_bytes == 0
     assert cudart.registered == [] and [s.host for s in blocks[0].layout] == masters
+    assert "no block image (host_cache_mb: 0)" in weights_mode(blocks, cache, 0, True)[1]
     auto = HostCache.for_run(None, True, torch.device("cuda"), 0)
     assert auto.registers  # on CUDA, auto (None) registers as before
 
