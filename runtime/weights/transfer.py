@@ -351,7 +351,9 @@ class TransferEngine:
         would race the copy still reading them) and *exposed*: its next eviction copies every
         weight with a host master back (trainable ones as ``dirty``), so the write reaches
         every later step. Frozen blocks left on the device at a step's end pay one D2H copy
-        each when evicted (``d2h_bytes``); file-backed ones have no host copy to keep a write.
+        each when evicted (``d2h_bytes``), synchronous where their masters are not page-locked
+        (no image: ``host_cache_mb: 0``, a lock refused; ``pageable_copies``); file-backed ones
+        have no host copy to keep a write (not handled).
         """
         for block in blocks:
             if block.on_device and any(s.host is not None for s in block.layout):
