@@ -122,7 +122,8 @@ class StagehandConfig(_Strict):
     """Host RAM (MB) for frozen blocks kept after their first read (page-locked on CUDA), so
     later loads copy straight from it: no file read, no slab (``runtime/weights/host_cache.py``).
     None: on CUDA the RAM available at set-up minus a margin (25% of RAM, at least 8 GiB), off
-    on CPU; 0: off. Blocks that do not fit keep streaming from their files (file-backed)."""
+    on CPU; 0: off (module-backed blocks' page-locked images too). Blocks that do not fit keep
+    streaming from their files (file-backed)."""
     block_pattern: str | None = None
     """Regex over module names selecting the blocks; None finds the largest ModuleLists."""
     file_backed: bool = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -75,13 +76,23 @@ def host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
 
 
-def page_locked_buffer(nbytes: int) -> torch.Tensor:
+HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the range counts as page-locked for every CUDA context, not only
+the current device's (``torch.cuda._pin_memory_utils.pin_memory`` passes the same flag)."""
+
+
+def page_locked_buffer(nbytes: int, device: torch.device | str | None = None) -> torch.Tensor:
     """A host buffer of ``nbytes`` bytes (uint8), page-locked with ``cudaHostRegister`` (as
-    ``torch.cuda._pin_memory_utils`` does for checkpoint staging): an anonymous mapping of whole
-    pages, so the buffer, its storage and the locked range all start at one page boundary.
-    Unlike ``pin_memory``, no power-of-two rounding and no trip through PyTorch's host cache.
+    ``torch.cuda._pin_memory_utils`` does for checkpoint staging, with its flag: portable, so a
+    copy on any GPU reads it asynchronously): an anonymous mapping of whole pages, so the
+    buffer, its storage and the locked range all start at one page boundary. Unlike
+    ``pin_memory``, no power-of-two rounding and no trip through PyTorch's host cache.
     ``is_pinned()`` is True for it and for every view of it (PyTorch asks the driver about the
     storage's first byte).
+
+    ``device``: the CUDA device whose runtime makes the calls (register, unregister, the error
+    clearing's kernel), so ``cuda:1`` creates no context on the current device (GPU 0 when the
+    thread never chose one); None: the current device.
 
     The lock ends with ``unlock``, or by itself when the last view of the buffer is freed: the
     pages are unregistered *before* they are unmapped (a range freed while registered stays
@@ -89,24 +100,30 @@ def page_locked_buffer(nbytes: int) -> torch.Tensor:
     registered), so a runtime whose set-up raised, or that was never closed, leaks no lock.
 
     Raises:
-        RuntimeError: the memory cannot be page-locked (no CUDA, or a pinned-memory cap); the
-            failed call's CUDA error is cleared first (``_clear_cuda_error``).
+        RuntimeError: the memory cannot be mapped (``OSError``: ``ENOMEM`` under strict
+            overcommit) or page-locked (no CUDA, or a pinned-memory cap); the failed
+            registration's CUDA error is cleared first (``_clear_cuda_error``). Callers treat it
+            as a refusal (the host cache stops, the pool falls back or names the field).
     """
     page = mmap.PAGESIZE
     locked = max(1, -(-nbytes // page)) * page
-    mapping = mmap.mmap(-1, locked)  # page-aligned and zero-filled by the kernel
+    try:
+        mapping = mmap.mmap(-1, locked)  # page-aligned and zero-filled by the kernel
+    except OSError as exc:
+        raise RuntimeError(f"cannot map {locked} bytes of host memory to page-lock: {exc}") from exc
     # The tensor holds ``pages`` (a view of ``mapping``); ``pages`` is freed, and its finalizer
     # runs, before it lets go of ``mapping`` (CPython clears weak references first).
     pages = (ctypes.c_ubyte * locked).from_buffer(mapping)
     ptr = ctypes.addressof(pages)
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, locked, 0))
+        with _on(device):
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, locked, HOST_REGISTER_PORTABLE))
     except (AssertionError, RuntimeError) as exc:  # a build or machine without CUDA
         raise RuntimeError(f"cannot page-lock host memory: {exc}") from exc
     if err != 0:
-        _clear_cuda_error()
+        _clear_cuda_error(device)
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
-    finalizer = weakref.finalize(pages, _unregister, ptr)
+    finalizer = weakref.finalize(pages, _unregister, ptr, device)
     finalizer.atexit = False  # at interpreter exit the process's locks end with it
     _LOCKED[ptr] = finalizer
     return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
@@ -116,10 +133,23 @@ _LOCKED: dict[int, weakref.finalize] = {}
 """Start address of each range ``page_locked_buffer`` locked -> its unlock (called once)."""
 
 
-def _unregister(ptr: int) -> None:
+def _on(device: torch.device | str | None) -> contextlib.AbstractContextManager:
+    """CUDA runtime calls made on ``device`` (None, or not a CUDA device: the current one)."""
+    return (
+        torch.cuda.device(device) if _cuda_or_none(device) is not None else contextlib.nullcontext()
+    )
+
+
+def _cuda_or_none(device: torch.device | str | None) -> torch.device | None:
+    return torch.device(device) if device is not None and uses_cuda(device) else None
+
+
+def _unregister(ptr: int, device: torch.device | str | None) -> None:
     _LOCKED.pop(ptr, None)
-    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-        _clear_cuda_error()
+    with _on(device):
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        _clear_cuda_error(device)
 
 
 def unlock(buffer: torch.Tensor) -> None:
@@ -130,17 +160,20 @@ def unlock(buffer: torch.Tensor) -> None:
         finalizer()
 
 
-def _clear_cuda_error() -> None:
+def _clear_cuda_error(device: torch.device | str | None = None) -> None:
     """Reset the CUDA runtime's last error after a failed call whose code was handled here.
 
     A failed ``cudaHostRegister`` leaves its code as the thread's last error, and PyTorch checks
     ``cudaGetLastError()`` after every kernel launch: the next kernel would raise it (e.g. "CUDA
     error: out of memory") though the failure was handled. ``torch.cuda.cudart()`` has no
     ``cudaGetLastError``; a kernel launched here reads the stale code (PyTorch's launch check
-    calls ``cudaGetLastError``, which resets it) and raises it, which is swallowed.
+    calls ``cudaGetLastError``, which resets it) and raises it, which is swallowed. The last
+    error is the host thread's, so the kernel runs on ``device`` (the runtime's: on another
+    device it would create a context there). Checked on a GPU by ``test_page_lock.py``'s
+    ``gpu`` test (``./dev gpu-check tests``).
     """
     try:
-        torch.zeros(1, device="cuda")
+        torch.zeros(1, device=_cuda_or_none(device) or "cuda")
     except RuntimeError:
         pass
 
@@ -194,6 +227,7 @@ class TransferStream:
         self.stream = (
             torch.cuda.Stream(self.device, priority=priority) if uses_cuda(device) else None
         )
+        self._count_lock = threading.Lock()
         self.pageable_copies = 0
         """Copies asked to be asynchronous whose host side was pageable: CUDA runs them
         synchronously (a host stall). None belong in the hot path."""
@@ -229,7 +263,8 @@ class TransferStream:
         if self.stream is not None:
             host = src if src.device.type == "cpu" else dst
             if host.device.type == "cpu" and not host.is_pinned():
-                self.pageable_copies += 1
+                with self._count_lock:  # reader threads issue copies too
+                    self.pageable_copies += 1
         dst.copy_(src, non_blocking=self.non_blocking)
 
     def record(self) -> TransferEvent:

@@ -19,6 +19,7 @@ absent files mean no limit.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import psutil
@@ -38,6 +39,26 @@ def host_ram(root: Path = Path("/")) -> tuple[int, int]:
         total = min(total, limit)
         available = min(available, max(0, limit - used))
     return available, total
+
+
+PINNED_CAP_FRACTION = 0.5
+"""Share of RAM a process may page-lock on Windows and WSL2 (the driver caps ``cudaHostAlloc``
+and ``cudaHostRegister`` near half of RAM: musubi-tuner #685, AnimaLoraStudio PR #511 in
+``shared/PEERS.md``; NVIDIA's CUDA on WSL guide lists pinned system memory as limited)."""
+
+
+def pinned_cap(total: int, root: Path = Path("/")) -> int | None:
+    """Bytes of host memory this process may page-lock when the platform caps it below RAM
+    (Windows, WSL2: ``PINNED_CAP_FRACTION`` of ``total``), None where no cap is known (Linux:
+    page-locked memory is bounded by RAM, which ``host_ram`` reads). ``root``: as in
+    ``host_ram``."""
+    if sys.platform == "win32":
+        return int(PINNED_CAP_FRACTION * total)
+    try:
+        release = (root / "proc/sys/kernel/osrelease").read_text().lower()
+    except OSError:
+        return None
+    return int(PINNED_CAP_FRACTION * total) if "microsoft" in release else None
 
 
 def _cgroup_limits(root: Path) -> list[tuple[int, int]]:

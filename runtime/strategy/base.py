@@ -33,6 +33,7 @@ COUNTERS = (
     "file_reads",
     "h2d_bytes",
     "pageable_copies",
+    "host_waits",
     "tensors_spilled",
     "tensors_restored",
     "spill_bytes",
@@ -161,7 +162,9 @@ class MemoryStrategy:
         ``prefetch_misses``: uses that found the block loaded / had to wait for a demand load;
         ``file_reads``: tensors read from safetensors files; ``h2d_bytes``: bytes of block
         weights copied to the device; ``pageable_copies``: asynchronous copies that a pageable
-        host buffer made synchronous (CUDA; none belong in a step); ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
+        host buffer made synchronous (CUDA; none belong in a step); ``host_waits``: the weight
+        runtime's host waits on copies not finished yet (none belong in forward or backward);
+        ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
         saved activations moved to the host and back; ``grants``/``denials``: the Conductor's
         answers to budget and transfer-slot requests.
         """

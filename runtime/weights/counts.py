@@ -14,14 +14,17 @@ class Totals:
     h2d_bytes: int = 0
     """Bytes of block weights copied to the device (``TransferEngine.h2d_bytes``)."""
     d2h_bytes: int = 0
-    """Bytes copied back to the host at evictions: trainable gradients, and weights an
-    optimizer step changed on the device (``TransferEngine.d2h_bytes``)."""
+    """Bytes copied back to the host at evictions: trainable gradients, weights an optimizer
+    step changed on the device, and module-backed weights of blocks left on the device between
+    steps (``TransferEngine.d2h_bytes``)."""
     file_reads: int = 0
     """Tensors read from the safetensors files (``SafetensorsCheckpoint.reads``)."""
     file_read_bytes: int = 0
     """Bytes read from the safetensors files (``SafetensorsCheckpoint.read_bytes``)."""
     pageable_copies: int = 0
     """Asynchronous copies a pageable host buffer made synchronous (0 expected)."""
+    host_waits: int = 0
+    """Host waits on copies not finished yet (``TransferEngine.host_waits``)."""
     host_cache_hits: int = 0
     """Loads copied straight from a block image (``HostCache.hits``)."""
     file_reads_avoided: int = 0
@@ -58,6 +61,7 @@ class StepCounts:
             "file_reads": now.file_reads - begin.file_reads,
             "h2d_bytes": now.h2d_bytes - begin.h2d_bytes,
             "pageable_copies": now.pageable_copies - begin.pageable_copies,
+            "host_waits": now.host_waits - begin.host_waits,
         }
 
     def record(self, now: Totals) -> dict[str, Any]:

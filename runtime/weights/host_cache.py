@@ -16,10 +16,18 @@ Two kinds of image, one per block at most, both only for blocks with no trainabl
   with the cache on (an explicit ``host_cache_mb``), else module-backed blocks stage as before.
 
 On CUDA an image is page-locked (``page_locked_buffer``: ``cudaHostRegister``, whole pages, no
-power-of-two rounding); a lock that fails (a pinned-memory cap) stops the caching for the run,
-with the reason in ``refusal``; blocks go on streaming through the slabs. ``close`` unlocks every
-image (the memory stays valid pageable memory for views still held). Frozen images are never
-written after their fill, so a copy may read one while another block's copy is issued.
+power-of-two rounding); a lock that fails (a pinned-memory cap, or no memory to map) stops the
+caching for the run, with the reason in ``refusal``; blocks go on streaming through the slabs.
+Where the platform caps page-locked memory below RAM (Windows, WSL2: about half of RAM,
+``host_ram.pinned_cap``) the images never take the last of it: they stop at ``pin_limit``, the
+cap less the pinned pool's lock and ``pinned_headroom`` (a quarter of the cap, at least 4 GiB)
+kept for the page-locked allocations made later (the activation pool and its misses, host
+gradients, ``pin_memory`` copies); else those would fail with a CUDA out-of-memory mid-step.
+``host_cache_mb: 0`` turns every image off, registered ones included. ``close`` unlocks every
+image (the memory stays valid pageable memory for views still held). A cached image is never
+written after its fill; a registered one only by its own block's copy back (a block left on the
+device while the user's code ran: ``TransferEngine.expose``), which that block's next load waits
+for on the device.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.common.device import host_buffer, page_locked_buffer, unlock
-from runtime.common.host_ram import host_ram
+from runtime.common.host_ram import host_ram, pinned_cap
 from runtime.config import MB
 from runtime.weights.registry import Block, slot_views
 
@@ -38,6 +46,32 @@ MARGIN_FRACTION = 0.25
 pools, the OS): an image is refused when it would leave less available."""
 MIN_MARGIN_BYTES = 8 * 1024 * MB
 """The margin is at least this (8 GiB)."""
+
+
+PINNED_HEADROOM_FRACTION = 0.25
+"""Share of a pinned-memory cap the images leave to later page-locked allocations."""
+MIN_PINNED_HEADROOM_BYTES = 4 * 1024 * MB
+"""That headroom is at least this (4 GiB)."""
+
+
+def pinned_headroom(cap: int) -> int:
+    """Bytes of page-lockable memory the images leave free under a cap of ``cap`` bytes."""
+    return max(MIN_PINNED_HEADROOM_BYTES, int(PINNED_HEADROOM_FRACTION * cap))
+
+
+def pin_limit(locked_bytes: int) -> tuple[int, str] | None:
+    """Bytes of images that may be page-locked beside ``locked_bytes`` already locked (the
+    pinned pool), with the rule in words, or None where no cap is known (``pinned_cap``)."""
+    _, total = host_ram()
+    cap = pinned_cap(total)
+    if cap is None:
+        return None
+    headroom = pinned_headroom(cap)
+    limit = max(0, cap - headroom - locked_bytes)
+    return limit, (
+        f"{limit / MB:.0f} MB = pinned-memory cap {cap / MB:.0f} MB (half of RAM) - pinned "
+        f"pool {locked_bytes / MB:.0f} MB - {headroom / MB:.0f} MB kept for the other pools"
+    )
 
 
 def ram_margin(total: int) -> int:
@@ -73,10 +107,24 @@ class Image:
 
 class HostCache:
     """Images of frozen blocks (see the module docstring). ``budget``: bytes of cached images
-    (``cache_budget``); ``pin``: page-lock images (CUDA)."""
+    (``cache_budget``); ``pin``: page-lock images (CUDA) on ``device``; ``pin_limit``: bytes of
+    images it may page-lock and the rule that gave it (``pin_limit``; None: no cap);
+    ``registers``: make registered images (default: when ``budget`` is positive)."""
 
-    def __init__(self, budget: int, pin: bool) -> None:
-        self.budget, self.pin = budget, pin
+    def __init__(
+        self,
+        budget: int,
+        pin: bool,
+        *,
+        device: torch.device | None = None,
+        pin_limit: tuple[int, str] | None = None,
+        registers: bool | None = None,
+    ) -> None:
+        self.budget, self.pin, self.device = budget, pin, device
+        self.pin_limit = pin_limit
+        self.registers = budget > 0 if registers is None else registers
+        self.locked_bytes = 0
+        """Bytes of images page-locked so far."""
         self.images: dict[int, Image] = {}
         self.cached_bytes = 0
         """Bytes of cached (file-backed) images, ready or being filled."""
@@ -91,20 +139,46 @@ class HostCache:
         self.refusal: str | None = None
         """Why caching stopped for the run (a failed page-lock), None while it may go on."""
 
+    @classmethod
+    def for_run(
+        cls, host_cache_mb: float | None, cuda: bool, device: torch.device, locked_bytes: int
+    ) -> HostCache:
+        """The cache of a runtime on ``device``: budget from ``host_cache_mb`` (``cache_budget``),
+        at most the pin limit beside the pinned pool's ``locked_bytes`` on CUDA; registered
+        images on CUDA (on CPU only with the cache on), none with ``host_cache_mb: 0``."""
+        budget = cache_budget(host_cache_mb, cuda)
+        limit = pin_limit(locked_bytes) if cuda else None
+        if limit is not None and host_cache_mb is None:
+            budget = min(budget, limit[0])
+        registers = host_cache_mb != 0 and (cuda or budget > 0)
+        return cls(budget, pin=cuda, device=device, pin_limit=limit, registers=registers)
+
     @property
     def enabled(self) -> bool:
         return self.budget > 0
 
     def _buffer(self, nbytes: int) -> torch.Tensor | None:
         """A new image buffer, or None (and caching stopped, with the reason) when it cannot be
-        page-locked."""
+        had: over ``pin_limit``, or the allocation or the lock failed (no memory, a cap)."""
         if not self.pin:
-            return host_buffer(nbytes, pin=False)
+            try:
+                return host_buffer(nbytes, pin=False)
+            except RuntimeError as exc:  # PyTorch's CPU allocator out of memory
+                self.refusal = f"allocating a {nbytes / MB:.0f} MB block image failed: {exc}"
+                return None
+        if self.pin_limit is not None and self.locked_bytes + nbytes > self.pin_limit[0]:
+            self.refusal = (
+                f"page-locked block images stop at {self.pin_limit[1]}: a {nbytes / MB:.0f} MB "
+                f"image would exceed it ({self.locked_bytes / MB:.0f} MB locked)"
+            )
+            return None
         try:
-            return page_locked_buffer(nbytes)
+            buffer = page_locked_buffer(nbytes, self.device)
         except RuntimeError as exc:
             self.refusal = f"page-locking a {nbytes / MB:.0f} MB block image failed: {exc}"
             return None
+        self.locked_bytes += nbytes
+        return buffer
 
     def ready(self, block: Block) -> torch.Tensor | None:
         """``block``'s filled image (a load copies from it: counted as a hit), else None."""
@@ -147,9 +221,10 @@ class HostCache:
 
     def register(self, block: Block) -> bool:
         """Move a module-backed frozen block's host masters into one image (they become views
-        of it); False (masters unchanged) when the block has a file-backed or trainable
-        parameter or the image cannot be page-locked."""
-        if self.refusal is not None or not cacheable(block):
+        of it); False (masters unchanged) when images are off (``registers``: never with
+        ``host_cache_mb: 0``), the block has a file-backed or trainable parameter, or the image
+        cannot be page-locked."""
+        if not self.registers or self.refusal is not None or not cacheable(block):
             return False
         if any(slot.host is None for slot in block.layout):
             return False
@@ -182,6 +257,7 @@ class HostCache:
             for image in self.images.values():
                 unlock(image.buffer)
         self.images.clear()
+        self.locked_bytes = 0
 
 
 def weights_mode(
@@ -204,6 +280,8 @@ def weights_mode(
         locked = sum(1 for i in cache.images.values() if i.registered)
         how = f"{locked} of {len(blocks)} blocks' host weights in one image each"
         how += ", page-locked" if cache.pin else ""
+        if host_cache_mb == 0:
+            how = "no block image (host_cache_mb: 0): loads stage through the slabs"
         return "module-backed", f"no block weight is read from a checkpoint file; {how}"
     frozen = sum(b.nbytes for b in files if cacheable(b))
     if cache.budget <= 0:

@@ -36,10 +36,12 @@ class Slab:
 
 
 class PinnedPool:
-    """``pool_bytes // slab_bytes`` slabs of ``slab_bytes`` bytes each.
+    """``pool_bytes // slab_bytes`` slabs of ``slab_bytes`` bytes each, page-locked on ``device``
+    when ``pin``.
 
     Raises:
-        PoolConfigError: a size is not positive, or the pool would hold zero slabs.
+        PoolConfigError: a size is not positive, the pool would hold zero slabs, or it cannot be
+            page-locked or mapped (``OSError`` included) and ``allow_pageable`` is False.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class PinnedPool:
         pin: bool,
         timeout_s: float,
         allow_pageable: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         if pool_bytes <= 0 or slab_bytes <= 0:
             raise PoolConfigError(
@@ -64,6 +67,8 @@ class PinnedPool:
         self.slab_bytes = slab_bytes
         self.pool_bytes = self.slab_count * slab_bytes
         self.pin = pin
+        self.device = device
+        """The CUDA device whose runtime page-locks the pool (None: the current one)."""
         self.timeout_s = timeout_s
         self.slabs: list[Slab] = []
         self._free: list[Slab] = []
@@ -76,7 +81,7 @@ class PinnedPool:
 
     def _pin_all(self, allow_pageable: bool) -> None:
         try:
-            buffer = self._locked = page_locked_buffer(self.pool_bytes)
+            buffer = self._locked = page_locked_buffer(self.pool_bytes, self.device)
             self.locked_bytes = self.pool_bytes
         except RuntimeError as exc:
             if not allow_pageable:

@@ -18,6 +18,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
+from runtime.common.device import TransferEvent
+
 
 class _Join:
     """Counts a block's parts down; the last one runs ``finish`` and completes ``future``
@@ -66,3 +70,35 @@ class Readers:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class StagedCopy:
+    """The ``TransferEvent`` of a block read and copied on a reader thread: complete when the
+    reader staged the block and the H2D copy it issued finished. Waiting on it first waits (on
+    the host) for the reader, then as on the copy's own event.
+
+    A reader that failed (a short read, a file gone) is complete as far as its staging goes
+    (``query``, ``synchronize``: its slab may be reused, nothing reads it any more); its error
+    is raised where the block's data would be used (``wait``, from ``TransferEngine.ready``).
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future[TransferEvent]) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        future = self.future
+        return future.done() and (future.exception() is not None or future.result().query())
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        self.future.result().wait(stream)  # raises the reader's error
+
+    def synchronize(self) -> None:
+        if self.future.exception() is None:  # waits for the reader
+            self.future.result().synchronize()
+
+    def wait_quietly(self) -> None:
+        """``wait`` on the current stream without raising: a failed read issued no copy."""
+        if self.future.exception() is None:  # waits for the reader
+            self.future.result().wait()

@@ -47,7 +47,7 @@ from runtime.weights.convert import check_sizes, place_resident, register_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
-from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
+from runtime.weights.host_cache import HostCache, weights_mode
 from runtime.weights.optimizer import refuse_unfrozen, trainable_on_device
 from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
@@ -104,6 +104,7 @@ class StagehandRuntime:
             pin=cuda,
             timeout_s=config.slab_acquire_timeout_s,
             allow_pageable=config.allow_pageable_fallback,
+            device=self.device if cuda else None,
         )
         self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
         self.blocks: list[Block] = register_blocks(
@@ -118,10 +119,11 @@ class StagehandRuntime:
         check_sizes(self.blocks, self.pool, self.device)
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
         self.memory.track(self.resident_bytes, "weights")
-        self.cache = HostCache(cache_budget(config.host_cache_mb, cuda), pin=cuda)
-        if cuda or self.cache.enabled:  # module-backed frozen blocks: one (locked) image each
-            for block in self.blocks:
-                self.cache.register(block)
+        self.cache = HostCache.for_run(
+            config.host_cache_mb, cuda, self.device, self.pool.locked_bytes
+        )
+        for block in self.blocks:  # module-backed frozen blocks: one (locked) image each
+            self.cache.register(block)
         self.mode_reason = weights_mode(self.blocks, self.cache, config.host_cache_mb, cuda)
         """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
@@ -229,20 +231,14 @@ class StagehandRuntime:
         }
         self.telemetry.emit(*WEIGHTS_STEP, **self._last)
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
-        # The user's code runs next and may write trainable weights (a state dict loaded back,
-        # EMA weights swapped in): a trainable block left on the device is bound to its buffer
-        # (not a host master already staged) and dirty, so its eviction keeps the write.
-        for block in self.blocks:
-            if block.trainable and block.on_device:
-                if block.state is BlockState.PREFETCHING:
-                    self._ready(block)
-                block.dirty = True
+        # The user's code runs next and may write weights (TransferEngine.expose).
+        self.transfer.expose(self.blocks, partial(self._ready, grads=False))
 
     def counters(self) -> dict[str, int]:
         """Work of the open step (the last one between steps): ``blocks_loaded``,
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
-        from the safetensors files), ``h2d_bytes`` (bytes copied to the device) and
-        ``pageable_copies`` (copies a pageable host buffer made synchronous; 0 expected)."""
+        from the safetensors files), ``h2d_bytes`` (bytes copied to the device),
+        ``pageable_copies`` and ``host_waits`` (``runtime.strategy.base.COUNTERS``)."""
         return self.counts.counters(self._totals())
 
     def _totals(self) -> Totals:
@@ -253,6 +249,7 @@ class StagehandRuntime:
             file_reads=source.reads if source is not None else 0,
             file_read_bytes=source.read_bytes if source is not None else 0,
             pageable_copies=transfer.stream.pageable_copies + transfer.d2h_stream.pageable_copies,
+            host_waits=transfer.host_waits,
             host_cache_hits=self.cache.hits,
             file_reads_avoided=self.cache.reads_avoided,
         )
@@ -287,6 +284,8 @@ class StagehandRuntime:
         for block in self.blocks:
             if block.state is BlockState.PREFETCHING:
                 self._ready(block)
+            elif block.state is BlockState.GPU_READY:  # loaded by a forward use only
+                self.transfer.grads_to_device(block)
         return trainable_on_device(self.blocks, self.device, self.memory, optimizer)
 
     # -- scheduling: the policy's decisions applied (policy.py) ----------------------------------
@@ -294,12 +293,14 @@ class StagehandRuntime:
         self.scheduler.record_use(block.index, recompute=direction == "recompute")
         self._active.add(block.index)
         self._emit_block("enter", block, direction=direction)
-        self._ensure(block)
+        self._ensure(block, grads=direction == "backward")  # TransferEngine.ready's grads
         self._prefetch()
 
-    def _ensure(self, block: Block) -> None:
+    def _ensure(self, block: Block, grads: bool = True) -> None:
         if block.state is BlockState.GPU_READY:
             self._count_hit(block)
+            if grads:
+                self.transfer.grads_to_device(block)
             return
         t0 = time.perf_counter()
         miss = block.state is BlockState.UNLOADED
@@ -310,7 +311,7 @@ class StagehandRuntime:
             self._emit_block("load", block, prefetch=False)
         else:
             self._count_hit(block)
-        self._ready(block)
+        self._ready(block, grads)
         # Host time the compute waited: a demand load (on CUDA a prefetched block's event wait
         # is on the device and costs the host nothing).
         stall_ms = (time.perf_counter() - t0) * 1e3
@@ -323,8 +324,8 @@ class StagehandRuntime:
             self.counts.prefetch_hits += 1
             block.prefetched = False
 
-    def _ready(self, block: Block) -> None:
-        self.transfer.ready(block)
+    def _ready(self, block: Block, grads: bool = True) -> None:
+        self.transfer.ready(block, grads)
         self.views.add(block)
 
     def _prefetch(self) -> None:

@@ -6,18 +6,20 @@ On CPU the same calls run as synchronous copies: "loading" materialises the bloc
 buffer and "evicting" releases it, and both are counted in ``DeviceMemory`` (category
 ``"weights"``), so the tracked figure falls with streaming exactly as VRAM would.
 
-Eviction of trainable (module-backed) parameters copies their gradients back to the host, and
-their data to the host masters when it may have changed on the device (an optimizer step, or
-the user's code between steps: ``Block.dirty``; the weights of a block loaded from its masters
-are the masters' own copy until then), on a D2H stream of its own,
-and records one event per block; whoever reads those host tensors first waits on it (``synchronize_d2h``): a gradient copied with ``non_blocking`` is never read
-before the copy finished (a defect of the public implementation).
+Eviction copies back to the host, on a D2H stream of its own, what may have changed on the
+device: trainable gradients that changed since the load, trainable weights after an optimizer
+step (``Block.dirty``), and every module-backed weight of a block left on the device while the
+user's code ran between steps (``expose``); the weights of a block loaded from its masters are
+the masters' own copy until then. One event per block that copied anything; whoever reads those
+host tensors first waits on it (``synchronize_d2h``; a load from an image, on the device): a
+gradient copied with ``non_blocking`` is never read before the copy finished (a defect of the
+public implementation). Host waits on unfinished copies are counted (``host_waits``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -29,7 +31,7 @@ from runtime.common.memory import DeviceMemory
 from runtime.config import MB
 from runtime.weights.host_cache import HostCache
 from runtime.weights.pool import PinnedPool, Slab
-from runtime.weights.readers import Readers
+from runtime.weights.readers import Readers, StagedCopy
 from runtime.weights.registry import Block, BlockState, slot_views
 from runtime.weights.sources import SafetensorsCheckpoint, split_plan
 
@@ -57,33 +59,6 @@ def _converts(source: SafetensorsCheckpoint, slot: Any) -> bool:
 
 def _nothing() -> None:
     """The one part of a block with nothing to read (host masters only)."""
-
-
-class StagedCopy:
-    """The ``TransferEvent`` of a block read and copied on a reader thread: complete when the
-    reader staged the block and the H2D copy it issued finished. Waiting on it first waits (on
-    the host) for the reader, then as on the copy's own event.
-
-    A reader that failed (a short read, a file gone) is complete as far as its staging goes
-    (``query``, ``synchronize``: its slab may be reused, nothing reads it any more); its error
-    is raised where the block's data would be used (``wait``, from ``TransferEngine.ready``).
-    """
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: Future[TransferEvent]) -> None:
-        self.future = future
-
-    def query(self) -> bool:
-        future = self.future
-        return future.done() and (future.exception() is not None or future.result().query())
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        self.future.result().wait(stream)  # raises the reader's error
-
-    def synchronize(self) -> None:
-        if self.future.exception() is None:  # waits for the reader
-            self.future.result().synchronize()
 
 
 @dataclass(eq=False)
@@ -136,21 +111,38 @@ class TransferEngine:
         self.inflight_cap: int | None = None
         """The Conductor's cap (published by its adapter, >= 1); None without a Conductor."""
         self.inflight: deque[InFlight] = deque()
-        """Issued copies in issue order (a stream completes them in that order)."""
+        """Issued copies not yet retired, in issue order (they may finish in another order:
+        ``retire``)."""
         self.h2d_bytes = 0
         self.d2h_bytes = 0
-        """Bytes copied back to the host at evictions (gradients, and weights when dirty)."""
+        """Bytes copied back to the host at evictions (``evict``: gradients that changed,
+        weights an optimizer step changed or the user's code could write)."""
         self.d2h_events: list[TransferEvent] = []
+        self.host_waits = 0
+        """Host waits on a copy (or a reader) not finished yet (``_host_wait``): none belong in
+        a forward or backward (the ``host_waits`` counter)."""
+        self.exposed: set[int] = set()
+        """Blocks on the device while the user's code may write their weights (``expose``)."""
+        self._kept: dict[int, tuple[torch.Tensor, int]] = {}
+        """Trainable slot -> the host gradient it kept at its block's load, and that gradient's
+        version then: the same tensor and version at eviction is an unchanged gradient."""
 
     # -- completion -----------------------------------------------------------------------------
     def retire(self) -> bool:
         """Release the staging and grant of copies that finished (never blocks); True if any
         did."""
-        freed = False
-        while self.inflight and self.inflight[0].event.query():
-            self._release(self.inflight.popleft())
-            freed = True
-        return freed
+        # Every finished entry, not only a finished head: copies staged by reader threads reach
+        # the stream when their read ends, a block image's at once, so a later entry may finish
+        # while an earlier one is still being read (and keep its slab and its Conductor grant).
+        kept: deque[InFlight] = deque()
+        finished: list[InFlight] = []
+        for entry in self.inflight:
+            (finished if entry.event.query() else kept).append(entry)
+        if finished:
+            self.inflight = kept
+            for entry in finished:
+                self._release(entry)
+        return bool(finished)
 
     def _release(self, entry: InFlight) -> None:
         if isinstance(entry.staging, Slab):
@@ -158,24 +150,24 @@ class TransferEngine:
         if entry.grant is not None:
             entry.grant.release()
 
+    def _host_wait(self, event: TransferEvent | StagedCopy) -> None:
+        """Block the host until ``event``'s copy finished, counted in ``host_waits`` when it had
+        not (the hot path waits on the device: ``TransferEvent.wait``)."""
+        if not event.query():
+            self.host_waits += 1
+            event.synchronize()
+
     def _wait_oldest(self) -> bool:
         # Only reached when the pool or the in-flight limit is exhausted by a demand load.
         if not self.inflight:
             return False
-        self.inflight[0].event.synchronize()
+        self._host_wait(self.inflight[0].event)
         return self.retire()
-
-    def wait_block(self, block: Block) -> None:
-        """Block the host until every copy issued for ``block`` finished, and retire it."""
-        for entry in list(self.inflight):
-            if entry.block is block:
-                entry.event.synchronize()
-        self.retire()
 
     def drain(self) -> None:
         """Block the host until every copy (H2D and D2H) finished; release every entry."""
         for entry in self.inflight:
-            entry.event.synchronize()
+            self._host_wait(entry.event)
         self.retire()
         self.synchronize_d2h()
 
@@ -192,7 +184,7 @@ class TransferEngine:
     def synchronize_d2h(self) -> None:
         """Block the host until every D2H copy back to host masters finished."""
         for event in self.d2h_events:
-            event.synchronize()
+            self._host_wait(event)
         self.d2h_events.clear()
 
     # -- load -----------------------------------------------------------------------------------
@@ -233,15 +225,17 @@ class TransferEngine:
             if slab is None:
                 return False
             staging, host = slab, slab.buffer[: block.nbytes]
-        if block.d2h_event is not None:  # this block's host masters may still be arriving
-            block.d2h_event.synchronize()
-            block.d2h_event = None
+        # This block's host masters may still be arriving (its copy back): a copy from its image
+        # waits for it on the device, a staging read on the host.
+        d2h, block.d2h_event = block.d2h_event, None
+        if d2h is not None and image is None:
+            self._host_wait(d2h)
         block.to(BlockState.HOST_STAGED)  # staging (here, or on reader threads)
         # Allocated on this thread's (compute) stream, which frees it after its last use.
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         parts = block.read_parts
         if image is not None:
-            event: TransferEvent | StagedCopy = self._copy(host, flat, None)
+            event: TransferEvent | StagedCopy = self._copy(host, flat, None, d2h)
         elif self.readers is None or not (
             len(parts) > 1 or speculative and block.nbytes >= self.reader_min_bytes
         ):
@@ -308,9 +302,15 @@ class TransferEngine:
         return self._copy(host, flat, after)
 
     def _copy(
-        self, host: torch.Tensor, flat: torch.Tensor, after: TransferEvent | None
+        self,
+        host: torch.Tensor,
+        flat: torch.Tensor,
+        after: TransferEvent | None,
+        d2h: TransferEvent | None = None,
     ) -> TransferEvent:
         with self.stream.use(after=after):
+            if d2h is not None:  # ``host`` is being written by a copy back
+                d2h.wait(self.stream.stream)
             self.stream.copy_(flat, host)
             return self.stream.record()
 
@@ -320,59 +320,71 @@ class TransferEngine:
             self.readers.shutdown()
             self.readers = None
 
-    def ready(self, block: Block) -> None:
+    def ready(self, block: Block, grads: bool = True) -> None:
         """PREFETCHING -> GPU_READY: the compute stream waits on the copy's event, then the
-        parameters become views of the block buffer (trainable gradients follow them)."""
+        parameters become views of the block buffer. Trainable gradients follow them when
+        ``grads`` (``grads_to_device``); a forward use leaves them on the host, where an unchanged
+        one stays (with ``set_to_none=False`` it would travel both ways at every forward)."""
         block.load_event.wait()
         for slot, view in zip(block.layout, slot_views(block.flat, block.layout), strict=True):
             slot.param.data = view
         for slot in block.trainable:
             grad = slot.param.grad
+            if grad is not None:
+                self._kept[id(slot)] = (grad, grad._version)
+        block.to(BlockState.GPU_READY)
+        if grads:
+            self.grads_to_device(block)
+
+    def grads_to_device(self, block: Block) -> None:
+        """Move ``block``'s host gradients to the device (asynchronous from pinned memory) before
+        its backward or an optimizer step accumulates into them or reads them."""
+        for slot in block.trainable:
+            grad = slot.param.grad
             if grad is not None and grad.device != self.device:
                 slot.param.grad = grad.to(self.device, non_blocking=self.stream.non_blocking)
-        block.to(BlockState.GPU_READY)
+
+    def expose(self, blocks: list[Block], ready: Callable[[Block], None]) -> None:
+        """A step ended and the user's code runs next: it may write weights (a state dict loaded
+        back, an EMA or weight swap). Every module-backed block on the device is bound to its
+        buffer (a PREFETCHING one is made ready with ``ready``: a write to its host masters
+        would race the copy still reading them) and *exposed*: its next eviction copies every
+        weight with a host master back (trainable ones as ``dirty``), so the write reaches
+        every later step. Frozen blocks left on the device at a step's end pay one D2H copy
+        each when evicted (``d2h_bytes``), synchronous where their masters are not page-locked
+        (no image: ``host_cache_mb: 0``, a lock refused; ``pageable_copies``); file-backed ones
+        have no host copy to keep a write (not handled).
+        """
+        for block in blocks:
+            if block.on_device and any(s.host is not None for s in block.layout):
+                if block.state is BlockState.PREFETCHING:
+                    ready(block)
+                if block.trainable:
+                    block.dirty = True
+                if any(s.host is not None and not s.trainable for s in block.layout):
+                    self.exposed.add(block.index)
 
     # -- evict ----------------------------------------------------------------------------------
     def evict(self, block: Block) -> None:
         """-> GPU_FREEING -> UNLOADED. File-backed parameters are dropped (they reload from disk);
-        module-backed ones point back at their host masters, trainable ones after their
-        gradients, and their data when an optimizer step changed it on the device
-        (``block.dirty``), were copied back (EVICTING -> HOST_STAGED; the seed's bug 2)."""
+        module-backed ones point back at their host masters, after what may have changed on the
+        device was copied back (EVICTING -> HOST_STAGED; the seed's bug 2): gradients that
+        changed since the load, trainable weights an optimizer step changed (``block.dirty``),
+        every weight of a block ``expose``d. Nothing to copy: no D2H event, nothing waits."""
         if block.state is BlockState.PREFETCHING:
-            # A prefetch evicted before its use: nothing on the compute stream waited for its
-            # copy, so its device buffer may be dropped only after the copy (host wait, rare).
+            # A prefetch evicted before its use: the compute stream, which frees its buffer,
+            # waits for the copy on the device (after the host waited for a reader still reading).
             # Its in-flight entry keeps its own staging and grant either way (``InFlight``).
-            self.wait_block(block)
-        trainable = block.trainable
+            event = block.load_event
+            if isinstance(event, StagedCopy):
+                if not event.future.done():
+                    self.host_waits += 1
+                event.wait_quietly()
+            else:
+                event.wait()
         host_grads: dict[int, torch.Tensor] = {}
-        if trainable and block.state is BlockState.GPU_READY:
-            block.to(BlockState.EVICTING)
-            with self.d2h_stream.use():
-                for slot in trainable:
-                    if block.dirty:
-                        self.d2h_stream.copy_(slot.host, slot.param.data)
-                        self.d2h_bytes += slot.nbytes
-                    grad = slot.param.grad
-                    if grad is not None:
-                        self.d2h_bytes += grad.nbytes
-                        # A fresh host gradient per eviction, as autograd gives a fresh ``.grad``
-                        # after ``zero_grad(set_to_none=True)``: one the user kept is never
-                        # overwritten. Pinned ones come from PyTorch's caching host allocator.
-                        host_grads[id(slot)] = host = host_like(grad, self.d2h_stream.non_blocking)
-                        self.d2h_stream.copy_(host, grad)
-                block.d2h_event = self.d2h_stream.record()
-                self.d2h_events.append(block.d2h_event)
-            block.dirty = False
-            pending = block.nbytes
-            if self.d2h_stream.stream is not None:  # device gradients are real allocations
-                pending += sum(s.param.grad.nbytes for s in trainable if s.param.grad is not None)
-                block.flat.record_stream(self.d2h_stream.stream)
-                for slot in trainable:
-                    if slot.param.grad is not None:
-                        slot.param.grad.record_stream(self.d2h_stream.stream)
-            # Freed below, yet read by the D2H copy until its event: not reusable before.
-            self.memory.release_after(block.d2h_event, pending)
-            block.to(BlockState.HOST_STAGED)
+        if block.state is BlockState.GPU_READY:
+            self._copy_back(block, host_grads)
         block.to(BlockState.GPU_FREEING)
         for slot in block.layout:
             slot.param.data = slot.host if slot.host is not None else placeholder(slot.dtype)
@@ -382,3 +394,51 @@ class TransferEngine:
         block.prefetched = False
         self.memory.untrack(block.nbytes, "weights")
         block.to(BlockState.UNLOADED)
+
+    def _copy_back(self, block: Block, host_grads: dict[int, torch.Tensor]) -> None:
+        """Issue ``block``'s D2H copies (see ``evict``) on the D2H stream; ``host_grads`` gets
+        each trainable slot's host gradient."""
+        everything = block.index in self.exposed
+        self.exposed.discard(block.index)
+        weights = [
+            s
+            for s in block.layout
+            if s.host is not None and (everything or block.dirty and s.trainable)
+        ]
+        block.dirty = False
+        grads = []
+        for slot in block.trainable:
+            grad, kept = slot.param.grad, self._kept.pop(id(slot), None)
+            if grad is None:
+                continue
+            if kept is not None and kept[0] is grad and grad._version == kept[1]:
+                host_grads[id(slot)] = grad  # the host gradient it kept, unchanged
+            else:
+                grads.append(slot)
+        if not weights and not grads:
+            return
+        block.to(BlockState.EVICTING)
+        with self.d2h_stream.use():
+            for slot in weights:
+                self.d2h_stream.copy_(slot.host, slot.param.data)
+                self.d2h_bytes += slot.nbytes
+            for slot in grads:
+                grad = slot.param.grad
+                self.d2h_bytes += grad.nbytes
+                # A fresh host gradient per copy, as autograd gives a fresh ``.grad`` after
+                # ``zero_grad(set_to_none=True)``: one the user kept is never overwritten.
+                # Pinned ones come from PyTorch's caching host allocator.
+                host_grads[id(slot)] = host = host_like(grad, self.d2h_stream.non_blocking)
+                self.d2h_stream.copy_(host, grad)
+            block.d2h_event = self.d2h_stream.record()
+            self.d2h_events.append(block.d2h_event)
+        # Freed by ``evict``, yet read by the D2H copy until its event: not reusable before.
+        pending = block.nbytes if weights else 0
+        if self.d2h_stream.stream is not None:  # device gradients are real allocations
+            pending += sum(s.param.grad.nbytes for s in grads)
+            if weights:
+                block.flat.record_stream(self.d2h_stream.stream)
+            for slot in grads:
+                slot.param.grad.record_stream(self.d2h_stream.stream)
+        self.memory.release_after(block.d2h_event, pending)
+        block.to(BlockState.HOST_STAGED)

@@ -44,6 +44,8 @@ class Clock:
         self.copies_run = 0
         self.max_pending = 0
         """The most events queued and not yet run at once: > 0 proves the device lagged."""
+        self.host_waits = 0
+        """Host waits (``synchronize``) on an event the device had not reached: the host stalled."""
 
     def tick(self) -> None:
         self.ops += 1
@@ -76,6 +78,8 @@ class LaggingEvent:
         self.stream.run_until(self)
 
     def synchronize(self) -> None:
+        if not self.done:
+            self.stream.clock.host_waits += 1
         self.stream.run_until(self)
 
 

@@ -10,13 +10,15 @@ from collections import Counter
 import pytest
 import torch
 
+from runtime.assets import output_tensor
 from runtime.bench.probes import SYNC_CALLS
+from runtime.common.nested import in_backward
 from runtime.config import MB
 from runtime.strategy import build_strategy
 from runtime.weights import StagehandRuntime
 from runtime.weights.pool import PinnedPool, Slab
 
-from .exact import assert_exact, make_model, train
+from .exact import assert_exact, inputs_for, make_model, train
 from .test_exactness import memory_section
 from .weights._train import Wide, config
 
@@ -169,3 +171,56 @@ def _sync_site(event) -> str:
         op, parent = parent.name, parent.cpu_parent
     frames = [f for f in (parent.stack if parent is not None else []) if "/runtime/" in f]
     return f"{parent.name if parent is not None else op} @ {frames[0] if frames else '?'}"
+
+
+def _accumulating(model, strategy, steps=3):
+    """``steps`` AdamW steps with ``zero_grad(set_to_none=False)``; per step the loss, the
+    runtime's host waits in forward and backward (read inside the backward), and whether every
+    streamed block's gradients were on the host at each forward use."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    weights, seen, on_host = getattr(strategy, "weights", None), [], []
+    for block in weights.blocks if weights is not None else ():
+        block.module.register_forward_pre_hook(  # after the runtime's: the block is loaded
+            lambda *_, b=block: (
+                None
+                if in_backward()  # a recomputation: its backward use moved the gradients
+                else on_host.append(
+                    all(s.param.grad is None or not s.param.grad.is_cuda for s in b.trainable)
+                )
+            )
+        )
+    for step in range(steps):
+        with strategy.step(step):
+            waits = strategy.counters()["host_waits"]
+            with strategy.forward():
+                inputs = {
+                    k: v.cuda() if isinstance(v, torch.Tensor) else v
+                    for k, v in inputs_for(model, step).items()
+                }
+                loss = output_tensor(model(**inputs)).pow(2).mean()
+            with strategy.backward():
+                loss.backward()
+                seen.append((loss.item(), strategy.counters()["host_waits"] - waits))
+            with strategy.optimizer(opt):
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    strategy.close()
+    return seen, on_host
+
+
+def test_hot_path_without_host_waits_and_unchanged_gradients_stay_on_the_host(tiny_flux):
+    """Issue 34, defects 3 and 7 on a GPU: the runtime's own host waits (``cudaEventSynchronize``,
+    which ``set_sync_debug_mode`` does not see) are 0 in forward and backward; with
+    ``set_to_none=False`` a block's kept gradients stay on the host through its forward (no H2D
+    and D2H of unchanged gradients); the losses equal the plain model's."""
+    reference = make_model("flux", tiny_flux, "full", "non-reentrant", ordinary=True).cuda()
+    plain = build_strategy(reference, {"strategy": "none"}, device="cuda")
+    expected, _ = _accumulating(reference, plain)
+    model = make_model("flux", tiny_flux, "full", "non-reentrant")
+    memory = memory_section("stream-module", True)  # every block evicted after each use
+    built = build_strategy(model, memory, device="cuda", checkpoint_dir=tiny_flux)
+    got, on_host = _accumulating(model, built)
+    assert [loss for loss, _ in got] == [loss for loss, _ in expected]
+    assert [waits for _, waits in got] == [0, 0, 0]
+    assert on_host and all(on_host)

@@ -93,24 +93,35 @@ def test_exact_and_clean_under_a_lagging_device(folders, references, arch, metho
 def test_an_evicted_block_counts_until_its_copy_back_lands(folders):
     """Issue 16, defect 2: a trainable block's buffer is released at eviction, but its D2H copy
     back to the host masters still reads it: the watermarks' figure (``usage_bytes``) keeps
-    counting it until the copy's event completes."""
+    counting it until the copy's event completes. Issue 34, defect 3: an eviction with nothing
+    to copy back (a forward, no gradient yet, weights unchanged) records no D2H event and holds
+    nothing (before: an empty event per block, its buffer counted until the event ran, and the
+    block's next load waited on it). Step 1's first block, prefetched at step 0's end (its
+    weights exposed to the user's code), copies its weights back."""
     with lagging_device(4) as clock:
         model = make_model("flux", folders["flux"], "full", None)
         memory = DeviceMemory("cpu")
         runtime = StagehandRuntime(
             model,
-            config(prefetch_window_blocks=0, vram_high_watermark_mb=0, vram_low_watermark_mb=0),
+            config(prefetch_window_blocks=1, vram_high_watermark_mb=1000, vram_low_watermark_mb=0),
             device="cpu",
             memory=memory,
         )
-        unseen: list[int] = []
+        seen: dict[tuple[int, int], tuple[int, int]] = {}
+
+        def after_eviction(block, *_):
+            pending = memory.usage_bytes() - memory.tracked_bytes()
+            seen.setdefault((runtime.step, block.index), (pending, len(transfer.d2h_events)))
+
+        transfer = runtime.transfer
         for block in runtime.blocks:  # after the runtime's hook evicted the block
-            block.module.register_forward_hook(
-                lambda *_: unseen.append(memory.usage_bytes() - memory.tracked_bytes())
-            )
-        train_runtime(model, runtime, steps=1)
-        smallest = min(b.nbytes for b in runtime.blocks)
-        assert min(unseen) >= smallest  # the block just evicted, still being copied back
+            block.module.register_forward_hook(partial(after_eviction, block))
+        train_runtime(model, runtime, steps=2)
+        blocks = runtime.blocks
+        assert [seen[0, b.index] for b in blocks] == [(0, 0)] * len(blocks)
+        first = min(b.index for b in blocks if seen[1, b.index][0])  # the prefetched one
+        assert seen[1, first][0] >= blocks[first].nbytes and seen[1, first][1] == 1
+        assert all(seen[1, b.index][0] == 0 for b in blocks if b.index != first)
         clock.drain()
         assert memory.pending_bytes() == 0 and memory.usage_bytes() == memory.tracked_bytes()
         runtime.close()

@@ -7,7 +7,12 @@ from runtime.weights.counts import StepCounts, Totals
 def test_counters_and_record_are_the_step_share_of_the_life_figures():
     counts = StepCounts(
         at_begin=Totals(
-            h2d_bytes=100, d2h_bytes=8, file_reads=3, file_read_bytes=40, host_cache_hits=2
+            h2d_bytes=100,
+            d2h_bytes=8,
+            file_reads=3,
+            file_read_bytes=40,
+            host_cache_hits=2,
+            host_waits=1,
         )
     )
     counts.blocks_loaded, counts.blocks_evicted, counts.prefetch_hits = 4, 3, 2
@@ -18,6 +23,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         file_reads=7,
         file_read_bytes=90,
         pageable_copies=1,
+        host_waits=3,
         host_cache_hits=5,
         file_reads_avoided=12,
     )
@@ -29,6 +35,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         "file_reads": 4,
         "h2d_bytes": 64,
         "pageable_copies": 1,
+        "host_waits": 2,
     }
     assert set(counts.counters(now)) <= set(COUNTERS)
     assert counts.record(now) == {

@@ -200,7 +200,8 @@ class _LateEvent:
 
 def test_evicting_a_prefetch_in_flight_releases_its_slab_before_a_reload(tiny_flux):
     """Copies that outlive the call (CUDA): a prefetch evicted before its use, then loaded again,
-    must give its slab back (it was kept, and the pool shrank by a slab each time)."""
+    must give its slab back once its copy finished (it was kept, and the pool shrank by a slab
+    each time). The eviction waits for the copy on the device, not the host (issue 34)."""
     model = make_model("flux", tiny_flux)
     runtime = StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
     engine = runtime.transfer
@@ -209,8 +210,12 @@ def test_evicting_a_prefetch_in_flight_releases_its_slab_before_a_reload(tiny_fl
     for _ in range(3):
         assert engine.load(block, speculative=True)
         assert runtime.pool.used_bytes > 0  # the copy holds its slab
+        event = block.load_event
         engine.evict(block)
-    assert runtime.pool.used_bytes == 0 and not engine.inflight
+        assert runtime.pool.used_bytes > 0 and not event.done  # the host did not wait
+        event.done = True  # the device finished the copy
+        assert engine.retire()
+    assert runtime.pool.used_bytes == 0 and not engine.inflight and engine.host_waits == 0
     engine.load(block, speculative=False)
     engine.ready(block)
     block.load_event.synchronize()
