@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.config import AUTO_DEVICE, LiveLimits, check_device
+from runtime.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from runtime.preset import field_error
 from runtime.status import RunStatus
 
@@ -378,7 +378,7 @@ class TuneCreate(_In):
     """``POST /api/tunes``: trials of ``preset`` (with ``overrides``) within ``budget_mb``."""
 
     preset: str = Field(max_length=64)
-    budget_mb: float = Field(gt=0, le=10_000_000, allow_inf_nan=False)
+    budget_mb: float = Field(gt=0, le=MAX_MB, allow_inf_nan=False)
     """The VRAM budget (MB of 2**20 bytes) every trial's predicted peak must fit."""
     device: str = Field(default="cpu", max_length=32)
     """The device profile the trials are planned on (``POST /api/plan``'s)."""

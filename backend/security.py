@@ -5,7 +5,10 @@ With a token configured, every HTTP request and websocket needs it, as
 websockets, not headers). Opening ``/?token=TOKEN`` once sets the cookie (HttpOnly,
 SameSite=Strict) and redirects to ``/``, so the dashboard works from a link and the token does
 not stay in the address bar; ``RedactToken`` keeps it out of the access log.
-Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length.
+Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length, and a
+JSON body nested deeper than ``MAX_JSON_DEPTH`` gets one 422 before anything parses it
+(``json.loads``, ``copy.deepcopy`` and pydantic recurse once per level: ~1000 levels are a
+``RecursionError``, and a fraction of that already costs the stack of every recursion after).
 
 Browsers are the other threat: any web page can send requests to 127.0.0.1 or open a websocket
 to it, and ids are sequential. So without a token the ``Host`` must be a loopback name (a
@@ -33,6 +36,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from backend.errors import error_body
 
 COOKIE = "workbench_token"
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of objects and arrays a JSON body may have (a preset nests 5 levels)."""
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+"""A JSON string (skipped whole: brackets inside it do not nest) or one bracket."""
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -209,6 +216,14 @@ class SecurityMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        content_type = (_header(scope, b"content-type") or "").lower()
+        if "json" in content_type and json_depth_over(body, MAX_JSON_DEPTH):
+            message = (
+                f"request body is nested more than {MAX_JSON_DEPTH} levels deep (objects and "
+                f"arrays); the limit is {MAX_JSON_DEPTH}"
+            )
+            await _send_json(send, 422, error_body("json_too_deep", message))
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -219,6 +234,22 @@ class SecurityMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def json_depth_over(body: bytes, limit: int) -> bool:
+    """Whether the JSON text ``body`` nests objects and arrays more than ``limit`` levels deep,
+    counted in one pass without recursion and without parsing (brackets inside strings do not
+    count; text that is not JSON is left to the parser to refuse)."""
+    depth = 0
+    for match in _JSON_TOKEN.finditer(body):
+        token = match.group()
+        if token in (b"{", b"["):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"}", b"]"):
+            depth -= 1
+    return False
 
 
 TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s]*")

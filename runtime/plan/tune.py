@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from runtime.config import MB
+from runtime.config import MAX_MB, MB
 from runtime.layer_offload.schedule import resident_count
 from runtime.plan.inventory import Inventory, PlanInputError, inventory
 from runtime.plan.profiles import DeviceProfile
@@ -199,8 +199,11 @@ def propose(
     from runtime.plan.plan import EFFICIENCY, check_memory, preset_inputs, preset_model, simulate
     from runtime.preset import PresetError, validate_preset
 
-    if not budget_mb > 0:
-        raise PlanInputError(f"budget_mb: expected a number of MB > 0, got {budget_mb!r}")
+    if not 0 < budget_mb <= MAX_MB:  # NaN and infinity too
+        raise PlanInputError(
+            f"budget_mb: expected a number of MB > 0 and at most {MAX_MB} (1 PiB), "
+            f"got {budget_mb!r}"
+        )
     try:
         preset = validate_preset(copy.deepcopy(data))
     except PresetError as exc:
