@@ -5,10 +5,11 @@ the app runs in-process (``inprocess.in_process``): no worker is started."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from backend_helpers import assert_error_body
-from inprocess import in_process
+from inprocess import IdleExecutor, in_process
 
 from backend.security import MAX_JSON_DEPTH
 from runtime.config import MAX_MB
@@ -107,3 +108,30 @@ def test_the_schema_states_the_size_bounds(client):
     assert {"maximum": MAX_MB} in [
         {k: v for k, v in alt.items() if k == "maximum"} for alt in limits["anyOf"]
     ]
+
+
+def test_trials_of_one_tune_run_one_after_another_without_slots_of_ours(api_factory):
+    """Ray's default (``--executor ray`` without ``--max-parallel``): no slots of ours."""
+    executor = IdleExecutor(slots=float("inf"))
+    client = api_factory(executor=executor)
+    body = {"preset": "tiny-ci", "budget_mb": 3, "device": "rtx4090", "max_trials": 3}
+    trials = [t["run_id"] for t in client.post("/api/tunes", json=body).json()["trials"]]
+    other = client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"]
+    assert len(trials) == 3
+    started = []
+    for run_id in trials:
+        _wait_status(client, run_id, "running")
+        time.sleep(0.5)  # five supervisor ticks: no other trial starts meanwhile
+        status = {r: client.get(f"/api/runs/{r}").json()["status"] for r in [*trials, other]}
+        assert [r for r in trials if status[r] == "running"] == [run_id], status
+        assert status[other] == "running"  # a run of no tune is not held back
+        started.append(run_id)
+        executor.end(run_id)
+    assert started == trials
+
+
+def _wait_status(client, run_id: int, status: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.get(f"/api/runs/{run_id}").json()["status"] != status:
+        assert time.monotonic() < deadline, (run_id, status)
+        time.sleep(0.05)
