@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path, status
+from fastapi import APIRouter, status
 
 from backend.api.assets import check_run_assets
 from backend.api.deps import AssetsDep, SettingsDep, StoreDep, SupervisorDep
 from backend.calibration import calibration_for
 from backend.errors import Conflict, Invalid, NotFound
-from backend.models import MAX_ID, TuneCreate, TunePreset
+from backend.models import TuneCreate, TuneId, TunePreset
 from backend.openapi import errors
 from backend.presets import deep_merge, run_config, validate_config
 from backend.store import Store
@@ -26,7 +26,6 @@ from runtime.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/tunes", tags=["tunes"])
 
-TuneId = Annotated[int, Path(ge=1, le=MAX_ID, description="tune id")]
 _FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
 
 

@@ -135,3 +135,34 @@ def _wait_status(client, run_id: int, status: str, timeout_s: float = 10) -> Non
     while client.get(f"/api/runs/{run_id}").json()["status"] != status:
         assert time.monotonic() < deadline, (run_id, status)
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("raw", ["1_0", "1.0", "%201", "+1", "%D9%A1", "01x"])
+def test_ids_are_plain_integers_on_every_route(client, raw):
+    """``1_0`` read as 10, ``1.0`` and `` 1`` as 1 by HTTP routes, refused by the websocket
+    and ``/api/compare``: now refused everywhere, naming the parameter."""
+    for url, field in (
+        (f"/api/runs/{raw}", "run_id"),
+        (f"/api/runs/{raw}/telemetry", "run_id"),
+        (f"/api/runs/{raw}/limits", "run_id"),
+        (f"/api/tunes/{raw}", "tune_id"),
+        (f"/api/runs/1/telemetry?since={raw}", "since"),
+    ):
+        err = assert_error_body(client.get(url), 422)
+        assert err["field"] == field and "ASCII digits" in err["message"], (url, err)
+
+
+def test_the_schema_states_names_and_ids_formats(client):
+    from backend.models import NAME_RE
+
+    doc = client.get("/openapi.json").json()
+    props = doc["components"]["schemas"]
+    for model in ("PresetCreate", "PresetDuplicate", "TunePreset"):
+        name = props[model]["properties"]["name"]
+        assert (name["pattern"], name["maxLength"]) == (NAME_RE.pattern, 64), model
+    run_name = props["RunCreate"]["properties"]["name"]["anyOf"][0]
+    assert run_name["maxLength"] == 100
+    params = {p["name"]: p for p in doc["paths"]["/api/compare"]["get"]["parameters"]}
+    assert params["ids"]["schema"]["pattern"].startswith("^ *[0-9]{1,19}")
+    preset = doc["paths"]["/api/presets/{name}"]["get"]["parameters"][0]["schema"]
+    assert preset["pattern"] == NAME_RE.pattern
