@@ -133,7 +133,9 @@ def test_tune_page_run_overlay_and_calibrated_plan(synthetic_server, tune, page,
     assert f"run #{best}" in page.inner_text("#tune-best")
     # Candidates, not distinct predictions, are counted; MB under 10 to the hundredth.
     header = page.inner_text("#tune-header")
-    assert f"{tune['searched']} candidates simulated, {tune['feasible']} predicted to fit " in header
+    assert (
+        f"{tune['searched']} candidates simulated, {tune['feasible']} predicted to fit " in header
+    )
     assert f"({tune['distinct']} distinct predictions)" in header
     assert tune["feasible"] > tune["distinct"] and f"within {BUDGET:.2f} MB" in header
     assert f"smallest feasible peak is {tune['min_peak_mb']:.2f} MB" in header
