@@ -236,7 +236,7 @@ def test_outputs_download_and_resume_from_a_checkpoint(server):
     # A worker killed mid-write leaves half a line (issue 36): the resumed worker's first
     # record must not be glued to it (that seq was lost from the file and the store).
     with open(run_dir / "telemetry.jsonl", "a") as f:
-        f.write('{"seq": %d, "time": 1.0, "sour' % (stopped_at + 1))
+        f.write(f'{{"seq": {stopped_at + 1}, "time": 1.0, "sour')
 
     # Resumed with fewer steps left: the same run, queued, then running from its checkpoint.
     config = run_dir / "config.json"
