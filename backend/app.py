@@ -63,7 +63,8 @@ async def lifespan(app: FastAPI):
             hub.publish_run(run_id, public_run(store, row))
 
     executor = app.state.executor or make_executor(settings)
-    calibrator = Calibrator(store)
+    pending = settings.data_dir / "calibration-queue.json" if settings.calibrate else None
+    calibrator = Calibrator(store, pending=pending)
     finished = calibrator.submit if settings.calibrate else None
     probe = app.state.probe or SystemProbe(executor)
     probe.start()

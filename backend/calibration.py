@@ -6,22 +6,34 @@ The plan is made when the run has finished, on the ``Calibrator``'s own thread, 
 starts: a plan is a function of the config and the profile only, so the start config planned at
 the end is the same prediction, and no launch waits for a plan (the first plan on ``cpu``
 measures this machine for seconds) nor does a run that fails cost one. A run whose limits were
-changed while it ran is not calibrated: its peak and step time mix two configs.
+changed while it ran is not calibrated: its peak and step time mix two configs. Plans take the
+median of the newest runs' ratios within bounds (``calibration_for``; NOTE [ Ratios the model
+can be off by ] in runtime/plan/feedback.py), so one disturbed run does not scale them all.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from backend.store import Store
+from runtime.plan.feedback import RUNS, combine
 from runtime.records import LIMITS_APPLIED, RUN_STARTED
 
 log = logging.getLogger("backend.calibration")
+
+
+def calibration_for(store: Store, device: str, family: str) -> dict | None:
+    """What a plan of ``device`` and ``family`` is scaled by: the median ratios of the newest
+    runs within the bounds (``runtime.plan.feedback.combine``), or None."""
+    return combine(store.calibrations_of(device, family, RUNS))
+
 
 ProfileOf = Callable[[str], Any]
 """Device profile name -> ``runtime.plan.DeviceProfile`` (tests give a fixed one for cpu)."""
@@ -34,15 +46,44 @@ def _profile(name: str):
 
 
 class Calibrator:
-    """Calibrates finished runs on one thread (``submit``), or at once (``calibrate``)."""
+    """Calibrates finished runs on one thread (``submit``), or at once (``calibrate``).
 
-    def __init__(self, store: Store, profile_of: ProfileOf = _profile) -> None:
+    ``pending``: a JSON file listing the runs submitted and not yet calibrated, written on
+    every submit and every end, so that a calibration still queued or being computed when the
+    server stops (or is killed) is done by the next one (``start`` submits them again)."""
+
+    def __init__(
+        self, store: Store, profile_of: ProfileOf = _profile, pending: Path | None = None
+    ) -> None:
         self.store = store
         self.profile_of = profile_of
+        self.pending_path = pending
+        self._pending: list[int] = self._read_pending()
+        self._lock = threading.Lock()
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
+    def _read_pending(self) -> list[int]:
+        if self.pending_path is None or not self.pending_path.is_file():
+            return []
+        try:
+            ids = json.loads(self.pending_path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("%s: not read (%s); those runs stay uncalibrated", self.pending_path, exc)
+            return []
+        return [i for i in ids if isinstance(i, int)] if isinstance(ids, list) else []
+
+    def _write_pending(self) -> None:
+        if self.pending_path is None:
+            return
+        tmp = self.pending_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._pending))
+        os.replace(tmp, self.pending_path)
+
     def start(self) -> None:
+        for run_id in self._pending:  # left by a server that stopped before calibrating them
+            log.info("run %d: calibration left pending by the last server: done now", run_id)
+            self._queue.put(run_id)
         self._thread = threading.Thread(target=self._loop, name="calibrator", daemon=True)
         self._thread.start()
 
@@ -52,6 +93,10 @@ class Calibrator:
             self._thread.join(timeout=5)
 
     def submit(self, run_id: int) -> None:
+        with self._lock:
+            if run_id not in self._pending:
+                self._pending.append(run_id)
+                self._write_pending()
         self._queue.put(run_id)
 
     def _loop(self) -> None:
@@ -60,6 +105,10 @@ class Calibrator:
                 self.calibrate(run_id)
             except Exception:
                 log.exception("run %d: calibration failed", run_id)
+            with self._lock:  # done, stored or not: a failure is not retried forever
+                if run_id in self._pending:
+                    self._pending.remove(run_id)
+                    self._write_pending()
 
     def calibrate(self, run_id: int) -> dict | None:
         """Plan the run's config on its device, store the calibration and return it; None

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, Query
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     WithJsonSchema,
@@ -18,17 +19,32 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.config import AUTO_DEVICE, LiveLimits, check_device
+from runtime.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from runtime.preset import field_error
 from runtime.status import RunStatus
 
 MAX_ID = 2**62
 """Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
-RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62")]
-Since = Annotated[
-    int, Query(ge=-1, le=MAX_ID, description="records with seq above this (-1: from the start)")
-]
 INTEGER_RE = re.compile(r"^-?[0-9]{1,19}$")
+
+
+def _plain_integer(value: object) -> object:
+    """A path or query integer as the websocket and ``ids`` take it (``bounded_int``): ASCII
+    digits only, so ``1_0``, ``1.0``, `` 1`` and other scripts' digits are refused everywhere
+    instead of read as 10 or 1 by some routes."""
+    if isinstance(value, str) and not INTEGER_RE.match(value):
+        raise ValueError(f"expected a base-10 integer of ASCII digits, got {value[:40]!r}")
+    return value
+
+
+PlainInteger = BeforeValidator(_plain_integer)
+RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62"), PlainInteger]
+TuneId = Annotated[int, Path(ge=1, le=MAX_ID, description="tune id, 1 to 2**62"), PlainInteger]
+Since = Annotated[
+    int,
+    Query(ge=-1, le=MAX_ID, description="records with seq above this (-1: from the start)"),
+    PlainInteger,
+]
 
 
 def bounded_int(text: str, low: int, high: int) -> int | None:
@@ -42,6 +58,9 @@ def bounded_int(text: str, low: int, high: int) -> int | None:
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """Preset names: they double as file names of built-in presets, so no separators or dots first."""
+PRESET_NAME_SCHEMA = {"pattern": NAME_RE.pattern}
+"""What the OpenAPI document states of a preset name (``check_preset_name`` enforces it)."""
+RUN_NAME_DESCRIPTION = "1-100 printable characters without '/', '\\' or '..'"
 MAX_RUN_NAME = 100
 MAX_TAGS = 32
 MAX_TAG_CHARS = 40
@@ -91,7 +110,7 @@ class _In(BaseModel):
 
 
 class PresetCreate(_In):
-    name: str = Field(max_length=64)
+    name: str = Field(max_length=64, json_schema_extra=PRESET_NAME_SCHEMA)
     config: PresetConfig
     description: str = Field(default="", max_length=2000)
 
@@ -107,7 +126,7 @@ class PresetUpdate(_In):
 
 
 class PresetDuplicate(_In):
-    name: str = Field(max_length=64)
+    name: str = Field(max_length=64, json_schema_extra=PRESET_NAME_SCHEMA)
 
     @field_validator("name")
     @classmethod
@@ -131,7 +150,9 @@ class PresetsPublic(BaseModel):
 
 class RunCreate(_In):
     preset: str = Field(max_length=64)
-    name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
+    name: str | None = Field(
+        default=None, max_length=MAX_RUN_NAME, description=RUN_NAME_DESCRIPTION
+    )
     overrides: Overrides = Field(default_factory=dict)
     device: str = Field(
         default=AUTO_DEVICE,
@@ -190,7 +211,9 @@ class DatasetScan(BaseModel):
 class RunUpdate(_In):
     notes: str | None = Field(default=None, max_length=MAX_NOTES_CHARS)
     tags: list[str] | None = Field(default=None, max_length=MAX_TAGS)
-    name: str | None = Field(default=None, max_length=MAX_RUN_NAME)
+    name: str | None = Field(
+        default=None, max_length=MAX_RUN_NAME, description=RUN_NAME_DESCRIPTION
+    )
 
     @field_validator("name")
     @classmethod
@@ -378,7 +401,7 @@ class TuneCreate(_In):
     """``POST /api/tunes``: trials of ``preset`` (with ``overrides``) within ``budget_mb``."""
 
     preset: str = Field(max_length=64)
-    budget_mb: float = Field(gt=0, le=10_000_000, allow_inf_nan=False)
+    budget_mb: float = Field(gt=0, le=MAX_MB, allow_inf_nan=False)
     """The VRAM budget (MB of 2**20 bytes) every trial's predicted peak must fit."""
     device: str = Field(default="cpu", max_length=32)
     """The device profile the trials are planned on (``POST /api/plan``'s)."""
@@ -392,7 +415,7 @@ class TunePreset(_In):
     """``POST /api/tunes/{id}/preset``: save a trial's limits as a new preset."""
 
     run_id: int = Field(ge=1, le=MAX_ID)
-    name: str = Field(max_length=64)
+    name: str = Field(max_length=64, json_schema_extra=PRESET_NAME_SCHEMA)
 
     @field_validator("name")
     @classmethod

@@ -19,8 +19,8 @@ from typing import Any
 
 
 def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
-    """``plan`` with the newest calibration of ``device`` and the preset's family in the
-    server's database under ``data_dir`` applied (``runtime.plan.feedback``), if there is one."""
+    """``plan`` with the calibration of ``device`` and the preset's family in the server's
+    database under ``data_dir`` (``backend.calibration.calibration_for``) applied (``runtime.plan.feedback``), if there is one."""
     from pathlib import Path
 
     from runtime.plan.feedback import apply, family_of
@@ -28,11 +28,12 @@ def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | No
     folder = Path(data_dir or os.environ.get("STAGEHAND_WORKBENCH_DATA") or "./data")
     if not (folder / "workbench.db").is_file():
         return plan
+    from backend.calibration import calibration_for
     from backend.store import Store
 
     store = Store(folder / "workbench.db")
     try:
-        found = store.latest_calibration(device, family_of(data))
+        found = calibration_for(store, device, family_of(data))
     finally:
         store.close()
     return apply(plan, found) if found else plan

@@ -5,7 +5,10 @@ With a token configured, every HTTP request and websocket needs it, as
 websockets, not headers). Opening ``/?token=TOKEN`` once sets the cookie (HttpOnly,
 SameSite=Strict) and redirects to ``/``, so the dashboard works from a link and the token does
 not stay in the address bar; ``RedactToken`` keeps it out of the access log.
-Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length.
+Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length, and a
+JSON body nested deeper than ``MAX_JSON_DEPTH`` gets one 422 before anything parses it
+(``json.loads``, ``copy.deepcopy`` and pydantic recurse once per level: ~1000 levels are a
+``RecursionError``, and a fraction of that already costs the stack of every recursion after).
 
 Browsers are the other threat: any web page can send requests to 127.0.0.1 or open a websocket
 to it, and ids are sequential. So without a token the ``Host`` must be a loopback name (a
@@ -26,13 +29,17 @@ import json
 import logging
 import re
 from http.cookies import SimpleCookie
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote_plus, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.errors import error_body
 
 COOKIE = "workbench_token"
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of objects and arrays a JSON body may have (a preset nests 5 levels)."""
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+"""A JSON string (skipped whole: brackets inside it do not nest) or one bracket."""
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -209,6 +216,14 @@ class SecurityMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        content_type = (_header(scope, b"content-type") or "").lower()
+        if "json" in content_type and json_depth_over(body, MAX_JSON_DEPTH):
+            message = (
+                f"request body is nested more than {MAX_JSON_DEPTH} levels deep (objects and "
+                f"arrays); the limit is {MAX_JSON_DEPTH}"
+            )
+            await _send_json(send, 422, error_body("json_too_deep", message))
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -221,17 +236,55 @@ class SecurityMiddleware:
         await self.app(scope, replay, send)
 
 
-TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s]*")
+def json_depth_over(body: bytes, limit: int) -> bool:
+    """Whether the JSON text ``body`` nests objects and arrays more than ``limit`` levels deep,
+    counted in one pass without recursion and without parsing (brackets inside strings do not
+    count; text that is not JSON is left to the parser to refuse)."""
+    depth = 0
+    for match in _JSON_TOKEN.finditer(body):
+        token = match.group()
+        if token in (b"{", b"["):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"}", b"]"):
+            depth -= 1
+    return False
+
+
+QUERY_PARAMETER = re.compile(r"([?&])([^=&\s?#\"']*)=([^&\s#\"']*)")
+"""One ``name=value`` of a query string inside a log line (a path, a URL)."""
+
+
+def _decoded(name: str) -> str:
+    for _ in range(3):  # %2574oken decodes to %74oken, then to token
+        name, before = unquote_plus(name), name
+        if name == before:
+            break
+    return name.strip().lower()
+
+
+def redact_query(text: str) -> str:
+    """``text`` with the value of every query parameter whose name, percent-decoded, is
+    ``token`` (``token``, ``%74oken``, ``TOKEN``) replaced by ``[redacted]``."""
+    return QUERY_PARAMETER.sub(
+        lambda m: f"{m[1]}{m[2]}=[redacted]" if _decoded(m[2]) == "token" else m[0], text
+    )
 
 
 class RedactToken(logging.Filter):
-    """Replaces ``token=...`` in access-log lines with ``token=[redacted]`` (``/?token=`` is how
-    a link hands the token over; the log must not keep it)."""
+    """Redacts the token from the query strings of a log record (``redact_query`` on its
+    message and its string arguments). ``/?token=`` is how a link hands the token over, and a
+    refused websocket's URL may carry one: uvicorn logs both (the access log, and its error
+    log for websockets), so every handler of the server's logging has this filter."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact_query(record.msg)
         if isinstance(record.args, tuple):
-            record.args = tuple(
-                TOKEN_IN_QUERY.sub(r"\1[redacted]", a) if isinstance(a, str) else a
-                for a in record.args
-            )
+            record.args = tuple(redact_query(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {
+                k: redact_query(v) if isinstance(v, str) else v for k, v in record.args.items()
+            }
         return True

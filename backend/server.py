@@ -75,11 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def log_config(base: dict) -> dict:
-    """uvicorn's logging config with ``RedactToken`` and ``QuietAssetPolls`` on the access log."""
+    """uvicorn's logging config with ``RedactToken`` on every handler (the access log and the
+    error log, where uvicorn writes websocket handshakes) and ``QuietAssetPolls`` on the
+    access log."""
     config = copy.deepcopy(base)
     config.setdefault("filters", {})["redact_token"] = {"()": "backend.security.RedactToken"}
     config["filters"]["quiet_asset_polls"] = {"()": "backend.assets.QuietAssetPolls"}
-    config["handlers"]["access"].setdefault("filters", []).append("redact_token")
+    for handler in config["handlers"].values():
+        handler.setdefault("filters", []).append("redact_token")
     config["handlers"]["access"]["filters"].append("quiet_asset_polls")
     return config
 
@@ -121,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     from uvicorn.config import LOGGING_CONFIG
 
     from backend.app import create_app
+    from backend.security import RedactToken
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    for handler in logging.getLogger().handlers:  # the backend's own loggers
+        handler.addFilter(RedactToken())
     url = f"http://{args.host}:{args.port}/"
     # The URL first: the demo-asset build's progress bars follow it on this terminal.
     print(f"Stagehand Workbench: {url}", flush=True)

@@ -216,17 +216,29 @@ class Supervisor:
                 self.on_change(run_id)
 
     def _launch_queued(self) -> None:
+        """Launch queued runs, oldest first, while their device has a free slot and no other
+        trial of their tune is live: trials of one tune run one after another on every
+        executor (Ray's default has no slots of ours), or the step times they compare measure
+        each other's load."""
+        queued = self.store.runs_with_status(RunStatus.QUEUED)
+        if not queued:
+            return
         default = self.default_device()
         busy: dict[str, int] = {}
         for w in self._workers.values():
             device = slot_device(w.device, default)
             busy[device] = busy.get(device, 0) + 1
-        for run in self.store.runs_with_status(RunStatus.QUEUED):
+        live = (self.store.get_run(run_id) for run_id in list(self._workers))
+        groups = {run["group_id"] for run in live if run is not None} - {None}
+        for run in queued:
             device = slot_device(run["device"], default)
             if busy.get(device, 0) >= self.executor.slots(self.settings.max_parallel):
                 continue
+            if run["group_id"] is not None and run["group_id"] in groups:
+                continue
             if self._launch(run):
                 busy[device] = busy.get(device, 0) + 1
+                groups.add(run["group_id"])
 
     def _launch(self, run: dict[str, Any]) -> bool:
         run_id = run["id"]

@@ -17,12 +17,42 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 MB = 2**20
 """Bytes in one MB as the seeds count it."""
 
-NonNegMB = Annotated[float, Field(ge=0)]
+MAX_MB = 2**30
+"""The largest size a ``_mb`` field takes: 2**30 MB (1 PiB), more memory than one machine has;
+``_bytes`` fields take up to ``MAX_MB * MB``. Anything larger is a typo or an attack (``1e308``
+MB is an infinite byte count, which the runtimes' integer arithmetic cannot hold)."""
+
+
+def _at_most(bound: int, unit: str) -> BeforeValidator:
+    """Refuses a number above ``bound`` with a sentence giving the bound and its unit, before
+    the type check (a 401-digit integer is not a float, but it is above the bound first)."""
+
+    def check(value: object) -> object:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > bound:
+            shown = f"a {len(str(value))}-digit integer" if isinstance(value, int) else f"{value:g}"
+            raise ValueError(
+                f"must be at most {bound} {unit} (1 PiB: more than any machine has), got {shown}"
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
+NonNegMB = Annotated[float, Field(ge=0, le=MAX_MB), _at_most(MAX_MB, "MB")]
+WholeMB = Annotated[int, Field(gt=0, le=MAX_MB), _at_most(MAX_MB, "MB")]
+NonNegBytes = Annotated[int, Field(ge=0, le=MAX_MB * MB), _at_most(MAX_MB * MB, "bytes")]
 PosInt = Annotated[int, Field(gt=0)]
 
 
@@ -92,10 +122,10 @@ class Watermarks:
 class StagehandConfig(_Strict):
     """Weight streaming (block swap). Defaults are the seed's LTX-2 24 GB run."""
 
-    pinned_pool_mb: PosInt | None = None
+    pinned_pool_mb: WholeMB | None = None
     """Host pool of uniform slabs, allocated once (pinned when CUDA is present). None: one slab
     per copy in flight plus one on CUDA, 8192 on CPU (``runtime/weights/defaults.py``)."""
-    pinned_slab_mb: PosInt | None = None
+    pinned_slab_mb: WholeMB | None = None
     """Size of one slab; a block larger than a slab takes the direct path. None: the largest
     block (whole MB) on CUDA, 1024 on CPU."""
     vram_high_watermark_mb: NonNegMB = 20000
@@ -161,7 +191,7 @@ class ActivationStagehandConfig(_Strict):
     """Start spilling above this."""
     vram_low_watermark_mb: NonNegMB = 16000
     """Stop spilling below this (hysteresis)."""
-    pinned_pool_classes_mb: tuple[Annotated[float, Field(gt=0)], ...] = (1, 4, 16, 64, 256)
+    pinned_pool_classes_mb: tuple[Annotated[NonNegMB, Field(gt=0)], ...] = (1, 4, 16, 64, 256)
     """Size-class bucket sizes, ascending."""
     slabs_per_class: PosInt | tuple[Annotated[int, Field(ge=0)], ...] = (512, 2, 2, 2, 2)
     """Slabs per class: one int for every class, or one count per class."""
@@ -172,9 +202,9 @@ class ActivationStagehandConfig(_Strict):
     telemetry_enabled: bool = True
     telemetry_file: str = "activation_telemetry.jsonl"
     """JSONL of a runtime built without the run's ``Telemetry`` (working directory)."""
-    recompute_threshold_bytes: Annotated[int, Field(ge=0)] = 0
+    recompute_threshold_bytes: NonNegBytes = 0
     """Tensors below this are never spilled (cheaper to keep or recompute)."""
-    min_spill_bytes: Annotated[int, Field(ge=0)] = 4096
+    min_spill_bytes: NonNegBytes = 4096
     """Tensors below this are never spilled: the copy costs more than the memory saved."""
     predictive_restore: bool = True
     """Restore spilled tensors ahead of need in reverse pack order during backward."""

@@ -83,6 +83,7 @@ def compare(
         Query(
             max_length=200,
             description=f"2 to 6 distinct run ids (1 to {MAX_ID}), comma-separated",
+            json_schema_extra={"pattern": r"^ *[0-9]{1,19} *(, *[0-9]{1,19} *){1,5}$"},
         ),
     ],
     metrics: Annotated[str, Query(max_length=500)] = DEFAULT_METRICS,

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import StoreDep, run_row
+from backend.calibration import calibration_for
 from backend.errors import Invalid, NotFound
 from backend.models import RunId
 from backend.openapi import errors
@@ -37,9 +38,10 @@ class PlanRequest(BaseModel):
 def plan(body: PlanRequest, store: StoreDep) -> dict:
     """The plan (``runtime.plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
     ``steady_band_bytes``, ``host``, ``step_ms`` and the VRAM ``curve`` of one steady step.
-    With a calibration of the device and the preset's family (a finished run's measured
-    figures), its ratios are applied and ``calibration`` says from which run
-    (``runtime.plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
+    With calibrations of the device and the preset's family (finished runs' measured figures),
+    the median of their ratios within bounds is applied and ``calibration`` says from which
+    runs and which ratios were refused (``backend.calibration.calibration_for``,
+    ``runtime.plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
 
     Raises:
         Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
@@ -64,7 +66,7 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
         # A preset that validates yet names what cannot be built (a factory size, a folder's
         # config): still the input's fault, never a server error.
         raise Invalid(f"preset: cannot plan it: {exc}", field="preset") from None
-    calibration = store.latest_calibration(body.device, family_of(body.preset))
+    calibration = calibration_for(store, body.device, family_of(body.preset))
     return apply(out, calibration) if calibration else out
 
 

@@ -8,12 +8,19 @@ from fastapi import APIRouter, Path, status
 
 from backend.api.deps import StoreDep
 from backend.errors import Conflict, NotFound, ReadOnly
-from backend.models import PresetCreate, PresetDuplicate, PresetPublic, PresetsPublic, PresetUpdate
+from backend.models import (
+    PRESET_NAME_SCHEMA,
+    PresetCreate,
+    PresetDuplicate,
+    PresetPublic,
+    PresetsPublic,
+    PresetUpdate,
+)
 from backend.openapi import errors
 from backend.presets import validate_config
 
 router = APIRouter(prefix="/api/presets", tags=["presets"])
-PresetName = Path(max_length=64)
+PresetName = Path(max_length=64, json_schema_extra=PRESET_NAME_SCHEMA)
 
 
 def _get(store, name: str) -> dict:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path, status
+from fastapi import APIRouter, status
 
 from backend.api.assets import check_run_assets
 from backend.api.deps import AssetsDep, SettingsDep, StoreDep, SupervisorDep
+from backend.calibration import calibration_for
 from backend.errors import Conflict, Invalid, NotFound
-from backend.models import MAX_ID, TuneCreate, TunePreset
+from backend.models import TuneCreate, TuneId, TunePreset
 from backend.openapi import errors
 from backend.presets import deep_merge, run_config, validate_config
 from backend.store import Store
@@ -25,7 +26,6 @@ from runtime.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/tunes", tags=["tunes"])
 
-TuneId = Annotated[int, Path(ge=1, le=MAX_ID, description="tune id")]
 _FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
 
 
@@ -37,7 +37,7 @@ def _propose(body: TuneCreate, config: dict[str, Any], store: Store) -> dict[str
 
     try:
         dev = profile(body.device)
-        found = store.latest_calibration(body.device, family_of(config))
+        found = calibration_for(store, body.device, family_of(config))
         ratios = found["ratios"] if found else None
         out = propose(config, dev, body.budget_mb, max_trials=body.max_trials, ratios=ratios)
     except PlanInputError as exc:
@@ -46,7 +46,7 @@ def _propose(body: TuneCreate, config: dict[str, Any], store: Store) -> dict[str
         if field is not None and field not in ("device", "budget_mb"):
             field = f"preset.{field}"
         raise Invalid(str(exc), field=field) from None
-    out["calibration_run_id"] = found["run_id"] if found else None
+    out["calibration_run_ids"] = found["run_ids"] if found else []
     return out
 
 
@@ -108,12 +108,21 @@ def tune_public(store: Store, tune: dict[str, Any]) -> dict[str, Any]:
         "min_peak_mb": meta["min_peak_mb"],
         "searched": meta["searched"],
         "feasible": meta["feasible"],
+        "distinct": meta.get("distinct"),  # None in a tune stored before
         "not_tuned": meta["not_tuned"],
-        "calibration_run_id": meta.get("calibration_run_id"),
+        "calibration_run_ids": _calibration_runs(meta),
         "trials": trials,
         "best_run_id": best["run_id"] if best else None,
         "active": sum(1 for r in runs.values() if r["status"] in (*ACTIVE, RunStatus.QUEUED)),
     }
+
+
+def _calibration_runs(meta: dict[str, Any]) -> list[int]:
+    """The runs whose ratios scaled the tune's predictions (one ``calibration_run_id`` in a
+    tune stored before plans took the median of several runs)."""
+    if "calibration_run_ids" in meta:
+        return meta["calibration_run_ids"]
+    return [meta["calibration_run_id"]] if meta.get("calibration_run_id") else []
 
 
 def _tune(store: Store, tune_id: int) -> dict[str, Any]:

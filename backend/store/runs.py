@@ -172,14 +172,15 @@ class RunTables:
         )
         return _calibration(rows[0]) if rows else None
 
-    def latest_calibration(self, device: str, family: str) -> dict | None:
-        """The newest calibration of ``device`` and ``family`` with a VRAM or step ratio."""
+    def calibrations_of(self, device: str, family: str, limit: int) -> list[dict]:
+        """The newest ``limit`` calibrations of ``device`` and ``family`` with a ratio, newest
+        first (``runtime.plan.feedback.combine`` takes their median)."""
         rows = self.db.execute_returning_dicts(
             "SELECT * FROM calibrations WHERE device = ? AND family = ? AND ratios != '{}'"
-            " ORDER BY created_at DESC, run_id DESC LIMIT 1",
-            [device, family],
+            " ORDER BY created_at DESC, run_id DESC LIMIT ?",
+            [device, family, limit],
         )
-        return _calibration(rows[0]) if rows else None
+        return [_calibration(row) for row in rows]
 
     def create_tune(
         self, preset: str, budget_mb: float, device: str, trial_steps: int, candidates: list

@@ -34,10 +34,15 @@ function summary(plan) {
 
 const RATIO_NAMES = { peak_vram_mb: "VRAM", step_ms: "step", host_ram_mb: "host RAM", pinned_mb: "pinned" };
 
-/** "calibrated by run #N on cpu/flux: VRAM ×1.004, step ×0.910" (runtime/plan/feedback.py). */
+/** "calibrated by runs #7, #5 on cpu/flux (median): VRAM ×1.004, step ×0.910; refused: run #6
+ * step ×0.047 (outside 0.2–5)" (runtime/plan/feedback.py describe). */
 function calibrationText(cal) {
   const ratios = Object.entries(cal.ratios).map(([k, v]) => `${RATIO_NAMES[k] || k} ×${v.toFixed(3)}`).join(", ");
-  return h("span", {}, "calibrated by ", h("a", { href: `#/runs/${cal.run_id}` }, `run #${cal.run_id}`), ` on ${cal.device}/${cal.family}: ${ratios}`);
+  const runs = cal.run_ids.flatMap((id, i) => [i ? ", " : "", h("a", { href: `#/runs/${id}` }, `#${id}`)]);
+  const refused = (cal.refused || []).map((r) => `run #${r.run_id} ${RATIO_NAMES[r.figure] || r.figure} ×${r.ratio.toPrecision(3)} (outside ${r.bounds[0]}–${r.bounds[1]})`);
+  return h("span", {}, `calibrated by run${cal.run_ids.length > 1 ? "s" : ""} `, ...runs,
+    ` on ${cal.device}/${cal.family}${cal.run_ids.length > 1 ? " (median)" : ""}: ${ratios}`,
+    refused.length ? `; refused: ${refused.join(", ")}` : "");
 }
 
 function curve(el, plan) {

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import sys
@@ -26,6 +27,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -101,12 +104,15 @@ class JsonlSink:
     """Appends one JSON object per line to ``path``; ``flush`` pushes the lines to the OS.
 
     Lines are written whole (one ``write`` call each), so a reader tailing the file sees at most
-    one torn last line. ``last_seq`` is the highest ``seq`` already in the file (-1 if none).
+    one torn last line. A file that already ends in one (a worker killed mid-write, then
+    resumed) is mended first (``mend_torn_tail``), so appended records start lines of their
+    own. ``last_seq`` is the highest ``seq`` already in the file (-1 if none).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        mend_torn_tail(self.path)
         self.last_seq = _last_seq(self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - owned until close()
 
@@ -157,6 +163,48 @@ class TeeStdoutSink:
     def close(self) -> None:
         self.inner.close()
         self.stream.flush()
+
+
+def mend_torn_tail(path: Path) -> int:
+    """Make ``path`` end at a line's end before anything is appended to it: a last line without
+    its newline is finished (a newline added) when it is a whole JSON object, else cut (it is
+    the half of a record whose writer died; the records before it are whole and stay). Returns
+    the bytes cut (0 when none). A missing or empty file is left as it is.
+
+    Without this, the first record appended to a torn line is glued to it and neither parses:
+    that ``seq`` is lost to every reader (issue 36)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "r+b") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        start = size
+        while start > 0:  # the last newline, 64 KiB at a time from the end
+            at = max(0, start - 65536)
+            f.seek(at)
+            found = f.read(start - at).rfind(b"\n")
+            if found >= 0:
+                start = at + found + 1
+                break
+            start = at
+        f.seek(start)
+        tail = f.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            f.seek(size)
+            f.write(b"\n")
+            return 0
+        f.truncate(start)
+    log.warning("%s: cut a torn last line of %d bytes before appending", path, size - start)
+    return size - start
 
 
 def _last_seq(path: Path) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from runtime.config import MB
+from runtime.config import MAX_MB, MB
 from runtime.layer_offload.schedule import resident_count
 from runtime.plan.inventory import Inventory, PlanInputError, inventory
 from runtime.plan.profiles import DeviceProfile
@@ -186,10 +186,12 @@ def propose(
     efficiency: float | None = None,
 ) -> dict[str, Any]:
     """Trials for a preset's JSON object within ``budget_mb`` (MB of 2**20 bytes) on
-    ``profile``: ``{budget_mb, device, min_peak_mb, searched, feasible, trials: [{label,
-    preset, limits, memory, predicted: {peak_mb, step_ms, trace_step_ms, blocks_loaded},
-    predicted_pareto}], not_tuned}``: the preset's own limits first and last when they fit,
-    candidates in between, ``max_trials`` in all (at least one candidate). ``ratios`` (a
+    ``profile``: ``{budget_mb, device, min_peak_mb, searched, feasible, distinct, trials:
+    [{label, preset, limits, memory, predicted: {peak_mb, step_ms, trace_step_ms,
+    blocks_loaded}, predicted_pareto}], not_tuned}``: the preset's own limits first and last
+    when they fit, candidates in between, ``max_trials`` in all (at least one candidate).
+    ``searched``: candidates simulated; ``feasible``: those predicted to fit the budget;
+    ``distinct``: their distinct predictions (peak, step time), the floor's included. ``ratios`` (a
     calibration's, ``runtime.plan.feedback``) scale the predicted peaks and step times.
 
     Raises:
@@ -199,8 +201,11 @@ def propose(
     from runtime.plan.plan import EFFICIENCY, check_memory, preset_inputs, preset_model, simulate
     from runtime.preset import PresetError, validate_preset
 
-    if not budget_mb > 0:
-        raise PlanInputError(f"budget_mb: expected a number of MB > 0, got {budget_mb!r}")
+    if not 0 < budget_mb <= MAX_MB:  # NaN and infinity too
+        raise PlanInputError(
+            f"budget_mb: expected a number of MB > 0 and at most {MAX_MB} (1 PiB), "
+            f"got {budget_mb!r}"
+        )
     try:
         preset = validate_preset(copy.deepcopy(data))
     except PresetError as exc:
@@ -256,7 +261,7 @@ def propose(
             f"{profile.name}: {floor_mb:.2f} MB peak ({floor_what}); give at least that"
         )
     seen: dict[tuple, dict[str, Any]] = {}
-    searched = 0
+    searched = fits = 0
     for limits in grid:
         if layer_offload:
             changes = _offload_changes(limits)
@@ -266,6 +271,7 @@ def propose(
         searched += 1
         if predicted["peak_mb"] > budget_mb:
             continue
+        fits += 1
         key = (predicted["peak_mb"], predicted["step_ms"])
         seen.setdefault(key, {"limits": limits, "memory": changes, "predicted": predicted})
     # The floor fits whenever anything does: a budget just above it still gets a trial.
@@ -304,7 +310,8 @@ def propose(
         "device": profile.name,
         "min_peak_mb": floor_mb,
         "searched": searched,
-        "feasible": len(feasible),
+        "feasible": fits,
+        "distinct": len(feasible),
         "trials": trials,
         "not_tuned": _not_tuned(layer_offload),
     }

@@ -48,7 +48,8 @@ def table(tune: dict[str, Any]) -> str:
     head = (
         f"tune of {tune.get('preset', '(preset)')} within {tune['budget_mb']:g} MB on "
         f"{tune['device']}: {tune['searched']} candidates simulated, {tune['feasible']} fit "
-        f"(smallest feasible peak {tune['min_peak_mb']:.2f} MB)"
+        f"({tune.get('distinct') or '?'} distinct predictions; smallest feasible peak "
+        f"{tune['min_peak_mb']:.2f} MB)"
     )
     lines = [
         head,

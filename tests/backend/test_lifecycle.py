@@ -233,6 +233,11 @@ def test_outputs_download_and_resume_from_a_checkpoint(server):
     last = outputs["checkpoints"][-1]["step"]
     stopped_at = stored_records(client, run_id)[-1]["seq"]
 
+    # A worker killed mid-write leaves half a line (issue 36): the resumed worker's first
+    # record must not be glued to it (that seq was lost from the file and the store).
+    with open(run_dir / "telemetry.jsonl", "a") as f:
+        f.write(f'{{"seq": {stopped_at + 1}, "time": 1.0, "sour')
+
     # Resumed with fewer steps left: the same run, queued, then running from its checkpoint.
     config = run_dir / "config.json"
     config.write_text(config.read_text().replace('"max_steps": 400', f'"max_steps": {last + 3}'))
@@ -242,7 +247,8 @@ def test_outputs_download_and_resume_from_a_checkpoint(server):
     assert done["status"] == "succeeded", done
     records = stored_records(client, run_id)
     seqs = [r["seq"] for r in records]
-    assert seqs == sorted(set(seqs)) and seqs[-1] > stopped_at  # one stream, no repeats
+    assert seqs == list(range(len(seqs))) and seqs[-1] > stopped_at  # one stream, no gap
+    assert records == file_records(server.data_dir, run_id)
     stages = [r for r in records if r["kind"] == "stage" and r["seq"] > stopped_at]
     assert any(r["stage"] == "train" and r["done"] == last for r in stages), stages[:3]
     trainer = [r for r in records if r["source"] == "trainer" and r["kind"] == "step"]

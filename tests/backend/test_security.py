@@ -7,6 +7,7 @@ access log."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import pytest
 from backend_helpers import REPO, assert_error_body, free_port
 from inprocess import ws_url
 from starlette.websockets import WebSocketDisconnect
+from websockets.sync.client import connect
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -138,13 +140,23 @@ def test_browser_borne_requests_from_other_sites_are_refused(api):
         assert closed.value.code == 4403
 
 
-def test_token_in_a_link_stays_out_of_the_access_log(guarded):
+def test_token_in_a_link_stays_out_of_every_log(guarded):
     assert httpx.get(guarded.url + "/", params={"token": TOKEN}).status_code == 303
     httpx.get(guarded.url + "/api/runs", params={"x": "1", "token": TOKEN})  # 401, also logged
+    # A percent-encoded name is the same parameter to the server: accepted, and redacted.
+    encoded = httpx.get(f"{guarded.url}/?%74oken={TOKEN}")
+    assert encoded.status_code == 303 and "workbench_token" in encoded.headers["set-cookie"]
+    # A websocket with the token in its query (refused: only the header or cookie count) is
+    # logged by uvicorn's error log, not the access log.
+    ws = f"ws://{guarded.host}:{guarded.port}/api/runs/1/stream?since=-1&token={TOKEN}"
+    with connect(ws) as conn:
+        assert json.loads(conn.recv(timeout=10))["error"]["code"] == "unauthorized"
     guarded.stop()  # flushes the log
     log = guarded.log.read_text()
     assert '"GET /?token=[redacted] HTTP/1.1" 303' in log  # the access log is on, and redacted
     assert "/api/runs?x=1&token=[redacted]" in log
+    assert '"WebSocket /api/runs/1/stream?since=-1&token=[redacted]"' in log
+    assert '"GET /?%74oken=[redacted] HTTP/1.1" 303' in log
     assert TOKEN not in log
 
 

@@ -8,8 +8,10 @@ import { FINISHED, api } from "../api.js";
 import { BASE_LAYOUT, PLOT_CONFIG, legendFit } from "../charts.js";
 import { fill, fmtMB, fmtMs, fmtTime, h, showError, statusBadge } from "../ui.js";
 
-// A GPU profile's predictions of a tiny model are fractions of a millisecond.
+// A GPU profile's predictions of a tiny model are fractions of a millisecond, and its peaks a
+// few MB that differ in the second decimal (1.03 MB is not the budget of 1 MB).
 const fmtStep = (ms) => (ms != null && ms < 1 ? `${ms.toPrecision(2)} ms` : fmtMs(ms));
+const fmtPeak = (mb) => (mb != null && Math.abs(mb) < 10 ? `${mb.toFixed(2)} MB` : fmtMB(mb));
 
 /** The scatter: measured trials (Pareto ones larger, joined by the front's line), predicted
  * ones as open diamonds joined to their measured point, and the budget. */
@@ -68,7 +70,7 @@ function listPage(root) {
       if (!data.length) return fill(body, h("p", { class: "muted" }, "No tunes yet."));
       fill(body, h("ul", {}, data.map((t) => h("li", {},
         h("a", { href: `#/tunes/${t.id}` }, `tune #${t.id}`),
-        ` ${t.preset} within ${fmtMB(t.budget_mb)} on ${t.device}, ${t.trials.length} trials`,
+        ` ${t.preset} within ${fmtPeak(t.budget_mb)} on ${t.device}, ${t.trials.length} trials`,
         t.active ? ` (${t.active} active)` : "", ` · ${fmtTime(t.created_at)}`))));
     } catch (err) {
       fill(body);
@@ -106,13 +108,13 @@ export function mount(root, { parts }) {
       ? h("p", { class: "muted", id: "tune-drift" }, `The preset's own limits, run first and last: ${fmtMs(own[0].measured.step_ms)} and ${fmtMs(own[1].measured.step_ms)} (the machine's drift while the trials ran).`)
       : null;
     fill(header,
-      h("div", { class: "toolbar" }, h("h1", {}, `Tune #${tune.id}: ${tune.preset} within ${fmtMB(tune.budget_mb)}`),
+      h("div", { class: "toolbar" }, h("h1", {}, `Tune #${tune.id}: ${tune.preset} within ${fmtPeak(tune.budget_mb)}`),
         h("div", { class: "spacer" }), cancel,
         ids.length > 1 ? h("a", { class: "button", id: "compare-trials", href: `#/compare?ids=${ids.join(",")}` }, "Compare trials") : null),
-      h("p", {}, `Planned on ${tune.device}: ${tune.searched} candidates simulated, ${tune.feasible} predicted to fit; the smallest feasible peak is ${fmtMB(tune.min_peak_mb)}. Each trial runs ${tune.trial_steps} steps after its trace step; measured step time is their mean.`),
-      tune.calibration_run_id ? h("p", { class: "muted" }, `Predictions calibrated by run #${tune.calibration_run_id}.`) : null,
+      h("p", {}, `Planned on ${tune.device}: ${tune.searched} candidates simulated, ${tune.feasible} predicted to fit${tune.distinct ? ` (${tune.distinct} distinct predictions)` : ""}; the smallest feasible peak is ${fmtPeak(tune.min_peak_mb)}. Each trial runs ${tune.trial_steps} steps after its trace step; measured step time is their mean.`),
+      tune.calibration_run_ids.length ? h("p", { class: "muted", id: "tune-calibration" }, `Predictions calibrated by ${tune.calibration_run_ids.length > 1 ? "the median of runs" : "run"} ${tune.calibration_run_ids.map((id) => `#${id}`).join(", ")}.`) : null,
       h("p", { id: "tune-best" }, best
-        ? `Fastest within the budget (measured): ${best.label}, run #${best.run_id}: ${fmtMs(best.measured.step_ms)} at ${fmtMB(best.measured.peak_mb)}.`
+        ? `Fastest within the budget (measured): ${best.label}, run #${best.run_id}: ${fmtMs(best.measured.step_ms)} at ${fmtPeak(best.measured.peak_mb)}.`
         : tune.active ? "Trials are running…" : "No trial succeeded within the budget."),
       drift,
       h("p", { class: "muted" }, `Not tuned: ${Object.entries(tune.not_tuned || {}).map(([k, why]) => `${k} (${why})`).join("; ")}.`));
@@ -142,9 +144,9 @@ export function mount(root, { parts }) {
         h("td", { "data-label": "run" }, t.run_id ? h("a", { href: `#/runs/${t.run_id}` }, `#${t.run_id}`) : "–"),
         h("td", { "data-label": "status" }, statusBadge(t.status)),
         h("td", { class: "limits" }, t.limits_text),
-        h("td", { class: "num", "data-label": "predicted peak" }, fmtMB(t.predicted.peak_mb)),
+        h("td", { class: "num", "data-label": "predicted peak" }, fmtPeak(t.predicted.peak_mb)),
         h("td", { class: "num", "data-label": "predicted step" }, fmtStep(t.predicted.step_ms)),
-        h("td", { class: "num", "data-label": "measured peak" }, t.measured ? fmtMB(t.measured.peak_mb) : "–"),
+        h("td", { class: "num", "data-label": "measured peak" }, t.measured ? fmtPeak(t.measured.peak_mb) : "–"),
         h("td", { class: "num", "data-label": "measured step" }, t.measured ? fmtMs(t.measured.step_ms) : "–"),
         h("td", { class: "num", "data-label": "block loads per step (predicted / measured)" },
           `${t.predicted.blocks_loaded ?? "–"} / ${t.measured?.blocks_loaded ?? "–"}`),

@@ -16,21 +16,37 @@ def test_envelope_and_increasing_seq():
     assert sink.of(source="trainer") == [b]
 
 
-def test_jsonl_resume_continues_seq_and_skips_torn_line(tmp_path):
+def test_jsonl_resume_cuts_a_torn_line_and_continues_seq(tmp_path):
     path = tmp_path / "telemetry.jsonl"
     tel = Telemetry(JsonlSink(path))
     for i in range(3):
         tel.emit("trainer", "step", loss=float(i))
     tel.close()
     with open(path, "a") as f:  # a crash mid-write leaves a torn last line
-        f.write('{"seq": 99, "sour')
+        f.write('{"seq": 3, "sour')
     resumed = Telemetry(JsonlSink(path))
     assert resumed.next_seq == 3
     rec = resumed.emit("trainer", "step", loss=float("nan"))
     resumed.close()
     assert rec["seq"] == 3
-    last = json.loads(path.read_text().splitlines()[-1].split("sour", 1)[-1].lstrip('"'))
-    assert last["seq"] == 3 and last["loss"] is None  # NaN is not JSON: written as null
+    # Every line is a whole record: the resumed one is not glued to the torn half.
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["seq"] for r in lines] == [0, 1, 2, 3]
+    assert lines[-1]["loss"] is None  # NaN is not JSON: written as null
+
+
+def test_jsonl_resume_finishes_a_whole_record_missing_its_newline(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    tel = Telemetry(JsonlSink(path))
+    tel.emit("trainer", "step", loss=1.0)
+    tel.close()
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # killed before the newline reached disk
+    resumed = Telemetry(JsonlSink(path))
+    assert resumed.next_seq == 1
+    resumed.emit("trainer", "step", loss=2.0)
+    resumed.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["seq"], r["loss"]) for r in lines] == [(0, 1.0), (1, 2.0)]
 
 
 def test_flush_makes_lines_visible_to_a_reader(tmp_path):

@@ -60,6 +60,22 @@ def test_budget_below_the_smallest_feasible_plan_names_the_field_and_minimum(cap
     assert "budget_mb: 1 MB is below the smallest feasible plan" in capsys.readouterr().err
 
 
+def test_feasible_counts_candidates_not_distinct_predictions():
+    _, data = load_preset("tiny-ci")
+    out = propose(data, profile("rtx4090"), 1000.0, max_trials=3)  # every candidate fits
+    assert out["feasible"] == out["searched"] == 270
+    # Many limits predict the same figures (a watermark above every peak changes nothing).
+    assert 1 < out["distinct"] < out["feasible"]
+
+
+@pytest.mark.parametrize("budget", ["1e308", "inf", str(2**30 + 1)])
+def test_a_budget_no_machine_has_is_refused_offline_as_on_the_server(budget, capsys):
+    assert tune_main(["tiny-ci", "--budget-mb", budget]) == 2
+    err = capsys.readouterr().err
+    assert "workbench tune: budget_mb: expected a number of MB > 0 and at most " in err
+    assert "1073741824 (1 PiB)" in err and "Traceback" not in err
+
+
 def _layer_offload_preset() -> dict:
     _, data = load_preset("tiny-ci")
     data["memory"] = {

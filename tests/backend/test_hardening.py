@@ -1,0 +1,168 @@
+"""What an attacker's requests found (issue 36): deep JSON, sizes no machine has, ids that are
+not plain integers. Every answer is a 4xx with the one error body naming the limit or the field;
+the app runs in-process (``inprocess.in_process``): no worker is started."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from backend_helpers import assert_error_body
+from inprocess import IdleExecutor, in_process
+
+from backend.security import MAX_JSON_DEPTH
+from runtime.config import MAX_MB
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    with in_process(tmp_path_factory.mktemp("hard") / "data") as c:
+        yield c
+
+
+def _body_routes(client) -> list[tuple[str, str]]:
+    """Every (method, path) of the OpenAPI document that takes a JSON body, ids filled with 1."""
+    spec = client.get("/openapi.json").json()
+    out = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            if "requestBody" in op:
+                url = path.replace("{run_id}", "1").replace("{tune_id}", "1")
+                out.append((method.upper(), url.replace("{name}", "tiny-ci")))
+    return out
+
+
+def _nested(depth: int) -> bytes:
+    """``{"preset": "tiny-ci", "overrides": {"a": {"a": ... 1 ...}}}``, ``depth`` levels in all."""
+    inner = '{"a": ' * (depth - 1) + "1" + "}" * (depth - 1)
+    return f'{{"preset": "tiny-ci", "overrides": {inner}}}'.encode()
+
+
+def test_deep_json_is_one_422_stating_the_limit_on_every_body_route(client):
+    routes = _body_routes(client)
+    assert len(routes) >= 8 and ("POST", "/api/runs") in routes
+    headers = {"content-type": "application/json"}
+    for depth in (MAX_JSON_DEPTH + 1, 500, 980, 5000):
+        for method, url in routes:
+            resp = client.request(method, url, content=_nested(depth), headers=headers)
+            err = assert_error_body(resp, 422)
+            assert err["code"] == "json_too_deep", (method, url, depth, err)
+            assert f"the limit is {MAX_JSON_DEPTH}" in err["message"]
+    # Nothing was created, and the limit itself is let through to the ordinary checks.
+    assert client.get("/api/runs").json()["count"] == 0
+    resp = client.post("/api/runs", content=_nested(MAX_JSON_DEPTH), headers=headers)
+    err = assert_error_body(resp, 422)
+    assert err["code"] == "validation_error" and err["field"].startswith("overrides.a")
+    # Brackets inside strings do not nest.
+    flat = json.dumps({"preset": "tiny-ci", "overrides": {"name": "[{" * 2000}}).encode()
+    resp = client.post("/api/runs", content=flat, headers=headers)
+    assert assert_error_body(resp, 422)["field"] == "overrides.name"
+
+
+ACT = "memory.stagehand.activation_stagehand"
+MB_FIELDS = (
+    "memory.stagehand.vram_high_watermark_mb",
+    "memory.stagehand.pinned_pool_mb",
+    "memory.stagehand.host_cache_mb",
+    "memory.stagehand.reader_min_block_mb",
+    f"{ACT}.vram_high_watermark_mb",
+    f"{ACT}.pinned_growth_budget_mb",
+    f"{ACT}.min_spill_bytes",
+    f"{ACT}.recompute_threshold_bytes",
+    "memory.stagehand.conductor_config.pinned_budget_mb",
+)
+
+
+@pytest.mark.parametrize("raw", ["1e308", "1" * 401, str(MAX_MB * 2**20 * 2)])
+def test_sizes_no_machine_has_are_refused_naming_the_field(client, raw):
+    for path in MB_FIELDS:
+        value = raw
+        for key in reversed(path.split(".")):
+            value = f'{{"{key}": {value}}}'
+        body = f'{{"preset": "tiny-ci", "overrides": {value}}}'.encode()
+        resp = client.post("/api/runs", content=body, headers={"content-type": "application/json"})
+        err = assert_error_body(resp, 422)
+        assert err["field"] == f"overrides.{path}", (path, err)
+        unit = "bytes" if path.endswith("_bytes") else "MB"
+        bound = MAX_MB * 2**20 if unit == "bytes" else MAX_MB
+        assert f"at most {bound} {unit}" in err["message"], err
+    assert client.get("/api/runs").json()["count"] == 0
+
+
+def test_live_limits_past_any_machine_are_refused_before_the_run_sees_them(client):
+    for raw in ("1e308", "1" * 401):
+        for field in ("activation_vram_high_watermark_mb", "vram_low_watermark_mb"):
+            resp = client.patch(
+                "/api/runs/1/limits",
+                content=f'{{"{field}": {raw}}}'.encode(),
+                headers={"content-type": "application/json"},
+            )
+            err = assert_error_body(resp, 422)
+            assert err["field"] == field and f"at most {MAX_MB} MB" in err["message"], err
+
+
+def test_the_schema_states_the_size_bounds(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    limits = schemas["LimitsUpdate"]["properties"]["vram_high_watermark_mb"]
+    assert {"maximum": MAX_MB} in [
+        {k: v for k, v in alt.items() if k == "maximum"} for alt in limits["anyOf"]
+    ]
+
+
+def test_trials_of_one_tune_run_one_after_another_without_slots_of_ours(api_factory):
+    """Ray's default (``--executor ray`` without ``--max-parallel``): no slots of ours."""
+    executor = IdleExecutor(slots=float("inf"))
+    client = api_factory(executor=executor)
+    body = {"preset": "tiny-ci", "budget_mb": 3, "device": "rtx4090", "max_trials": 3}
+    trials = [t["run_id"] for t in client.post("/api/tunes", json=body).json()["trials"]]
+    other = client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"]
+    assert len(trials) == 3
+    started = []
+    for run_id in trials:
+        _wait_status(client, run_id, "running")
+        time.sleep(0.5)  # five supervisor ticks: no other trial starts meanwhile
+        status = {r: client.get(f"/api/runs/{r}").json()["status"] for r in [*trials, other]}
+        assert [r for r in trials if status[r] == "running"] == [run_id], status
+        assert status[other] == "running"  # a run of no tune is not held back
+        started.append(run_id)
+        executor.end(run_id)
+    assert started == trials
+
+
+def _wait_status(client, run_id: int, status: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.get(f"/api/runs/{run_id}").json()["status"] != status:
+        assert time.monotonic() < deadline, (run_id, status)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("raw", ["1_0", "1.0", "%201", "+1", "%D9%A1", "01x"])
+def test_ids_are_plain_integers_on_every_route(client, raw):
+    """``1_0`` read as 10, ``1.0`` and `` 1`` as 1 by HTTP routes, refused by the websocket
+    and ``/api/compare``: now refused everywhere, naming the parameter."""
+    for url, field in (
+        (f"/api/runs/{raw}", "run_id"),
+        (f"/api/runs/{raw}/telemetry", "run_id"),
+        (f"/api/runs/{raw}/limits", "run_id"),
+        (f"/api/tunes/{raw}", "tune_id"),
+        (f"/api/runs/1/telemetry?since={raw}", "since"),
+    ):
+        err = assert_error_body(client.get(url), 422)
+        assert err["field"] == field and "ASCII digits" in err["message"], (url, err)
+
+
+def test_the_schema_states_names_and_ids_formats(client):
+    from backend.models import NAME_RE
+
+    doc = client.get("/openapi.json").json()
+    props = doc["components"]["schemas"]
+    for model in ("PresetCreate", "PresetDuplicate", "TunePreset"):
+        name = props[model]["properties"]["name"]
+        assert (name["pattern"], name["maxLength"]) == (NAME_RE.pattern, 64), model
+    run_name = props["RunCreate"]["properties"]["name"]["anyOf"][0]
+    assert run_name["maxLength"] == 100
+    params = {p["name"]: p for p in doc["paths"]["/api/compare"]["get"]["parameters"]}
+    assert params["ids"]["schema"]["pattern"].startswith("^ *[0-9]{1,19}")
+    preset = doc["paths"]["/api/presets/{name}"]["get"]["parameters"][0]["schema"]
+    assert preset["pattern"] == NAME_RE.pattern
