@@ -89,6 +89,18 @@ class Watermarks:
         return int(self.low_mb * MB)
 
 
+class SquareQConfig(_Strict):
+    """``memory.stagehand.squareq``: frozen block weights kept and streamed in 8 bits
+    (``runtime/squareq``; issue 35). Absent: off."""
+
+    format: Literal["int8", "fp8_e4m3"]
+    """``int8``: symmetric, one fp32 scale per output row (SquareQ's layout); ``fp8_e4m3``:
+    float8_e4m3fn with one fp32 scale per row (musubi-tuner's ``fp8_scaled``)."""
+    cache_dir: str | None = None
+    """Where the quantized copy of a checkpoint is cached; None: ``squareq/`` in the workbench
+    cache (``$STAGEHAND_WORKBENCH_CACHE``)."""
+
+
 class StagehandConfig(_Strict):
     """Weight streaming (block swap). Defaults are the seed's LTX-2 24 GB run."""
 
@@ -139,6 +151,8 @@ class StagehandConfig(_Strict):
     """A slab acquire that waits longer raises, naming what holds the slabs."""
     block_events: bool = True
     """Emit one telemetry record per block enter/exit/load/evict."""
+    squareq: SquareQConfig | None = None
+    """Frozen linear weights of the blocks in 8 bits (``SquareQConfig``); None: off."""
 
     @model_validator(mode="after")
     def _watermarks(self) -> StagehandConfig:
