@@ -79,3 +79,39 @@ def test_host_cache_and_copies_carry_the_images(tiny_flux, tmp_path):
     n = second["blocks_dequantized"]
     assert n * min(each) <= second["bytes_dequantized"] <= n * max(each)
     rt.close()
+
+
+def test_conductor_registers_the_squareq_adapter_and_its_staging(tiny_flux, tmp_path):
+    """The third adapter: its device staging (one image per copy in flight) is a VRAM
+    reservation owned by ``squareq``, and its snapshot is in the Conductor's records."""
+    from runtime.strategy import build_strategy
+    from tests.runtime.exact import train as train_exact
+
+    model = make_model("flux", tiny_flux)
+    sink = ListSink()
+    section = {
+        "strategy": "stagehand",
+        "stagehand": {
+            "pinned_pool_mb": 4,
+            "pinned_slab_mb": 1,
+            "prefetch_window_blocks": 1,
+            "vram_high_watermark_mb": 0,
+            "vram_low_watermark_mb": 0,
+            "squareq": {"format": "fp8_e4m3", "cache_dir": str(tmp_path / "sq")},
+            "conductor_config": {"enabled": True, "pinned_budget_mb": 4096},
+        },
+    }
+    built = build_strategy(
+        model, section, device="cpu", telemetry=Telemetry(sink), checkpoint_dir=tiny_flux
+    )
+    (adapter,) = [a for a in built.conductor.adapters if a.name == "squareq"]
+    staging = built.weights.transfer.max_inflight * built.weights.squareq.largest_image
+    assert staging > 0 and adapter.staging_bytes() == staging
+    assert built.conductor.budget.held_mb("vram", "squareq") == staging / 2**20
+    train_exact(model, built, steps=2)
+    snapshots = [
+        r["runtime_snapshots"]["squareq"] for r in sink.records if "runtime_snapshots" in r
+    ]
+    assert snapshots and snapshots[-1]["format"] == "fp8_e4m3"
+    assert snapshots[-1]["bytes_dequantized"] > 0 and snapshots[-1]["image_ratio"] <= 0.56
+    assert built.conductor.budget.held_mb("vram", "squareq") == 0  # released at close
