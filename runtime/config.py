@@ -262,6 +262,9 @@ class StagehandSection(StagehandConfig):
     """Stage 1 caches text embeddings (and latents), stage 2 trains: the seed's two-stage run."""
     text_encoder_block_swap: bool = True
     """Run the stage-1 text encoder under the weight runtime in inference mode."""
+    text_encoder_squareq: bool = False
+    """With ``squareq`` and ``text_encoder_block_swap``: stage 1's text encoders stream in 8 bits
+    too (``MemoryConfig.for_text_encoder``); off, they stream in their own dtype."""
     encoder_family: str | None = None
     family: str | None = None
     activation_stagehand: ActivationStagehandConfig | None = None
@@ -300,6 +303,14 @@ class MemoryConfig(_Strict):
         if self.strategy == "stagehand" and self.stagehand is None:
             self.stagehand = StagehandSection()
         return self
+
+    def for_text_encoder(self) -> MemoryConfig:
+        """The section stage 1's text encoders run under: without ``squareq`` unless
+        ``text_encoder_squareq`` is on (then the same section)."""
+        section = self.stagehand
+        if section is None or section.squareq is None or section.text_encoder_squareq:
+            return self
+        return self.model_copy(update={"stagehand": section.model_copy(update={"squareq": None})})
 
 
 class LiveLimits(_Strict):

@@ -181,6 +181,21 @@ class SquareQ:
         if self.enabled:
             telemetry.emit(*SQUAREQ_STEP, **self.step_record())
 
+    def _note(self, nbytes: int, ms: float) -> str:
+        """One line for the run page's weights fact."""
+        ratio = self.image_bytes / max(self.block_bytes, 1)
+        note = (
+            f"SquareQ {self.format}: blocks held and copied in 8 bits ({ratio:.2f}x of "
+            f"{self.block_bytes / MB:.1f} MB), {nbytes / MB:.1f} MB dequantized on the device "
+            f"in {ms:.1f} ms this step"
+        )
+        if "worst_layer" in self.info:
+            note += (
+                f"; worst layer {self.info['worst_layer']} at {100 * self.info['rel_rms_max']:.2f}% "
+                "relative RMS error"
+            )
+        return note
+
     def step_record(self) -> dict[str, Any]:
         """The ``squareq/step`` fields since the last record (a step's, and the prefetch of its
         first blocks issued at the previous step's end); the first one also carries the error
@@ -196,6 +211,7 @@ class SquareQ:
             "image_mb": self.image_bytes / MB,
             "block_mb": self.block_bytes / MB,
             "image_ratio": self.image_bytes / self.block_bytes if self.block_bytes else None,
+            "note": self._note(nbytes - b0, ms - m0),
         }
         if self._first:
             self._first = False
