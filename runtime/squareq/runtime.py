@@ -219,6 +219,16 @@ class SquareQ:
         return record
 
 
+def image_nbytes(block: Any) -> int:
+    """Bytes of ``block``'s 8-bit image (both formats store 1-byte codes and fp32 row scales)
+    from its layout alone, no data: what SquareQ would stage, cache and copy per load (the
+    planner's figure; equal to ``block.nbytes``'s share when nothing in it is quantizable)."""
+    image = BlockImage("int8")
+    for slot in block.layout:
+        image.add(slot, quantizable(block.module, slot))
+    return image.nbytes if image.dequantized_bytes else block.nbytes
+
+
 def dequantized_in_place(blocks: list[nn.Module], fmt: str) -> int:
     """Replace every quantizable weight of ``blocks`` (block modules, ``find_blocks``) by
     ``dequantize(quantize(w))``: the model a SquareQ run computes with, all resident (the
