@@ -72,6 +72,9 @@ class ImageSlot:
     quantized: bool
     key: str | None = None
     packed: torch.Tensor | None = None
+    fmt: str = "int8"
+    """Format of its codes: the run's, or ``fp8_e4m3`` for a weight stored so in the checkpoint
+    (``prequantized.py``)."""
 
     @property
     def name(self) -> str:
@@ -131,10 +134,12 @@ class BlockImage:
     timer: Any = None
     """``DequantTimer`` (``runtime.squareq.runtime``) that times each ``stage``."""
 
-    def add(self, target: Any, quantized: bool, key: str | None = None) -> ImageSlot:
+    def add(
+        self, target: Any, quantized: bool, key: str | None = None, fmt: str | None = None
+    ) -> ImageSlot:
         rows, cols = target.shape if quantized else (0, 0)
         nbytes = packed_bytes(rows, cols) if quantized else target.nbytes
-        slot = ImageSlot(target, self.nbytes, nbytes, quantized, key)
+        slot = ImageSlot(target, self.nbytes, nbytes, quantized, key, fmt=fmt or self.fmt)
         self.slots.append(slot)
         self.nbytes += _aligned(nbytes)
         if quantized:
@@ -150,7 +155,7 @@ class BlockImage:
             dst = flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
             src = image[slot.offset : slot.offset + slot.nbytes]
             if slot.quantized:
-                codes, scales = unpack(src, t.shape[0], t.shape[1], self.fmt)
+                codes, scales = unpack(src, t.shape[0], t.shape[1], slot.fmt)
                 dequantize_into(dst, codes, scales)
             else:
                 dst.copy_(src.view(t.dtype).view(t.shape))
@@ -183,7 +188,7 @@ class BlockImage:
             else:
                 data = t.host
             if slot.quantized:
-                codes, scales = unpack(data, t.shape[0], t.shape[1], self.fmt)
+                codes, scales = unpack(data, t.shape[0], t.shape[1], slot.fmt)
                 data = dequantize(codes, scales, t.dtype)
             t.param.data = data.to(device, copy=data is t.host)
 

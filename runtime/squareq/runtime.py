@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime.config import MB
 from runtime.records import SQUAREQ_STEP
-from runtime.squareq import store
+from runtime.squareq import prequantized, store
 from runtime.squareq.formats import LayerError, dequantize, error_table, quantize, relative_rms
 from runtime.squareq.image import BlockImage, pack
 
@@ -117,6 +117,14 @@ class SquareQ:
         ``source``: the runtime's ``SafetensorsCheckpoint`` (None: module-backed); ``config``:
         ``memory.stagehand.squareq`` (``SquareQConfig``) or None.
         """
+        keys = [
+            s.key
+            for b in blocks
+            for s in b.layout
+            if s.key is not None and s.dtype.is_floating_point
+        ]
+        for key in keys:  # 8-bit checkpoint tensors: readable as stored, or refused by name
+            prequantized.check(source, key, squareq_on=config is not None)
         if config is None:
             return cls(None), source
         self = cls(config.format)
@@ -126,9 +134,17 @@ class SquareQ:
             image = BlockImage(config.format, timer=self.timer)
             for slot in block.layout:
                 quantized = quantizable(block.module, slot)
-                image.add(slot, quantized, slot.key)
+                stored = prequantized.is_prequantized(source, slot.key)
+                if stored and not quantized:
+                    raise prequantized.PrequantizedCheckpointError(
+                        f"checkpoint tensor {slot.key!r} is float8_e4m3fn but parameter "
+                        f"{slot.qualname!r} is not a frozen linear weight SquareQ streams"
+                    )
+                image.add(slot, quantized, slot.key, "fp8_e4m3" if stored else None)
                 if slot.key is not None:
-                    entries.append(store.Entry(slot.key, slot.dtype, tuple(slot.shape), quantized))
+                    entries.append(
+                        store.Entry(slot.key, slot.dtype, tuple(slot.shape), quantized, stored)
+                    )
             if image.dequantized_bytes:
                 images.append((block, image))
         if not images:

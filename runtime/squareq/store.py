@@ -34,6 +34,7 @@ import torch
 from runtime.asset_status import cache_dir
 from runtime.squareq.formats import LayerError, dequantize, error_table, quantize, relative_rms
 from runtime.squareq.image import pack, packed_bytes
+from runtime.squareq.prequantized import load_packed_parts
 
 VERSION = 1
 """Bumped when the cache's layout changes (old folders are then never matched)."""
@@ -63,6 +64,8 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     quantized: bool
+    prequantized: bool = False
+    """Stored as float8_e4m3fn in the checkpoint: packed as stored (``prequantized.py``)."""
 
     @property
     def stored(self) -> tuple[str, tuple[int, ...], int]:
@@ -95,7 +98,7 @@ def cache_key(source: Any, fmt: str, entries: list[Entry]) -> str:
         "version": VERSION,
         "format": fmt,
         "source": source_identity(source.folder, paths),
-        "entries": [[e.key, str(e.dtype), e.quantized] for e in entries],
+        "entries": [[e.key, str(e.dtype), e.quantized, e.prequantized] for e in entries],
     }
     blob = json.dumps(spec, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -140,6 +143,7 @@ def ensure(
             "format": fmt,
             "quantize_s": time.perf_counter() - t0,
             "bytes": (tmp / FILE).stat().st_size,
+            "prequantized_layers": sum(e.prequantized for e in entries),
             **error_table(errors),
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))
@@ -177,8 +181,11 @@ def _write(
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for done, entry in enumerate(entries):
-            value = source.load(entry.key, entry.dtype)
-            if entry.quantized:
+            if entry.prequantized:  # the file's codes and scale as stored: no upcast
+                value = pack(*load_packed_parts(source, entry.key))
+            else:
+                value = source.load(entry.key, entry.dtype)
+            if entry.quantized and not entry.prequantized:
                 codes, scales = quantize(value, fmt)
                 restored = dequantize(codes, scales, entry.dtype)
                 errors.append(
