@@ -36,7 +36,7 @@ def folders(tmp_path_factory, tiny_flux, tiny_sd3, tiny_video):
     }
 
 
-def memory(fmt: str, file_backed: bool, cache_dir) -> dict:
+def memory(fmt: str, file_backed: bool, cache_dir, **extra) -> dict:
     """Tight watermarks: every block evicted after each use, so every use loads its image."""
     return {
         "strategy": "stagehand",
@@ -49,6 +49,7 @@ def memory(fmt: str, file_backed: bool, cache_dir) -> dict:
             "vram_low_watermark_mb": 0,
             "file_backed": file_backed,
             "squareq": {"format": fmt, "cache_dir": str(cache_dir)},
+            **extra,
         },
     }
 
@@ -61,12 +62,12 @@ def reference(arch, folder, fmt, dtype):
     return train(model)
 
 
-def check(folders, tmp_path, arch, fmt, file_backed, dtype=torch.float32):
+def check(folders, tmp_path, arch, fmt, file_backed, dtype=torch.float32, **extra):
     model = make_model(arch, folders[arch], "lora", "non-reentrant", dtype=dtype)
     plain = {n: p.detach().clone() for n, p in model.named_parameters()}
     built = build_strategy(
         model,
-        memory(fmt, file_backed, tmp_path / "sq"),
+        memory(fmt, file_backed, tmp_path / "sq", **extra),
         device="cpu",
         checkpoint_dir=folders[arch],
     )
@@ -78,6 +79,8 @@ def check(folders, tmp_path, arch, fmt, file_backed, dtype=torch.float32):
     work = built.counters()
     images = [b for b in weights.blocks if b.image is not None]
     assert images and work["blocks_loaded"] > 0
+    if "host_cache_mb" in extra and not file_backed:  # the 8-bit images were registered
+        assert weights.cache.registered_bytes == sum(b.staged_bytes for b in images)
     ratio = sum(b.staged_bytes for b in images) / sum(b.nbytes for b in images)
     assert ratio <= 0.56, ratio
     changed = [
@@ -92,9 +95,13 @@ def test_file_backed_squareq_trains_as_the_dequantized_model(folders, tmp_path, 
     check(folders, tmp_path, arch, fmt, file_backed=True)
 
 
+@pytest.mark.parametrize("cache_mb", [None, 64], ids=["masters", "registered-images"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_module_backed_squareq_trains_as_the_dequantized_model(folders, tmp_path, fmt):
-    check(folders, tmp_path, "flux", fmt, file_backed=False)
+def test_module_backed_squareq_trains_as_the_dequantized_model(folders, tmp_path, fmt, cache_mb):
+    """Module-backed: quantized in memory; with a host cache the 8-bit images are registered
+    (the host masters become views of them, as on CUDA where they are page-locked)."""
+    extra = {} if cache_mb is None else {"host_cache_mb": cache_mb}
+    check(folders, tmp_path, "flux", fmt, file_backed=False, **extra)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
