@@ -29,17 +29,25 @@ from runtime.squareq.formats import LayerError, dequantize, error_table, quantiz
 from runtime.squareq.image import BlockImage, pack
 
 
-def quantizable(block_module: nn.Module, slot: Any) -> bool:
-    """Whether layout slot ``slot`` of a block is a frozen 2-D floating ``nn.Linear`` weight."""
-    owner, _, leaf = slot.name.rpartition(".")
-    module = block_module.get_submodule(owner) if owner else block_module
+def linear_weight(
+    module: nn.Module, leaf: str, shape: Any, dtype: torch.dtype, frozen: bool
+) -> bool:
+    """SquareQ's rule: parameter ``leaf`` of ``module`` is quantized when it is the 2-D floating
+    ``weight`` of an ``nn.Linear`` (peft's ``base_layer`` of a LoRA target is one) and frozen."""
     return (
         leaf == "weight"
         and isinstance(module, nn.Linear)
-        and len(slot.shape) == 2
-        and slot.dtype.is_floating_point
-        and not slot.trainable
+        and len(shape) == 2
+        and dtype.is_floating_point
+        and frozen
     )
+
+
+def quantizable(block_module: nn.Module, slot: Any) -> bool:
+    """``linear_weight`` for layout slot ``slot`` of a block."""
+    owner, _, leaf = slot.name.rpartition(".")
+    module = block_module.get_submodule(owner) if owner else block_module
+    return linear_weight(module, leaf, slot.shape, slot.dtype, not slot.trainable)
 
 
 class DequantTimer:
@@ -256,12 +264,8 @@ def dequantized_in_place(blocks: list[nn.Module], fmt: str) -> int:
         for block in blocks:
             for module in block.modules():
                 weight = getattr(module, "weight", None)
-                if (
-                    isinstance(module, nn.Linear)
-                    and weight is not None
-                    and weight.dim() == 2
-                    and weight.is_floating_point()
-                    and not weight.requires_grad
+                if weight is not None and linear_weight(
+                    module, "weight", weight.shape, weight.dtype, not weight.requires_grad
                 ):
                     weight.data = dequantize(*quantize(weight, fmt), weight.dtype)
                     count += 1
