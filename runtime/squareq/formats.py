@@ -26,6 +26,8 @@ FORMATS: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_
 """Format name -> storage dtype of the codes."""
 QMAX: dict[str, float] = {"int8": 127.0, "fp8_e4m3": 448.0}
 """Largest code magnitude (``torch.finfo(torch.float8_e4m3fn).max`` is 448)."""
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+"""The fp32 value of each float8_e4m3fn bit pattern (exact; the two NaN codes are NaN)."""
 
 
 def storage_dtype(fmt: str) -> torch.dtype:
@@ -69,10 +71,18 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     in)``, the compute dtype) and return it. ``codes`` ``(out, in)`` int8 or float8_e4m3fn,
     ``scales`` ``(out,)`` fp32, all on one device (on CUDA: on the current stream).
 
-    The codes are first copied into ``out``: exact in bf16, fp16 and fp32 (int8 needs 7
-    significant bits, e4m3 3 and exponents 2^-9..2^8), so the product below is ``float(q) * s``
-    in fp32 rounded once, with no fp32 temporary the size of the weight (torch promotes no
-    float8 operand)."""
+    On a GPU the codes are first copied into ``out``: exact in bf16, fp16 and fp32 (int8 needs
+    7 significant bits, e4m3 3 and exponents 2^-9..2^8), so the product is ``float(q) * s`` in
+    fp32 rounded once, with no fp32 temporary the size of the weight (torch promotes no float8
+    operand). On the CPU, whose kernels convert bf16 and float8 element by element and cast
+    mixed operands through temporaries, the same product is formed in one fp32 buffer (float8
+    codes through a 256-entry table of their exact values): the same bits, ~1.5x faster."""
+    if codes.device.type == "cpu":
+        if codes.dtype == torch.float8_e4m3fn:
+            wide = torch.take(_FP8_VALUES, codes.view(torch.uint8).long())
+        else:
+            wide = codes.to(torch.float32)
+        return out.copy_(wide.mul_(scales[:, None]))
     out.copy_(codes)
     return torch.mul(out, scales[:, None], out=out)
 

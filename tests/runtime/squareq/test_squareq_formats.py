@@ -47,6 +47,11 @@ def test_deterministic_and_dequantized_in_one_rounding(fmt, dtype):
     got = dequantize(*a, dtype)
     assert got.dtype == dtype
     assert torch.equal(got, (a[0].float() * a[1][:, None]).to(dtype))
+    # The GPU's formula (codes copied into the output, then a mixed-dtype product) on the same
+    # operands: the same bits as the CPU's one fp32 buffer.
+    gpu_formula = torch.empty_like(got).copy_(a[0])
+    torch.mul(gpu_formula, a[1][:, None], out=gpu_formula)
+    assert torch.equal(got, gpu_formula)
     bound = 0.01 if fmt == "int8" else 0.04  # int8 ~0.4-0.7%, e4m3 ~2.5% on Gaussian rows
     assert 0 < relative_rms(w, got) < bound
 
