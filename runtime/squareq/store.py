@@ -192,7 +192,7 @@ def _write(
                     LayerError(entry.key, tuple(value.shape), relative_rms(value, restored))
                 )
                 value = pack(codes, scales)
-            f.write(value.contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             if progress is not None:
                 progress(done + 1, len(entries))
         f.flush()

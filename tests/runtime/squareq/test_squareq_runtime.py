@@ -7,6 +7,7 @@ import os
 
 import pytest
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from runtime.common import ListSink, Telemetry
 from runtime.config import MemoryConfig, StagehandConfig
@@ -44,6 +45,9 @@ def test_quantized_once_per_source_and_format_then_reused(tiny_flux, tmp_path):
     (folder,) = [p for p in cache.iterdir()]
     assert folder.name.startswith("squareq-int8-")  # no temporary folder left
     stamp = os.stat(folder / "blocks.safetensors").st_mtime_ns
+    # An ordinary safetensors file (written tensor by tensor, header first).
+    stored = load_file(folder / "blocks.safetensors")
+    assert len(stored) == len(first.source.entries) and info["bytes"] > 0
     first.close()
     _, second, _ = runtime(tiny_flux, cache)
     assert second.squareq.info["cached"] is True
