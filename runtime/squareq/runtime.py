@@ -116,7 +116,7 @@ class SquareQ:
     @classmethod
     def attach(
         cls, blocks: list[Any], source: Any, config: Any, progress: bool = True
-    ) -> tuple[SquareQ | None, Any]:
+    ) -> tuple[SquareQ, Any]:
         """``(squareq, source)``: each block with a quantizable weight given its ``image``, and
         the checkpoint the blocks now read (SquareQ's cache, opened as ``source``'s class; the
         old one closed). When ``config`` is None (off) or no block has a quantizable weight,
@@ -157,29 +157,14 @@ class SquareQ:
                 images.append((block, image))
         if not images:
             return cls(None), source
-        errors: list[LayerError] = []
         t0 = time.perf_counter()
         if entries:
             bar = store.progress_bar(config.format) if progress else None
             self.folder, self.info = store.ensure(
                 source, entries, config.format, store.cache_root(config.cache_dir), bar
             )
+        errors = _pack_hosts([image for _, image in images], config.format)
         for block, image in images:
-            for slot in image.slots:
-                if slot.quantized and slot.key is None:  # module-backed: quantized in memory
-                    target = slot.target
-                    codes, scales = quantize(target.host, config.format)
-                    restored = dequantize(codes, scales, target.dtype)
-                    errors.append(
-                        LayerError(
-                            target.qualname,
-                            tuple(target.shape),
-                            relative_rms(target.host, restored),
-                        )
-                    )
-                    slot.packed = pack(codes, scales)
-                    target.host = None  # the host keeps 8 bits only
-                    target.param.data = torch.empty(0, dtype=target.dtype)
             block.image = image
             self.image_bytes += image.nbytes
             self.block_bytes += block.nbytes
@@ -241,6 +226,28 @@ class SquareQ:
             self._first = False
             record.update({k: v for k, v in self.info.items() if k != "format"})
         return record
+
+
+def _pack_hosts(images: list[BlockImage], fmt: str) -> list[LayerError]:
+    """Quantize the module-backed weights of ``images`` in memory (their packed entries become
+    the host copies; the compute-dtype masters are released: the host keeps 8 bits only)."""
+    errors = []
+    for image in images:
+        for slot in image.slots:
+            if not slot.quantized or slot.key is not None:
+                continue
+            target = slot.target
+            codes, scales = quantize(target.host, fmt)
+            restored = dequantize(codes, scales, target.dtype)
+            errors.append(
+                LayerError(
+                    target.qualname, tuple(target.shape), relative_rms(target.host, restored)
+                )
+            )
+            slot.packed = pack(codes, scales)
+            target.host = None
+            target.param.data = torch.empty(0, dtype=target.dtype)
+    return errors
 
 
 def image_nbytes(block: Any) -> int:
