@@ -250,6 +250,9 @@ class RunSummary(BaseModel):
     ``file-backed``, ``module-backed``; None without streaming): the last ``stagehand/step``
     record's, with its ``weights_mode_reason`` (README "Which mode weight streaming runs in")."""
     weights_mode_reason: str | None = None
+    weights_squareq: str | None = None
+    """The last ``squareq/step`` record's ``note`` (format, bytes saved, dequantization, worst
+    layer's error) when the run kept frozen weights in 8 bits, else None."""
 
 
 class RunError(BaseModel):

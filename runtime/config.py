@@ -119,6 +119,18 @@ class Watermarks:
         return int(self.low_mb * MB)
 
 
+class SquareQConfig(_Strict):
+    """``memory.stagehand.squareq``: frozen block weights kept and streamed in 8 bits
+    (``runtime/squareq``; issue 35). Absent: off."""
+
+    format: Literal["int8", "fp8_e4m3"]
+    """``int8``: symmetric, one fp32 scale per output row (SquareQ's layout); ``fp8_e4m3``:
+    float8_e4m3fn with one fp32 scale per row (musubi-tuner's ``fp8_scaled``)."""
+    cache_dir: str | None = None
+    """Where the quantized copy of a checkpoint is cached; None: ``squareq/`` in the workbench
+    cache (``$STAGEHAND_WORKBENCH_CACHE``)."""
+
+
 class StagehandConfig(_Strict):
     """Weight streaming (block swap). Defaults are the seed's LTX-2 24 GB run."""
 
@@ -170,6 +182,8 @@ class StagehandConfig(_Strict):
     """A slab acquire that waits longer raises, naming what holds the slabs."""
     block_events: bool = True
     """Emit one telemetry record per block enter/exit/load/evict."""
+    squareq: SquareQConfig | None = None
+    """Frozen linear weights of the blocks in 8 bits (``SquareQConfig``); None: off."""
 
     @model_validator(mode="after")
     def _watermarks(self) -> StagehandConfig:
@@ -279,6 +293,9 @@ class StagehandSection(StagehandConfig):
     """Stage 1 caches text embeddings (and latents), stage 2 trains: the seed's two-stage run."""
     text_encoder_block_swap: bool = True
     """Run the stage-1 text encoder under the weight runtime in inference mode."""
+    text_encoder_squareq: bool = False
+    """With ``squareq`` and ``text_encoder_block_swap``: stage 1's text encoders stream in 8 bits
+    too (``MemoryConfig.for_text_encoder``); off, they stream in their own dtype."""
     encoder_family: str | None = None
     family: str | None = None
     activation_stagehand: ActivationStagehandConfig | None = None
@@ -317,6 +334,14 @@ class MemoryConfig(_Strict):
         if self.strategy == "stagehand" and self.stagehand is None:
             self.stagehand = StagehandSection()
         return self
+
+    def for_text_encoder(self) -> MemoryConfig:
+        """The section stage 1's text encoders run under: without ``squareq`` unless
+        ``text_encoder_squareq`` is on (then the same section)."""
+        section = self.stagehand
+        if section is None or section.squareq is None or section.text_encoder_squareq:
+            return self
+        return self.model_copy(update={"stagehand": section.model_copy(update={"squareq": None})})
 
 
 class LiveLimits(_Strict):

@@ -53,6 +53,8 @@ ORDER: list[tuple[str, tuple[str, ...]]] = [
     # Device, memory and telemetry helpers; the preset schema (on runtime.config); the model and
     # data factory (random models from small configs, the digits, the text encoder).
     ("common", ("runtime.common", "runtime.preset", "runtime.assets")),
+    # SquareQ's formats, block images and cache (torch only): the weight runtime stages them.
+    ("runtimes", ("runtime.squareq",)),
     # The runtimes beside each other.
     ("runtimes", ("runtime.weights", "runtime.activations", "runtime.conductor")),
     # Layer offload: a runtime built on the weight runtime's blocks and scheduler.

@@ -15,7 +15,7 @@ from typing import Any
 import sqlite_utils
 
 from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
-from runtime.records import RUN_FINISHED, RUN_STARTED
+from runtime.records import RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
 
 
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
@@ -351,6 +351,7 @@ class TelemetryTables:
         # The training stage's weight-streaming mode: the last one recorded (stage 1's text
         # encoders stream before it).
         weights = self.last_record(run_id, "stagehand", "step") or {}
+        squareq = self.last_record(run_id, *SQUAREQ_STEP) or {}
         return {
             "steps_done": finished.get("steps_done", steps),
             "max_steps": started.get("max_steps"),
@@ -362,4 +363,5 @@ class TelemetryTables:
             "stall_ms": stall,
             "weights_mode": weights.get("weights_mode"),
             "weights_mode_reason": weights.get("weights_mode_reason"),
+            "weights_squareq": squareq.get("note"),
         }

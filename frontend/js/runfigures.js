@@ -6,7 +6,7 @@ import { h } from "./ui.js";
 /** The header's figures, summed from records as `store.summary` sums them in the backend:
  * peak VRAM per stage (stage 1 from the trainer's "cache" stage record to its "train" one). */
 export function newFigures() {
-  return { loss: null, peak: null, encodePeak: null, stage1: false, trained: false, stepMsSum: 0, steps: 0, spill: null, weights: null };
+  return { loss: null, peak: null, encodePeak: null, stage1: false, trained: false, stepMsSum: 0, steps: 0, spill: null, weights: null, squareq: null };
 }
 
 /** Adds one `step` record (any source); true when a figure changed. */
@@ -31,6 +31,9 @@ export function addFigures(f, rec) {
     // The last stagehand step record's mode: the training stage's (stage 1 streams before it).
     f.weights = { weights_mode: rec.weights_mode, weights_mode_reason: rec.weights_mode_reason ?? null };
     changed = true;
+  } else if (rec.source === "squareq" && typeof rec.note === "string") {
+    f.squareq = rec.note;  // frozen weights in 8 bits (README "Frozen weights in 8 bits")
+    changed = true;
   }
   return changed;
 }
@@ -44,6 +47,7 @@ export function figuresOf(f) {
   if (f.steps) out.mean_step_time_ms = f.stepMsSum / f.steps;
   if (f.spill !== null) out.spill_bytes = f.spill;
   if (f.weights) Object.assign(out, f.weights);
+  if (f.squareq) out.weights_squareq = f.squareq;
   return out;
 }
 
@@ -54,5 +58,6 @@ export function weightsFact(s) {
   return h("div", { class: "fact", id: "fact-weights", title: s.weights_mode_reason || "" },
     h("span", { class: "fact-label" }, "weights"),
     h("span", { class: "fact-value" }, s.weights_mode),
-    s.weights_mode_reason ? h("span", { class: "fact-note muted" }, s.weights_mode_reason) : null);
+    s.weights_mode_reason ? h("span", { class: "fact-note muted" }, s.weights_mode_reason) : null,
+    s.weights_squareq ? h("span", { class: "fact-note fact-squareq muted" }, s.weights_squareq) : null);
 }

@@ -12,6 +12,10 @@ row                    memory section
 ``resident``           ``strategy: none``: every weight on the device (the baseline)
 ``stream_file``        the preset's weight streaming alone, file-backed (no spill, no Conductor)
 ``stream_module``      the same, module-backed (``file_backed: false``)
+``stream_file_int8``   ``stream_file`` with SquareQ (``squareq: {format: int8}``): frozen
+                       linear weights stored, cached and copied in 8 bits (``runtime/squareq``;
+                       its quantized copy is cached beside the weights, in ``DIR-squareq``)
+``stream_file_fp8``    the same in ``fp8_e4m3``
 ``preset``             the model's preset ``memory`` section as is (flux-dev-24gb: streaming
                        + activation spill + Conductor)
 ``layer_offload_0.9``  ``presets/flux-2048-layer-offload.json``'s section
@@ -51,7 +55,16 @@ from runtime.bench.realmodel import (
     section_scale,
 )
 
-ROWS = ("resident", "stream_file", "stream_module", "preset", "layer_offload_0.9")
+ROWS = (
+    "resident",
+    "stream_file",
+    "stream_file_int8",
+    "stream_file_fp8",
+    "stream_module",
+    "preset",
+    "layer_offload_0.9",
+)
+SQUAREQ_ROWS = {"stream_file_int8": "int8", "stream_file_fp8": "fp8_e4m3"}
 LAYER_OFFLOAD_PRESET = "flux-2048-layer-offload"
 _STREAM_ONLY_DROP = ("activation_stagehand", "conductor_config", "text_encoder_block_swap")
 GB = 1e9
@@ -71,6 +84,9 @@ def row_memory(name: str, model: str, size: str) -> dict[str, Any]:
         return {"strategy": "none", **checkpointed}
     if name in ("stream_file", "stream_module"):
         section = {**stream, "file_backed": name == "stream_file"}
+        return {"strategy": "stagehand", **checkpointed, "stagehand": section}
+    if name in SQUAREQ_ROWS:
+        section = {**stream, "file_backed": True, "squareq": {"format": SQUAREQ_ROWS[name]}}
         return {"strategy": "stagehand", **checkpointed, "stagehand": section}
     if name == "preset":
         return preset
@@ -164,6 +180,8 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     spec, size, device = real_model(job["model"]), job["size"], torch.device(job["device"])
     attention = apply_attention_backend("auto", device)  # NOTE [ cuDNN SDPA guard ]
     memory = row_memory(job["row"], job["model"], size)
+    if job["row"] in SQUAREQ_ROWS:  # the quantized copy beside the weights, built once
+        memory["stagehand"]["squareq"]["cache_dir"] = str(job["folder"]).rstrip("/") + "-squareq"
     t0 = time.perf_counter()
     model = load_lora_model(spec, job["folder"])
     strategy = build_strategy(
@@ -176,6 +194,9 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     )
     figures = train_steps(strategy, model, inputs, warmup=job["warmup"], steps=job["steps"])
     counters = strategy.counters()  # the last step's
+    weights = getattr(strategy, "weights", None)
+    blocks = weights.blocks if weights is not None else []
+    squareq = weights.squareq.info if weights is not None else {}
     strategy.close()
     return {
         "status": "ok",
@@ -189,6 +210,9 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
         "vram_peak_reserved_bytes": max(figures.vram_reserved_peak_bytes),
         "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "h2d_bytes_per_step": counters["h2d_bytes"] + counters["spill_bytes"],
+        # What a host cache holds of the blocks (8-bit images with SquareQ), the cache on or not.
+        "host_image_bytes": sum(b.staged_bytes for b in blocks if not b.trainable),
+        "squareq": {k: v for k, v in squareq.items() if k != "worst_layers"},
         "counters": counters,
         "attention": attention.as_record(),
     }

@@ -42,6 +42,11 @@ def _notes(row: dict[str, Any]) -> str:
         f"denials {c['denials']}",
         f"pageable {c['pageable_copies']}",
     ]
+    if row.get("host_image_bytes"):
+        notes.append(f"host images {row['host_image_bytes'] / GB:.3f} GB")
+    if row.get("squareq"):
+        q = row["squareq"]
+        notes.append(f"rel RMS max {q['rel_rms_max']:.4f} ({q['worst_layer']})")
     if row["name"].startswith("layer_offload"):
         notes.append(LAYER_OFFLOAD_RSS_NOTE)
     return ", ".join(notes)

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from runtime.squareq.runtime import image_nbytes
 from runtime.weights.convert import _resident_trainable, shared_parameters
 from runtime.weights.registry import Block, build_layout, find_blocks
 
@@ -47,6 +48,9 @@ class BlockInfo:
     frozen: bool = True
     """No trainable parameter in its layout: the weight runtime's host cache may keep an image
     of it (``runtime/weights/host_cache.py``)."""
+    image_bytes: int = 0
+    """Its 8-bit image with SquareQ (``memory.stagehand.squareq``): what is then staged, cached
+    and copied per load instead of ``nbytes`` (``runtime.squareq.runtime.image_nbytes``)."""
     input_bytes: int = 0
     """Bytes of the block's tensor inputs: what a checkpointed block keeps from its forward."""
     forward_ops: int = 0
@@ -343,6 +347,7 @@ def inventory(
             params=0,
             forward_flops=0,
             frozen=not any(slot.trainable for slot in b.layout),
+            image_bytes=image_nbytes(b),
         )
         for b in layouts
     ]

@@ -132,8 +132,9 @@ def host_cache_bytes(inv: Inventory, memory: dict[str, Any], profile: DeviceProf
     with ``host_cache_mb`` set. File-backed blocks are cached up to ``host_cache_mb``; left
     out, on a GPU up to the RAM available above a margin, which a plan does not know: every
     frozen block is counted (the most it holds), and none on a CPU device (off there)."""
-    frozen = sum(b.nbytes for b in inv.blocks if b.frozen)
     sh = memory.get("stagehand") or {}
+    squareq = memory.get("strategy") == "stagehand" and sh.get("squareq")  # 8-bit images
+    frozen = sum(b.image_bytes if squareq else b.nbytes for b in inv.blocks if b.frozen)
     mb = sh.get("host_cache_mb")
     on = not profile.tracked if mb is None else mb > 0
     file_backed = memory.get("strategy") == "stagehand" and sh.get("file_backed", True)

@@ -63,6 +63,9 @@ class _Block:
     prefetched: bool = False
     resident: bool = False
 
+    staged: int = 0
+    """Bytes staged, cached and copied per load: the 8-bit image with SquareQ, else ``nbytes``."""
+
     @property
     def nbytes(self) -> int:
         return self.info.nbytes
@@ -131,7 +134,11 @@ class Simulation:
         act = sh.activation_stagehand if sh is not None else None
         # Layer offload always builds the activation runtime (a training step).
         self.act = act if act is not None and (act.enabled or self.layer_offload) else None
-        self.blocks = [_Block(i, b) for i, b in enumerate(inv.blocks)]
+        squareq = memory.strategy == "stagehand" and self.streaming and sh.squareq is not None
+        self.blocks = [
+            _Block(i, b, staged=b.image_bytes if squareq else b.nbytes)
+            for i, b in enumerate(inv.blocks)
+        ]
         if self.layer_offload:
             n = len(self.blocks)
             for block in self.blocks[: resident_count(memory.layer_offload_fraction, n)]:
@@ -176,22 +183,22 @@ class Simulation:
 
     def _copy_ms(self, block: _Block) -> float:
         p = self.profile
-        ms = block.nbytes / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
+        ms = block.staged / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
         if self.file_backed and p.disk_gbps:
-            ms += block.nbytes / (p.disk_gbps * 1e9) * 1e3
+            ms += block.staged / (p.disk_gbps * 1e9) * 1e3
         return ms
 
     def _load(self, block: _Block, speculative: bool) -> bool:
         self.copies = [c for c in self.copies if c[0] > self.now]
         if speculative and len(self.copies) >= self.max_inflight:
             return False
-        slab = block.nbytes <= self.slab_bytes
+        slab = block.staged <= self.slab_bytes
         if speculative and slab and sum(1 for c in self.copies if c[1]) >= self.slabs:
             return False
         ms = self._copy_ms(block)
         r = self.result
         r.h2d_ms += ms
-        r.h2d_bytes += block.nbytes
+        r.h2d_bytes += block.staged
         r.blocks_loaded += 1
         if self.profile.synchronous_copies:
             # A CPU "device": the copy runs on the host, in line with compute.

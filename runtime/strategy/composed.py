@@ -42,6 +42,7 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry
 from runtime.conductor import ConductorRuntime
 from runtime.config import MB, LiveLimits, StagehandSection
+from runtime.squareq.adapter import SquareQConductorAdapter
 from runtime.strategy.base import MemoryStrategy
 from runtime.strategy.parts import ActivationsPart, ConductorPart, MemoryPart, WeightsPart
 
@@ -137,6 +138,10 @@ class StagehandStrategy(MemoryStrategy):
                     self.conductor.register_adapter(adapter)
                 if part.pinned_owner is not None:
                     self._reserve_pinned(part.pinned_owner, part.pool_bytes())
+            if self.weights is not None and self.weights.squareq.enabled:  # the third adapter
+                self.conductor.register_adapter(
+                    SquareQConductorAdapter(self.weights.squareq, self.weights)
+                )
         self._packing = [p for p in runtime_parts if p.packer is not None]
 
     def _reserve_pinned(self, owner: str, nbytes: int) -> None:

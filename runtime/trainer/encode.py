@@ -90,7 +90,7 @@ def encode_texts(
     if memory.strategy != "none" and swap:
         # The seed block-swaps Gemma 3 through the weight runtime in inference mode.
         strategy = build_strategy(
-            encoder, memory, device=device, telemetry=telemetry, mode="inference"
+            encoder, memory.for_text_encoder(), device=device, telemetry=telemetry, mode="inference"
         )
     else:
         encoder.to(device)

@@ -183,9 +183,9 @@ def check_sizes(blocks: list[Block], pool: PinnedPool, device: torch.device) -> 
     """
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for block in blocks:
-        if block.nbytes > pool.pool_bytes:
+        if block.staged_bytes > pool.pool_bytes:
             raise BlockTooLargeError(
-                f"block {block.name!r} needs {block.nbytes / MB:.2f} MB, more than the whole pinned "
+                f"block {block.name!r} needs {block.staged_bytes / MB:.2f} MB, more than the whole pinned "
                 f"pool ({pool.pool_bytes / MB:.2f} MB, pinned_pool_mb); raise pinned_pool_mb"
             )
         if total is not None and block.nbytes > total:
@@ -249,6 +249,9 @@ def restore_blocks(
     # staged by the driver before the call returns).
     non_blocking = device.type == "cuda"
     for block in blocks:
+        if block.image is not None:  # SquareQ: the dequantized weights a load binds
+            block.image.restore(source, device)
+            continue
         for slot in block.layout:
             data = slot.host if slot.key is None else source.load(slot.key, slot.dtype)
             slot.param.data = data.to(device, copy=slot.key is None, non_blocking=non_blocking)

@@ -201,18 +201,18 @@ class HostCache:
             return None
         if block.index in self.refused:
             return None
-        if self.cached_bytes + block.nbytes > self.budget:
+        if self.cached_bytes + block.staged_bytes > self.budget:
             self.refused.add(block.index)
             return None
         available, total = host_ram()  # read only for an image the budget allows
-        if available - block.nbytes < ram_margin(total):
+        if available - block.staged_bytes < ram_margin(total):
             self.refused.add(block.index)
             return None
-        buffer = self._buffer(block.nbytes)
+        buffer = self._buffer(block.staged_bytes)
         if buffer is None:
             return None
         self.images[block.index] = Image(buffer)
-        self.cached_bytes += block.nbytes
+        self.cached_bytes += block.staged_bytes
         return buffer
 
     def filled(self, block: Block) -> None:
@@ -226,17 +226,19 @@ class HostCache:
         cannot be page-locked."""
         if not self.registers or self.refusal is not None or not cacheable(block):
             return False
-        if any(slot.host is None for slot in block.layout):
+        layout = block.staged_layout
+        if any(slot.host is None for slot in layout):
             return False
-        buffer = self._buffer(block.nbytes)
+        buffer = self._buffer(block.staged_bytes)
         if buffer is None:
             return False
-        for slot, view in zip(block.layout, slot_views(buffer, block.layout), strict=True):
+        for slot, view in zip(layout, slot_views(buffer, layout), strict=True):
             view.copy_(slot.host)
             slot.host = view
-            slot.param.data = view
+            if slot.param is not None:  # None: a SquareQ code entry (its parameter is empty)
+                slot.param.data = view
         self.images[block.index] = Image(buffer, ready=True, registered=True)
-        self.registered_bytes += block.nbytes
+        self.registered_bytes += block.staged_bytes
         return True
 
     def record(self, mode: str, reason: str) -> dict[str, object]:
@@ -283,7 +285,7 @@ def weights_mode(
         if host_cache_mb == 0:
             how = "no block image (host_cache_mb: 0): loads stage through the slabs"
         return "module-backed", f"no block weight is read from a checkpoint file; {how}"
-    frozen = sum(b.nbytes for b in files if cacheable(b))
+    frozen = sum(b.staged_bytes for b in files if cacheable(b))
     if cache.budget <= 0:
         why = "host_cache_mb: 0" if host_cache_mb == 0 else "host_cache_mb not set"
         if host_cache_mb is None:

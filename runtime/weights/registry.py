@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -138,6 +139,19 @@ class Block:
     resident: bool = False
     """Kept on the device from ``make_resident`` until close: never evicted after a use or by
     the watermarks (layer offload's resident set, ``runtime/layer_offload``)."""
+    image: Any | None = None
+    """SquareQ's 8-bit image of the block (``runtime.squareq.BlockImage``): what is staged,
+    cached and copied, dequantized into ``flat`` on the device. None: ``flat``'s bytes are."""
+
+    @property
+    def staged_layout(self) -> list[Any]:
+        """The entries staged and copied: the image's, else the layout."""
+        return self.image.slots if self.image is not None else self.layout
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes staged on the host and copied H2D per load (the image's, else ``nbytes``)."""
+        return self.image.nbytes if self.image is not None else self.nbytes
 
     def to(self, new: BlockState) -> None:
         """Move to ``new``; raises ``BlockStateError`` naming both states when illegal."""

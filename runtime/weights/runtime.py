@@ -43,6 +43,7 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.records import WEIGHTS_STEP
+from runtime.squareq import SquareQ
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.defaults import block_bytes, resolve
@@ -58,8 +59,7 @@ from runtime.weights.steps import StepBoundaries
 from runtime.weights.transfer import TransferEngine
 
 TELEMETRY_FILE = "stagehand_telemetry.jsonl"
-"""Where a runtime built without a ``Telemetry`` writes (working directory; pass ``Telemetry()``
-to write nowhere)."""
+"""Where a runtime built without a ``Telemetry`` writes (working directory; ``Telemetry()``: nowhere)."""
 
 
 class StagehandRuntime:
@@ -116,8 +116,9 @@ class StagehandRuntime:
             mode == "inference",
             config.resident_trainable_max_fraction,
         )
-        check_sizes(self.blocks, self.pool, self.device)
         self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
+        self.squareq, self.source = SquareQ.attach(self.blocks, self.source, config.squareq)
+        check_sizes(self.blocks, self.pool, self.device)
         self.memory.track(self.resident_bytes, "weights")
         self.cache = HostCache.for_run(
             config.host_cache_mb, cuda, self.device, self.pool.locked_bytes
@@ -230,6 +231,7 @@ class StagehandRuntime:
             "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
         self.telemetry.emit(*WEIGHTS_STEP, **self._last)
+        self.squareq.emit(self.telemetry)  # SquareQ's ``squareq/step``, when it is on
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
         # The user's code runs next and may write weights (TransferEngine.expose).
         self.transfer.expose(self.blocks, partial(self._ready, grads=False))
@@ -268,8 +270,7 @@ class StagehandRuntime:
 
     @contextlib.contextmanager
     def managed_backward(self) -> Iterator[None]:
-        """Backward; on exit, blocks whose end boundary did not fire are finished and gradient
-        copies to the host are waited on (they may be read next)."""
+        """Backward; on exit, unfinished blocks are finished and D2H gradient copies waited on."""
         yield
         self.boundaries.finish()
         self.transfer.synchronize_d2h()

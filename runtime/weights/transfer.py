@@ -210,11 +210,11 @@ class TransferEngine:
             # A block image: the copy reads it directly, no slab (host_cache.py).
             staging: Slab | torch.Tensor = image if image is not None else fill
             host = staging
-        elif block.nbytes > self.pool.slab_bytes:
+        elif block.staged_bytes > self.pool.slab_bytes:
             # Direct path (seed): one contiguous host staging buffer, one copy; pinned like the
             # pool (PyTorch's host cache reuses it from the second load on), else the
             # "asynchronous" copy would run synchronously.
-            staging = host_buffer(block.nbytes, pin=self.pool.pin)
+            staging = host_buffer(block.staged_bytes, pin=self.pool.pin)
             host = staging
         else:
             slab = (
@@ -224,7 +224,7 @@ class TransferEngine:
             )
             if slab is None:
                 return False
-            staging, host = slab, slab.buffer[: block.nbytes]
+            staging, host = slab, slab.buffer[: block.staged_bytes]
         # This block's host masters may still be arriving (its copy back): a copy from its image
         # waits for it on the device, a staging read on the host.
         d2h, block.d2h_event = block.d2h_event, None
@@ -235,7 +235,7 @@ class TransferEngine:
         flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         parts = block.read_parts
         if image is not None:
-            event: TransferEvent | StagedCopy = self._copy(host, flat, None, d2h)
+            event: TransferEvent | StagedCopy = self._copy(block, host, flat, None, d2h)
         elif self.readers is None or not (
             len(parts) > 1 or speculative and block.nbytes >= self.reader_min_bytes
         ):
@@ -255,7 +255,7 @@ class TransferEngine:
         block.flat, block.load_event = flat, event
         block.to(BlockState.PREFETCHING)
         self.memory.track(block.nbytes, "weights")
-        self.h2d_bytes += block.nbytes
+        self.h2d_bytes += block.staged_bytes
         self.inflight.append(InFlight(block, event, staging, grant))
         self.retire()
         return True
@@ -267,7 +267,7 @@ class TransferEngine:
         source = self.source
         direct = [
             s
-            for s in block.layout
+            for s in block.staged_layout
             if source is not None and s.key is not None and not _converts(source, s)
         ]
         block.read_plan = source.plan([(s.key, s.offset) for s in direct]) if direct else []
@@ -276,7 +276,7 @@ class TransferEngine:
         if block.read_parts == [[]]:
             block.read_parts = []
         chosen = {id(s) for s in direct}
-        block.staged = [s for s in block.layout if id(s) not in chosen]
+        block.staged = [s for s in block.staged_layout if id(s) not in chosen]
 
     def _finish(
         self,
@@ -299,10 +299,11 @@ class TransferEngine:
             self.source.count_reads(sum(len(run[3]) for run in block.read_plan), 0)
         if fills_image:
             self.cache.filled(block)
-        return self._copy(host, flat, after)
+        return self._copy(block, host, flat, after)
 
     def _copy(
         self,
+        block: Block,
         host: torch.Tensor,
         flat: torch.Tensor,
         after: TransferEvent | None,
@@ -311,7 +312,10 @@ class TransferEngine:
         with self.stream.use(after=after):
             if d2h is not None:  # ``host`` is being written by a copy back
                 d2h.wait(self.stream.stream)
-            self.stream.copy_(flat, host)
+            if block.image is None:
+                self.stream.copy_(flat, host)
+            else:  # SquareQ: the 8-bit image copied, dequantized into ``flat`` on this stream
+                block.image.stage(self.stream, host, flat)
             return self.stream.record()
 
     def close(self) -> None:

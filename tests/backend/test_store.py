@@ -178,9 +178,12 @@ def test_summary_peak_vram_per_stage(tmp_path):
         "host-cache",
         "within the cache",
     )
+    assert summary["weights_squareq"] is None  # full precision
+    store.ingest(run_id, [row(5, "squareq", "step", step=1, note="SquareQ int8: 0.52x")], 25)
+    assert store.summary(run_id)["weights_squareq"] == "SquareQ int8: 0.52x"
     # A sampling step's records (same step number) stay out of the series Compare draws.
     store.ingest(
-        run_id, [row(5, "stagehand", "step", step=0, vram_peak_mb=99.0, sampling=True)], 30
+        run_id, [row(6, "stagehand", "step", step=0, vram_peak_mb=99.0, sampling=True)], 30
     )
     assert [v for _, v in store.series(run_id, "vram_peak_mb", "stagehand")] == [52.8, 36.0]
     store.close()

@@ -30,6 +30,8 @@ const FIELDS = [
   { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", paths: [`${SH}.vram_low_watermark_mb`], type: "float" },
   { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", paths: [`${SH}.prefetch_window_blocks`], type: "int" },
   { id: "max_inflight_transfers", label: "In-flight block H2D copies", paths: [`${SH}.max_inflight_transfers`], type: "int" },
+  // SquareQ (README "Frozen weights in 8 bits"): blank removes the whole `squareq` section.
+  { id: "squareq_format", label: "8-bit frozen weights (~0.5x bytes)", paths: [`${SH}.squareq.format`], type: "select", options: ["", "int8", "fp8_e4m3"], section: `${SH}.squareq` },
   { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool" },
   { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", paths: [`${AS}.vram_high_watermark_mb`], type: "float" },
   { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", paths: [`${AS}.vram_low_watermark_mb`], type: "float" },
@@ -108,7 +110,7 @@ export function mount(root, { params }) {
   const inputs = new Map();
   for (const field of FIELDS) {
     let input;
-    if (field.type === "select") input = h("select", {}, field.options.map((o) => h("option", { value: o }, o)));
+    if (field.type === "select") input = h("select", {}, field.options.map((o) => h("option", { value: o }, o || "off")));
     else if (field.type === "bool") input = h("input", { type: "checkbox" });
     else input = h("input", { type: "text", placeholder: "default", inputmode: field.type === "text" || field.type === "list" ? "text" : "decimal" });
     input.id = `field-${field.id}`;
@@ -196,7 +198,7 @@ export function mount(root, { params }) {
     const { input, err } = inputs.get(field.id);
     try {
       const value = parseField(field, input);
-      if (value === undefined) deletePath(config, bound.get(field.id));
+      if (value === undefined) deletePath(config, field.section || bound.get(field.id));
       else setPath(config, bound.get(field.id), value);
       err.textContent = "";
       input.classList.remove("invalid");

@@ -102,7 +102,7 @@ def _one_encoder(
     if memory.strategy != "none" and swap:
         strategy = build_strategy(
             encoder,
-            memory,
+            memory.for_text_encoder(),  # SquareQ only with text_encoder_squareq
             device=device,
             telemetry=telemetry,
             checkpoint_dir=family.root / name,

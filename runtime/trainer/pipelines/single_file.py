@@ -22,6 +22,28 @@ SHARD_BYTES = 2 * 1024**3
 """Shard size of the converted copy (the Hub's usual 2-10 GB shards; any size streams)."""
 
 
+def refuse_scaled_fp8(single: Path) -> None:
+    """Refuse a file of scaled 8-bit weights (ComfyUI's fp8 files: ``<layer>.scale_weight``):
+    diffusers' single-file conversion reads the codes without their scale, so the weights would
+    be silently wrong. Such weights stream as stored from a diffusers-layout folder with
+    ``memory.stagehand.squareq`` (``runtime/squareq/prequantized.py``).
+
+    Raises:
+        PipelineFolderError: names the first scaled weight, its dtype and its scale key.
+    """
+    header = safetensors_header(single)
+    for key in sorted(header):
+        owner, _, leaf = key.rpartition(".")
+        if leaf in ("scale_weight", "weight_scale") and f"{owner}.weight" in header:
+            weight = header[f"{owner}.weight"]
+            raise PipelineFolderError(
+                f"model.transformer_path: {single} stores scaled 8-bit weights ({owner}.weight is "
+                f"{weight['dtype']} {weight['shape']} with {key!r}), which the single-file "
+                "conversion would read without their scale; use a diffusers-layout transformer "
+                "folder of it (model.path) with memory.stagehand.squareq"
+            )
+
+
 def convert_single_file(info: PipelineInfo, cache_dir: Path, dtype: torch.dtype) -> Path:
     """The converted transformer folder for ``info.transformer_path`` (built once per file).
 
@@ -32,6 +54,7 @@ def convert_single_file(info: PipelineInfo, cache_dir: Path, dtype: torch.dtype)
     import diffusers
 
     single = Path(info.transformer_path).expanduser()
+    refuse_scaled_fp8(single)
     stat = single.stat()
     key = cache_key(kind="single-file", file=str(single), size=stat.st_size, mtime=stat.st_mtime_ns)
     out = cache_dir / f"transformer-{key}"

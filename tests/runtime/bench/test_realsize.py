@@ -64,12 +64,22 @@ def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
     assert list(rows) == list(ROWS) and all(r["status"] == "ok" for r in rows.values())
     resident = rows["resident"]
     assert resident["counters"]["blocks_loaded"] == 0 and resident["x_resident"] == 1.0
-    for name in ("stream_file", "stream_module", "preset"):
+    for name in ("stream_file", "stream_file_int8", "stream_file_fp8", "stream_module", "preset"):
         c = rows[name]["counters"]
         # 57 blocks: forward, checkpoint recomputation and backward, all prefetched.
         assert c["blocks_loaded"] == 110 and c["prefetch_misses"] == 0
         assert rows[name]["h2d_bytes_per_step"] > 0
     assert rows["stream_file"]["counters"]["file_reads"] == 2188  # as on the H100
+    # SquareQ: the same loads, in 8 bits (<= 0.56x at tiny widths: a 64-wide row's fp32 scale
+    # weighs more than at real size), and a loss within 5% of the bf16 row's.
+    plain = rows["stream_file"]
+    for name in ("stream_file_int8", "stream_file_fp8"):
+        row = rows[name]
+        assert row["counters"]["file_reads"] == 2188
+        assert row["h2d_bytes_per_step"] <= 0.56 * plain["h2d_bytes_per_step"]
+        assert row["host_image_bytes"] <= 0.56 * plain["host_image_bytes"]
+        assert abs(row["loss"] - plain["loss"]) <= 0.05 * abs(plain["loss"])
+        assert row["squareq"]["quantized_layers"] > 0 and row["squareq"]["worst_layer"]
     assert rows["stream_module"]["counters"]["file_reads"] == 0
     assert rows["preset"]["counters"]["denials"] == 0  # the section has room
     assert rows["preset"]["counters"]["grants"] >= 110  # the Conductor answered every prefetch

@@ -153,6 +153,19 @@ def test_single_file_transformer_loads_and_bad_keys_are_listed(flux_pipeline_dir
         "bar.bias": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
         "foo.weight": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
     }
+    # A ComfyUI scaled fp8 file: diffusers' conversion would drop the scales (wrong weights).
+    scaled = tmp_path / "flux-fp8-scaled.safetensors"
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    key = "transformer_blocks.0.attn.to_q.weight"
+    weights[key] = weights[key].to(torch.float8_e4m3fn)
+    weights["transformer_blocks.0.attn.to_q.scale_weight"] = torch.ones(1)
+    save_file(weights, str(scaled))
+    info = inspect_pipeline(flux_pipeline_dir, transformer_path=str(scaled))
+    with pytest.raises(
+        PipelineFolderError,
+        match=rf"{key} is F8_E4M3 \[\d+, \d+\] with 'transformer_blocks.0.attn.to_q.scale_weight'",
+    ):
+        adapter_for(info, tmp_path / "cache", torch.float32)
 
 
 def _bound(flux_pipeline_dir, tmp_path):

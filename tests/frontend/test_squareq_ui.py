@@ -1,0 +1,69 @@
+"""The New run page's SquareQ switch: it writes ``memory.stagehand.squareq.format`` into the
+config (off removes the section), and the Plan panel then shows what 8 bits save: the host
+cache the plan counts falls to the images' bytes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.frontend.conftest import SHOTS
+
+pytestmark = [pytest.mark.browser]
+
+
+def host_cache_mb(page, before: str = "") -> float:
+    """Plan the config and read the host cache figure (once the panel shows a new plan)."""
+    page.click("#plan-run")
+    page.wait_for_function(
+        "(b) => { const el = document.querySelector('#plan-host'); return el && el.innerText !== b; }",
+        arg=before,
+    )
+    text = page.inner_text("#plan-host")
+    return float(re.search(r"of it host cache ([\d.]+) MB", text).group(1))
+
+
+def test_squareq_switch_and_what_it_saves(backend_server, page):
+    page.goto(backend_server + "/#/new")
+    page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
+    page.select_option("#preset-select", "tiny-ci")
+    page.select_option("#plan-device", "rtx4090")
+    assert page.input_value("#field-squareq_format") == ""  # off in the preset
+    full = host_cache_mb(page)
+    page.select_option("#field-squareq_format", "int8")
+    config = json.loads(page.input_value("#config-json"))
+    assert config["memory"]["stagehand"]["squareq"] == {"format": "int8"}
+    eight = host_cache_mb(page, before=page.inner_text("#plan-host"))
+    assert 0 < eight <= 0.56 * full  # tiny-ci is fp32: 8 bits are about a quarter
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "new-run-squareq.png"), full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.screenshot(path=str(SHOTS / "new-run-squareq-phone.png"), full_page=True)
+    page.select_option("#field-squareq_format", "")
+    config = json.loads(page.input_value("#config-json"))
+    assert "squareq" not in config["memory"]["stagehand"]  # off: the section is gone
+
+
+def test_run_page_weights_fact_says_squareq(backend_server, page, tmp_path):
+    """A tiny-ci run in int8: the weights fact carries the last ``squareq/step`` note (format,
+    the images' share, the bytes dequantized, the worst layer's error)."""
+    from tests.frontend.conftest import Api
+
+    api = Api(backend_server)
+    squareq = {"format": "int8", "cache_dir": str(tmp_path / "sq")}
+    body = {
+        "preset": "tiny-ci",
+        "name": "squareq",
+        "overrides": {"memory": {"stagehand": {"squareq": squareq}}},
+    }
+    run_id = api.call("POST", "/api/runs", body)["id"]
+    api.wait_run(run_id, {"succeeded"})
+    note = api.call("GET", f"/api/runs/{run_id}")["summary"]["weights_squareq"]
+    assert note.startswith("SquareQ int8: blocks held and copied in 8 bits (0.27x")
+    page.goto(f"{backend_server}/#/runs/{run_id}")
+    page.wait_for_selector("#fact-weights .fact-squareq")
+    assert page.inner_text("#fact-weights .fact-squareq") == note
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "run-squareq.png"), full_page=False)

@@ -1,0 +1,28 @@
+"""The plan follows SquareQ's format: FLUX.1-dev (bf16, built on meta from its config, LoRA r16)
+planned on a 24 GB card with ``squareq`` moves and caches the 8-bit images: <= 0.52x of bf16's
+bytes per step and in the host cache, which fits 12 GB (22.6 GB of bf16 blocks without it)."""
+
+import pytest
+
+from runtime.config import MB
+from runtime.plan.reference import flux_dev_plan, streaming_memory
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_flux_dev_plan_in_8_bits(fmt):
+    bf16 = streaming_memory(18000, 14000, 16000)
+    quantized = streaming_memory(18000, 14000, 16000)
+    quantized["stagehand"]["squareq"] = {"format": fmt}
+    plain = flux_dev_plan("rtx4090", 1024, bf16).to_dict()
+    got = flux_dev_plan("rtx4090", 1024, quantized).to_dict()
+    assert got["blocks_loaded"] == plain["blocks_loaded"] > 0  # every block still loaded
+    assert got["h2d_bytes"] <= 0.52 * plain["h2d_bytes"]
+    cache, cache_bf16 = got["host"]["host_cache_bytes"], plain["host"]["host_cache_bytes"]
+    assert cache <= 0.52 * cache_bf16 and cache <= 12 * 1024 * MB
+    assert cache_bf16 > 22 * 1000 * MB  # the 22.6 GB a 32 GB host cannot cache
+    assert got["host"]["pinned_bytes"] - cache == plain["host"]["pinned_bytes"] - cache_bf16
+    print(
+        f"{fmt}: h2d {got['h2d_bytes'] / 1e9:.2f} GB/step vs {plain['h2d_bytes'] / 1e9:.2f}; "
+        f"host cache {cache / 1e9:.2f} GB vs {cache_bf16 / 1e9:.2f}; "
+        f"step {got['step_ms']['total']:.0f} ms vs {plain['step_ms']['total']:.0f}"
+    )
