@@ -8,7 +8,8 @@ would turn, in order, and names the first that fits.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,9 @@ class Plan:
     """The first change that makes a plan that does not fit fit (``None`` when it fits or
     nothing tried does)."""
     efficiency: float
+    inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Shapes the model was measured at (``latents``, ``text``, ``pooled`` for a pipeline
+    family's call; the keyword arguments' otherwise)."""
 
     @property
     def steady(self) -> StepResult:
@@ -89,6 +93,7 @@ class Plan:
             "fits": self.fits,
             "knob": self.knob,
             "model": inv.to_dict(),
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
             "memory": self.memory,
             "efficiency": self.efficiency,
             "peak_bytes": {"trace_step": first.peak_bytes, "steady": s.peak_bytes},
@@ -214,14 +219,15 @@ def check_memory(memory: Any) -> MemoryConfig:
 
 def plan_model(
     model: torch.nn.Module,
-    inputs: dict[str, Any],
+    inputs: dict[str, Any] | Callable[[torch.nn.Module], Any],
     memory: dict[str, Any],
     profile: DeviceProfile,
     *,
     name: str = "(model)",
     efficiency: float | None = None,
 ) -> Plan:
-    """The plan of ``model`` (on ``meta``, adapter added) at ``inputs`` under ``memory``.
+    """The plan of ``model`` (on ``meta``, adapter added) at ``inputs`` (``inventory``'s:
+    keyword arguments or a call) under ``memory``.
 
     Raises:
         PlanInputError: a bad memory section (naming the field).
@@ -246,16 +252,41 @@ def plan_model(
             if max(s.peak_bytes for s in trial_steps) <= vram:
                 knob = {**candidate, "peak_bytes": trial_steps[-1].peak_bytes}
                 break
-    return Plan(name, profile, inv, memory, steps, fits, knob, eff)
+    shapes = getattr(inputs, "shapes", None)
+    if shapes is None and isinstance(inputs, dict):
+        shapes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return Plan(name, profile, inv, memory, steps, fits, knob, eff, shapes or {})
 
 
-def preset_model(preset: Any) -> torch.nn.Module:
-    """The transformer of a validated ``Preset`` on ``meta``, LoRA added (rank, targets).
+def preset_family(preset: Any) -> Any:
+    """The trainer's family adapter bound to ``model.path`` when it is a pipeline folder
+    (``runtime.trainer.setup.pipeline_family``), else None (a factory or single model folder).
+
+    Raises:
+        PlanInputError: the folder or a component is wrong (naming ``model.path``).
+    """
+    from runtime.trainer.pipelines import PipelineFolderError
+    from runtime.trainer.setup import pipeline_family
+
+    if preset.model.path is None:
+        return None
+    try:
+        return pipeline_family(preset, torch.device("meta"))
+    except (PipelineFolderError, ValueError) as exc:
+        raise PlanInputError(f"model.path: {exc}") from None
+
+
+def preset_model(preset: Any, family: Any = None) -> torch.nn.Module:
+    """The transformer of a validated ``Preset`` on ``meta``, LoRA added (rank, targets): a
+    pipeline folder's is the one its ``family`` trains (``preset_family`` when not given),
+    with the family's LoRA targets unless the preset names some (as the trainer does).
 
     Raises:
         PlanInputError: neither ``model.factory`` nor ``model.path``, or a folder without a
             transformer config (naming ``model.path``).
     """
+    from runtime.trainer.setup import family_targets
+
     dtype = getattr(torch, preset.model.dtype)
     m = preset.model
     if m.factory is not None:
@@ -263,21 +294,12 @@ def preset_model(preset: Any) -> torch.nn.Module:
 
         model = meta_model(MODEL_CLASSES[m.factory], check_spec(m.factory, m.size), dtype)
     elif m.path is not None:
-        folder = Path(m.path).expanduser()
-        if (folder / "model_index.json").is_file():
-            folder = folder / "transformer"
+        family = family or preset_family(preset)
+        folder = Path(m.path).expanduser() if family is None else family.transformer_dir
         model = folder_model(folder, dtype)
+        preset = family_targets(preset, family)
     else:
         raise PlanInputError("model: give model.factory or model.path")
-    if m.path is not None:
-        # A pipeline folder trains its family's community targets unless the preset names some.
-        from runtime.trainer.pipelines import PipelineFolderError
-        from runtime.trainer.setup import family_targets, pipeline_family
-
-        try:
-            preset = family_targets(preset, pipeline_family(preset, torch.device("meta")))
-        except PipelineFolderError as exc:
-            raise PlanInputError(f"model.path: {exc}") from None
     try:
         add_lora(model, preset.rank, list(preset.lora.target_modules))
     except ValueError as exc:
@@ -285,20 +307,41 @@ def preset_model(preset: Any) -> torch.nn.Module:
     return model
 
 
-def preset_inputs(model: torch.nn.Module, preset: Any, text_len: int | None) -> dict[str, Any]:
-    """``meta`` inputs at the preset's resolution (8x VAE), batch and caption length."""
-    from runtime.assets import example_inputs
+def preset_inputs(
+    model: torch.nn.Module, preset: Any, text_len: int | None, family: Any = None
+) -> Any:
+    """What ``inventory`` runs the model on: for a pipeline folder the trainer's own call
+    (``calls.family_call``: the family's latents, text and ``predict`` on ``meta``), else
+    ``meta`` keyword arguments of a factory model at the preset's resolution (8x VAE), batch
+    and caption length.
 
+    Raises:
+        PlanInputError: a single model folder of a class the factory does not know (its
+            inputs come from its pipeline: give the pipeline folder), or a field the shapes
+            come from is wrong (named).
+    """
+    from runtime.assets import example_inputs
+    from runtime.plan.calls import family_call
+
+    family = family or preset_family(preset)
+    if family is not None:
+        return family_call(family, model, preset, text_len)
     side = preset.resolution // 8
     side -= side % 2
-    return example_inputs(
-        model,
-        batch_size=preset.batch_size,
-        latent_hw=(side, side),
-        text_len=text_len or preset.data.max_caption_tokens,
-        frames=preset.data.frames or 2,
-        device="meta",
-    )
+    try:
+        return example_inputs(
+            model,
+            batch_size=preset.batch_size,
+            latent_hw=(side, side),
+            text_len=text_len or preset.data.max_caption_tokens,
+            frames=preset.data.frames or 2,
+            device="meta",
+        )
+    except TypeError as exc:
+        raise PlanInputError(
+            f"model.path: {exc}; a plan builds its inputs from the pipeline folder "
+            "(model_index.json beside transformer/): give that folder"
+        ) from None
 
 
 def plan_preset(
@@ -324,7 +367,8 @@ def plan_preset(
         raise PlanInputError("; ".join(lines)) from None
     if preset.training_method != "lora":
         raise PlanInputError("training_method: the planner models LoRA runs only")
-    model = preset_model(preset)
-    inputs = preset_inputs(model, preset, text_len)
+    family = preset_family(preset)
+    model = preset_model(preset, family)
+    inputs = preset_inputs(model, preset, text_len, family)
     memory = data.get("memory") or {"strategy": "none"}
     return plan_model(model, inputs, memory, profile, name=name, efficiency=efficiency)

@@ -22,6 +22,11 @@ def table(plan: dict[str, Any]) -> str:
         f"{model['optimizer_bytes'] / MB:.1f} MB, saved activations "
         f"{model['saved_activation_bytes'] / MB:.1f} MB",
     ]
+    shapes = plan.get("inputs") or {}
+    if shapes:
+        lines.append(
+            "  inputs       " + ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items() if v)
+        )
     peak = plan["peak_bytes"]
     cap = f" of {vram / MB:.0f} MB" if vram else ""
     lines.append(
