@@ -8,7 +8,7 @@ import { BASE_LAYOUT, PLOT_CONFIG } from "./charts.js";
 import { fill, h, showError } from "./ui.js";
 
 const MB = 1024 * 1024;
-const DEVICES = ["cpu", "rtx3090", "rtx4090", "rtx5090", "h100"];
+const DEVICES = ["cpu", "rtx3090", "rtx4090", "rtx5090", "h100", "h100-pcie"];
 
 const mb = (bytes) => `${(bytes / MB).toFixed(1)} MB`;
 

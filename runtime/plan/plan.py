@@ -27,6 +27,7 @@ from runtime.plan.inventory import (
 )
 from runtime.plan.profiles import DeviceProfile
 from runtime.plan.simulate import Simulation, StepResult, weight_section
+from runtime.plan.sources import host_cache_budget
 
 EFFICIENCY = {"gpu": 0.45, "cpu": 1.0}
 """Share of peak TFLOPs a block reaches. GPU: bf16 transformer training kernels at 40-50% of
@@ -85,7 +86,7 @@ class Plan:
         file_backed = streaming and self.memory.get("strategy") == "stagehand"
         file_backed = file_backed and sh.get("file_backed", True)
         masters = 0 if file_backed or not streaming else inv.block_bytes
-        cache = host_cache_bytes(inv, self.memory, self.profile) if streaming else 0
+        cache = host_cache_budget(inv, self.memory, self.profile) if streaming else 0
         return {
             "preset": self.preset,
             "device": self.profile.to_dict(),
@@ -122,6 +123,8 @@ class Plan:
             },
             "blocks_loaded": s.blocks_loaded,
             "h2d_bytes": s.h2d_bytes,
+            "transfers": self.transfers(),
+            "bound_ms": self.bound_ms(),
             "curve": {
                 "t_ms": [t for t, _, _ in s.curve],
                 "bytes": [b for _, b, _ in s.curve],
@@ -129,24 +132,40 @@ class Plan:
             },
         }
 
+    def transfers(self) -> dict[str, Any]:
+        """What a steady step moves (bytes, counts): H2D bytes and block loads, the blocks that
+        stay on the device through it (resident) and those loaded in it (streamed), the loads
+        per source and the mode they make (NOTE [ Where a load's bytes come from ])."""
+        s, blocks = self.steady, self.inventory.blocks
+        streaming = s.blocks_loaded > 0 or s.streamed_blocks > 0
+        resident = len(blocks) - s.streamed_blocks if streaming else len(blocks)
+        resident_bytes = s.resident_block_bytes if streaming else self.inventory.block_bytes
+        sources = dict(sorted(s.loads_by_source.items()))
+        return {
+            "h2d_bytes_per_step": s.h2d_bytes,
+            "block_loads_per_step": s.blocks_loaded,
+            "trace_step_h2d_bytes": self.steps[0].h2d_bytes,
+            "resident_blocks": resident,
+            "resident_block_bytes": resident_bytes,
+            "streamed_blocks": len(blocks) - resident,
+            "streamed_block_bytes": self.inventory.block_bytes - resident_bytes,
+            "loads_by_source": sources,
+            "read_bytes_per_step": s.read_bytes,
+            "source_mode": "+".join(sources) or "none",
+        }
 
-def host_cache_bytes(inv: Inventory, memory: dict[str, Any], profile: DeviceProfile) -> int:
-    """Bytes of the weight runtime's host-cache images in a streamed run (its rules, in
-    ``runtime/weights/host_cache.py``): only frozen blocks have one. Module-backed blocks
-    (``file_backed: false``, layer offload) are all registered on a GPU, or on a CPU device
-    with ``host_cache_mb`` set. File-backed blocks are cached up to ``host_cache_mb``; left
-    out, on a GPU up to the RAM available above a margin, which a plan does not know: every
-    frozen block is counted (the most it holds), and none on a CPU device (off there)."""
-    frozen = sum(b.nbytes for b in inv.blocks if b.frozen)
-    sh = memory.get("stagehand") or {}
-    mb = sh.get("host_cache_mb")
-    on = not profile.tracked if mb is None else mb > 0
-    file_backed = memory.get("strategy") == "stagehand" and sh.get("file_backed", True)
-    if not file_backed:
-        return frozen if (on or not profile.tracked) else 0
-    if not on:
-        return 0
-    return frozen if mb is None else min(frozen, int(mb * MB))
+    def bound_ms(self) -> dict[str, float]:
+        """The step's bound, ``max(compute, H2D bytes / pinned H2D rate)`` (ms), beside the
+        plan's step: how far the schedule is from hiding every copy behind compute."""
+        s = self.steady
+        h2d = s.h2d_bytes / (self.profile.h2d_gbps * 1e9) * 1e3
+        bound = max(s.compute_ms, h2d)
+        return {
+            "compute": round(s.compute_ms, 3),
+            "h2d": round(h2d, 3),
+            "bound": round(bound, 3),
+            "x_bound": round(s.step_ms / bound, 3) if bound else None,
+        }
 
 
 def simulate(
