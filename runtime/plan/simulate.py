@@ -37,7 +37,7 @@ from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
 from runtime.weights.defaults import resolve
-from runtime.weights.policy import make_room, prefetch, release_after_use
+from runtime.weights.policy import make_room, prefetch, release_after_use, room_for_use
 from runtime.weights.registry import ALIGN
 from runtime.weights.scheduler import BlockScheduler
 
@@ -225,6 +225,10 @@ class Simulation:
         self.scheduler.record_use(block.index)
         self.active.add(block.index)
         if not block.on_device:
+            usage = self.mem.usage_bytes
+            room_for_use(
+                self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
+            )
             self._load(block, speculative=False)
         if block.ready_at > self.now:
             self.result.stall_ms += block.ready_at - self.now
@@ -234,11 +238,10 @@ class Simulation:
 
     def _done(self, block: _Block) -> None:
         self.active.discard(block.index)
-        if block.on_device and not block.resident:
-            usage = self.mem.usage_bytes
-            release_after_use(
-                self.scheduler, self.blocks, self.active, block, self.low, usage, self._evict
-            )
+        usage = self.mem.usage_bytes
+        release_after_use(
+            self.scheduler, self.blocks, self.active, self.high, self.low, usage, self._evict
+        )
         self._prefetch()
 
     # -- activations ------------------------------------------------------------------------------
