@@ -53,7 +53,7 @@ from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
 from runtime.plan.sources import host_cache_budget
 from runtime.weights.defaults import resolve
-from runtime.weights.policy import make_room, prefetch, release_after_use
+from runtime.weights.policy import make_room, prefetch, release_after_use, room_for_use
 from runtime.weights.registry import ALIGN
 from runtime.weights.scheduler import BlockScheduler
 
@@ -281,6 +281,10 @@ class Simulation:
         self.scheduler.record_use(block.index)
         self.active.add(block.index)
         if not block.on_device:
+            usage = self.mem.usage_bytes
+            room_for_use(
+                self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
+            )
             self._load(block, speculative=False)
         if block.ready_at > self.now:
             self.result.stall_ms += block.ready_at - self.now
@@ -290,11 +294,10 @@ class Simulation:
 
     def _done(self, block: _Block) -> None:
         self.active.discard(block.index)
-        if block.on_device and not block.resident:
-            usage = self.mem.usage_bytes
-            release_after_use(
-                self.scheduler, self.blocks, self.active, block, self.low, usage, self._evict
-            )
+        usage = self.mem.usage_bytes
+        release_after_use(
+            self.scheduler, self.blocks, self.active, self.high, self.low, usage, self._evict
+        )
         self._prefetch()
 
     # -- activations ------------------------------------------------------------------------------

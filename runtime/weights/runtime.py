@@ -43,13 +43,13 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.records import WEIGHTS_STEP
+from runtime.weights import policy
 from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.host_cache import HostCache, cache_budget, weights_mode
 from runtime.weights.optimizer import refuse_unfrozen, trainable_on_device
-from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, find_blocks
 from runtime.weights.scheduler import BlockScheduler
@@ -241,8 +241,8 @@ class StagehandRuntime:
     def counters(self) -> dict[str, int]:
         """Work of the open step (the last one between steps): ``blocks_loaded``,
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
-        from the safetensors files), ``h2d_bytes`` (bytes copied to the device) and
-        ``pageable_copies`` (copies a pageable host buffer made synchronous; 0 expected)."""
+        from the safetensors files), ``h2d_bytes`` (bytes copied to the device), ``resident_blocks``
+        (on the device now; ``stagehand/step``: at the step's end) and ``pageable_copies``."""
         return self.counts.counters(self._totals())
 
     def _totals(self) -> Totals:
@@ -255,6 +255,7 @@ class StagehandRuntime:
             pageable_copies=transfer.stream.pageable_copies + transfer.d2h_stream.pageable_copies,
             host_cache_hits=self.cache.hits,
             file_reads_avoided=self.cache.reads_avoided,
+            resident_blocks=sum(block.on_device for block in self.blocks),
         )
 
     def step_metrics(self) -> dict[str, Any]:
@@ -305,6 +306,7 @@ class StagehandRuntime:
         miss = block.state is BlockState.UNLOADED
         if miss:
             self.counts.prefetch_misses += 1
+            self._apply(policy.room_for_use, block, self.high_mb * MB)
             self.transfer.load(block, speculative=False)
             self.counts.blocks_loaded += 1
             self._emit_block("load", block, prefetch=False)
@@ -328,14 +330,17 @@ class StagehandRuntime:
         self.views.add(block)
 
     def _prefetch(self) -> None:
-        if not prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
+        if not policy.prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
             self.counts.prefetch_skipped += 1
+
+    def _apply(self, rule: Any, *args: Any) -> Any:
+        """``rule`` (a loop of ``policy.py``) over this runtime's blocks, usage and eviction."""
+        usage = self.memory.usage_bytes
+        return rule(self.scheduler, self.blocks, self._active, *args, usage, self._evict)
 
     def _make_room(self, block: Block) -> bool:
         """Whether ``block`` fits under the high watermark (``policy.make_room``)."""
-        usage = self.memory.usage_bytes
-        high = self.high_mb * MB
-        return make_room(self.scheduler, self.blocks, self._active, block, high, usage, self._evict)
+        return self._apply(policy.make_room, block, self.high_mb * MB)
 
     def _load_ahead(self, block: Block) -> bool:
         """Issue ``block``'s speculative load under the Conductor's grant; False when not issued
@@ -357,11 +362,7 @@ class StagehandRuntime:
     def _done(self, block: Block, direction: str) -> None:
         self._emit_block("exit", block, direction=direction)
         self._active.discard(block.index)
-        if block.on_device and not block.resident:
-            usage, low = self.memory.usage_bytes, self.low_mb * MB
-            release_after_use(
-                self.scheduler, self.blocks, self._active, block, low, usage, self._evict
-            )
+        self._apply(policy.release_after_use, self.high_mb * MB, self.low_mb * MB)
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:
@@ -393,7 +394,7 @@ class StagehandRuntime:
         stopped early, an exception mid-block). Returns the evicted indices; each eviction is a
         ``stagehand/block`` ``evict`` record with ``reason: "stale"``."""
         keep = set(keep) | set(self.scheduler.upcoming())
-        stale = evictable(self.blocks, (), keep)
+        stale = policy.evictable(self.blocks, (), keep)
         for block in stale:
             self._active.discard(block.index)
             self._evict(block, reason="stale")

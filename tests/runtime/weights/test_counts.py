@@ -7,7 +7,12 @@ from runtime.weights.counts import StepCounts, Totals
 def test_counters_and_record_are_the_step_share_of_the_life_figures():
     counts = StepCounts(
         at_begin=Totals(
-            h2d_bytes=100, d2h_bytes=8, file_reads=3, file_read_bytes=40, host_cache_hits=2
+            h2d_bytes=100,
+            d2h_bytes=8,
+            file_reads=3,
+            file_read_bytes=40,
+            host_cache_hits=2,
+            resident_blocks=2,
         )
     )
     counts.blocks_loaded, counts.blocks_evicted, counts.prefetch_hits = 4, 3, 2
@@ -20,6 +25,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         pageable_copies=1,
         host_cache_hits=5,
         file_reads_avoided=12,
+        resident_blocks=6,
     )
     assert counts.counters(now) == {
         "blocks_loaded": 4,
@@ -28,6 +34,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         "prefetch_misses": 1,
         "file_reads": 4,
         "h2d_bytes": 64,
+        "resident_blocks": 6,  # a state: the figure now, not a difference
         "pageable_copies": 1,
     }
     assert set(counts.counters(now)) <= set(COUNTERS)
