@@ -56,6 +56,9 @@ class Plan:
     inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Shapes the model was measured at (``latents``, ``text``, ``pooled`` for a pipeline
     family's call; the keyword arguments' otherwise)."""
+    auto_watermarks: dict[str, Any] | None = None
+    """The figures of the ``"auto"`` weight watermarks (``watermarks.resolve_auto``), when
+    the preset asked for them; ``memory`` holds the MB values they gave."""
 
     @property
     def steady(self) -> StepResult:
@@ -124,6 +127,7 @@ class Plan:
             "blocks_loaded": s.blocks_loaded,
             "h2d_bytes": s.h2d_bytes,
             "transfers": self.transfers(),
+            "auto_watermarks": self.auto_watermarks,
             "bound_ms": self.bound_ms(),
             "curve": {
                 "t_ms": [t for t, _, _ in s.curve],
@@ -251,8 +255,9 @@ def plan_model(
     Raises:
         PlanInputError: a bad memory section (naming the field).
     """
-    config = check_memory(memory)
-    sh = config.stagehand
+    from runtime.plan.watermarks import placeholders, resolve_auto
+
+    sh = check_memory(placeholders(memory)).stagehand
     inv = inventory(
         model,
         inputs,
@@ -260,6 +265,8 @@ def plan_model(
         resident_trainable_max_fraction=sh.resident_trainable_max_fraction if sh else 0.1,
     )
     eff = efficiency or EFFICIENCY["cpu" if profile.tracked else "gpu"]
+    memory, auto = resolve_auto(memory, inv, profile, eff)
+    config = check_memory(memory)
     steps = simulate(inv, config, profile, eff)
     vram = profile.vram_bytes
     fits = not vram or steps[-1].peak_bytes <= vram and steps[0].peak_bytes <= vram
@@ -274,7 +281,7 @@ def plan_model(
     shapes = getattr(inputs, "shapes", None)
     if shapes is None and isinstance(inputs, dict):
         shapes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    return Plan(name, profile, inv, memory, steps, fits, knob, eff, shapes or {})
+    return Plan(name, profile, inv, memory, steps, fits, knob, eff, shapes or {}, auto)
 
 
 def preset_family(preset: Any) -> Any:
@@ -377,10 +384,12 @@ def plan_preset(
         PlanInputError: the preset is invalid (the message lists the fields), or a field the
             plan needs is wrong (naming it).
     """
+    from runtime.plan.watermarks import placeholders
     from runtime.preset import PresetError, validate_preset
 
     try:
-        preset = validate_preset(data)
+        memory = data.get("memory")
+        preset = validate_preset({**data, "memory": placeholders(memory)} if memory else data)
     except PresetError as exc:
         lines = [f"{p['path']}: {p['message']}" for p in exc.problems]
         raise PlanInputError("; ".join(lines)) from None

@@ -103,6 +103,8 @@ class StepResult:
     blocks_loaded: int = 0
     h2d_bytes: int = 0
     spilled_bytes: int = 0
+    activation_peak_bytes: int = 0
+    """Most activation bytes on the device at once (kept, restored and recomputed ones)."""
     loads_by_source: dict[str, int] = field(default_factory=dict)
     """Block loads per source (NOTE [ Where a load's bytes come from ]; ``tracked`` on CPU)."""
     read_bytes: int = 0
@@ -176,6 +178,7 @@ class Simulation:
                 for block in self.blocks:
                     block.cached = block.info.frozen and self._take_image(block)
         self.read_free = 0.0
+        self.act_bytes = 0
         self.budget = None
         if self.act is not None:
             self.budget = ActivationBudgetManager(
@@ -198,6 +201,9 @@ class Simulation:
         self.mem.used += nbytes
         r = self.result
         r.peak_bytes = max(r.peak_bytes, self.mem.used)
+        if not label.startswith(("load ", "evict ")):  # an activation event
+            self.act_bytes += nbytes
+            r.activation_peak_bytes = max(r.activation_peak_bytes, self.act_bytes)
         r.curve.append((round(self.now, 4), self.mem.used, label))
 
     # -- weights ----------------------------------------------------------------------------------

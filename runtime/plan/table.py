@@ -53,6 +53,15 @@ def table(plan: dict[str, Any]) -> str:
         f"stalls {ms['stall']:.1f}; "
         f"trace step {ms['trace_step']:.1f}) at efficiency {plan['efficiency']}"
     )
+    auto = plan.get("auto_watermarks")
+    if auto:
+        lines.append(
+            f"  auto         weight watermarks {auto['high_mb']:.0f}/{auto['low_mb']:.0f} MiB = "
+            f"device {auto['device_bytes'] / MB:.0f} - activation peak "
+            f"{auto['activation_peak_bytes'] / MB:.0f} - trainable {auto['trainable_bytes'] / MB:.0f}"
+            f" - window {auto['window_bytes'] / MB:.0f} - margin {auto['margin_bytes'] / MB:.0f} MiB"
+            " (low: a window below)"
+        )
     t, bound = plan.get("transfers"), plan.get("bound_ms")
     if t:
         lines.extend(transfer_lines(t, bound, plan))

@@ -145,3 +145,43 @@ def test_table_labels_units_and_cli_takes_disk_gbps(tiny_flux, tmp_path, capsys)
     assert "disk through the readers" in capsys.readouterr().out
     assert main([*args, "--disk-gbps", "-1"]) == 2
     assert "disk_gbps must be a number > 0" in capsys.readouterr().err
+
+
+def test_auto_watermarks_keep_what_fits_and_move_twice_the_rest(tiny_flux):
+    """``"auto"`` weight watermarks from the plan's own figures (the runtime's rule): a bigger
+    card keeps more blocks resident and moves fewer bytes, a streamed block at most twice a
+    step (once in forward, once in backward; the blocks at the turns are reused)."""
+    from runtime.plan import PlanInputError
+    from runtime.weights.auto import auto_watermarks
+
+    model, inputs = _meta(tiny_flux)
+    memory = _stream(tiny_flux, 2.5)
+    memory["stagehand"].update(vram_high_watermark_mb="auto", vram_low_watermark_mb="auto")
+    inv = plan_model(model, inputs, {"strategy": "none"}, profile("rtx4090")).inventory
+    first = plan_model(model, inputs, memory, profile("rtx4090")).auto_watermarks
+    taken = first["activation_peak_bytes"] + first["trainable_bytes"] + 2 * first["window_bytes"]
+    resident = []
+    moved = []
+    for extra in (0.5, 0.8):  # of the blocks' bytes under the low watermark
+        # usage counts the resident bytes, activations and trainable bytes beside the blocks
+        used = first["activation_peak_bytes"] + first["trainable_bytes"]
+        low = inv.resident_bytes + used + extra * inv.block_bytes
+        vram = int((low + taken + 2**30) / 0.95)  # the CUDA margin: 1 GiB + 5% of the card
+        plan = plan_model(model, inputs, memory, profile("rtx4090", vram_bytes=vram))
+        auto, t = plan.auto_watermarks, plan.to_dict()["transfers"]
+        high, low = auto_watermarks(
+            auto["device_bytes"],
+            auto["activation_peak_bytes"],
+            auto["trainable_bytes"],
+            auto["window_bytes"],
+            auto["margin_bytes"],
+        )
+        assert plan.memory["stagehand"]["vram_low_watermark_mb"] == round(low / MB, 1)
+        assert auto["activation_peak_bytes"] > 0 and auto["trainable_bytes"] == 4 * inv.lora_bytes
+        assert 0 < t["streamed_blocks"] and t["block_loads_per_step"] > 0
+        assert t["h2d_bytes_per_step"] <= 2 * t["streamed_block_bytes"]
+        resident.append(t["resident_blocks"])
+        moved.append(t["h2d_bytes_per_step"])
+    assert resident[1] > resident[0] and moved[1] < moved[0]
+    with pytest.raises(PlanInputError, match="vram_high_watermark_mb"):
+        plan_model(model, inputs, memory, profile("rtx4090", vram_bytes=2**20))
