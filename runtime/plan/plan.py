@@ -17,6 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from runtime.config import MB, MemoryConfig
+from runtime.plan.baseline import worker_baseline_bytes
 from runtime.plan.inventory import (
     Inventory,
     PlanInputError,
@@ -90,6 +91,7 @@ class Plan:
         file_backed = file_backed and sh.get("file_backed", True)
         masters = 0 if file_backed or not streaming else inv.block_bytes
         cache = host_cache_budget(inv, self.memory, self.profile) if streaming else 0
+        worker = worker_baseline_bytes()  # the process itself (baseline.py)
         return {
             "preset": self.preset,
             "device": self.profile.to_dict(),
@@ -105,10 +107,12 @@ class Plan:
             "host": {  # stage 2; on a CPU device the device bytes are host bytes too
                 # Images of file-backed blocks are host memory of their own; module-backed
                 # ones are the masters, moved (counted once).
-                "ram_peak_bytes": pinned
+                "ram_peak_bytes": worker
+                + pinned
                 + masters
                 + (cache if file_backed else 0)
-                + (s.peak_bytes if self.profile.tracked else 0),
+                + (max(s.peak_bytes, first.peak_bytes) if self.profile.tracked else 0),
+                "worker_baseline_bytes": worker,
                 "block_masters_bytes": masters,
                 "host_cache_bytes": cache,
                 "pinned_bytes": pinned + cache,

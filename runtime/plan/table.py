@@ -41,7 +41,8 @@ def table(plan: dict[str, Any]) -> str:
     lines.append(f"  steady band  {low / MB:.2f} - {high / MB:.2f} MiB")
     host = plan["host"]
     lines.append(
-        f"  host         RAM peak {host['ram_peak_bytes'] / MB:.0f} MiB (pinned "
+        f"  host         RAM peak {host['ram_peak_bytes'] / MB:.0f} MiB (worker baseline "
+        f"{host.get('worker_baseline_bytes', 0) / MB:.0f} MiB, pinned "
         f"{host['pinned_bytes'] / MB:.0f} MiB, of it host cache "
         f"{host.get('host_cache_bytes', 0) / MB:.0f} MiB; block masters "
         f"{host['block_masters_bytes'] / MB:.0f} MiB), spilled activations "
