@@ -104,7 +104,7 @@ def test_a_section_with_room_denies_no_prefetch(with_room):
         c = counters[step]
         assert denials(sink, step) == []
         assert records[step]["deny_count"] == 0
-        assert c["grants"] >= 110  # 57 blocks: forward, recomputation and backward
+        assert c["grants"] >= c["blocks_loaded"] > 0  # every load a granted prefetch
         assert c["prefetch_misses"] == 0 and c["prefetch_hits"] == c["blocks_loaded"]
         assert "contention" not in records[step]["rules_fired"]
         assert records[step]["vram_headroom_mb"] > 0
