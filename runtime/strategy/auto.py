@@ -108,6 +108,18 @@ def resolve_auto(
     return section.model_copy(update=update)
 
 
+_LIMITS = (
+    "vram_high_watermark_mb",
+    "vram_low_watermark_mb",
+    "activation_vram_high_watermark_mb",
+    "activation_vram_low_watermark_mb",
+)
+
+
+def _is_auto(section: StagehandSection, field: str) -> bool:
+    return getattr(section, field) == AUTO
+
+
 class AutoSection:
     """A section with ``"auto"`` fields and the figures its model gives (blocks, trainable
     bytes, the card), for ``resolve_auto`` at build and after the trace step.
@@ -127,6 +139,11 @@ class AutoSection:
         self.card = torch.cuda.get_device_properties(device).total_memory if cuda else None
         self.measured: int | None = None
         self._done = False
+        act = section.activation_stagehand
+        self.fields = [f for f in _LIMITS if f.startswith("vram") and _is_auto(section, f)]
+        if act is not None and act.vram_high_watermark_mb == AUTO:
+            self.fields += [f for f in _LIMITS if f.startswith("activation")]
+        """The live-limit fields that were ``"auto"``."""
 
     def resolve(self, activation_peak: int) -> StagehandSection:
         return resolve_auto(

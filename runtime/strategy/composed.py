@@ -42,6 +42,7 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry
 from runtime.conductor import ConductorRuntime
 from runtime.config import MB, LiveLimits, StagehandSection
+from runtime.records import LIMITS_APPLIED
 from runtime.strategy.auto import AutoSection, has_auto
 from runtime.strategy.base import MemoryStrategy
 from runtime.strategy.parts import ActivationsPart, ConductorPart, MemoryPart, WeightsPart
@@ -97,6 +98,10 @@ class StagehandStrategy(MemoryStrategy):
         except BaseException:
             self.close()
             raise
+        if self.auto is not None:  # the figures "auto" became, as a change of the limits
+            resolved = {k: v for k, v in self.limits().items() if k in self.auto.fields}
+            changed = {k: ["auto", v] for k, v in resolved.items()}
+            self.telemetry.emit(*LIMITS_APPLIED, request_id="auto", changed=changed)
 
     def _build_parts(
         self,

@@ -95,7 +95,12 @@ def test_the_strategy_resolves_auto_from_the_budget_then_from_the_measured_peak(
         _train(model, strategy)
         # After the trace step the measured activation peak (kept saved tensors, tracked)
         # lowered both weight watermarks by it, through the live limits.
-        (applied,) = [r for r in sink.of("strategy", "limits_applied") if r["request_id"] == "auto"]
+        built, applied = [
+            r for r in sink.of("strategy", "limits_applied") if r["request_id"] == "auto"
+        ]
+        # At build: what "auto" became, for the run page's limits in force.
+        assert built["changed"]["vram_high_watermark_mb"] == ["auto", pytest.approx(high)]
+        assert built["changed"]["activation_vram_high_watermark_mb"] == ["auto", CAP_MB]
         old, new = applied["changed"]["vram_high_watermark_mb"]
         assert old == pytest.approx(high) and 0 < new < old
         low_old, low_new = applied["changed"]["vram_low_watermark_mb"]
