@@ -52,6 +52,7 @@ from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
 from runtime.plan.sources import host_cache_budget
+from runtime.strategy.auto import resolve_auto
 from runtime.weights.defaults import resolve
 from runtime.weights.policy import make_room, prefetch, release_after_use, room_for_use
 from runtime.weights.registry import ALIGN
@@ -130,6 +131,13 @@ def weight_section(
         # The pipeline settings the preset leaves out, as the runtime derives them.
         sizes = [-(-b.param_bytes // ALIGN) * ALIGN for b in inv.blocks]
         cuda = not profile.tracked
+        sh = resolve_auto(  # "auto" fields as the strategy resolves them at build
+            sh,
+            block_sizes=sizes,
+            trainable=2 * inv.lora_bytes + inv.optimizer_bytes,  # weights, grads, AdamW
+            activation_peak=planned_activations(inv, memory.gradient_checkpointing),
+            card_bytes=profile.vram_bytes if cuda else None,
+        )
         return resolve(sh, sizes, cuda=cuda, vram_bytes=profile.vram_bytes if cuda else 0)
     weights = inv.param_bytes + inv.buffer_bytes
     return section_for(
@@ -138,6 +146,17 @@ def weight_section(
         ceiling_mb=ceiling_mb(weights, None if profile.tracked else profile.vram_bytes),
         cuda=not profile.tracked,
     )
+
+
+def planned_activations(inv: Inventory, checkpointing: bool) -> int:
+    """The activation peak ``"auto"`` plans for (bytes): what the step saves outside the blocks,
+    and per block its inputs with checkpointing (plus one block's recomputation), else all it
+    saves."""
+    outside = sum(inv.saved_pre) + sum(inv.saved_post)
+    if checkpointing:
+        blocks = sum(b.input_bytes for b in inv.blocks)
+        return outside + blocks + max((b.saved_bytes for b in inv.blocks), default=0)
+    return outside + sum(b.saved_bytes for b in inv.blocks)
 
 
 class Simulation:
