@@ -37,8 +37,10 @@ function transfers(plan) {
     ` in ${t.block_loads_per_step} block loads${from ? `, from ${from}` : ""}`);
   const bound = b ? h("li", { id: "plan-bound" },
     `bound max(compute ${b.compute.toFixed(1)} ms, H2D ${b.h2d.toFixed(1)} ms) = ${b.bound.toFixed(1)} ms; plan ${plan.step_ms.total.toFixed(1)} ms`) : null;
-  const auto = plan.auto_watermarks ? h("li", { id: "plan-auto" },
-    `auto weight watermarks ${plan.auto_watermarks.high_mb.toFixed(0)} / ${plan.auto_watermarks.low_mb.toFixed(0)} MiB`) : null;
+  const a = plan.auto_watermarks;
+  const auto = a ? h("li", { id: "plan-auto" }, `"auto": weight watermarks ${a.high_mb.toFixed(0)} / ${a.low_mb.toFixed(0)} MiB`
+    + (a.activation_mb ? `, activation ${a.activation_mb[0].toFixed(0)} / ${a.activation_mb[1].toFixed(0)} MiB` : "")
+    + (a.conductor_caps_mb ? `, Conductor caps ${a.conductor_caps_mb[0].toFixed(0)} / ${a.conductor_caps_mb[1].toFixed(0)} MiB` : "")) : null;
   return [resident, perStep, bound, auto];
 }
 

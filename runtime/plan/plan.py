@@ -58,8 +58,7 @@ class Plan:
     """Shapes the model was measured at (``latents``, ``text``, ``pooled`` for a pipeline
     family's call; the keyword arguments' otherwise)."""
     auto_watermarks: dict[str, Any] | None = None
-    """The figures of the ``"auto"`` weight watermarks (``watermarks.resolve_auto``), when
-    the preset asked for them; ``memory`` holds the MB values they gave."""
+    """What ``"auto"`` fields became (``auto_figures``), when the preset has any."""
 
     @property
     def steady(self) -> StepResult:
@@ -176,6 +175,44 @@ class Plan:
         }
 
 
+def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -> dict | None:
+    """What the ``"auto"`` fields of ``config`` become on ``profile`` (the strategy's own
+    ``runtime.strategy.auto.resolve_auto``, called by ``weight_section`` with the plan's
+    activation estimate) and the figures of the rule (bytes; MB for the limits), or None when
+    no field says ``"auto"``.
+
+    Raises:
+        PlanInputError: the budget is too small for the window (the rule's message).
+    """
+    from runtime.plan.simulate import block_sizes, planned_activations
+    from runtime.strategy.auto import device_budget, has_auto
+    from runtime.weights.auto import margin_bytes
+
+    sh = config.stagehand
+    if config.strategy != "stagehand" or not has_auto(sh):
+        return None
+    section = weight_section(inv, config, profile)
+    sizes = sorted(block_sizes(inv), reverse=True)
+    card = None if profile.tracked else profile.vram_bytes
+    budget = device_budget(sh, card)
+    act, cond = section.activation_stagehand, section.conductor_config
+    return {
+        "device_bytes": budget,
+        "activation_peak_bytes": planned_activations(inv, config.gradient_checkpointing),
+        "trainable_bytes": 2 * inv.lora_bytes + inv.optimizer_bytes,
+        "window_bytes": sum(sizes[: section.prefetch_window_blocks]),
+        "margin_bytes": margin_bytes(budget, card is not None) if budget else 0,
+        "high_mb": round(section.vram_high_watermark_mb, 1),
+        "low_mb": round(section.vram_low_watermark_mb, 1),
+        "activation_mb": [round(act.vram_high_watermark_mb, 1), round(act.vram_low_watermark_mb, 1)]
+        if act is not None
+        else None,
+        "conductor_caps_mb": [round(cond.vram_soft_cap_mb, 1), round(cond.vram_hard_cap_mb, 1)]
+        if cond is not None and cond.enabled
+        else None,
+    }
+
+
 def simulate(
     inv: Inventory, memory: MemoryConfig, profile: DeviceProfile, efficiency: float
 ) -> list[StepResult]:
@@ -259,9 +296,8 @@ def plan_model(
     Raises:
         PlanInputError: a bad memory section (naming the field).
     """
-    from runtime.plan.watermarks import placeholders, resolve_auto
-
-    sh = check_memory(placeholders(memory)).stagehand
+    config = check_memory(memory)
+    sh = config.stagehand
     inv = inventory(
         model,
         inputs,
@@ -269,9 +305,8 @@ def plan_model(
         resident_trainable_max_fraction=sh.resident_trainable_max_fraction if sh else 0.1,
     )
     eff = efficiency or EFFICIENCY["cpu" if profile.tracked else "gpu"]
-    memory, auto = resolve_auto(memory, inv, profile, eff)
-    config = check_memory(memory)
     steps = simulate(inv, config, profile, eff)
+    auto = auto_figures(inv, config, profile)
     vram = profile.vram_bytes
     fits = not vram or steps[-1].peak_bytes <= vram and steps[0].peak_bytes <= vram
     knob = None
@@ -388,12 +423,10 @@ def plan_preset(
         PlanInputError: the preset is invalid (the message lists the fields), or a field the
             plan needs is wrong (naming it).
     """
-    from runtime.plan.watermarks import placeholders
     from runtime.preset import PresetError, validate_preset
 
     try:
-        memory = data.get("memory")
-        preset = validate_preset({**data, "memory": placeholders(memory)} if memory else data)
+        preset = validate_preset(data)
     except PresetError as exc:
         lines = [f"{p['path']}: {p['message']}" for p in exc.problems]
         raise PlanInputError("; ".join(lines)) from None

@@ -49,7 +49,7 @@ from runtime.activations.budget import ActivationBudgetManager
 from runtime.config import MB, MemoryConfig, StagehandSection
 from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
 from runtime.layer_offload.section import ceiling_mb, section_for
-from runtime.plan.inventory import BlockInfo, Inventory
+from runtime.plan.inventory import BlockInfo, Inventory, PlanInputError
 from runtime.plan.profiles import DeviceProfile
 from runtime.plan.sources import host_cache_budget
 from runtime.strategy.auto import resolve_auto
@@ -104,8 +104,6 @@ class StepResult:
     blocks_loaded: int = 0
     h2d_bytes: int = 0
     spilled_bytes: int = 0
-    activation_peak_bytes: int = 0
-    """Most activation bytes on the device at once (kept, restored and recomputed ones)."""
     loads_by_source: dict[str, int] = field(default_factory=dict)
     """Block loads per source (NOTE [ Where a load's bytes come from ]; ``tracked`` on CPU)."""
     read_bytes: int = 0
@@ -129,15 +127,18 @@ def weight_section(
         if sh is None:
             return None
         # The pipeline settings the preset leaves out, as the runtime derives them.
-        sizes = [-(-b.param_bytes // ALIGN) * ALIGN for b in inv.blocks]
+        sizes = block_sizes(inv)
         cuda = not profile.tracked
-        sh = resolve_auto(  # "auto" fields as the strategy resolves them at build
-            sh,
-            block_sizes=sizes,
-            trainable=2 * inv.lora_bytes + inv.optimizer_bytes,  # weights, grads, AdamW
-            activation_peak=planned_activations(inv, memory.gradient_checkpointing),
-            card_bytes=profile.vram_bytes if cuda else None,
-        )
+        try:
+            sh = resolve_auto(  # "auto" fields as the strategy resolves them at build
+                sh,
+                block_sizes=sizes,
+                trainable=2 * inv.lora_bytes + inv.optimizer_bytes,  # weights, grads, AdamW
+                activation_peak=planned_activations(inv, memory.gradient_checkpointing),
+                card_bytes=profile.vram_bytes if cuda else None,
+            )
+        except ValueError as exc:  # a budget too small for the window: the rule names it
+            raise PlanInputError(f"memory.stagehand.vram_high_watermark_mb: {exc}") from None
         return resolve(sh, sizes, cuda=cuda, vram_bytes=profile.vram_bytes if cuda else 0)
     weights = inv.param_bytes + inv.buffer_bytes
     return section_for(
@@ -146,6 +147,12 @@ def weight_section(
         ceiling_mb=ceiling_mb(weights, None if profile.tracked else profile.vram_bytes),
         cuda=not profile.tracked,
     )
+
+
+def block_sizes(inv: Inventory) -> list[int]:
+    """Each block's bytes as the runtime sizes its pipeline (slab, window, "auto"): all its
+    parameters, adapter included, aligned."""
+    return [-(-b.param_bytes // ALIGN) * ALIGN for b in inv.blocks]
 
 
 def planned_activations(inv: Inventory, checkpointing: bool) -> int:
@@ -197,7 +204,6 @@ class Simulation:
                 for block in self.blocks:
                     block.cached = block.info.frozen and self._take_image(block)
         self.read_free = 0.0
-        self.act_bytes = 0
         self.budget = None
         if self.act is not None:
             self.budget = ActivationBudgetManager(
@@ -220,9 +226,6 @@ class Simulation:
         self.mem.used += nbytes
         r = self.result
         r.peak_bytes = max(r.peak_bytes, self.mem.used)
-        if not label.startswith(("load ", "evict ")):  # an activation event
-            self.act_bytes += nbytes
-            r.activation_peak_bytes = max(r.activation_peak_bytes, self.act_bytes)
         r.curve.append((round(self.now, 4), self.mem.used, label))
 
     # -- weights ----------------------------------------------------------------------------------

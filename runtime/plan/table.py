@@ -56,12 +56,20 @@ def table(plan: dict[str, Any]) -> str:
     )
     auto = plan.get("auto_watermarks")
     if auto:
+        act, caps = auto.get("activation_mb"), auto.get("conductor_caps_mb")
+        device = auto["device_bytes"]
         lines.append(
-            f"  auto         weight watermarks {auto['high_mb']:.0f}/{auto['low_mb']:.0f} MiB = "
-            f"device {auto['device_bytes'] / MB:.0f} - activation peak "
-            f"{auto['activation_peak_bytes'] / MB:.0f} - trainable {auto['trainable_bytes'] / MB:.0f}"
-            f" - window {auto['window_bytes'] / MB:.0f} - margin {auto['margin_bytes'] / MB:.0f} MiB"
-            " (low: a window below)"
+            f"  auto         weights {auto['high_mb']:.0f}/{auto['low_mb']:.0f} MiB"
+            + (f", activations {act[0]:.0f}/{act[1]:.0f}" if act else "")
+            + (f", Conductor caps {caps[0]:.0f}/{caps[1]:.0f}" if caps else "")
+            + (
+                f" (device {device / MB:.0f} - activation peak "
+                f"{auto['activation_peak_bytes'] / MB:.0f} - trainable "
+                f"{auto['trainable_bytes'] / MB:.0f} - window {auto['window_bytes'] / MB:.0f} - "
+                f"margin {auto['margin_bytes'] / MB:.0f} MiB; low a window below)"
+                if device
+                else " (a tracked device without a cap: no limit)"
+            )
         )
     t, bound = plan.get("transfers"), plan.get("bound_ms")
     if t:
