@@ -27,7 +27,8 @@ from runtime.plan.inventory import (
     meta_model,
 )
 from runtime.plan.profiles import DeviceProfile
-from runtime.plan.simulate import Simulation, StepResult, weight_section
+from runtime.plan.sections import weight_section
+from runtime.plan.simulate import Simulation, StepResult
 from runtime.plan.sources import host_cache_budget
 
 EFFICIENCY = {"gpu": 0.45, "cpu": 1.0}
@@ -184,7 +185,7 @@ def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -
     Raises:
         PlanInputError: the budget is too small for the window (the rule's message).
     """
-    from runtime.plan.simulate import block_sizes, planned_activations
+    from runtime.plan.sections import block_sizes, planned_activations
     from runtime.strategy.auto import device_budget, has_auto
     from runtime.weights.auto import margin_bytes
 
