@@ -29,11 +29,9 @@ def test_plan_panel_before_start(backend_server, page):
     assert points > 8
     # What a step moves: resident vs streamed blocks, GB of H2D per step and from where.
     residency = page.inner_text("#plan-residency")
-    assert (
-        " blocks resident (" in residency and "GiB), " in residency and " streamed (" in residency
-    )
+    assert " blocks resident (" in residency and "iB), " in residency and " streamed (" in residency
     moved = page.inner_text("#plan-moved")
-    assert " GB H2D per step in " in moved and "block loads" in moved
+    assert "iB H2D per step in " in moved and "block loads, from " in moved
     assert page.inner_text("#plan-bound").startswith("bound max(compute ")
     assert "MiB" in page.inner_text("#plan-peak")
     if TAKE_SHOTS:
