@@ -46,7 +46,8 @@ def auto_limits(device_bytes: int, window_bytes: int, margin_bytes: int) -> Auto
     """The limits set beside ``"auto"`` weight watermarks (NOTE [ Who gives way ]).
 
     Args:
-        device_bytes: the card's memory (bytes).
+        device_bytes: the budget the weights are fitted into (the card, or the Conductor's numeric
+            soft cap when lower; bytes).
         window_bytes: the prefetch window's blocks (bytes).
         margin_bytes: the allocator and workspace margin (``runtime.weights.auto.margin_bytes``).
 

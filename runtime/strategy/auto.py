@@ -89,7 +89,7 @@ def resolve_auto(
     else:
         margin = margin_bytes(budget, cuda)
         high, low = auto_watermarks(budget, activation_peak, trainable, window_bytes, margin)
-        limits = auto_limits(card_bytes or budget, window_bytes, margin)
+        limits = auto_limits(budget, window_bytes, margin)
         act_high, act_low = limits.activation_high_bytes, limits.activation_low_bytes
         soft, hard = limits.soft_cap_bytes, limits.hard_cap_bytes
     if section.vram_high_watermark_mb == AUTO:

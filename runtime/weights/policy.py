@@ -4,7 +4,7 @@
 Belady's rule over the traced order (NOTE [ Block trace ] in ``scheduler.py``): of the blocks
 that may go, the one needed furthest ahead goes first. The watermarks are a budget: a block
 stays on the device after its use while usage is under the low watermark, and the band between
-the low and the high one is the prefetch window's room. Three moments decide:
+the low and the high one is the prefetch window's room. Four moments decide:
 
 - prefetch (``prefetch``): the window's blocks not on the device are loaded in order; the walk
   stops at the first that does not fit or cannot be loaded (no slab, no copy slot, the

@@ -333,8 +333,7 @@ class StagehandRuntime:
         if not policy.prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
             self.counts.prefetch_skipped += 1
 
-    def _apply(self, rule: Any, *args: Any) -> Any:
-        """``rule`` (a loop of ``policy.py``) over this runtime's blocks, usage and eviction."""
+    def _apply(self, rule: Any, *args: Any) -> Any:  # a loop of policy.py on this runtime
         usage = self.memory.usage_bytes
         return rule(self.scheduler, self.blocks, self._active, *args, usage, self._evict)
 

@@ -11,6 +11,7 @@ from runtime.weights.policy import (
     needed_after,
     prefetch,
     release_after_use,
+    room_for_use,
 )
 from runtime.weights.scheduler import BlockScheduler
 
@@ -132,6 +133,18 @@ def test_release_after_use_spares_resident_and_active_blocks():
     dev = _Device(3, loaded={0, 2}, resident={1})
     release_after_use(trace, dev.blocks, {2}, 0, 0, dev.usage, dev.evict)
     assert dev.evicted == [0]  # the only idle block left, over both watermarks
+
+
+def test_room_for_use_evicts_furthest_first_until_the_block_fits():
+    # Forward, block 2 needed now and not loaded; 0 (needed last), 1 and 3 idle on the device.
+    trace = _trace(TRAIN_4, used=[0, 1, 2])
+    dev = _Device(4, loaded={0, 1, 3})
+    room_for_use(trace, dev.blocks, {2}, dev.blocks[2], 30, dev.usage, dev.evict)
+    assert (dev.evicted, dev.usage()) == ([0], 20)  # 20 + block 2's 10 fits under 30
+    # Nothing idle is left: the block loads anyway (it is needed now).
+    dev = _Device(4, loaded={1})
+    room_for_use(trace, dev.blocks, {1, 2}, dev.blocks[2], 5, dev.usage, dev.evict)
+    assert dev.evicted == []
 
 
 def _cyclic_steps(n: int, high: int, low: int, window: int, steps: int = 4) -> list[list[int]]:
