@@ -65,7 +65,9 @@ def config_limits(config: dict[str, Any]) -> dict[str, float | int]:
     act = section.activation_stagehand
     if act is not None and act.enabled:
         out.update({field: getattr(act, name) for field, name in ACTIVATION_FIELDS.items()})
-    return out
+    # "auto" is a figure only once the worker resolved it: its limits_applied record (request
+    # id "auto") carries the MB values into "now".
+    return {field: value for field, value in out.items() if value != "auto"}
 
 
 def effective_limits(config: dict[str, Any], applied: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""``workbench plan PRESET [--device cpu|rtx3090|rtx4090|rtx5090|h100] [--json OUT]``.
+"""``workbench plan PRESET [--device cpu|rtx3090|rtx4090|rtx5090|h100|h100-pcie] [--json OUT]``.
 
 Prints the plan's table (fits or not and the knob that makes it fit, peak VRAM of the trace
-step and the steady state, the steady band, host bytes, step time with its breakdown) and writes
+step and the steady state, the steady band, host bytes, step time with its breakdown, H2D bytes
+and block loads per steady step with where they come from, resident and streamed blocks, and
+the bound ``max(compute, bytes / H2D)``) and writes
 the whole plan, VRAM curve included, as JSON with ``--json``. Exit status 0 when it fits, 1 when
 it does not, 2 for a bad input (the message names the field).
 
@@ -52,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vram-gb", type=float, help="override the profile's VRAM (GiB)")
     p.add_argument("--tflops", type=float, help="override the profile's TFLOPs")
     p.add_argument("--h2d-gbps", type=float, help="override the profile's pinned H2D GB/s")
+    p.add_argument(
+        "--disk-gbps",
+        type=float,
+        help="file reads come from storage at this GB/s (default: the page cache, read at the "
+        "profile's read_gbps; blocks with a host-cache image copy from it)",
+    )
     p.add_argument("--efficiency", type=float, help="share of peak TFLOPs reached")
     p.add_argument("--text-len", type=int, help="text tokens (default data.max_caption_tokens)")
     p.add_argument("--json", help="write the plan as JSON here")
@@ -65,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name, data = load_preset(args.preset)
         vram = int(args.vram_gb * 2**30) if args.vram_gb else None
-        dev = profile(args.device, vram_bytes=vram, tflops=args.tflops, h2d_gbps=args.h2d_gbps)
+        dev = profile(
+            args.device,
+            vram_bytes=vram,
+            tflops=args.tflops,
+            h2d_gbps=args.h2d_gbps,
+            disk_gbps=args.disk_gbps,
+        )
         plan = plan_preset(
             data, dev, name=name, text_len=args.text_len, efficiency=args.efficiency
         ).to_dict()

@@ -55,6 +55,22 @@ WholeMB = Annotated[int, Field(gt=0, le=MAX_MB), _at_most(MAX_MB, "MB")]
 NonNegBytes = Annotated[int, Field(ge=0, le=MAX_MB * MB), _at_most(MAX_MB * MB, "bytes")]
 PosInt = Annotated[int, Field(gt=0)]
 
+AUTO = "auto"
+"""A watermark or cap derived from the card and the step's needs at build
+(NOTE [ Auto watermarks ] in ``runtime/weights/auto.py``)."""
+MBOrAuto = NonNegMB | Literal["auto"]
+"""A watermark field: MB >= 0, or ``"auto"``."""
+
+
+def check_pair(high: float | str, low: float | str, names: tuple[str, str]) -> None:
+    """A pair of watermark (or cap) fields: both ``"auto"``, or both MB with ``Watermarks``'
+    rule. Raises ``ValueError`` naming the fields when only one is ``"auto"``."""
+    if high == AUTO and low == AUTO:
+        return
+    if AUTO in (high, low):
+        raise ValueError(f'{names[0]} and {names[1]} must both be "auto" or both MB numbers')
+    Watermarks(high, low, names)
+
 
 AUTO_DEVICE = "auto"
 """The worker's device when a run names none: CUDA device 0 when present, else the CPU."""
@@ -140,10 +156,12 @@ class StagehandConfig(_Strict):
     pinned_slab_mb: WholeMB | None = None
     """Size of one slab; a block larger than a slab takes the direct path. None: the largest
     block (whole MB) on CUDA, 1024 on CPU."""
-    vram_high_watermark_mb: NonNegMB = 20000
-    """Speculative prefetch stops when a load would cross this."""
-    vram_low_watermark_mb: NonNegMB = 16000
-    """Eviction runs until usage is under this."""
+    vram_high_watermark_mb: MBOrAuto = 20000
+    """Speculative prefetch stops when a load would cross this. ``"auto"`` (with the low one):
+    derived from the card at build (NOTE [ Auto watermarks ])."""
+    vram_low_watermark_mb: MBOrAuto = 16000
+    """Blocks stay on the device after their use while usage is under this; above it they are
+    evicted, needed furthest ahead first, until usage is under it (NOTE [ Eviction policy ])."""
     prefetch_window_blocks: Annotated[int, Field(ge=0)] | None = None
     """Blocks loaded ahead of use along the traced order (0 disables prefetch). None: derived
     from the largest block and the card (about 1 GiB ahead, 2 to 8 blocks) on CUDA, 2 on CPU
@@ -187,7 +205,7 @@ class StagehandConfig(_Strict):
 
     @model_validator(mode="after")
     def _watermarks(self) -> StagehandConfig:
-        Watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
+        check_pair(self.vram_high_watermark_mb, self.vram_low_watermark_mb, Watermarks.names)
         slab, pool = self.pinned_slab_mb, self.pinned_pool_mb
         if slab is not None and pool is not None and slab > pool:
             raise ValueError(
@@ -201,9 +219,9 @@ class ActivationStagehandConfig(_Strict):
     """Activation spill through ``saved_tensors_hooks``; defaults from the seed's config table."""
 
     enabled: bool = True
-    vram_high_watermark_mb: NonNegMB = 20000
-    """Start spilling above this."""
-    vram_low_watermark_mb: NonNegMB = 16000
+    vram_high_watermark_mb: MBOrAuto = 20000
+    """Start spilling above this (``"auto"``: NOTE [ Who gives way ] in runtime/conductor)."""
+    vram_low_watermark_mb: MBOrAuto = 16000
     """Stop spilling below this (hysteresis)."""
     pinned_pool_classes_mb: tuple[Annotated[NonNegMB, Field(gt=0)], ...] = (1, 4, 16, 64, 256)
     """Size-class bucket sizes, ascending."""
@@ -231,7 +249,7 @@ class ActivationStagehandConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ActivationStagehandConfig:
-        Watermarks(self.vram_high_watermark_mb, self.vram_low_watermark_mb)
+        check_pair(self.vram_high_watermark_mb, self.vram_low_watermark_mb, Watermarks.names)
         classes = self.pinned_pool_classes_mb
         if list(classes) != sorted(set(classes)):
             raise ValueError(
@@ -255,8 +273,10 @@ class ConductorConfig(_Strict):
     """Resource arbitration between the runtimes; fields from the seed's ``conductor_config``."""
 
     enabled: bool = False
-    vram_soft_cap_mb: NonNegMB = 22000
-    vram_hard_cap_mb: NonNegMB = 23500
+    vram_soft_cap_mb: MBOrAuto = 22000
+    """``"auto"`` (with the hard cap): the card less the margin (NOTE [ Who gives way ])."""
+    vram_hard_cap_mb: MBOrAuto = 23500
+    """``"auto"``: the card's memory."""
     pinned_budget_mb: NonNegMB = 16384
     """Pinned host memory the runtimes' pools may reserve together (weight slabs, activation
     size classes). The weight runtime's host cache is sized by its own ``host_cache_mb`` from
@@ -274,7 +294,10 @@ class ConductorConfig(_Strict):
 
     @model_validator(mode="after")
     def _caps(self) -> ConductorConfig:
-        if self.vram_soft_cap_mb > self.vram_hard_cap_mb:
+        soft, hard = self.vram_soft_cap_mb, self.vram_hard_cap_mb
+        if AUTO in (soft, hard):
+            check_pair(hard, soft, ("vram_hard_cap_mb", "vram_soft_cap_mb"))
+        elif soft > hard:
             raise ValueError(
                 f"vram_soft_cap_mb ({self.vram_soft_cap_mb}) must not be above "
                 f"vram_hard_cap_mb ({self.vram_hard_cap_mb})"

@@ -27,17 +27,22 @@ class PlanRequest(BaseModel):
     preset: dict[str, Any]
     device: str = Field(default="cpu", max_length=32)
     """``cpu`` (this machine, measured once per server) or a named profile: ``rtx3090``,
-    ``rtx4090``, ``rtx5090``, ``h100``."""
+    ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
     vram_gb: float | None = Field(default=None, gt=0, le=4096)
     """Override of the profile's VRAM (GiB)."""
     h2d_gbps: float | None = Field(default=None, gt=0, le=4096)
     tflops: float | None = Field(default=None, gt=0, le=100000)
+    disk_gbps: float | None = Field(default=None, gt=0, le=4096)
+    """The storage rate of file reads (GB/s): blocks without a host-cache image are read from
+    disk at it (the plan's ``transfers.source_mode`` says ``disk``), not from the page cache."""
 
 
 @router.post("/plan")
 def plan(body: PlanRequest, store: StoreDep) -> dict:
     """The plan (``runtime.plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
-    ``steady_band_bytes``, ``host``, ``step_ms`` and the VRAM ``curve`` of one steady step.
+    ``steady_band_bytes``, ``host``, ``step_ms``, ``transfers`` (H2D bytes and block loads per
+    steady step, resident and streamed blocks, where the loads come from), ``bound_ms`` and
+    the VRAM ``curve`` of one steady step.
     With calibrations of the device and the preset's family (finished runs' measured figures),
     the median of their ratios within bounds is applied and ``calibration`` says from which
     runs and which ratios were refused (``backend.calibration.calibration_for``,
@@ -52,14 +57,26 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
 
     try:
         vram = int(body.vram_gb * 2**30) if body.vram_gb else None
-        dev = profile(body.device, vram_bytes=vram, h2d_gbps=body.h2d_gbps, tflops=body.tflops)
+        dev = profile(
+            body.device,
+            vram_bytes=vram,
+            h2d_gbps=body.h2d_gbps,
+            tflops=body.tflops,
+            disk_gbps=body.disk_gbps,
+        )
         name = str(body.preset.get("name") or "(new run)")
         out = plan_preset(body.preset, dev, name=name).to_dict()
     except PlanInputError as exc:
         message = str(exc)
         match = _FIELD.match(message)
         field = match.group(1) if match else None
-        if field is not None and field not in ("device", "h2d_gbps", "tflops", "vram_bytes"):
+        if field is not None and field not in (
+            "device",
+            "h2d_gbps",
+            "tflops",
+            "vram_bytes",
+            "disk_gbps",
+        ):
             field = f"preset.{field}"
         raise Invalid(message, field=field) from None
     except (ValueError, TypeError, KeyError) as exc:

@@ -1,16 +1,48 @@
 // The New run page's plan panel: before Start, "Plan" sends the config being edited to
 // POST /api/plan with a device profile and shows whether it fits (or the knob that makes it
-// fit), peak VRAM, the steady band, host bytes, the step time with its breakdown, and the
-// predicted VRAM over one steady step as a Plotly line.
+// fit), peak VRAM, the steady band, host bytes, the step time with its breakdown, what a
+// steady step moves (resident vs streamed blocks, GB of H2D per step and where the loads come
+// from, the bound max(compute, bytes / H2D)), and the predicted VRAM over one steady step as a
+// Plotly line. Sizes in MiB / GiB (2^20, 2^30 bytes).
 
 import { api } from "./api.js";
 import { BASE_LAYOUT, PLOT_CONFIG } from "./charts.js";
 import { fill, h, showError } from "./ui.js";
 
 const MB = 1024 * 1024;
-const DEVICES = ["cpu", "rtx3090", "rtx4090", "rtx5090", "h100"];
+const GIB = 1024 * MB;
+const DEVICES = ["cpu", "rtx3090", "rtx4090", "rtx5090", "h100", "h100-pcie"];
 
-const mb = (bytes) => `${(bytes / MB).toFixed(1)} MB`;
+const mb = (bytes) => `${(bytes / MB).toFixed(1)} MiB`;
+const gib = (bytes) => `${(bytes / GIB).toFixed(2)} GiB`;
+/** Bytes moved: GiB from 1 GiB up, else MiB (a tiny model moves a few MiB a step). */
+const moved = (bytes) => (bytes >= GIB ? gib(bytes) : mb(bytes));
+
+const SOURCES = {
+  host_cache: "host cache (pinned H2D)", page_cache: "page cache through the readers",
+  disk: "disk through the readers", tracked: "host copies (CPU device)",
+};
+
+/** Resident vs streamed blocks, GB moved per step and from where, the bound (plan.transfers). */
+function transfers(plan) {
+  const t = plan.transfers;
+  if (!t) return [];
+  const from = Object.entries(t.loads_by_source).map(([k, n]) => `${SOURCES[k] || k} ${n}`).join(", ");
+  const b = plan.bound_ms;
+  const resident = h("li", { id: "plan-residency" },
+    h("strong", {}, `${t.resident_blocks} of ${t.resident_blocks + t.streamed_blocks} blocks resident`),
+    ` (${moved(t.resident_block_bytes)}), ${t.streamed_blocks} streamed (${moved(t.streamed_block_bytes)})`);
+  const perStep = h("li", { id: "plan-moved" },
+    h("strong", {}, `${moved(t.h2d_bytes_per_step)} H2D per step`),
+    ` in ${t.block_loads_per_step} block loads${from ? `, from ${from}` : ""}`);
+  const bound = b ? h("li", { id: "plan-bound" },
+    `bound max(compute ${b.compute.toFixed(1)} ms, H2D ${b.h2d.toFixed(1)} ms) = ${b.bound.toFixed(1)} ms; plan ${plan.step_ms.total.toFixed(1)} ms`) : null;
+  const a = plan.auto_watermarks;
+  const auto = a ? h("li", { id: "plan-auto" }, `"auto": weight watermarks ${a.high_mb.toFixed(0)} / ${a.low_mb.toFixed(0)} MiB`
+    + (a.activation_mb ? `, activation ${a.activation_mb[0].toFixed(0)} / ${a.activation_mb[1].toFixed(0)} MiB` : "")
+    + (a.conductor_caps_mb ? `, Conductor caps ${a.conductor_caps_mb[0].toFixed(0)} / ${a.conductor_caps_mb[1].toFixed(0)} MiB` : "")) : null;
+  return [resident, perStep, bound, auto];
+}
 
 /** The plan's numbers as a few lines. */
 function summary(plan) {
@@ -29,6 +61,7 @@ function summary(plan) {
       h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
       h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}, of it host cache ${mb(plan.host.host_cache_bytes ?? 0)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
       h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
+      ...transfers(plan),
       plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
 }
 
@@ -49,12 +82,12 @@ function curve(el, plan) {
   const c = plan.curve;
   const data = [{
     x: c.t_ms, y: c.bytes.map((b) => b / MB), text: c.event, type: "scatter", mode: "lines",
-    line: { shape: "hv", width: 1.5 }, name: "predicted VRAM (MB)",
+    line: { shape: "hv", width: 1.5 }, name: "predicted VRAM (MiB)",
   }];
   const layout = {
     ...BASE_LAYOUT, title: { text: "Predicted VRAM over one steady step", font: { size: 13 } },
     xaxis: { ...BASE_LAYOUT.xaxis, title: { text: "ms" } },
-    yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "MB" } }, hovermode: "closest",
+    yaxis: { ...BASE_LAYOUT.yaxis, title: { text: "MiB" } }, hovermode: "closest",
   };
   if (window.Plotly) window.Plotly.react(el, data, layout, PLOT_CONFIG);
 }

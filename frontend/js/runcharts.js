@@ -193,6 +193,9 @@ export class RunCharts {
         if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
         if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
         if (this.blockRecords === 0) this._vramPoint(t, rec, `<br>step ${step}`);
+        if (rec.h2d_bytes !== undefined) c.transfers.push(0, step, rec.h2d_bytes / 1e9);
+        c.transfers.push(1, step, rec.blocks_loaded);
+        c.transfers.push(2, step, rec.resident_blocks);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);

@@ -14,7 +14,7 @@ const COLORS = {
 };
 
 /** Chart ids, in page order (the tests read `document.getElementById(id).data`). */
-export const CHART_IDS = ["vram", "residency", "host", "spill", "spill-pool", "phases", "loss", "conductor"];
+export const CHART_IDS = ["vram", "residency", "transfers", "host", "spill", "spill-pool", "phases", "loss", "conductor"];
 
 function stepAxis() {
   return { title: { text: "step" } };
@@ -41,6 +41,16 @@ export function buildRunCharts(divs, width) {
       layout: { xaxis: { title: { text: "time since start (s)" } }, yaxis: { title: { text: "MB" } } },
     }),
     residency: new ResidencyMap(divs.residency, { title: "Block residency (on device over time)", width }),
+    transfers: new LiveChart(divs.transfers, {
+      title: "Weights moved per step (H2D)",
+      width,
+      traces: [
+        { name: "H2D (GB)", type: "bar", marker: { color: "#7fb3e6" }, hovertemplate: "%{y:.3f} GB" },
+        { name: "block loads", yaxis: "y2", mode: "lines+markers", line: { color: "#1f5fa8", width: 1.5 }, marker: { size: 4 } },
+        { name: "resident blocks", yaxis: "y2", mode: "lines", line: { color: "#2e9e5b", dash: "dash" } },
+      ],
+      layout: { xaxis: stepAxis(), yaxis: { title: { text: "GB (1e9 B)" }, rangemode: "tozero" }, yaxis2: { title: { text: "blocks" }, rangemode: "tozero" } },
+    }),
     host: new LiveChart(divs.host, {
       title: "Host memory (MB)",
       width,

@@ -125,6 +125,47 @@ def section_scale(spec: RealModel, size: str) -> float:
     return largest_block_bytes(spec, size) / largest_block_bytes(spec, "real")
 
 
+CARD_BYTES = 24 * 2**30
+"""The card a tiny row's ``"auto"`` figures are resolved for (then scaled): a 24 GiB card."""
+
+
+def card_section(spec: RealModel, memory: dict[str, Any]) -> dict[str, Any]:
+    """``memory`` with its ``"auto"`` stagehand fields as a real-size run of ``spec`` (LoRA
+    attached) resolves them at build on a ``CARD_BYTES`` card (``runtime.strategy.auto``), in
+    MB: what a tiny row scales, since a tiny model on the CPU has no card of its own."""
+    from runtime.config import MemoryConfig
+    from runtime.plan.inventory import add_lora, meta_model
+    from runtime.strategy.auto import has_auto, resolve_auto, trainable_bytes
+    from runtime.weights.defaults import block_bytes
+    from runtime.weights.registry import find_blocks
+
+    section = MemoryConfig.model_validate(copy.deepcopy(memory)).stagehand
+    if not has_auto(section):
+        return copy.deepcopy(memory)
+    model = meta_model(spec.class_name, spec.model_config("real"), torch.bfloat16)
+    add_lora(model, spec.lora_rank, spec.lora_targets)
+    sizes = block_bytes(find_blocks(model, section.block_pattern))
+    resolved = resolve_auto(
+        section,
+        block_sizes=sizes,
+        trainable=trainable_bytes(model),
+        activation_peak=0,
+        card_bytes=CARD_BYTES,
+    ).model_dump()
+
+    def numbers(given: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: numbers(v, done[k]) if isinstance(v, dict) else done[k] if v == "auto" else v
+            for k, v in given.items()
+        }
+
+    stagehand = numbers(memory["stagehand"], resolved)
+    if "conductor_config" in stagehand:  # Rule 1's threshold goes with "auto" (NOTE there)
+        threshold = resolved["conductor_config"]["backward_pressure_threshold"]
+        stagehand["conductor_config"]["backward_pressure_threshold"] = threshold
+    return {**memory, "stagehand": stagehand}
+
+
 def scale_section(section: Any, factor: float) -> Any:
     """A copy of a memory section with every ``*_mb`` number multiplied by ``factor`` (nested
     dicts included; lists such as ``pinned_pool_classes_mb`` element-wise). The weight pool's

@@ -19,6 +19,9 @@ row                    memory section
 ``preset``             the model's preset ``memory`` section as is (flux-dev-24gb: streaming
                        + activation spill + Conductor)
 ``layer_offload_0.9``  ``presets/flux-2048-layer-offload.json``'s section
+``stream_half``        ``stream_file`` with a budget for half the blocks' bytes: low watermark
+                       resident + half, high a window above (``h2d_expected_bytes``: 2 x the
+                       bytes that do not fit, NOTE [ Eviction policy ])
 =====================  ====================================================================
 
 Probes (``probe``): pinned and pageable H2D GB/s, page cache -> pinned buffer read GB/s on 1,
@@ -48,6 +51,7 @@ import torch
 
 from runtime.bench.realmodel import (
     build_weights,
+    card_section,
     load_lora_model,
     preset_memory,
     real_model,
@@ -63,11 +67,13 @@ ROWS = (
     "stream_module",
     "preset",
     "layer_offload_0.9",
+    "stream_half",
 )
 SQUAREQ_ROWS = {"stream_file_int8": "int8", "stream_file_fp8": "fp8_e4m3"}
 LAYER_OFFLOAD_PRESET = "flux-2048-layer-offload"
 _STREAM_ONLY_DROP = ("activation_stagehand", "conductor_config", "text_encoder_block_swap")
 GB = 1e9
+MB = 2**20
 
 
 def row_memory(name: str, model: str, size: str) -> dict[str, Any]:
@@ -77,13 +83,16 @@ def row_memory(name: str, model: str, size: str) -> dict[str, Any]:
         ValueError: unknown row (the message lists them).
     """
     spec = real_model(model)
-    preset = scale_section(preset_memory(spec.preset), section_scale(spec, size))
+    preset = preset_memory(spec.preset)
+    if size != "real":  # "auto" is resolved on the run's own card; a tiny row has none
+        preset = card_section(spec, preset)
+    preset = scale_section(preset, section_scale(spec, size))
     stream = {k: v for k, v in preset["stagehand"].items() if k not in _STREAM_ONLY_DROP}
     checkpointed = {"gradient_checkpointing": True}
     if name == "resident":
         return {"strategy": "none", **checkpointed}
-    if name in ("stream_file", "stream_module"):
-        section = {**stream, "file_backed": name == "stream_file"}
+    if name in ("stream_file", "stream_module", "stream_half"):
+        section = {**stream, "file_backed": name != "stream_module"}
         return {"strategy": "stagehand", **checkpointed, "stagehand": section}
     if name in SQUAREQ_ROWS:
         section = {**stream, "file_backed": True, "squareq": {"format": SQUAREQ_ROWS[name]}}
@@ -93,6 +102,18 @@ def row_memory(name: str, model: str, size: str) -> dict[str, Any]:
     if name == "layer_offload_0.9":
         return preset_memory(LAYER_OFFLOAD_PRESET)
     raise ValueError(f"real-size rows are {list(ROWS)}, got {name!r}")
+
+
+def half_budget(weights: Any) -> int:
+    """Watermarks for ``stream_half`` on the weight runtime ``weights``: low = its resident
+    bytes + half the blocks' bytes, high = low + the window's largest blocks. Returns the H2D
+    bytes a steady step should move: 2 x the blocks' bytes over the budget."""
+    sizes = sorted((b.nbytes for b in weights.blocks), reverse=True)
+    half = sum(sizes) // 2
+    low = weights.resident_bytes + half
+    high = low + sum(sizes[: weights.scheduler.window])
+    weights.set_watermarks(high / MB, low / MB)
+    return 2 * (sum(sizes) - half)
 
 
 # -- child jobs (runtime.bench.worker.JOBS) ----------------------------------------------------
@@ -187,6 +208,7 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     strategy = build_strategy(
         model, memory, device=device, telemetry=Telemetry(ListSink()), checkpoint_dir=job["folder"]
     )
+    expected = half_budget(strategy.weights) if job["row"] == "stream_half" else None
     setup_s = time.perf_counter() - t0
     latent_hw, text_len = spec.inputs_shape(size)
     inputs = example_inputs(
@@ -213,6 +235,7 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
         # What a host cache holds of the blocks (8-bit images with SquareQ), the cache on or not.
         "host_image_bytes": sum(b.staged_bytes for b in blocks if not b.trainable),
         "squareq": {k: v for k, v in squareq.items() if k != "worst_layers"},
+        **({"h2d_expected_bytes": expected} if expected is not None else {}),
         "counters": counters,
         "attention": attention.as_record(),
     }

@@ -47,6 +47,10 @@ def _notes(row: dict[str, Any]) -> str:
     if row.get("squareq"):
         q = row["squareq"]
         notes.append(f"rel RMS max {q['rel_rms_max']:.4f} ({q['worst_layer']})")
+    if "h2d_expected_bytes" in row:
+        notes.append(
+            f"H2D / 2 x over budget {row['h2d_bytes_per_step'] / row['h2d_expected_bytes']:.3f}"
+        )
     if row["name"].startswith("layer_offload"):
         notes.append(LAYER_OFFLOAD_RSS_NOTE)
     return ", ".join(notes)

@@ -202,7 +202,15 @@ def family_of(config: dict[str, Any]) -> str:
     return str(config.get("model_type") or model.get("factory") or "unknown")
 
 
-PROFILE_NAMES = {"3090": "rtx3090", "4090": "rtx4090", "5090": "rtx5090", "h100": "h100"}
+PROFILE_NAMES = {
+    "3090": "rtx3090",
+    "4090": "rtx4090",
+    "5090": "rtx5090",
+    "h100 pcie": "h100-pcie",
+    "h100": "h100",
+}
+"""Device-name parts to profiles, the first that matches wins (an "NVIDIA H100 PCIe" is the
+PCIe profile, any other H100 the SXM5 one)."""
 
 
 def profile_name(device: str | None, device_name: str | None) -> str | None:

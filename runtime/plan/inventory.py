@@ -13,6 +13,7 @@ parameters left out, one entry per distinct storage offset) and its forward FLOP
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,13 +304,15 @@ class _FlashAttention(TorchFunctionMode):
 
 def inventory(
     model: nn.Module,
-    inputs: dict[str, Any],
+    inputs: dict[str, Any] | Callable[[nn.Module], Any],
     *,
     block_pattern: str | None = None,
     resident_trainable_max_fraction: float = 0.1,
 ) -> Inventory:
-    """Measure ``model`` (on ``meta``, with its adapter added) at ``inputs`` (``meta`` tensors):
-    one forward, a mean-square loss and one backward, all on ``meta``.
+    """Measure ``model`` (on ``meta``, with its adapter added) at ``inputs``: one forward, a
+    mean-square loss and one backward, all on ``meta``. ``inputs`` is ``model(**inputs)``'s
+    keyword arguments (``meta`` tensors), or a callable making the forward
+    (``runtime.plan.calls.family_call``: a pipeline family's own call).
 
     Raises:
         BlockDiscoveryError: the weight runtime finds no blocks (``block_pattern``).
@@ -372,7 +375,8 @@ def inventory(
     saving = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
     try:
         with flops, attention, ops, saving:
-            out = output_tensor(model(**inputs)).float().pow(2).mean()  # the loss
+            pred = inputs(model) if callable(inputs) else model(**inputs)
+            out = output_tensor(pred).float().pow(2).mean()  # the loss
     finally:
         for h in handles:
             h.remove()

@@ -8,7 +8,8 @@ would turn, in order, and names the first that fits.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from runtime.config import MB, MemoryConfig
+from runtime.plan.baseline import worker_baseline_bytes
 from runtime.plan.inventory import (
     Inventory,
     PlanInputError,
@@ -25,7 +27,9 @@ from runtime.plan.inventory import (
     meta_model,
 )
 from runtime.plan.profiles import DeviceProfile
-from runtime.plan.simulate import Simulation, StepResult, weight_section
+from runtime.plan.sections import weight_section
+from runtime.plan.simulate import Simulation, StepResult
+from runtime.plan.sources import host_cache_budget
 
 EFFICIENCY = {"gpu": 0.45, "cpu": 1.0}
 """Share of peak TFLOPs a block reaches. GPU: bf16 transformer training kernels at 40-50% of
@@ -51,6 +55,11 @@ class Plan:
     """The first change that makes a plan that does not fit fit (``None`` when it fits or
     nothing tried does)."""
     efficiency: float
+    inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Shapes the model was measured at (``latents``, ``text``, ``pooled`` for a pipeline
+    family's call; the keyword arguments' otherwise)."""
+    auto_watermarks: dict[str, Any] | None = None
+    """What ``"auto"`` fields became (``auto_figures``), when the preset has any."""
 
     @property
     def steady(self) -> StepResult:
@@ -81,7 +90,8 @@ class Plan:
         file_backed = streaming and self.memory.get("strategy") == "stagehand"
         file_backed = file_backed and sh.get("file_backed", True)
         masters = 0 if file_backed or not streaming else inv.block_bytes
-        cache = host_cache_bytes(inv, self.memory, self.profile) if streaming else 0
+        cache = host_cache_budget(inv, self.memory, self.profile) if streaming else 0
+        worker = worker_baseline_bytes()  # the process itself (baseline.py)
         return {
             "preset": self.preset,
             "device": self.profile.to_dict(),
@@ -89,6 +99,7 @@ class Plan:
             "fits": self.fits,
             "knob": self.knob,
             "model": inv.to_dict(),
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
             "memory": self.memory,
             "efficiency": self.efficiency,
             "peak_bytes": {"trace_step": first.peak_bytes, "steady": s.peak_bytes},
@@ -96,10 +107,12 @@ class Plan:
             "host": {  # stage 2; on a CPU device the device bytes are host bytes too
                 # Images of file-backed blocks are host memory of their own; module-backed
                 # ones are the masters, moved (counted once).
-                "ram_peak_bytes": pinned
+                "ram_peak_bytes": worker
+                + pinned
                 + masters
                 + (cache if file_backed else 0)
-                + (s.peak_bytes if self.profile.tracked else 0),
+                + (max(s.peak_bytes, first.peak_bytes) if self.profile.tracked else 0),
+                "worker_baseline_bytes": worker,
                 "block_masters_bytes": masters,
                 "host_cache_bytes": cache,
                 "pinned_bytes": pinned + cache,
@@ -117,6 +130,9 @@ class Plan:
             },
             "blocks_loaded": s.blocks_loaded,
             "h2d_bytes": s.h2d_bytes,
+            "transfers": self.transfers(),
+            "auto_watermarks": self.auto_watermarks,
+            "bound_ms": self.bound_ms(),
             "curve": {
                 "t_ms": [t for t, _, _ in s.curve],
                 "bytes": [b for _, b, _ in s.curve],
@@ -124,25 +140,78 @@ class Plan:
             },
         }
 
+    def transfers(self) -> dict[str, Any]:
+        """What a steady step moves (bytes, counts): H2D bytes and block loads, the blocks that
+        stay on the device through it (resident) and those loaded in it (streamed), the loads
+        per source and the mode they make (NOTE [ Where a load's bytes come from ])."""
+        s, blocks = self.steady, self.inventory.blocks
+        streaming = s.blocks_loaded > 0 or s.streamed_blocks > 0
+        resident = len(blocks) - s.streamed_blocks if streaming else len(blocks)
+        resident_bytes = s.resident_block_bytes if streaming else self.inventory.block_bytes
+        sources = dict(sorted(s.loads_by_source.items()))
+        return {
+            "h2d_bytes_per_step": s.h2d_bytes,
+            "block_loads_per_step": s.blocks_loaded,
+            "trace_step_h2d_bytes": self.steps[0].h2d_bytes,
+            "resident_blocks": resident,
+            "resident_block_bytes": resident_bytes,
+            "streamed_blocks": len(blocks) - resident,
+            "streamed_block_bytes": self.inventory.block_bytes - resident_bytes,
+            "loads_by_source": sources,
+            "read_bytes_per_step": s.read_bytes,
+            "source_mode": "+".join(sources) or "none",
+        }
 
-def host_cache_bytes(inv: Inventory, memory: dict[str, Any], profile: DeviceProfile) -> int:
-    """Bytes of the weight runtime's host-cache images in a streamed run (its rules, in
-    ``runtime/weights/host_cache.py``): only frozen blocks have one. Module-backed blocks
-    (``file_backed: false``, layer offload) are all registered on a GPU, or on a CPU device
-    with ``host_cache_mb`` set. File-backed blocks are cached up to ``host_cache_mb``; left
-    out, on a GPU up to the RAM available above a margin, which a plan does not know: every
-    frozen block is counted (the most it holds), and none on a CPU device (off there)."""
-    sh = memory.get("stagehand") or {}
-    squareq = memory.get("strategy") == "stagehand" and sh.get("squareq")  # 8-bit images
-    frozen = sum(b.image_bytes if squareq else b.nbytes for b in inv.blocks if b.frozen)
-    mb = sh.get("host_cache_mb")
-    on = not profile.tracked if mb is None else mb > 0
-    file_backed = memory.get("strategy") == "stagehand" and sh.get("file_backed", True)
-    if not file_backed:
-        return frozen if (on or not profile.tracked) else 0
-    if not on:
-        return 0
-    return frozen if mb is None else min(frozen, int(mb * MB))
+    def bound_ms(self) -> dict[str, float]:
+        """The step's bound, ``max(compute, H2D bytes / pinned H2D rate)`` (ms), beside the
+        plan's step: how far the schedule is from hiding every copy behind compute."""
+        s = self.steady
+        h2d = s.h2d_bytes / (self.profile.h2d_gbps * 1e9) * 1e3
+        bound = max(s.compute_ms, h2d)
+        return {
+            "compute": round(s.compute_ms, 3),
+            "h2d": round(h2d, 3),
+            "bound": round(bound, 3),
+            "x_bound": round(s.step_ms / bound, 3) if bound else None,
+        }
+
+
+def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -> dict | None:
+    """What the ``"auto"`` fields of ``config`` become on ``profile`` (the strategy's own
+    ``runtime.strategy.auto.resolve_auto``, called by ``weight_section`` with the plan's
+    activation estimate) and the figures of the rule (bytes; MB for the limits), or None when
+    no field says ``"auto"``.
+
+    Raises:
+        PlanInputError: the budget is too small for the window (the rule's message).
+    """
+    from runtime.plan.sections import block_sizes, planned_activations
+    from runtime.strategy.auto import device_budget, has_auto
+    from runtime.weights.auto import margin_bytes
+
+    sh = config.stagehand
+    if config.strategy != "stagehand" or not has_auto(sh):
+        return None
+    section = weight_section(inv, config, profile)
+    sizes = sorted(block_sizes(inv), reverse=True)
+    card = None if profile.tracked else profile.vram_bytes
+    budget = device_budget(sh, card)
+    act, cond = section.activation_stagehand, section.conductor_config
+    return {
+        "device_bytes": budget,
+        "activation_peak_bytes": planned_activations(inv, config.gradient_checkpointing),
+        "trainable_bytes": 2 * inv.lora_bytes + inv.optimizer_bytes,
+        "window_bytes": sum(sizes[: section.prefetch_window_blocks]),
+        "margin_bytes": margin_bytes(budget, card is not None) if budget else 0,
+        "high_mb": round(section.vram_high_watermark_mb, 1),
+        "low_mb": round(section.vram_low_watermark_mb, 1),
+        "activation_mb": [round(act.vram_high_watermark_mb, 1), round(act.vram_low_watermark_mb, 1)]
+        if act is not None
+        else None,
+        "conductor_caps_mb": [round(cond.vram_soft_cap_mb, 1), round(cond.vram_hard_cap_mb, 1)]
+        if cond is not None and cond.enabled
+        else None,
+    }
 
 
 def simulate(
@@ -215,14 +284,15 @@ def check_memory(memory: Any) -> MemoryConfig:
 
 def plan_model(
     model: torch.nn.Module,
-    inputs: dict[str, Any],
+    inputs: dict[str, Any] | Callable[[torch.nn.Module], Any],
     memory: dict[str, Any],
     profile: DeviceProfile,
     *,
     name: str = "(model)",
     efficiency: float | None = None,
 ) -> Plan:
-    """The plan of ``model`` (on ``meta``, adapter added) at ``inputs`` under ``memory``.
+    """The plan of ``model`` (on ``meta``, adapter added) at ``inputs`` (``inventory``'s:
+    keyword arguments or a call) under ``memory``.
 
     Raises:
         PlanInputError: a bad memory section (naming the field).
@@ -237,6 +307,7 @@ def plan_model(
     )
     eff = efficiency or EFFICIENCY["cpu" if profile.tracked else "gpu"]
     steps = simulate(inv, config, profile, eff)
+    auto = auto_figures(inv, config, profile)
     vram = profile.vram_bytes
     fits = not vram or steps[-1].peak_bytes <= vram and steps[0].peak_bytes <= vram
     knob = None
@@ -247,16 +318,41 @@ def plan_model(
             if max(s.peak_bytes for s in trial_steps) <= vram:
                 knob = {**candidate, "peak_bytes": trial_steps[-1].peak_bytes}
                 break
-    return Plan(name, profile, inv, memory, steps, fits, knob, eff)
+    shapes = getattr(inputs, "shapes", None)
+    if shapes is None and isinstance(inputs, dict):
+        shapes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return Plan(name, profile, inv, memory, steps, fits, knob, eff, shapes or {}, auto)
 
 
-def preset_model(preset: Any) -> torch.nn.Module:
-    """The transformer of a validated ``Preset`` on ``meta``, LoRA added (rank, targets).
+def preset_family(preset: Any) -> Any:
+    """The trainer's family adapter bound to ``model.path`` when it is a pipeline folder
+    (``runtime.trainer.setup.pipeline_family``), else None (a factory or single model folder).
+
+    Raises:
+        PlanInputError: the folder or a component is wrong (naming ``model.path``).
+    """
+    from runtime.trainer.pipelines import PipelineFolderError
+    from runtime.trainer.setup import pipeline_family
+
+    if preset.model.path is None:
+        return None
+    try:
+        return pipeline_family(preset, torch.device("meta"))
+    except (PipelineFolderError, ValueError) as exc:
+        raise PlanInputError(f"model.path: {exc}") from None
+
+
+def preset_model(preset: Any, family: Any = None) -> torch.nn.Module:
+    """The transformer of a validated ``Preset`` on ``meta``, LoRA added (rank, targets): a
+    pipeline folder's is the one its ``family`` trains (``preset_family`` when not given),
+    with the family's LoRA targets unless the preset names some (as the trainer does).
 
     Raises:
         PlanInputError: neither ``model.factory`` nor ``model.path``, or a folder without a
             transformer config (naming ``model.path``).
     """
+    from runtime.trainer.setup import family_targets
+
     dtype = getattr(torch, preset.model.dtype)
     m = preset.model
     if m.factory is not None:
@@ -264,21 +360,12 @@ def preset_model(preset: Any) -> torch.nn.Module:
 
         model = meta_model(MODEL_CLASSES[m.factory], check_spec(m.factory, m.size), dtype)
     elif m.path is not None:
-        folder = Path(m.path).expanduser()
-        if (folder / "model_index.json").is_file():
-            folder = folder / "transformer"
+        family = family or preset_family(preset)
+        folder = Path(m.path).expanduser() if family is None else family.transformer_dir
         model = folder_model(folder, dtype)
+        preset = family_targets(preset, family)
     else:
         raise PlanInputError("model: give model.factory or model.path")
-    if m.path is not None:
-        # A pipeline folder trains its family's community targets unless the preset names some.
-        from runtime.trainer.pipelines import PipelineFolderError
-        from runtime.trainer.setup import family_targets, pipeline_family
-
-        try:
-            preset = family_targets(preset, pipeline_family(preset, torch.device("meta")))
-        except PipelineFolderError as exc:
-            raise PlanInputError(f"model.path: {exc}") from None
     try:
         add_lora(model, preset.rank, list(preset.lora.target_modules))
     except ValueError as exc:
@@ -286,20 +373,41 @@ def preset_model(preset: Any) -> torch.nn.Module:
     return model
 
 
-def preset_inputs(model: torch.nn.Module, preset: Any, text_len: int | None) -> dict[str, Any]:
-    """``meta`` inputs at the preset's resolution (8x VAE), batch and caption length."""
-    from runtime.assets import example_inputs
+def preset_inputs(
+    model: torch.nn.Module, preset: Any, text_len: int | None, family: Any = None
+) -> Any:
+    """What ``inventory`` runs the model on: for a pipeline folder the trainer's own call
+    (``calls.family_call``: the family's latents, text and ``predict`` on ``meta``), else
+    ``meta`` keyword arguments of a factory model at the preset's resolution (8x VAE), batch
+    and caption length.
 
+    Raises:
+        PlanInputError: a single model folder of a class the factory does not know (its
+            inputs come from its pipeline: give the pipeline folder), or a field the shapes
+            come from is wrong (named).
+    """
+    from runtime.assets import example_inputs
+    from runtime.plan.calls import family_call
+
+    family = family or preset_family(preset)
+    if family is not None:
+        return family_call(family, model, preset, text_len)
     side = preset.resolution // 8
     side -= side % 2
-    return example_inputs(
-        model,
-        batch_size=preset.batch_size,
-        latent_hw=(side, side),
-        text_len=text_len or preset.data.max_caption_tokens,
-        frames=preset.data.frames or 2,
-        device="meta",
-    )
+    try:
+        return example_inputs(
+            model,
+            batch_size=preset.batch_size,
+            latent_hw=(side, side),
+            text_len=text_len or preset.data.max_caption_tokens,
+            frames=preset.data.frames or 2,
+            device="meta",
+        )
+    except TypeError as exc:
+        raise PlanInputError(
+            f"model.path: {exc}; a plan builds its inputs from the pipeline folder "
+            "(model_index.json beside transformer/): give that folder"
+        ) from None
 
 
 def plan_preset(
@@ -325,7 +433,8 @@ def plan_preset(
         raise PlanInputError("; ".join(lines)) from None
     if preset.training_method != "lora":
         raise PlanInputError("training_method: the planner models LoRA runs only")
-    model = preset_model(preset)
-    inputs = preset_inputs(model, preset, text_len)
+    family = preset_family(preset)
+    model = preset_model(preset, family)
+    inputs = preset_inputs(model, preset, text_len, family)
     memory = data.get("memory") or {"strategy": "none"}
     return plan_model(model, inputs, memory, profile, name=name, efficiency=efficiency)

@@ -9,11 +9,20 @@ Sources of the table (figures not measured here; the project's machines have no 
 
 - bf16 dense tensor TFLOPs with FP32 accumulate: NVIDIA Ampere GA102 whitepaper (RTX 3090:
   71), Ada Lovelace whitepaper (RTX 4090: 165.2), RTX Blackwell GPU architecture whitepaper
-  (RTX 5090: 209.5), H100 Tensor Core GPU datasheet (H100 SXM: 989.4).
-- Memory GB/s: the same documents (936, 1008, 1792, 3350).
+  (RTX 5090: 209.5), H100 Tensor Core GPU datasheet (H100 SXM5 80GB: 989.4; H100 PCIe 80GB:
+  756.5, half its 1,513 "with sparsity").
+- Memory GB/s: the same documents (936, 1008, 1792; H100 SXM5 HBM3 3350, H100 PCIe HBM2e
+  2000).
 - Pinned H2D GB/s: what CUDA's ``bandwidthTest --memory=pinned`` typically reports on the card's
   host link, about 80% of the link's raw rate: PCIe 4.0 x16 (32 GB/s raw) 25 GB/s; PCIe 5.0 x16
-  (64 GB/s raw) 50 GB/s. Pass ``--h2d-gbps`` with your own measurement to replace it.
+  (64 GB/s raw) 50 GB/s (both H100 forms have a PCIe 5.0 x16 host link; an H100 SXM5 80GB
+  HBM3 measured 49.5 GB/s here, ``docs/perf-gpu.md``). Pass ``--h2d-gbps`` with your own
+  measurement to replace it.
+- Page cache -> pinned slab read GB/s (``read_gbps``): the same H100 host with 4 reader
+  threads measured 13.9 GB/s (4.4 on 1, 22.8 on 8; ``docs/perf-gpu.md``); every GPU profile
+  uses the 4-thread figure (the runtime's readers: half the host's cores, 2 to 8). A host's
+  own figure replaces it (``read_gbps`` override); ``--disk-gbps`` says the files come from
+  storage at that rate instead.
 """
 
 from __future__ import annotations
@@ -44,9 +53,13 @@ class DeviceProfile:
     """Fixed cost of one block load beyond its bytes, us, where it is not hidden (a CPU device:
     a fresh allocation's page faults, the parameters re-viewed)."""
     disk_gbps: float | None = None
-    """File read bandwidth for file-backed blocks (GB/s), paid on top of ``h2d_gbps``; None:
-    free (a GPU's reads from the page cache overlap its copies). On a CPU device: what reading
-    the slab from the page cache costs beyond copying it from the host masters."""
+    """On a GPU: the storage read rate of file-backed blocks without a host-cache image (GB/s;
+    None: the files are in the page cache, read at ``read_gbps``). On a CPU device: what
+    reading the slab from the page cache costs beyond copying it from the host masters."""
+    read_gbps: float = 13.9
+    """Page cache -> pinned slab read rate of the weight runtime's reader threads (GB/s): a
+    GPU's file-backed loads without a host-cache image (NOTE [ Where a load's bytes come from ]
+    in ``simulate.py``)."""
     tracked: bool = False
     """A CPU "device": figures are the runtimes' tracked bytes."""
     synchronous_copies: bool = False
@@ -80,7 +93,20 @@ PROFILES: dict[str, DeviceProfile] = {
         1792.0,
     ),
     "h100": DeviceProfile(
-        "h100", 80 * GIB, 989.4, 50.0, "H100 SXM datasheet; PCIe 5.0 x16 bandwidthTest", 3350.0
+        "h100",
+        80 * GIB,
+        989.4,
+        50.0,
+        "H100 SXM5 80GB HBM3 datasheet; PCIe 5.0 x16 host link, bandwidthTest",
+        3350.0,
+    ),
+    "h100-pcie": DeviceProfile(
+        "h100-pcie",
+        80 * GIB,
+        756.5,
+        50.0,
+        "H100 PCIe 80GB HBM2e datasheet; PCIe 5.0 x16 bandwidthTest",
+        2000.0,
     ),
 }
 
@@ -147,7 +173,7 @@ def cpu_profile(dtype: str = "float32") -> DeviceProfile:
 
 def profile(name: str, **overrides: float) -> DeviceProfile:
     """The profile ``name`` (a key of ``PROFILES`` or ``cpu``) with ``overrides`` applied
-    (``vram_bytes``, ``tflops``, ``h2d_gbps``, ``disk_gbps``).
+    (``vram_bytes``, ``tflops``, ``h2d_gbps``, ``disk_gbps``, ``read_gbps``).
 
     Raises:
         PlanInputError: unknown name (field ``device``), or an override <= 0 (naming it).

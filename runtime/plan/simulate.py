@@ -10,6 +10,21 @@ eviction policy (``prefetch``, ``make_room``, ``release_after_use`` in
 profile's TFLOPs times an efficiency, H2D copies at the profile's bandwidth on one copy engine
 with ``max_inflight_transfers`` slots and the pool's slabs, synchronous on a CPU device.
 
+# NOTE [ Where a load's bytes come from ]
+On a GPU a block load is one of (``StepResult.loads_by_source``):
+
+- ``host_cache``: the block has a pinned image in the host cache (``runtime/weights/host_cache.py``:
+  a file-backed frozen block's image is made by its first load while the cache's budget holds;
+  module-backed blocks are registered at set-up): one H2D copy at ``h2d_gbps``;
+- ``page_cache`` / ``disk``: a file-backed block without an image is read by the reader threads
+  into a pinned slab, then copied: two stages, the reads on their own timeline at
+  ``read_gbps`` (the page cache, the default) or ``disk_gbps`` (``--disk-gbps``: the files come
+  from storage), each copy starting when its read is done and the copy engine is free. Reads of
+  later blocks overlap earlier copies, so a long run of loads goes at the slower of the two.
+
+The plan's ``source_mode`` names the mode of the steady step's loads. A CPU device keeps its
+calibrated model (one synchronous copy, plus ``disk_gbps`` per file-backed byte).
+
 Device bytes follow the runtime's accounting: resident bytes, the buffers of loaded blocks, and
 activations. On a CPU device (``tracked``) activations count only when the activation runtime
 keeps them (it is what tracks them); on a GPU every kept activation is in VRAM.
@@ -31,14 +46,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.activations.budget import ActivationBudgetManager
-from runtime.config import MB, MemoryConfig, StagehandSection
+from runtime.config import MB, MemoryConfig
 from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
-from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.plan.inventory import BlockInfo, Inventory
 from runtime.plan.profiles import DeviceProfile
-from runtime.weights.defaults import resolve
-from runtime.weights.policy import make_room, prefetch, release_after_use
-from runtime.weights.registry import ALIGN
+from runtime.plan.sections import weight_section
+from runtime.plan.sources import host_cache_budget
+from runtime.weights.policy import make_room, prefetch, release_after_use, room_for_use
 from runtime.weights.scheduler import BlockScheduler
 
 
@@ -62,6 +76,8 @@ class _Block:
     ready_at: float = 0.0
     prefetched: bool = False
     resident: bool = False
+    cached: bool = False
+    """Has a pinned image in the host cache (NOTE [ Where a load's bytes come from ])."""
 
     staged: int = 0
     """Bytes staged, cached and copied per load: the 8-bit image with SquareQ, else ``nbytes``."""
@@ -88,31 +104,16 @@ class StepResult:
     blocks_loaded: int = 0
     h2d_bytes: int = 0
     spilled_bytes: int = 0
+    loads_by_source: dict[str, int] = field(default_factory=dict)
+    """Block loads per source (NOTE [ Where a load's bytes come from ]; ``tracked`` on CPU)."""
+    read_bytes: int = 0
+    """Bytes the reader threads read from files (page cache or disk) into slabs."""
+    streamed_blocks: int = 0
+    """Distinct blocks loaded in the step; the others stayed on the device through it."""
+    resident_block_bytes: int = 0
+    """Bytes of the blocks on the device through the whole step (never loaded in it)."""
     curve: list[tuple[float, int, str]] = field(default_factory=list)
     """``(t_ms, device bytes, event)`` at every change."""
-
-
-def weight_section(
-    inv: Inventory, memory: MemoryConfig, profile: DeviceProfile
-) -> StagehandSection | None:
-    """The weight and activation runtimes' settings a run of ``memory`` uses: the preset's
-    ``stagehand`` section, or for layer offload the one its strategy derives (``section_for``,
-    from the inventory's largest block and weights and the profile's memory)."""
-    if memory.strategy != "layer_offload":
-        sh = memory.stagehand
-        if sh is None:
-            return None
-        # The pipeline settings the preset leaves out, as the runtime derives them.
-        sizes = [-(-b.param_bytes // ALIGN) * ALIGN for b in inv.blocks]
-        cuda = not profile.tracked
-        return resolve(sh, sizes, cuda=cuda, vram_bytes=profile.vram_bytes if cuda else 0)
-    weights = inv.param_bytes + inv.buffer_bytes
-    return section_for(
-        memory,
-        largest_block_bytes=max((b.param_bytes for b in inv.blocks), default=0),
-        ceiling_mb=ceiling_mb(weights, None if profile.tracked else profile.vram_bytes),
-        cuda=not profile.tracked,
-    )
 
 
 class Simulation:
@@ -152,6 +153,11 @@ class Simulation:
             self.slab_bytes = sh.pinned_slab_mb * MB
             self.slabs = sh.pinned_pool_mb // sh.pinned_slab_mb
             self.file_backed = sh.file_backed
+            self.cache_left = host_cache_budget(inv, memory, profile)
+            if not self.file_backed and not self.tracked:  # registered at set-up
+                for block in self.blocks:
+                    block.cached = block.info.frozen and self._take_image(block)
+        self.read_free = 0.0
         self.budget = None
         if self.act is not None:
             self.budget = ActivationBudgetManager(
@@ -181,6 +187,19 @@ class Simulation:
         block.on_device = block.prefetched = False
         self._add(-block.nbytes, f"evict {block.info.name}")
 
+    def _take_image(self, block: _Block) -> bool:
+        if not block.info.frozen or block.staged > self.cache_left:
+            return False
+        self.cache_left -= block.staged
+        return True
+
+    def _source(self, block: _Block) -> str:
+        if self.tracked:
+            return "tracked"
+        if block.cached or not self.file_backed:
+            return "host_cache"
+        return "disk" if self.profile.disk_gbps else "page_cache"
+
     def _copy_ms(self, block: _Block) -> float:
         p = self.profile
         ms = block.staged / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
@@ -195,19 +214,31 @@ class Simulation:
         slab = block.staged <= self.slab_bytes
         if speculative and slab and sum(1 for c in self.copies if c[1]) >= self.slabs:
             return False
-        ms = self._copy_ms(block)
         r = self.result
-        r.h2d_ms += ms
+        source = self._source(block)
+        r.loads_by_source[source] = r.loads_by_source.get(source, 0) + 1
         r.h2d_bytes += block.staged
         r.blocks_loaded += 1
+        self.loaded.add(block.index)
         if self.profile.synchronous_copies:
             # A CPU "device": the copy runs on the host, in line with compute.
+            ms = self._copy_ms(block)
+            r.h2d_ms += ms
             self.now += ms
             r.exposed_h2d_ms += ms
             block.ready_at = self.now
         else:
-            start = max(self.now, self.h2d_free)
-            self.h2d_free = block.ready_at = start + ms
+            p = self.profile
+            start = self.now
+            if source in ("page_cache", "disk"):  # read into a slab first (the NOTE)
+                rate = p.disk_gbps if source == "disk" else p.read_gbps
+                start = max(start, self.read_free) + block.staged / (rate * 1e9) * 1e3
+                self.read_free = start
+                r.read_bytes += block.staged
+                block.cached = self._take_image(block)
+            ms = block.staged / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
+            r.h2d_ms += ms
+            self.h2d_free = block.ready_at = max(start, self.h2d_free) + ms
             self.copies.append((block.ready_at, slab))
         block.on_device = True
         self._add(block.nbytes, f"load {block.info.name}")
@@ -232,6 +263,10 @@ class Simulation:
         self.scheduler.record_use(block.index)
         self.active.add(block.index)
         if not block.on_device:
+            usage = self.mem.usage_bytes
+            room_for_use(
+                self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
+            )
             self._load(block, speculative=False)
         if block.ready_at > self.now:
             self.result.stall_ms += block.ready_at - self.now
@@ -241,11 +276,10 @@ class Simulation:
 
     def _done(self, block: _Block) -> None:
         self.active.discard(block.index)
-        if block.on_device and not block.resident:
-            usage = self.mem.usage_bytes
-            release_after_use(
-                self.scheduler, self.blocks, self.active, block, self.low, usage, self._evict
-            )
+        usage = self.mem.usage_bytes
+        release_after_use(
+            self.scheduler, self.blocks, self.active, self.high, self.low, usage, self._evict
+        )
         self._prefetch()
 
     # -- activations ------------------------------------------------------------------------------
@@ -328,6 +362,8 @@ class Simulation:
     def step(self) -> StepResult:
         """Simulate one step; the scheduler's trace carries over to the next call."""
         self.result = r = StepResult()
+        self.loaded: set[int] = set()
+        on_device = {b.index for b in self.blocks if b.on_device}
         t0 = self.now
         if self.budget is not None:
             self.budget.reset()
@@ -369,6 +405,10 @@ class Simulation:
             self.scheduler.end_step()
             self._prefetch()
         r.step_ms = self.now - t0
+        if self.streaming:
+            r.streamed_blocks = len(self.loaded)
+            stayed = on_device - self.loaded
+            r.resident_block_bytes = sum(self.blocks[i].nbytes for i in stayed)
         band = [b for t, b, _ in r.curve[1:] if first_use <= t <= last_use]
         r.low_bytes = min(band, default=self.mem.used)
         return r

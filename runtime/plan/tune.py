@@ -82,7 +82,7 @@ def _changes(memory: dict[str, Any], limits: dict[str, float], largest_mb: float
             "vram_low_watermark_mb": limits["spill_low_mb"],
         }
     conductor = (memory.get("stagehand") or {}).get("conductor_config") or {}
-    if conductor.get("enabled"):
+    if conductor.get("enabled") and conductor.get("vram_soft_cap_mb") != "auto":
         need = round(limits["high_mb"] + largest_mb, 3)
         soft = max(float(conductor.get("vram_soft_cap_mb", 22000)), need)
         hard = max(float(conductor.get("vram_hard_cap_mb", 23500)), soft)

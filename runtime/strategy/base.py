@@ -32,6 +32,7 @@ COUNTERS = (
     "prefetch_misses",
     "file_reads",
     "h2d_bytes",
+    "resident_blocks",
     "pageable_copies",
     "host_waits",
     "tensors_spilled",
@@ -161,10 +162,11 @@ class MemoryStrategy:
         ``blocks_loaded``/``blocks_evicted``: block H2D loads and evictions; ``prefetch_hits``/
         ``prefetch_misses``: uses that found the block loaded / had to wait for a demand load;
         ``file_reads``: tensors read from safetensors files; ``h2d_bytes``: bytes of block
-        weights copied to the device; ``pageable_copies``: asynchronous copies that a pageable
-        host buffer made synchronous (CUDA; none belong in a step); ``host_waits``: the weight
-        runtime's host waits on copies not finished yet (none belong in forward or backward);
-        ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
+        weights copied to the device; ``resident_blocks``: blocks on the device now (the
+        budget's resident set at a step's end, NOTE [ Eviction policy ]); ``pageable_copies``:
+        asynchronous copies that a pageable host buffer made synchronous (CUDA; none belong in a
+        step); ``host_waits``: the weight runtime's host waits on copies not finished yet (none
+        belong in forward or backward); ``tensors_spilled``/``tensors_restored``/``spill_bytes``:
         saved activations moved to the host and back; ``grants``/``denials``: the Conductor's
         answers to budget and transfer-slot requests.
         """

@@ -42,7 +42,9 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry
 from runtime.conductor import ConductorRuntime
 from runtime.config import MB, LiveLimits, StagehandSection
+from runtime.records import LIMITS_APPLIED
 from runtime.squareq.adapter import SquareQConductorAdapter
+from runtime.strategy.auto import AutoSection, has_auto
 from runtime.strategy.base import MemoryStrategy
 from runtime.strategy.parts import ActivationsPart, ConductorPart, MemoryPart, WeightsPart
 
@@ -82,8 +84,12 @@ class StagehandStrategy(MemoryStrategy):
             raise ValueError(f'mode must be "training" or "inference", got {mode!r}')
         telemetry = telemetry if telemetry is not None else Telemetry()
         super().__init__(model, device=device, telemetry=telemetry, memory=DeviceMemory(device))
-        self.section, self.mode = section, mode
         self.weights = self.activations = self.conductor = None
+        self.auto = AutoSection(section, model, device) if has_auto(section) else None
+        """``"auto"`` fields: resolved at build, the weight watermarks again after the trace step
+        with the measured activation peak (``runtime/strategy/auto.py``)."""
+        section = self.auto.resolve(activation_peak=0) if self.auto else section
+        self.section, self.mode = section, mode
         self.parts: list[MemoryPart] = []
         self._packing: list[MemoryPart] = []
         self._stack: contextlib.ExitStack | None = None
@@ -93,6 +99,10 @@ class StagehandStrategy(MemoryStrategy):
         except BaseException:
             self.close()
             raise
+        if self.auto is not None:  # the figures "auto" became, as a change of the limits
+            resolved = {k: v for k, v in self.limits().items() if k in self.auto.fields}
+            changed = {k: ["auto", v] for k, v in resolved.items()}
+            self.telemetry.emit(*LIMITS_APPLIED, request_id="auto", changed=changed)
 
     def _build_parts(
         self,
@@ -174,6 +184,8 @@ class StagehandStrategy(MemoryStrategy):
 
     def _phase_end(self, phase: Phase) -> None:
         self._close_stack()
+        if self.auto is not None and phase is Phase.FORWARD:  # the saved activations' peak
+            self.auto.measure(self.memory)
 
     def _close_stack(self) -> None:
         stack, self._stack = self._stack, None
@@ -190,6 +202,17 @@ class StagehandStrategy(MemoryStrategy):
                 first = first or exc
         if first is not None:
             raise first
+        if self.auto is not None and self.weights is not None and self.auto.measured is not None:
+            # The trace step measured the activation peak: it replaces the planned one (0),
+            # through the live limits (applied at the next STEP_BEGIN, a limits_applied record).
+            marks = self.auto.resolve(self.auto.measured)
+            self.auto.measured = None
+            new = {
+                "vram_high_watermark_mb": marks.vram_high_watermark_mb,
+                "vram_low_watermark_mb": marks.vram_low_watermark_mb,
+            }
+            if new != {k: self.limits()[k] for k in new}:
+                self.set_limits(new, request_id="auto")
 
     # -- live limits ----------------------------------------------------------------------------
     def limits(self) -> dict[str, Any]:

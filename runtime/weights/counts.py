@@ -29,6 +29,9 @@ class Totals:
     """Loads copied straight from a block image (``HostCache.hits``)."""
     file_reads_avoided: int = 0
     """Checkpoint tensors those loads did not read (``HostCache.reads_avoided``)."""
+    resident_blocks: int = 0
+    """Blocks on the device now (loaded or loading, layer offload's resident set included): a
+    state, not a count, reported as it is rather than as a difference."""
 
 
 @dataclass
@@ -60,6 +63,7 @@ class StepCounts:
             "prefetch_misses": self.prefetch_misses,
             "file_reads": now.file_reads - begin.file_reads,
             "h2d_bytes": now.h2d_bytes - begin.h2d_bytes,
+            "resident_blocks": now.resident_blocks,
             "pageable_copies": now.pageable_copies - begin.pageable_copies,
             "host_waits": now.host_waits - begin.host_waits,
         }

@@ -2,23 +2,34 @@
 
 # NOTE [ Eviction policy ]
 Belady's rule over the traced order (NOTE [ Block trace ] in ``scheduler.py``): of the blocks
-that may go, the one needed furthest ahead goes first. Three moments decide:
+that may go, the one needed furthest ahead goes first. The watermarks are a budget: a block
+stays on the device after its use while usage is under the low watermark, and the band between
+the low and the high one is the prefetch window's room. Four moments decide:
 
 - prefetch (``prefetch``): the window's blocks not on the device are loaded in order; the walk
   stops at the first that does not fit or cannot be loaded (no slab, no copy slot, the
   Conductor's no), so a later block never overtakes an earlier one;
 - room for a prefetch (``make_room``): a block is loaded ahead only if it fits under the high
   watermark after evicting idle blocks the order needs *later* than it, furthest first, never
-  one needed before it. A block kept only because usage was under the low watermark must not
-  stop the prefetch of one needed sooner;
-- after a use (``release_after_use``): the block just used goes when the window does not need
-  it; over the low watermark, whichever idle block is needed furthest ahead, this one or
-  another (at the end of backward the block just used is the next step's first, and evicting
-  it instead of the second makes every step begin with a stall); then what the window does not
-  need until usage is under the low watermark.
+  one needed before it. A block kept because usage was under the low watermark must not stop
+  the prefetch of one needed sooner;
+- room for a use (``room_for_use``): a block needed now and not on the device (the trace step,
+  a prefetch that was skipped) is loaded at once, after evicting idle blocks furthest first
+  while it would not fit under the high watermark (it loads anyway when none is left);
+- after a use (``release_after_use``): nothing goes while usage is under the low watermark;
+  over it, idle blocks go furthest first until it is under again. The window's blocks are
+  kept (each would be loaded again at once) unless usage is over the high watermark: then any
+  idle block may go, still furthest first.
+
+On a step's cyclic trace (forward 0..N-1, backward N-1..0, the next forward) this keeps the
+blocks used soonest: at the end of forward the last blocks (backward's first), at the end of
+backward the first ones (the next forward's first). Each block that does not fit under the low
+watermark is loaded once in forward and once in backward: 2 x (streamed bytes) of H2D a step,
+the minimum for the budget (Belady's rule is optimal for a known sequence). Layer offload's
+resident blocks are never candidates (``evictable``); its low watermark is 0.
 
 The choices (``evictable``, ``furthest``, ``needed_after``) are pure: block states, the blocks
-in use and the trace in, blocks out. The three loops that apply them take the usage reading, the
+in use and the trace in, blocks out. The loops that apply them take the usage reading, the
 eviction and the load as callables, and read usage again after each eviction instead of
 subtracting the block's bytes: on CUDA an evicted block's bytes count until its D2H copy ended
 (``DeviceMemory.release_after``). ``StagehandRuntime`` and the planner's simulation
@@ -124,25 +135,39 @@ def make_room(
     return usage() <= need
 
 
-def release_after_use(
+def room_for_use(
     trace: Trace,
     blocks: Iterable[B],
     active: Collection[int],
     block: B,
+    high_bytes: float,
+    usage: Callable[[], int],
+    evict: Callable[[B], None],
+) -> None:
+    """The evictions before ``block``'s demand load: idle blocks, furthest first, while it would
+    not fit under ``high_bytes``."""
+    while usage() + block.nbytes > high_bytes:
+        victim = furthest(trace, evictable(blocks, active))
+        if victim is None:
+            break
+        evict(victim)
+
+
+def release_after_use(
+    trace: Trace,
+    blocks: Iterable[B],
+    active: Collection[int],
+    high_bytes: float,
     low_bytes: float,
     usage: Callable[[], int],
     evict: Callable[[B], None],
 ) -> None:
-    """The evictions after ``block`` (on the device, not resident, no longer in ``active``)
-    finished a use: itself when the window does not need it; over ``low_bytes`` the idle block
-    needed furthest ahead; then, while over ``low_bytes``, idle blocks outside the window,
-    furthest first."""
-    if block.index not in trace.upcoming():
-        evict(block)
-    elif usage() > low_bytes:
-        evict(furthest(trace, evictable(blocks, active)))  # never None: ``block`` is idle
+    """The evictions after a block finished a use (it is no longer in ``active``): while usage
+    is over ``low_bytes``, the idle block needed furthest ahead, outside the window unless usage
+    is over ``high_bytes`` (NOTE [ Eviction policy ])."""
     while usage() > low_bytes:
-        victim = furthest(trace, evictable(blocks, active, keep=trace.upcoming()))
+        keep = () if usage() > high_bytes else trace.upcoming()
+        victim = furthest(trace, evictable(blocks, active, keep))
         if victim is None:
             break
         evict(victim)

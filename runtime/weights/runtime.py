@@ -43,18 +43,15 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.records import WEIGHTS_STEP
-from runtime.squareq import SquareQ
-from runtime.weights.convert import check_sizes, place_resident, register_blocks, restore_blocks
+from runtime.weights import policy
+from runtime.weights.convert import restore_blocks
 from runtime.weights.counts import StepCounts, Totals
 from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
-from runtime.weights.host_cache import HostCache, weights_mode
 from runtime.weights.optimizer import refuse_unfrozen, trainable_on_device
-from runtime.weights.policy import evictable, make_room, prefetch, release_after_use
-from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block, BlockState, find_blocks
 from runtime.weights.scheduler import BlockScheduler
-from runtime.weights.sources import SafetensorsCheckpoint
+from runtime.weights.setup import open_host_side
 from runtime.weights.steps import StepBoundaries
 from runtime.weights.transfer import TransferEngine
 
@@ -98,35 +95,16 @@ class StagehandRuntime:
         self.telemetry = telemetry if telemetry is not None else default_telemetry(TELEMETRY_FILE)
         self.conductor: Any | None = None
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
-        self.pool = PinnedPool(
-            int(config.pinned_pool_mb * MB),
-            int(config.pinned_slab_mb * MB),
-            pin=cuda,
-            timeout_s=config.slab_acquire_timeout_s,
-            allow_pageable=config.allow_pageable_fallback,
-            device=self.device if cuda else None,
+        host = open_host_side(model, found, config, self.device, cuda, mode, checkpoint_dir)
+        self.pool, self.source, self.blocks = host.pool, host.source, host.blocks
+        self.resident_bytes, self.squareq, self.cache = (
+            host.resident_bytes,
+            host.squareq,
+            host.cache,
         )
-        self.source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
-        self.blocks: list[Block] = register_blocks(
-            model,
-            found,
-            self.source,
-            config.file_backed and self.source is not None,
-            cuda,
-            mode == "inference",
-            config.resident_trainable_max_fraction,
-        )
-        self.resident_bytes = place_resident(model, self.blocks, self.source, self.device)
-        self.squareq, self.source = SquareQ.attach(self.blocks, self.source, config.squareq)
-        check_sizes(self.blocks, self.pool, self.device)
-        self.memory.track(self.resident_bytes, "weights")
-        self.cache = HostCache.for_run(
-            config.host_cache_mb, cuda, self.device, self.pool.locked_bytes
-        )
-        for block in self.blocks:  # module-backed frozen blocks: one (locked) image each
-            self.cache.register(block)
-        self.mode_reason = weights_mode(self.blocks, self.cache, config.host_cache_mb, cuda)
+        self.mode_reason = host.mode_reason
         """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
+        self.memory.track(self.resident_bytes, "weights")
         self.scheduler = BlockScheduler(config.prefetch_window_blocks)
         self.transfer = TransferEngine(
             self.device,
@@ -240,6 +218,7 @@ class StagehandRuntime:
         """Work of the open step (the last one between steps): ``blocks_loaded``,
         ``blocks_evicted``, ``prefetch_hits``, ``prefetch_misses``, ``file_reads`` (tensors read
         from the safetensors files), ``h2d_bytes`` (bytes copied to the device),
+        ``resident_blocks`` (on the device now; ``stagehand/step``: at the step's end),
         ``pageable_copies`` and ``host_waits`` (``runtime.strategy.base.COUNTERS``)."""
         return self.counts.counters(self._totals())
 
@@ -254,6 +233,7 @@ class StagehandRuntime:
             host_waits=transfer.host_waits,
             host_cache_hits=self.cache.hits,
             file_reads_avoided=self.cache.reads_avoided,
+            resident_blocks=sum(block.on_device for block in self.blocks),
         )
 
     def step_metrics(self) -> dict[str, Any]:
@@ -307,6 +287,7 @@ class StagehandRuntime:
         miss = block.state is BlockState.UNLOADED
         if miss:
             self.counts.prefetch_misses += 1
+            self._apply(policy.room_for_use, block, self.high_mb * MB)
             self.transfer.load(block, speculative=False)
             self.counts.blocks_loaded += 1
             self._emit_block("load", block, prefetch=False)
@@ -330,14 +311,16 @@ class StagehandRuntime:
         self.views.add(block)
 
     def _prefetch(self) -> None:
-        if not prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
+        if not policy.prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead):
             self.counts.prefetch_skipped += 1
+
+    def _apply(self, rule: Any, *args: Any) -> Any:  # a loop of policy.py on this runtime
+        usage = self.memory.usage_bytes
+        return rule(self.scheduler, self.blocks, self._active, *args, usage, self._evict)
 
     def _make_room(self, block: Block) -> bool:
         """Whether ``block`` fits under the high watermark (``policy.make_room``)."""
-        usage = self.memory.usage_bytes
-        high = self.high_mb * MB
-        return make_room(self.scheduler, self.blocks, self._active, block, high, usage, self._evict)
+        return self._apply(policy.make_room, block, self.high_mb * MB)
 
     def _load_ahead(self, block: Block) -> bool:
         """Issue ``block``'s speculative load under the Conductor's grant; False when not issued
@@ -359,11 +342,7 @@ class StagehandRuntime:
     def _done(self, block: Block, direction: str) -> None:
         self._emit_block("exit", block, direction=direction)
         self._active.discard(block.index)
-        if block.on_device and not block.resident:
-            usage, low = self.memory.usage_bytes, self.low_mb * MB
-            release_after_use(
-                self.scheduler, self.blocks, self._active, block, low, usage, self._evict
-            )
+        self._apply(policy.release_after_use, self.high_mb * MB, self.low_mb * MB)
         self._prefetch()
 
     def _evict(self, block: Block, **fields: Any) -> None:
@@ -395,7 +374,7 @@ class StagehandRuntime:
         stopped early, an exception mid-block). Returns the evicted indices; each eviction is a
         ``stagehand/block`` ``evict`` record with ``reason: "stale"``."""
         keep = set(keep) | set(self.scheduler.upcoming())
-        stale = evictable(self.blocks, (), keep)
+        stale = policy.evictable(self.blocks, (), keep)
         for block in stale:
             self._active.discard(block.index)
             self._evict(block, reason="stale")

@@ -276,6 +276,7 @@ def main(argv: list[str]) -> int:
             prefetch_misses=stalls,
             stall_time_ms=stalls * 40.0,
             h2d_bytes=int(blocks * 2 * block_mb * 2**20),
+            resident_blocks=len(resident),
             vram_allocated_mb=base_mb + len(resident) * block_mb,
             vram_reserved_mb=reserved,
             vram_peak_mb=peak,

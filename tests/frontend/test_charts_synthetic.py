@@ -89,10 +89,15 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
         timeout=10_000,
     )
     charts = page.evaluate("""() => Object.fromEntries(
-        ['vram', 'host', 'spill', 'spill-pool', 'phases', 'loss', 'conductor'].map((id) => [id,
+        ['vram', 'transfers', 'host', 'spill', 'spill-pool', 'phases', 'loss', 'conductor']
+        .map((id) => [id,
             document.getElementById(id).data.map((t) => t.x.length)]))""")
     assert charts["phases"] == [30] * 4 and charts["loss"] == [30] * 3
     assert charts["spill"] == [30] * 4 and charts["conductor"] == [30] * 5
+    # Weights moved per step, live from stagehand/step: H2D GB, block loads, resident blocks.
+    assert charts["transfers"] == [30] * 3
+    h2d = page.evaluate("Array.from(document.getElementById('transfers').data[0].y)")
+    assert all(v > 0 for v in h2d)
     assert all(n > 0 for n in charts["vram"]) and all(n == 30 for n in charts["host"])
     high = page.evaluate("Array.from(document.getElementById('vram').data[2].y)")
     assert high[0] == 12000 and high[-1] == 10000

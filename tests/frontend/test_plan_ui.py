@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.frontend.conftest import SHOTS
+from tests.frontend.conftest import PHONE, SHOTS, TAKE_SHOTS
 
 pytestmark = [pytest.mark.browser]
 
@@ -19,15 +19,27 @@ def test_plan_panel_before_start(backend_server, page):
     page.select_option("#preset-select", "tiny-ci")
     page.select_option("#plan-device", "rtx4090")
     page.click("#plan-run")
-    page.wait_for_selector("#plan-verdict")
+    # The first plan of a server measures the worker's baseline RSS (runtime/plan/baseline.py).
+    page.wait_for_selector("#plan-verdict", timeout=120_000)
     assert page.get_attribute("#plan-verdict", "data-fits") == "true"
     assert "on rtx4090" in page.inner_text("#plan-summary")
     assert page.inner_text("#plan-peak").startswith("peak VRAM ")
     page.wait_for_selector("#plan-chart .main-svg")
     points = page.evaluate("document.getElementById('plan-chart').data[0].y.length")
     assert points > 8
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "new-run-plan.png"), full_page=True)
+    # What a step moves: resident vs streamed blocks, GB of H2D per step and from where.
+    residency = page.inner_text("#plan-residency")
+    assert " blocks resident (" in residency and "iB), " in residency and " streamed (" in residency
+    moved = page.inner_text("#plan-moved")
+    assert "iB H2D per step in " in moved and "block loads, from " in moved
+    assert page.inner_text("#plan-bound").startswith("bound max(compute ")
+    assert "MiB" in page.inner_text("#plan-peak")
+    if TAKE_SHOTS:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "new-run-plan.png"), full_page=True)
+        page.set_viewport_size(PHONE)
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(SHOTS / "new-run-plan-phone.png"), full_page=True)
 
     config = json.loads(page.input_value("#config-json"))
     config["memory"]["stagehand"]["prefetch_window_blocks"] = -1

@@ -29,7 +29,7 @@ def test_weights_and_activations_together_match_plain_training(tiny_flux, checkp
             pinned_slab_mb=1,
             prefetch_window_blocks=1,
             vram_high_watermark_mb=1000,
-            vram_low_watermark_mb=1000,
+            vram_low_watermark_mb=0,  # every block streams (NOTE [ Eviction policy ])
         ),
         device="cpu",
         memory=memory,

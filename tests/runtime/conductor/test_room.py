@@ -19,6 +19,7 @@ from runtime.assets import example_inputs, output_tensor
 from runtime.bench.realmodel import (
     REAL_MODELS,
     build_weights,
+    card_section,
     load_lora_model,
     preset_memory,
     scale_section,
@@ -43,8 +44,11 @@ def flux_dev_tiny(tmp_path_factory):
 
 
 def section(**conductor):
-    """The preset's memory section at tiny size, the Conductor's trace on."""
-    memory = scale_section(preset_memory(SPEC.preset), section_scale(SPEC, "tiny"))
+    """The preset's memory section at tiny size (its "auto" figures a 24 GiB card's, scaled),
+    the Conductor's trace on."""
+    memory = scale_section(
+        card_section(SPEC, preset_memory(SPEC.preset)), section_scale(SPEC, "tiny")
+    )
     memory["stagehand"]["conductor_config"].update(debug_event_trace=True, **conductor)
     return memory
 
@@ -104,7 +108,7 @@ def test_a_section_with_room_denies_no_prefetch(with_room):
         c = counters[step]
         assert denials(sink, step) == []
         assert records[step]["deny_count"] == 0
-        assert c["grants"] >= 110  # 57 blocks: forward, recomputation and backward
+        assert c["grants"] >= c["blocks_loaded"] > 0  # every load a granted prefetch
         assert c["prefetch_misses"] == 0 and c["prefetch_hits"] == c["blocks_loaded"]
         assert "contention" not in records[step]["rules_fired"]
         assert records[step]["vram_headroom_mb"] > 0

@@ -198,7 +198,10 @@ def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
     host = out["host"]
     assert host["block_masters_bytes"] == 0
     assert host["host_cache_bytes"] == out["model"]["block_bytes"] > 0
-    assert host["ram_peak_bytes"] == host["pinned_bytes"] == 8 * MB + host["host_cache_bytes"]
+    worker = host["worker_baseline_bytes"]  # the process itself (runtime/plan/baseline.py)
+    assert (
+        host["ram_peak_bytes"] - worker == host["pinned_bytes"] == 8 * MB + host["host_cache_bytes"]
+    )
     # host_cache_mb caps it (0: off); module-backed blocks are all registered on a GPU.
     capped = _stream(*sizes)
     capped["stagehand"]["host_cache_mb"] = sizes[0]
@@ -208,7 +211,7 @@ def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
     capped["stagehand"]["file_backed"] = False
     module = _plan(tiny_flux, capped).to_dict()["host"]
     assert module["host_cache_bytes"] == module["block_masters_bytes"] == host["host_cache_bytes"]
-    assert module["ram_peak_bytes"] == 8 * MB + module["block_masters_bytes"]
+    assert module["ram_peak_bytes"] - worker == 8 * MB + module["block_masters_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -277,8 +280,11 @@ def test_flux_dev_12b_from_its_config_on_meta():
     assert len(inv.blocks) == 57 and sizes == [270.1, 648.2]
     assert round((inv.resident_bytes - inv.lora_bytes) / MB) == 122
     assert plan.fits
-    # Three blocks at most on the device (the one in use and the prefetch window of two).
-    assert plan.steady.peak_bytes < inv.resident_bytes + 3 * 648.2 * MB + 2 * 1024 * MB
+    # Blocks stay while usage is under the low watermark (NOTE [ Eviction policy ]): the peak
+    # is under the high one, and a step moves less than the blocks' bytes (every block twice
+    # before residency).
+    assert 14000 * MB < plan.steady.peak_bytes <= 18000 * MB
+    assert plan.steady.h2d_bytes < inv.block_bytes
     # A single-stream block's forward FLOPs, counted by hand: 4096 image + 512 text tokens
     # through q, k, v (3 x 3072^2), proj_mlp (3072 x 12288) and proj_out (15360 x 3072), plus
     # fused attention over 24 heads of 128 (4 L^2 H D): the attention is counted once.
@@ -307,8 +313,8 @@ def test_ltx2_19b_from_its_config_on_meta():
     """LTX-2 from diffusers' LTX2VideoTransformer3DModel defaults on meta: the seed's 18.88B
     parameters in 48 blocks (the ltx2-24gb preset's 736.4 MB each), a rank-32 LoRA on every
     block linear of 588 MiB (the seed's 589 MB file of 2,688 tensors), fed by the trainer's own
-    transformer_kwargs; under the seed's memory section the runtime keeps at most the block in
-    use and the prefetch window of two on the card (it evicts a block after its use)."""
+    transformer_kwargs; under the seed's memory section (20000/16000) blocks stay on the card
+    while usage is under the low watermark, as the seed's run showed (17-20 GB of VRAM)."""
     from runtime.plan.reference import ltx2_plan, ltx2_seed_memory
 
     plan = ltx2_plan("rtx4090", ltx2_seed_memory(), targets="all")
@@ -320,13 +326,9 @@ def test_ltx2_19b_from_its_config_on_meta():
     assert plan.fits
     s = plan.steady
     floor = inv.resident_bytes + inv.lora_bytes + inv.optimizer_bytes
-    # Checkpointed: every block's inputs kept, one block's activations recomputed at a time.
-    acts = sum(b.input_bytes for b in inv.blocks) + max(b.saved_bytes for b in inv.blocks)
-    acts += sum(inv.saved_pre) + sum(inv.saved_post)
     assert floor <= s.low_bytes
-    assert (
-        floor + 3 * inv.blocks[0].nbytes < s.peak_bytes <= floor + 3 * inv.blocks[0].nbytes + acts
-    )
-    # 48 loads in forward, 44 in backward: the prefetch window's two blocks and the one in use
-    # at the turn are used again before they are evicted.
-    assert s.blocks_loaded == 92
+    assert 16000 * MB < s.peak_bytes <= 20000 * MB
+    # Fewer than the 92 loads of a runtime that evicted every block after its use: the blocks
+    # kept at each turn (fewer at the end of forward, where activations take their room).
+    assert s.blocks_loaded < 92
+    assert s.h2d_bytes == s.blocks_loaded * inv.blocks[0].nbytes

@@ -14,6 +14,7 @@ import torch
 from runtime.config import StagehandConfig
 from runtime.plan.profiles import profile
 from runtime.preset import load_preset, validate_preset
+from runtime.strategy.auto import resolve_auto
 from runtime.trainer.loop import attach_adapter
 from runtime.trainer.pipelines import ADAPTERS
 from runtime.trainer.setup import family_targets
@@ -54,8 +55,13 @@ def t5_xxl():
 
 def derive(preset, sizes: list[int]) -> StagehandConfig:
     """The preset's weight settings as a run on a 24 GB card resolves them for blocks of
-    ``sizes`` (bytes); 16 cores (the reader threads only)."""
-    return resolve(preset.memory.stagehand, sizes, cuda=True, vram_bytes=CARD, cpus=16)
+    ``sizes`` (bytes); 16 cores (the reader threads only). ``"auto"`` watermarks and caps as
+    the strategy resolves them at build, before any activation is planned or measured (no
+    trainable bytes counted: the most the rule gives)."""
+    section = resolve_auto(
+        preset.memory.stagehand, block_sizes=sizes, trainable=0, activation_peak=0, card_bytes=CARD
+    )
+    return resolve(section, sizes, cuda=True, vram_bytes=CARD, cpus=16)
 
 
 def run_blocks(model, preset, family: str) -> tuple[list[int], float]:
@@ -80,15 +86,17 @@ def check_derived(preset, sizes: list[int], resident_mb: float, *encoders: list[
     per encoder from the same section) with under 1 MB to spare; the window's blocks and the one
     in use plus the resident weights under the low watermark; the pools within the Conductor's
     pinned budget (``composed.py`` refuses a run otherwise). Returns the derived settings."""
-    sh = preset.memory.stagehand
-    assert {name: getattr(sh, name) for name in DERIVED} == dict.fromkeys(DERIVED)
-    got = derive(preset, sizes)
+    assert {name: getattr(preset.memory.stagehand, name) for name in DERIVED} == dict.fromkeys(
+        DERIVED
+    )
+    got = sh = derive(preset, sizes)
     largest = max(sizes)
     assert largest <= got.pinned_slab_mb * MB < largest + MB
     on_gpu = (1 + got.prefetch_window_blocks) * largest / MB
     assert on_gpu + resident_mb < sh.vram_low_watermark_mb < sh.vram_high_watermark_mb
     cond, act = sh.conductor_config, sh.activation_stagehand
-    assert sh.vram_high_watermark_mb < cond.vram_soft_cap_mb < cond.vram_hard_cap_mb <= 24000
+    assert sh.vram_high_watermark_mb < cond.vram_soft_cap_mb < cond.vram_hard_cap_mb <= CARD / MB
+    assert act.vram_high_watermark_mb == cond.vram_soft_cap_mb  # NOTE [ Who gives way ]
     spill_pool = sum(
         c * n for c, n in zip(act.pinned_pool_classes_mb, act.slab_counts(), strict=True)
     )
@@ -147,7 +155,7 @@ def test_flux_dev_24gb_is_derived_from_flux_dev_blocks():
     for figure in ("648.2 MB", "270.1 MB", "368.0 MB", "654.9 MB", "655 MB slab", "3275 MB"):
         assert figure in preset.description
     assert "window 2" in preset.description and "4 H2D copies" in preset.description
-    assert "18000/14000" in preset.description and "1965 MB" in preset.description
+    assert '"auto"' in preset.description and "1965 MB" in preset.description
     assert re.search(r"not run here", preset.description)
     assert preset.data.max_caption_tokens == 512 and preset.samples.guidance == 3.5
 
@@ -313,7 +321,8 @@ def test_ltx2_24gb_is_derived_from_ltx2_blocks():
     sh = preset.memory.stagehand
     assert largest <= sh.pinned_slab_mb < largest + 16 and gemma_layer <= sh.pinned_slab_mb
     assert sh.pinned_pool_mb == 8 * sh.pinned_slab_mb
-    assert (1 + sh.prefetch_window_blocks) * largest + 657 < sh.vram_low_watermark_mb
+    low = derive(preset, [int(largest * MB)] * 48).vram_low_watermark_mb
+    assert (1 + sh.prefetch_window_blocks) * largest + 657 < low
     assert preset.data.frames % 8 == 1  # the LTX-2 VAE's 8k + 1
     assert preset.data.max_caption_tokens % 128 == 0  # the connectors' registers
     for figure in ("736.4 MB", "427.5 MB", "2730 MB", "5952 MB", "48 blocks", "not run here"):

@@ -22,13 +22,15 @@ def make_model(
 
 
 def config(**overrides) -> StagehandConfig:
-    """Small pool and slabs for tiny models; window 1; watermarks far above the tiny figures."""
+    """Small pool and slabs for tiny models; window 1; the high watermark far above the tiny
+    figures (prefetch never waits) and the low one 0: every block streams, none stays on the
+    device after its use but the window's (NOTE [ Eviction policy ])."""
     fields = {
         "pinned_pool_mb": 4,
         "pinned_slab_mb": 1,
         "prefetch_window_blocks": 1,
         "vram_high_watermark_mb": 1000,
-        "vram_low_watermark_mb": 1000,
+        "vram_low_watermark_mb": 0,
     }
     fields.update(overrides)
     return StagehandConfig(**fields)

@@ -13,6 +13,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
             file_read_bytes=40,
             host_cache_hits=2,
             host_waits=1,
+            resident_blocks=2,
         )
     )
     counts.blocks_loaded, counts.blocks_evicted, counts.prefetch_hits = 4, 3, 2
@@ -26,6 +27,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         host_waits=3,
         host_cache_hits=5,
         file_reads_avoided=12,
+        resident_blocks=6,
     )
     assert counts.counters(now) == {
         "blocks_loaded": 4,
@@ -34,6 +36,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         "prefetch_misses": 1,
         "file_reads": 4,
         "h2d_bytes": 64,
+        "resident_blocks": 6,  # a state: the figure now, not a difference
         "pageable_copies": 1,
         "host_waits": 2,
     }

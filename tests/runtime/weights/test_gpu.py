@@ -101,7 +101,7 @@ def test_h2d_copies_overlap_compute_without_host_syncs():
             max_inflight_transfers=20,
             prefetch_window_blocks=2,
             vram_high_watermark_mb=20000,
-            vram_low_watermark_mb=20000,
+            vram_low_watermark_mb=0,  # every block streams: none kept after its use
         ),
         device="cuda",
         telemetry=Telemetry(sink),
@@ -158,7 +158,7 @@ def test_copies_back_run_beside_prefetches():
             prefetch_window_blocks=2,
             resident_trainable_max_fraction=0,  # trainable weights stream with their block
             vram_high_watermark_mb=20000,
-            vram_low_watermark_mb=20000,
+            vram_low_watermark_mb=0,  # every block streams: none kept after its use
         ),
         device="cuda",
     )

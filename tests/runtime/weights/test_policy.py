@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+import pytest
+
 from runtime.weights.policy import (
     evictable,
     furthest,
@@ -9,6 +11,7 @@ from runtime.weights.policy import (
     needed_after,
     prefetch,
     release_after_use,
+    room_for_use,
 )
 from runtime.weights.scheduler import BlockScheduler
 
@@ -95,11 +98,14 @@ def test_make_room_evicts_only_blocks_needed_later_furthest_first():
     assert dev.evicted == []
 
 
-def test_release_after_use_evicts_a_block_the_window_does_not_need():
+def test_release_after_use_keeps_blocks_under_the_low_watermark():
     trace = _trace(TRAIN_3, used=[0])  # forward: block 0 done, the window holds block 1
     dev = _Device(3, loaded={0, 1})
-    release_after_use(trace, dev.blocks, set(), dev.blocks[0], 1000, dev.usage, dev.evict)
-    assert dev.evicted == [0]
+    release_after_use(trace, dev.blocks, set(), 1000, 1000, dev.usage, dev.evict)
+    assert dev.evicted == []  # block 0 stays: usage (20) is under the low watermark
+    # Over it: block 0 (needed last, in backward) goes, block 1 (the window's) stays.
+    release_after_use(trace, dev.blocks, set(), 1000, 15, dev.usage, dev.evict)
+    assert (dev.evicted, dev.usage()) == ([0], 10)
 
 
 def test_release_after_use_keeps_the_next_steps_first_block():
@@ -108,43 +114,81 @@ def test_release_after_use_keeps_the_next_steps_first_block():
     trace = _trace(TRAIN_3, used=TRAIN_3)
     assert trace.upcoming() == [0]
     dev = _Device(3, loaded={0, 1})
-    release_after_use(trace, dev.blocks, set(), dev.blocks[0], 15, dev.usage, dev.evict)
+    release_after_use(trace, dev.blocks, set(), 100, 15, dev.usage, dev.evict)
     assert (dev.evicted, dev.usage()) == ([1], 10)
 
-    # Far over the low watermark: furthest first, never the window's block.
+    # Far over the low watermark, under the high one: furthest first, never the window's block.
     dev = _Device(3, loaded={0, 1, 2})
-    release_after_use(trace, dev.blocks, set(), dev.blocks[0], 5, dev.usage, dev.evict)
+    release_after_use(trace, dev.blocks, set(), 100, 5, dev.usage, dev.evict)
     assert (dev.evicted, dev.usage()) == ([2, 1], 10)
+
+    # Over the high watermark too: the window's block goes last, down to the low watermark.
+    dev = _Device(3, loaded={0, 1, 2})
+    release_after_use(trace, dev.blocks, set(), 5, 5, dev.usage, dev.evict)
+    assert (dev.evicted, dev.usage()) == ([2, 1, 0], 0)
 
 
 def test_release_after_use_spares_resident_and_active_blocks():
     trace = _trace(TRAIN_3, used=TRAIN_3)
     dev = _Device(3, loaded={0, 2}, resident={1})
-    release_after_use(trace, dev.blocks, {2}, dev.blocks[0], 0, dev.usage, dev.evict)
-    assert dev.evicted == [0]  # the only idle block left, over the watermark
+    release_after_use(trace, dev.blocks, {2}, 0, 0, dev.usage, dev.evict)
+    assert dev.evicted == [0]  # the only idle block left, over both watermarks
 
 
-def test_prefetch_walks_the_window_in_order_and_stops_at_the_first_refusal():
-    trace = _trace(TRAIN_4, used=[0], window=3)
-    assert trace.upcoming() == [1, 2, 3]
-    dev = _Device(4, loaded={0, 1})
-    assert prefetch(trace, dev.blocks, lambda b: True, dev.load) is True
-    assert dev.loaded == [2, 3]  # block 1 is on the device already
+def test_room_for_use_evicts_furthest_first_until_the_block_fits():
+    # Forward, block 2 needed now and not loaded; 0 (needed last), 1 and 3 idle on the device.
+    trace = _trace(TRAIN_4, used=[0, 1, 2])
+    dev = _Device(4, loaded={0, 1, 3})
+    room_for_use(trace, dev.blocks, {2}, dev.blocks[2], 30, dev.usage, dev.evict)
+    assert (dev.evicted, dev.usage()) == ([0], 20)  # 20 + block 2's 10 fits under 30
+    # Nothing idle is left: the block loads anyway (it is needed now).
+    dev = _Device(4, loaded={1})
+    room_for_use(trace, dev.blocks, {1, 2}, dev.blocks[2], 5, dev.usage, dev.evict)
+    assert dev.evicted == []
 
-    # Block 2 does not fit: block 3 is not tried (a later block never overtakes).
-    dev = _Device(4, loaded={0})
-    tried: list[int] = []
+
+def _cyclic_steps(n: int, high: int, low: int, window: int, steps: int = 4) -> list[list[int]]:
+    """The blocks loaded in each step of ``steps`` training steps of ``n`` 10-byte blocks, run
+    as the weight runtime runs them: at each use a demand load if needed, then prefetch; after
+    it ``release_after_use``, then prefetch."""
+    trace = BlockScheduler(window)
+    dev = _Device(n)
+    active: set[int] = set()
 
     def fits(block):
-        tried.append(block.index)
-        return block.index != 2
+        return make_room(trace, dev.blocks, active, block, high, dev.usage, dev.evict)
 
-    assert prefetch(trace, dev.blocks, fits, dev.load) is False
-    assert (tried, dev.loaded) == ([1, 2], [1])
+    loads = []
+    for _ in range(steps):
+        dev.loaded = []
+        for index in [*range(n), *reversed(range(n))]:
+            block = dev.blocks[index]
+            trace.record_use(index)
+            active.add(index)
+            if not block.on_device:
+                dev.load(block)
+            prefetch(trace, dev.blocks, fits, dev.load)
+            assert dev.usage() <= max(high, low + block.nbytes)
+            active.discard(index)
+            release_after_use(trace, dev.blocks, active, high, low, dev.usage, dev.evict)
+            prefetch(trace, dev.blocks, fits, dev.load)
+        trace.end_step()
+        prefetch(trace, dev.blocks, fits, dev.load)
+        loads.append(dev.loaded)
+    return loads
 
-    # A load that is not issued (no slab, no slot, the Conductor's no) stops the walk too.
-    dev = _Device(4, loaded={0})
-    assert prefetch(trace, dev.blocks, lambda b: True, lambda b: False) is False
 
-    # No trace yet (the trace step): nothing to prefetch.
-    assert prefetch(BlockScheduler(3), dev.blocks, fits, dev.load) is True
+@pytest.mark.parametrize(
+    ("n", "fit", "window", "kept"),
+    [(8, 3, 1, 3), (8, 4, 2, 4), (10, 5, 1, 5), (6, 0, 1, 1), (6, 6, 1, 6), (7, 7, 3, 7)],
+)
+def test_the_cyclic_trace_loads_each_block_that_does_not_fit_twice_a_step(n, fit, window, kept):
+    """NOTE [ Eviction policy ]: ``fit`` blocks fit under the low watermark and the window in
+    the band above it. After the trace step the ``kept`` blocks used around each turn stay
+    (with ``fit`` 0, the window's: the last forward block is backward's first, the last
+    backward block the next forward's first) and each other block is loaded once in forward
+    and once in backward, in the traced order: 2 x (n - kept) loads a step."""
+    low = 10 * fit
+    *_, steady = _cyclic_steps(n, low + 10 * window, low, window)
+    assert steady == [*range(kept, n), *reversed(range(n - kept))]
+    assert len(steady) == 2 * (n - kept)

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     model.requires_grad_(False)
     model.x_embedder.requires_grad_(True)  # resident and first: backward crosses every block
     config = StagehandConfig(pinned_pool_mb=48, pinned_slab_mb=24, prefetch_window_blocks=1,
-                             vram_high_watermark_mb=1000, vram_low_watermark_mb=1000)
+                             vram_high_watermark_mb=1000, vram_low_watermark_mb=0)
     runtime = StagehandRuntime(model, config, device="cpu", checkpoint_dir=folder)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     losses = []
