@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from backend.store import Store
-from runtime.plan.feedback import RUNS, combine
 from runtime.records import LIMITS_APPLIED, RUN_STARTED
 
 log = logging.getLogger("backend.calibration")
@@ -32,6 +31,8 @@ log = logging.getLogger("backend.calibration")
 def calibration_for(store: Store, device: str, family: str) -> dict | None:
     """What a plan of ``device`` and ``family`` is scaled by: the median ratios of the newest
     runs within the bounds (``runtime.plan.feedback.combine``), or None."""
+    from runtime.plan.feedback import RUNS, combine  # runtime.plan imports torch: not at start
+
     return combine(store.calibrations_of(device, family, RUNS))
 
 
