@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from backend.store import Store
+from contract.records import LIMITS_APPLIED, RUN_STARTED
 from runtime.plan.feedback import RUNS, combine
-from runtime.records import LIMITS_APPLIED, RUN_STARTED
 
 log = logging.getLogger("backend.calibration")
 

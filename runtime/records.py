@@ -1,28 +1,6 @@
-"""The telemetry records the backend reads from a worker's stream, named once for both sides.
+"""The telemetry record names, kept importable here for the weight runtime; they are defined in
+``contract.records`` (the contract between worker and server)."""
 
-Torch-free (the backend imports it, as it imports ``runtime.status``). Each is a
-``(source, kind)`` pair: the worker emits ``telemetry.emit(*RUN_FINISHED, ...)`` and the
-backend looks one up with ``store.last_record(run_id, *RUN_FINISHED)``. Their fields are in
-``docs/contracts.md``; records only the dashboard reads keep their names at the emitter.
-"""
+from contract.records import LIMITS_APPLIED, RUN_FINISHED, RUN_STARTED, WEIGHTS_STEP, Record
 
-from __future__ import annotations
-
-from typing import NamedTuple
-
-
-class Record(NamedTuple):
-    """A telemetry record's ``source`` and ``kind``."""
-
-    source: str
-    kind: str
-
-
-RUN_STARTED = Record("trainer", "run_started")
-"""The resolved config and the run's identity (calibration plans its config)."""
-RUN_FINISHED = Record("trainer", "run_finished")
-"""How the run ended (``status``); the supervisor's exit rules read it."""
-LIMITS_APPLIED = Record("strategy", "limits_applied")
-"""Live limits the worker applied (``changed``: field -> [old, new]): the limits in force."""
-WEIGHTS_STEP = Record("stagehand", "step")
-"""The weight runtime's per-step figures (loads, bytes, watermarks, step time)."""
+__all__ = ["LIMITS_APPLIED", "RUN_FINISHED", "RUN_STARTED", "WEIGHTS_STEP", "Record"]
