@@ -26,3 +26,6 @@ LIMITS_APPLIED = Record("strategy", "limits_applied")
 """Live limits the worker applied (``changed``: field -> [old, new]): the limits in force."""
 WEIGHTS_STEP = Record("stagehand", "step")
 """The weight runtime's per-step figures (loads, bytes, watermarks, step time)."""
+SQUAREQ_STEP = Record("squareq", "step")
+"""SquareQ's per-step figures (bytes dequantized, dequant ms, format; the first one also the
+quantization error table and time)."""

@@ -1,6 +1,20 @@
-"""The telemetry record names, kept importable here for the weight runtime; they are defined in
-``contract.records`` (the contract between worker and server)."""
+"""The telemetry record names, kept importable here for the weight and SquareQ runtimes; they are
+defined in ``contract.records`` (the contract between worker and server)."""
 
-from contract.records import LIMITS_APPLIED, RUN_FINISHED, RUN_STARTED, WEIGHTS_STEP, Record
+from contract.records import (
+    LIMITS_APPLIED,
+    RUN_FINISHED,
+    RUN_STARTED,
+    SQUAREQ_STEP,
+    WEIGHTS_STEP,
+    Record,
+)
 
-__all__ = ["LIMITS_APPLIED", "RUN_FINISHED", "RUN_STARTED", "WEIGHTS_STEP", "Record"]
+__all__ = [
+    "LIMITS_APPLIED",
+    "RUN_FINISHED",
+    "RUN_STARTED",
+    "SQUAREQ_STEP",
+    "WEIGHTS_STEP",
+    "Record",
+]
