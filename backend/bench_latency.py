@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from backend.settings import REPO_ROOT
+from contract import wire
 
 TIME_RE = re.compile(r'"time": ?([0-9.eE+-]+)')
 START_DELAY_S = 2.0
@@ -41,9 +42,8 @@ START_DELAY_S = 2.0
 def write(run_dir: Path, rate: float, seconds: float) -> int:
     time.sleep(START_DELAY_S)
     total = int(rate * seconds)
-    path = run_dir / "telemetry.jsonl"
-    tee = os.environ.get("STAGEHAND_TELEMETRY_STDOUT") == "1"
-    marker = "@@stagehand-telemetry@@ "  # runtime.common.telemetry.STDOUT_MARKER
+    path = run_dir / wire.TELEMETRY_FILE
+    tee = os.environ.get(wire.STDOUT_ENV) == "1"
     t0 = time.perf_counter()
     seq = 0
     with open(path, "a", encoding="utf-8") as f:
@@ -60,10 +60,10 @@ def write(run_dir: Path, rate: float, seconds: float) -> int:
                     "loss": 1.0,
                     "vram_allocated_mb": 1.0,
                 }
-                line = json.dumps(rec, separators=(",", ":")) + "\n"
+                line = wire.encode(rec) + "\n"
                 f.write(line)
                 if tee:
-                    sys.stdout.write(marker + line)
+                    sys.stdout.write(wire.STDOUT_MARKER + line)
                 seq += 1
             f.flush()
             if tee:
@@ -80,9 +80,9 @@ def write(run_dir: Path, rate: float, seconds: float) -> int:
             "lora_path": None,
             "steps_done": seq,
         }
-        f.write(json.dumps(end) + "\n")
+        f.write(wire.encode(end) + "\n")
         if tee:
-            sys.stdout.write(marker + json.dumps(end) + "\n")
+            sys.stdout.write(wire.STDOUT_MARKER + wire.encode(end) + "\n")
             sys.stdout.flush()
     return 0
 

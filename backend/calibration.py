@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.store import Store
-from runtime.records import LIMITS_APPLIED, RUN_STARTED
+from contract.records import LIMITS_APPLIED, RUN_STARTED
 
 log = logging.getLogger("backend.calibration")
 

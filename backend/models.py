@@ -19,9 +19,9 @@ from pydantic import (
     model_validator,
 )
 
+from contract.status import RunStatus
 from runtime.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from runtime.preset import field_error
-from runtime.status import RunStatus
 
 MAX_ID = 2**62
 """Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""

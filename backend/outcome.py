@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from runtime.status import RunStatus
+from contract.status import RunStatus
 
 LOG_TAIL_BYTES = 4000
 

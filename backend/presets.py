@@ -19,19 +19,9 @@ from pydantic import ValidationError
 from backend.errors import Invalid, NotFound, from_validation
 from backend.models import NAME_RE
 from backend.store import Store
+from contract.presets import merge_overrides
 
 log = logging.getLogger("backend.presets")
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``overrides`` merged in: dicts merge key by key, anything else replaces."""
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def _preset_module():
@@ -91,7 +81,7 @@ def run_config(store: Store, preset: str, overrides: dict[str, Any]) -> dict[str
     stored = store.get_preset(preset)
     if stored is None:
         raise NotFound(f"no preset named {preset!r}", field="preset")
-    merged = deep_merge(stored["config"], overrides)
+    merged = merge_overrides(stored["config"], overrides)
     return validate_config(merged, "overrides" if overrides else "preset")
 
 

@@ -20,14 +20,11 @@ flow again.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import statistics
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,9 +37,10 @@ from backend.run_files import checkpoints
 from backend.settings import Settings
 from backend.store import Store
 from backend.tailer import Tailer
+from contract.control import STOP, write_request
+from contract.records import RUN_FINISHED
+from contract.status import ACTIVE, RESUMABLE, RunStatus
 from runtime.config import AUTO_DEVICE
-from runtime.records import RUN_FINISHED
-from runtime.status import ACTIVE, RESUMABLE, RunStatus
 
 log = logging.getLogger("backend.supervisor")
 
@@ -336,7 +334,7 @@ class Supervisor:
             if job.cancel_at is None:
                 job.cancel_at = time.time()
                 self.store.update_run(run_id, cancel_requested_at=job.cancel_at)
-                self.send_control(run_id, {"command": "stop"})
+                self.send_control(run_id, {"command": STOP})
 
     def log_tail(self, run_id: int) -> str | None:
         """The end of the run's worker output (progress lines, warnings): from its executor
@@ -380,17 +378,8 @@ class Supervisor:
                 self.on_change(run_id)
 
     def send_control(self, run_id: int, payload: dict[str, Any]) -> str:
-        """Drop a control request into ``DIR/control/`` (temp name, then rename); its id."""
-        request_id = payload.get("request_id") or uuid.uuid4().hex[:12]
-        body = {**payload, "request_id": request_id}
-        n = self.store.next_control_seq(run_id)
-        control = self.run_dir(run_id) / "control"
-        control.mkdir(parents=True, exist_ok=True)
-        final = control / f"{n:06d}-{request_id}.json"
-        tmp = control / f".{final.name}.tmp"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, final)
-        return request_id
+        """Drop a control request into the run's control folder (``contract.control``); its id."""
+        return write_request(self.run_dir(run_id), self.store.next_control_seq(run_id), payload)
 
     def is_live(self, run_id: int) -> bool:
         with self._lock:

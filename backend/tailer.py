@@ -10,7 +10,6 @@ resumes exactly where it stopped), then hands the batch to the ``Hub`` for webso
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from backend.hub import Hub
 from backend.store import Store
+from contract.wire import decode
 
 log = logging.getLogger("backend.tailer")
 
@@ -48,18 +48,15 @@ def parse_line(raw: str) -> Line | None:
 
     ``raw`` is kept as the record's text (pages and the websocket send it as it is), so a line
     with ``NaN``/``Infinity`` (Python's json writes them; JSON and browsers reject them) is
-    rewritten with ``null`` in their place.
+    rewritten with ``null`` in their place (``contract.wire.decode``).
     """
-    constants: list[str] = []
     try:
-        rec = json.loads(raw, parse_constant=constants.append)  # the constant becomes None
+        rec, raw = decode(raw)
         seq = int(rec["seq"])
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(rec, dict):
         return None
-    if constants:
-        raw = json.dumps(rec, separators=(",", ":"))
     step = rec.get("step")
     return Line(
         seq=seq,

@@ -1,10 +1,10 @@
-"""One way down: every import of the ``runtime`` and ``backend`` packages runs down the layer order,
-no import closes a circle, and no source module is over 450 lines (issue 29).
+"""One way down: every import of the ``contract``, ``runtime`` and ``backend`` packages runs down the
+layer order, no import closes a circle, and no source module is over 450 lines (issue 29).
 
-The order, bottom first (``ORDER``): common -> the runtimes -> strategy -> trainer -> plan ->
-bench -> backend -> frontend. A *room* is a package directly under ``runtime/``
-(``runtime.weights``), a loose module there (``runtime.config``) or the whole ``backend``;
-``ORDER`` gives each room a rank. The rules, checked by walking the source with ``ast`` (nothing is imported):
+The order, bottom first (``ORDER``): contract -> common -> the runtimes -> strategy -> trainer ->
+plan -> bench -> backend -> frontend. A *room* is a package directly under ``runtime/``
+(``runtime.weights``), a loose module there (``runtime.config``), or a whole top-level package
+(``contract``, ``backend``); ``ORDER`` gives each room a rank. The rules, checked by walking the source with ``ast`` (nothing is imported):
 
 - An arrow is an ``import`` or ``from ... import`` of a project module, absolute or relative,
   wherever it stands: at module level, inside a function (a lazy import is the same dependency,
@@ -18,7 +18,10 @@ bench -> backend -> frontend. A *room* is a package directly under ``runtime/``
 - Circles: no circle between modules through the imports that run (module level and lazy ones).
   ``if TYPE_CHECKING:`` imports never run, so a circle they alone would close is allowed (a
   runtime's hooks naming its runtime class in annotations).
-- Size: no module of ``runtime/``, ``backend/`` or ``frontend/js/`` over ``MAX_LINES`` lines.
+- Size: no module of ``contract/``, ``runtime/``, ``backend/`` or ``frontend/js/`` over
+  ``MAX_LINES`` lines.
+- Floor: ``contract`` (what the worker, the server and the browser agree on, issue 38) imports
+  the standard library and itself only: no torch, no pydantic, nothing of the project.
 
 ``python tests/test_layers.py`` prints every violation.
 """
@@ -33,23 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("runtime", "backend")
+PACKAGES = ("contract", "runtime", "backend")
 MAX_LINES = 450
 
 #: Rooms by rank, bottom first; each tuple holds peers. A new room fails the test until it is
 #: placed here.
 ORDER: list[tuple[str, tuple[str, ...]]] = [
-    # Plain values and names that every layer shares; they import nothing of the project.
-    (
-        "common",
-        (
-            "runtime",
-            "runtime.config",
-            "runtime.records",
-            "runtime.status",
-            "runtime.asset_status",
-        ),
-    ),
+    # The contract between the worker, the server and the browser: standard library only.
+    ("contract", ("contract",)),
+    # Plain values and names that every layer shares; they import nothing of the project but the
+    # contract.
+    ("common", ("runtime", "runtime.config", "runtime.asset_status")),
     # Device, memory and telemetry helpers; the preset schema (on runtime.config); the model and
     # data factory (random models from small configs, the digits, the text encoder).
     ("common", ("runtime.common", "runtime.preset", "runtime.assets")),
@@ -98,8 +95,8 @@ def modules() -> dict[str, tuple[Path, bool]]:
 
 
 def room(module: str) -> str:
-    if module.split(".")[0] == "backend":
-        return "backend"
+    if module.split(".")[0] != "runtime":
+        return module.split(".")[0]
     return ".".join(module.split(".")[:2])
 
 
@@ -253,6 +250,33 @@ def test_readme_draws_the_rooms_in_this_order():
             assert (lines[a] < lines[b]) == (RANK[a] > RANK[b]), (a, b)
 
 
+def contract_imports() -> list[str]:
+    """``path:line module`` for each import in ``contract/`` of anything but the standard
+    library and ``contract`` itself (relative imports stay inside it)."""
+    out = []
+    for path in sorted((ROOT / "contract").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        for node, _ in _imports(ast.parse(path.read_text(), str(rel))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                names = [] if node.level else [node.module or ""]
+            for name in names:
+                top = name.split(".")[0]
+                if top != "contract" and top not in sys.stdlib_module_names:
+                    out.append(f"{rel}:{node.lineno} {name}")
+    return out
+
+
+def test_the_contract_imports_the_standard_library_only():
+    assert contract_imports() == []
+    found = {(a.source, a.target) for a in arrows()}
+    # Not vacuous: the server, the worker and the planner import it.
+    assert ("backend.supervisor", "contract.control") in found
+    assert ("runtime.trainer.run", "contract.control") in found
+    assert ("runtime.plan.tune", "contract.presets") in found
+
+
 def test_no_source_module_over_the_line_limit():
     assert long_modules() == []
 
@@ -268,7 +292,10 @@ if __name__ == "__main__":
         inner = [a for a in found if a.runs and a.source in loop and a.target in loop]
         print(f"  {' '.join(loop)}")
         print("\n".join(f"    {a}" for a in inner))
+    floor = contract_imports()
+    print(f"{len(floor)} imports of contract/ beyond the standard library:")
+    print("\n".join(f"  {s}" for s in floor))
     sizes = long_modules()
     print(f"{len(sizes)} modules over {MAX_LINES} lines:")
     print("\n".join(f"  {s}" for s in sizes))
-    sys.exit(1 if problems or loops or sizes else 0)
+    sys.exit(1 if problems or loops or floor or sizes else 0)

@@ -19,7 +19,7 @@ from backend.errors import Invalid, NotFound
 from backend.models import RunId
 from backend.openapi import errors
 from backend.run_files import ARTIFACT_RE, artifact_files, checkpoints, servable
-from runtime.status import RESUMABLE
+from contract.status import RESUMABLE
 
 router = APIRouter(prefix="/api/runs", tags=["artifacts"])
 

@@ -20,8 +20,8 @@ from backend.settings import Settings
 from backend.store import Store
 from backend.supervisor import Supervisor
 from backend.system import SystemProbe
-from runtime.records import LIMITS_APPLIED
-from runtime.status import ACTIVE
+from contract.records import LIMITS_APPLIED
+from contract.status import ACTIVE
 
 
 def get_store(conn: HTTPConnection) -> Store:

@@ -32,7 +32,8 @@ from backend.models import (
 )
 from backend.openapi import errors
 from backend.presets import run_config
-from runtime.status import ACTIVE, RunStatus
+from contract.control import LIMITS
+from contract.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -149,7 +150,7 @@ def set_limits(
     if problem is not None:
         field, sentence = problem
         raise Invalid(sentence, field=field)
-    request_id = supervisor.send_control(run_id, {"command": "limits", "limits": limits})
+    request_id = supervisor.send_control(run_id, {"command": LIMITS, "limits": limits})
     return {"request_id": request_id}
 
 

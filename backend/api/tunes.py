@@ -18,11 +18,12 @@ from backend.calibration import calibration_for
 from backend.errors import Conflict, Invalid, NotFound
 from backend.models import TuneCreate, TuneId, TunePreset
 from backend.openapi import errors
-from backend.presets import deep_merge, run_config, validate_config
+from backend.presets import run_config, validate_config
 from backend.store import Store
+from contract.presets import merge_overrides
+from contract.records import WEIGHTS_STEP
+from contract.status import ACTIVE, RunStatus
 from runtime.config import AUTO_DEVICE
-from runtime.records import WEIGHTS_STEP
-from runtime.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/tunes", tags=["tunes"])
 
@@ -160,7 +161,7 @@ def create_tune(
         run_config(
             store,
             body.preset,
-            deep_merge(body.overrides, trial_overrides(base, t["memory"], body.trial_steps)),
+            merge_overrides(body.overrides, trial_overrides(base, t["memory"], body.trial_steps)),
         )
         for t in proposal["trials"]
     ]
@@ -217,7 +218,7 @@ def save_preset(tune_id: TuneId, body: TunePreset, store: StoreDep) -> dict:
     if trial is None:
         raise Invalid(f"run {body.run_id} is not a trial of tune {tune_id}", field="run_id")
     base = tune["candidates"]["base_config"]
-    config = validate_config(deep_merge(base, {"memory": trial["memory"]}), "config")
+    config = validate_config(merge_overrides(base, {"memory": trial["memory"]}), "config")
     config["name"] = body.name
     from runtime.plan.tune import limits_text
 

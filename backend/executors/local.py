@@ -23,8 +23,7 @@ from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource,
 from backend.outcome import log_tail
 from backend.settings import REPO_ROOT, Settings
 from backend.tailer import JsonlTail
-
-TELEMETRY = "telemetry.jsonl"
+from contract.wire import TELEMETRY_FILE
 
 
 class LocalExecutor(Executor):
@@ -110,7 +109,7 @@ class LocalExecutor(Executor):
         )
 
     def telemetry(self, run: dict[str, Any], run_dir: Path) -> TelemetrySource:
-        return JsonlTail(run_dir / TELEMETRY, run["tail_offset"] or 0)
+        return JsonlTail(run_dir / TELEMETRY_FILE, run["tail_offset"] or 0)
 
     def log_tail(self, job: Job) -> str | None:
         return log_tail(job.run_dir / "worker.log")

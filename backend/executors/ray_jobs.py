@@ -39,6 +39,7 @@ from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource,
 from backend.outcome import LOG_TAIL_BYTES
 from backend.settings import Settings
 from backend.tailer import JsonlTail, Line, parse_line
+from contract.wire import STDOUT_ENV, STDOUT_MARKER, TELEMETRY_FILE
 
 try:  # the [ray] extra; make_executor imports this module only for --executor ray
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -49,10 +50,6 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
 
 log = logging.getLogger("backend.executors.ray")
 
-STDOUT_MARKER = "@@stagehand-telemetry@@ "
-"""The worker's stdout prefix of a telemetry line (``runtime.common.telemetry``; the server
-does not import the runtime, so the two are checked equal by a test)."""
-TELEMETRY_STDOUT_ENV = "STAGEHAND_TELEMETRY_STDOUT"
 POLL_S = 0.5
 """``get_job_info`` at most this often per job: each is an HTTP request to the head."""
 CLUSTER_S = 2.0
@@ -117,7 +114,7 @@ class RayExecutor(Executor):
         runtime_env = copy.deepcopy(self.settings.ray_runtime_env or {})
         env_vars = {"PYTHONUNBUFFERED": "1", **runtime_env.get("env_vars", {})}
         if self.settings.ray_telemetry == "log":
-            env_vars[TELEMETRY_STDOUT_ENV] = "1"
+            env_vars[STDOUT_ENV] = "1"
         runtime_env["env_vars"] = env_vars
         gpus = 1 if device.startswith("cuda") or (device != "cpu" and self._has_gpus()) else 0
         try:
@@ -182,7 +179,7 @@ class RayExecutor(Executor):
             tail = LogStreamTail(self.client, run["job_id"], run["last_seq"], run["tail_offset"])
             self._tails = [t for t in self._tails if not t.closed] + [tail]
             return tail
-        return JsonlTail(run_dir / "telemetry.jsonl", run["tail_offset"] or 0)
+        return JsonlTail(run_dir / TELEMETRY_FILE, run["tail_offset"] or 0)
 
     def log_tail(self, job: Job) -> str | None:
         """The end of the job's log without its telemetry lines."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import sqlite_utils
 
-from runtime.status import check_status_transition
+from contract.status import check_status_transition
 
 
 class RunTables:
@@ -82,8 +82,8 @@ class RunTables:
         """Update only while the run's status is one of ``expected``; True if it changed.
 
         Raises:
-            runtime.status.RunStatusError: ``fields["status"]`` is not a legal next status of
-                every status in ``expected`` (``runtime.status.LEGAL_NEXT``), before anything
+            contract.status.RunStatusError: ``fields["status"]`` is not a legal next status of
+                every status in ``expected`` (``contract.status.LEGAL_NEXT``), before anything
                 is written.
         """
         exp = list(expected)

@@ -15,7 +15,7 @@ from typing import Any
 import sqlite_utils
 
 from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
-from runtime.records import RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
+from contract.records import RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
 
 
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:

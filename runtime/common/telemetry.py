@@ -9,6 +9,8 @@ Sources: ``stagehand`` (weight streaming and layer offload), ``activation_stageh
 Kinds: ``block`` (one block event), ``step`` (one per source per step), ``event`` (anything
 else, with an ``event`` field naming it), ``limits_applied``, ``stage``, ``error``.
 
+Each record is one line of ``contract.wire.encode`` (the wire the server reads).
+
 ``seq`` increases by one per record and, for a run dir that already holds a stream (resume),
 continues from its last record, so the backend can use ``(run, seq)`` as a key.
 """
@@ -19,7 +21,6 @@ import contextlib
 import errno
 import json
 import logging
-import math
 import os
 import sys
 import threading
@@ -27,6 +28,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
+
+from contract.wire import STDOUT_MARKER, encode
 
 log = logging.getLogger(__name__)
 
@@ -70,34 +73,6 @@ class NullSink(ListSink):
 
     def write(self, record: dict[str, Any]) -> None:
         pass
-
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy / torch scalars
-        return value.item()
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    if isinstance(value, Path):
-        return str(value)
-    return str(value)
-
-
-def _finite(value: Any) -> Any:
-    # JSON has no NaN/inf: a diverging loss must still be a valid line.
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def encode(record: dict[str, Any]) -> str:
-    """The record's JSONL line (no newline): compact, non-finite floats written as ``null``."""
-    record = {k: _finite(v) for k, v in record.items()}
-    return json.dumps(record, default=_json_default, separators=(",", ":"))
-
-
-STDOUT_MARKER = "@@stagehand-telemetry@@ "
-"""Prefix of a telemetry line on the worker's stdout (``TeeStdoutSink``): a job log carries the
-worker's other output too, and only lines that start with this are records."""
 
 
 class JsonlSink:

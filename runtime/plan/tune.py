@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from contract.presets import merge_overrides
 from runtime.config import MAX_MB, MB
 from runtime.layer_offload.schedule import resident_count
 from runtime.plan.inventory import Inventory, PlanInputError, inventory
@@ -54,16 +55,6 @@ def pareto(points: list[tuple[float, float]]) -> list[bool]:
             (a <= x and b <= y) and (a < x or b < y) for j, (a, b) in enumerate(points) if j != i
         )
         out.append(not dominated)
-    return out
-
-
-def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
     return out
 
 
@@ -253,7 +244,7 @@ def propose(
         floor_changes = _changes(memory, floor, largest_mb)
         floor_what = "watermarks 0, no prefetch, every activation spilled"
         grid = list(_grid(budget_mb, largest_mb, spill, not profile.synchronous_copies))
-    floor_predicted = predict(floor, _merge(memory, floor_changes))
+    floor_predicted = predict(floor, merge_overrides(memory, floor_changes))
     floor_mb = floor_predicted["peak_mb"]
     if budget_mb < floor_mb:
         raise PlanInputError(
@@ -267,7 +258,7 @@ def propose(
             changes = _offload_changes(limits)
         else:
             changes = _changes(memory, limits, largest_mb)
-        predicted = predict(limits, _merge(memory, changes))
+        predicted = predict(limits, merge_overrides(memory, changes))
         searched += 1
         if predicted["peak_mb"] > budget_mb:
             continue

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from contract.records import SQUAREQ_STEP
 from runtime.config import MB
-from runtime.records import SQUAREQ_STEP
 from runtime.squareq import prequantized, store
 from runtime.squareq.formats import LayerError, dequantize, error_table, quantize, relative_rms
 from runtime.squareq.image import BlockImage, pack

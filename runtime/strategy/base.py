@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from contract.records import LIMITS_APPLIED
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase, PhaseError, PhaseMachine
 from runtime.common.telemetry import Telemetry
 from runtime.config import LiveLimits
-from runtime.records import LIMITS_APPLIED
 
 COUNTERS = (
     "blocks_loaded",

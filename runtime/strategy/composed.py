@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from contract.records import LIMITS_APPLIED
 from runtime.common.device import own_storage
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase
@@ -42,7 +43,6 @@ from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry
 from runtime.conductor import ConductorRuntime
 from runtime.config import MB, LiveLimits, StagehandSection
-from runtime.records import LIMITS_APPLIED
 from runtime.squareq.adapter import SquareQConductorAdapter
 from runtime.strategy.auto import AutoSection, has_auto
 from runtime.strategy.base import MemoryStrategy

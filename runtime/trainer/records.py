@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from contract.records import RUN_STARTED
 from runtime.common.telemetry import Telemetry
 from runtime.config import MB
 from runtime.preset import Preset
-from runtime.records import RUN_STARTED
 from runtime.trainer.progress import Progress
 
 

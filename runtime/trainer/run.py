@@ -18,13 +18,15 @@ from pathlib import Path
 
 import torch
 
+from contract import wire
+from contract.control import LIMITS, STOP, ControlDir
+from contract.records import RUN_FINISHED
+from contract.status import RunStatus
 from runtime.common.attention import apply_attention_backend
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
 from runtime.preset import Preset, load_preset, validate_preset
-from runtime.records import RUN_FINISHED
-from runtime.status import RunStatus
 from runtime.trainer import loop, records
-from runtime.trainer.control import ControlDir, StopFlag
+from runtime.trainer.control import StopFlag
 from runtime.trainer.families import family
 from runtime.trainer.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
 from runtime.trainer.pipelines import PipelineFamily
@@ -33,10 +35,6 @@ from runtime.trainer.sampling import Sampler
 from runtime.trainer.scan import Sample
 from runtime.trainer.setup import check_text_dim, family_targets, pipeline_family, resolve_assets
 from runtime.trainer.stage1 import build_cache, resolve_frames, scan_data
-
-TELEMETRY_STDOUT_ENV = "STAGEHAND_TELEMETRY_STDOUT"
-"""``1``: every telemetry record is also written to stdout after ``STDOUT_MARKER``."""
-
 
 FLUSH_INTERVAL_S = 0.25
 """The worker's telemetry reaches its JSONL file at most this long after a record (seconds)."""
@@ -47,8 +45,8 @@ class Run:
 
     def __init__(self, spec: str, run_dir: Path, device: torch.device, resume: bool) -> None:
         self.spec, self.run_dir, self.device, self.resume = spec, run_dir, device, resume
-        sink = JsonlSink(run_dir / "telemetry.jsonl")
-        if os.environ.get(TELEMETRY_STDOUT_ENV) == "1":
+        sink = JsonlSink(run_dir / wire.TELEMETRY_FILE)
+        if os.environ.get(wire.STDOUT_ENV) == "1":
             sink = TeeStdoutSink(sink)  # the Ray executor's log stream (backend/executors)
         # Stage 1 (caching) writes progress for minutes before a step flushes: a time bound
         # brings each record to the dashboard within FLUSH_INTERVAL_S.
@@ -68,9 +66,9 @@ class Run:
     def poll_control(self) -> str | None:
         """Handle pending control requests; return the stop reason, if any."""
         for req in self.control.poll():
-            if req.command == "stop":
-                self.stop.set("stop")
-            elif req.command == "limits" and self.strategy is not None:
+            if req.command == STOP:
+                self.stop.set(STOP)
+            elif req.command == LIMITS and self.strategy is not None:
                 try:
                     self.strategy.set_limits(
                         req.body.get("limits") or {}, request_id=req.request_id

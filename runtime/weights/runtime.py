@@ -37,12 +37,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from contract.records import WEIGHTS_STEP
 from runtime.common.device import uses_cuda
 from runtime.common.memory import DeviceMemory
 from runtime.common.saved_tensors import SavedTensorRouter
 from runtime.common.telemetry import Telemetry, default_telemetry
 from runtime.config import MB, StagehandConfig, Watermarks
-from runtime.records import WEIGHTS_STEP
 from runtime.weights import policy
 from runtime.weights.convert import restore_blocks
 from runtime.weights.counts import StepCounts, Totals

@@ -22,14 +22,15 @@ from backend_helpers import (
     wait_status,
 )
 
-from runtime.status import TERMINAL
+from contract.status import TERMINAL
 
 pytest.importorskip("ray.job_submission", reason="the [ray] extra is not installed")
 
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 from ray_cluster import RayCluster  # noqa: E402
 
-from backend.executors.ray_jobs import STDOUT_MARKER, LogStreamTail, exit_of  # noqa: E402
+from backend.executors.ray_jobs import LogStreamTail, exit_of  # noqa: E402
+from contract.wire import STDOUT_MARKER  # noqa: E402
 
 LONG = {"max_steps": 100000}
 CHROMIUM = "/usr/bin/chromium"
@@ -223,12 +224,6 @@ def test_job_status_becomes_the_workers_exit():
     assert exit_of("FAILED", None, "Node died").rc is None
     assert exit_of("STOPPED", None, "Job was intentionally stopped.").rc == -signal.SIGTERM
     assert exit_of("RUNNING", None, None) is None and exit_of("PENDING", None, None) is None
-
-
-def test_the_worker_marker_is_the_servers():
-    from runtime.common.telemetry import STDOUT_MARKER as WORKER_MARKER
-
-    assert WORKER_MARKER == STDOUT_MARKER
 
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend.store import Store
-from runtime.status import (
+from contract.status import (
     ACTIVE,
     LEGAL_NEXT,
     RESUMABLE,

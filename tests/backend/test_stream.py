@@ -7,7 +7,7 @@ import threading
 
 from backend_helpers import file_records, stored_records, wait_status
 
-from runtime.status import TERMINAL
+from contract.status import TERMINAL
 
 
 def follow(ws, stop_after_step: bool = False, timeout: float = 180):

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.trainer.control import ControlDir
+from contract import wire
+from contract.control import LIMITS, STOP, ControlDir
 from runtime.trainer.scan import scan_folder
 
 
@@ -43,7 +44,7 @@ class Writer:
             **fields,
         }
         self.seq += 1
-        self.f.write(json.dumps(rec) + "\n")
+        self.f.write(wire.encode(rec) + "\n")
 
     def flush(self) -> None:
         self.f.flush()
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
         "max_inflight_transfers": int(sh.get("max_inflight_transfers", 2)),
     }
     max_steps = int(config.get("max_steps", 50))
-    w = Writer(run_dir / "telemetry.jsonl")
+    w = Writer(run_dir / wire.TELEMETRY_FILE)
     control = ControlDir(run_dir)
     data = config.get("data") or {}
     if data.get("path"):  # the worker's own scan, recorded first
@@ -139,7 +140,7 @@ def main(argv: list[str]) -> int:
     loss = 4.5
     for step in range(1, max_steps + 1):
         for req in control.poll():
-            if req.command == "stop":
+            if req.command == STOP:
                 w.emit(
                     "trainer",
                     "run_finished",
@@ -150,7 +151,7 @@ def main(argv: list[str]) -> int:
                 )
                 w.flush()
                 return 0
-            if req.command == "limits":
+            if req.command == LIMITS:
                 changed = {}
                 for key, value in (req.body.get("limits") or {}).items():
                     if key in limits and limits[key] != value:

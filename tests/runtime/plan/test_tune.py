@@ -6,9 +6,10 @@ import itertools
 
 import pytest
 
+from contract.presets import merge_overrides
 from runtime.config import MB
 from runtime.plan import PlanInputError, plan_preset, profile
-from runtime.plan.tune import _merge, limits_text, pareto, propose, trial_overrides
+from runtime.plan.tune import limits_text, pareto, propose, trial_overrides
 from runtime.plan.tune_cli import main as tune_main
 from runtime.preset import load_preset
 
@@ -40,7 +41,7 @@ def test_candidates_fit_the_budget_as_the_plan_predicts():
     for t in trials:
         assert t["predicted"]["peak_mb"] <= 3.0
         # The plan of the trial's own memory section predicts the same peak and step time.
-        plan = plan_preset(_merge(data, {"memory": t["memory"]}), budget).to_dict()
+        plan = plan_preset(merge_overrides(data, {"memory": t["memory"]}), budget).to_dict()
         assert plan["fits"] is True
         peak = max(plan["peak_bytes"].values()) / MB
         assert peak == pytest.approx(t["predicted"]["peak_mb"], abs=1e-4)
@@ -115,7 +116,7 @@ def test_layer_offload_preset_is_tuned_by_fraction_as_the_plan_predicts():
         assert t["memory"]["strategy"] == "layer_offload"
         assert resident_count(t["memory"]["layer_offload_fraction"], n) == lim["resident_blocks"]
         assert t["predicted"]["peak_mb"] <= budget
-        plan = plan_preset(_merge(data, {"memory": t["memory"]}), dev).to_dict()
+        plan = plan_preset(merge_overrides(data, {"memory": t["memory"]}), dev).to_dict()
         assert max(plan["peak_bytes"].values()) / MB == pytest.approx(
             t["predicted"]["peak_mb"], abs=1e-4
         )

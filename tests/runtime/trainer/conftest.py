@@ -8,19 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from contract.presets import merge_overrides
 from runtime.assets import ENV_VAR
 from runtime.preset import PRESETS_DIR
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = (
-            deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-        )
-    return out
 
 
 @pytest.fixture
@@ -36,7 +28,7 @@ def make_preset(tmp_path):
 
     def make(name="test", **over) -> Path:
         base = json.loads((PRESETS_DIR / "tiny-ci.json").read_text())
-        data = deep_merge(base, {"name": name, **over})
+        data = merge_overrides(base, {"name": name, **over})
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(data))
         return path
@@ -227,7 +219,7 @@ def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe",
         "data": data_section,
     }
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(deep_merge(preset, over)))
+    path.write_text(json.dumps(merge_overrides(preset, over)))
     return path
 
 

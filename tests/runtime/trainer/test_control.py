@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from runtime.trainer.control import ControlDir, StopFlag
+from contract.control import ControlDir
+from runtime.trainer.control import StopFlag
 
 LONG = {"max_steps": 100000, "checkpoint_every": None}
 

@@ -1,6 +1,6 @@
 """The telemetry records the backend reads from a worker's stream, named once for both sides.
 
-Torch-free (the backend imports it, as it imports ``runtime.status``). Each is a
+Torch-free (the backend imports it, as it imports ``contract.status``). Each is a
 ``(source, kind)`` pair: the worker emits ``telemetry.emit(*RUN_FINISHED, ...)`` and the
 backend looks one up with ``store.last_record(run_id, *RUN_FINISHED)``. Their fields are in
 ``docs/contracts.md``; records only the dashboard reads keep their names at the emitter.

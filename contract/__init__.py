@@ -1,0 +1,20 @@
+"""What the worker, the server and the browser must agree on, each rule written once.
+
+Three processes meet here: the worker (``workbench train``, ``runtime/trainer``) writes a run
+folder, the server (``backend``) launches, tails and steers it, and the dashboard reads what the
+server sends. Every name or format two of them must spell alike lives in this package, and both
+sides import it:
+
+- ``contract.status``: a run's status names and the moves between them;
+- ``contract.records``: the ``(source, kind)`` of the telemetry records the server reads;
+- ``contract.wire``: the telemetry stream on the wire: the file name (``telemetry.jsonl``), a
+  record's JSONL line (``encode``: non-finite floats as ``null``; ``decode`` on the reading side),
+  the stdout marker and the environment variable that turns the stdout copy on;
+- ``contract.control``: the run's control folder (stop, live limits): the server writes
+  requests (``write_request``), the worker consumes them (``ControlDir``);
+- ``contract.presets``: overrides merged into a preset (``merge_overrides``).
+
+Standard library only: no torch, no pydantic, nothing of the project (``tests/test_layers.py``
+holds it to that), so the server imports it without the runtimes and a reader finds the whole
+agreement in one folder. Field-level formats are in ``docs/contracts.md``.
+"""

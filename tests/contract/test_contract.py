@@ -1,0 +1,51 @@
+"""The contract read from both sides: what the server writes the worker reads, and the reverse
+(``contract.control``, ``contract.wire``, ``contract.presets``)."""
+
+import json
+import math
+
+from contract.control import LIMITS, STOP, ControlDir, write_request
+from contract.presets import merge_overrides
+from contract.wire import decode, encode
+
+
+def test_requests_the_server_writes_are_read_by_the_worker_in_sending_order(tmp_path):
+    worker = ControlDir(tmp_path)
+    second = write_request(tmp_path, 2, {"command": STOP})
+    first = write_request(tmp_path, 1, {"command": LIMITS, "limits": {"window": 3}})
+    (worker.path / ".000003-x.json.tmp").write_text("{}")  # a request still being written
+    got = worker.poll()
+    assert [(r.command, r.request_id, r.error) for r in got] == [
+        (LIMITS, first, None),
+        (STOP, second, None),
+    ]
+    assert got[0].body == {"command": LIMITS, "limits": {"window": 3}, "request_id": first}
+    assert len(first) == 12 and first != second
+    assert sorted(p.name for p in worker.path.iterdir()) == [".000003-x.json.tmp"]
+    assert worker.poll() == []
+    assert write_request(tmp_path, 4, {"command": STOP, "request_id": "mine"}) == "mine"
+    assert [r.request_id for r in worker.poll()] == ["mine"]
+
+
+def test_a_record_the_worker_encodes_is_decoded_unchanged_but_for_non_finite_numbers():
+    record = {"seq": 3, "loss": float("nan"), "peak": float("inf"), "lr": 1e-4, "ids": (1, 2)}
+    line = encode(record)
+    assert line == '{"seq":3,"loss":null,"peak":null,"lr":0.0001,"ids":[1,2]}'
+    assert decode(line) == (json.loads(line), line)
+
+
+def test_a_line_with_nan_nested_is_passed_on_with_null():
+    line = json.dumps({"seq": 1, "losses": [1.5, math.nan], "x": {"y": -math.inf}})
+    value, passed_on = decode(line)
+    assert value == {"seq": 1, "losses": [1.5, None], "x": {"y": None}}
+    assert passed_on == '{"seq":1,"losses":[1.5,null],"x":{"y":null}}'
+
+
+def test_overrides_merge_key_by_key_and_share_nothing_with_either_side():
+    base = {"memory": {"a": 1, "b": {"c": [1]}}, "steps": 5}
+    overrides = {"memory": {"b": {"d": 2}}, "steps": None, "tags": ["x"]}
+    merged = merge_overrides(base, overrides)
+    assert merged == {"memory": {"a": 1, "b": {"c": [1], "d": 2}}, "steps": None, "tags": ["x"]}
+    merged["memory"]["b"]["c"].append(2)
+    merged["tags"].append("y")
+    assert base["memory"]["b"]["c"] == [1] and overrides["tags"] == ["x"]
