@@ -202,6 +202,9 @@ def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe",
     base["memory"]["stagehand"]["activation_stagehand"].update(
         vram_high_watermark_mb=0.02, vram_low_watermark_mb=0.01
     )
+    # Every block of these transformers fits under tiny-ci's 0.5 MB low watermark and would stay
+    # (NOTE [ Eviction policy ]): low 0 so the blocks stream.
+    base["memory"]["stagehand"]["vram_low_watermark_mb"] = 0
     data_section = {"path": str(data_dir), "bucketing": True, "max_caption_tokens": 16}
     preset = {
         "name": name,
