@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from contract.limits import ACTIVATION_FIELDS, PATHS, WEIGHT_FIELDS
+from contract.limits import ACTIVATION_FIELDS, PAIRS, PATHS, WEIGHT_FIELDS
 from runtime.config import MemoryConfig
 
 
@@ -43,7 +43,7 @@ def config_limits(config: dict[str, Any]) -> dict[str, float | int]:
 def effective_limits(config: dict[str, Any], applied: list[dict[str, Any]]) -> dict[str, Any]:
     """``{preset, now, paths, history}``: the limits the run started under (``preset``), those
     in force after every record of ``applied`` (``strategy/limits_applied`` records, in seq
-    order), each field's config path, and ``history: [{seq, step, time, request_id,
+    order), each field's config path (``paths``), the watermark pairs (``pairs``), and ``history: [{seq, step, time, request_id,
     changed}]`` (``changed``: ``{field: [old, new]}``, as the worker wrote it)."""
     preset = config_limits(config)
     now = dict(preset)
@@ -65,4 +65,10 @@ def effective_limits(config: dict[str, Any], applied: list[dict[str, Any]]) -> d
                 "changed": changed,
             }
         )
-    return {"preset": preset, "now": now, "paths": dict(PATHS), "history": history}
+    return {"preset": preset, "now": now, **limit_fields(), "history": history}
+
+
+def limit_fields() -> dict[str, Any]:
+    """``{paths, pairs}``: each live-limit field's config path and the watermark pairs, for the
+    dashboard (``contract.limits``)."""
+    return {"paths": dict(PATHS), "pairs": [list(pair) for pair in PAIRS]}

@@ -332,12 +332,19 @@ class LimitsChange(BaseModel):
     changed: dict[str, list[float | int]]
 
 
-class LimitsPublic(BaseModel):
+class LimitFields(BaseModel):
+    """``GET /api/limits/fields``: every LiveLimits field's config path and the (high, low)
+    watermark pairs (``contract.limits``); the other fields are whole numbers."""
+
+    paths: dict[str, str]
+    pairs: list[tuple[str, str]]
+
+
+class LimitsPublic(LimitFields):
     """``GET /api/runs/{id}/limits``: LiveLimits field -> value, for the runtimes that are on."""
 
     preset: dict[str, float | int]
     now: dict[str, float | int]
-    paths: dict[str, str]
     history: list[LimitsChange]
 
 

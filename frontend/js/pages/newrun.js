@@ -18,7 +18,8 @@ const SH = "memory.stagehand";
 const AS = `${SH}.activation_stagehand`;
 
 // Each form field binds to the first of `paths` present in the preset (the seeds spell the
-// LoRA rank two ways; a model is a folder or a factory).
+// LoRA rank two ways; a model is a folder or a factory). A `limit` field is a LiveLimits field:
+// its path comes from the API (GET /api/limits/fields, contract/limits.py).
 const FIELDS = [
   { id: "model", label: "Model (folder or factory)", paths: ["model.path", "model.factory"], type: "text" },
   { id: "max_steps", label: "Steps", paths: ["max_steps"], type: "int" },
@@ -26,17 +27,17 @@ const FIELDS = [
   { id: "resolution", label: "Resolution (px)", paths: ["resolution"], type: "int" },
   { id: "lora_rank", label: "LoRA rank", paths: ["lora_rank", "adapter.rank"], type: "int" },
   { id: "strategy", label: "Memory strategy", paths: ["memory.strategy"], type: "select", options: ["none", "stagehand", "layer_offload"] },
-  { id: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", paths: [`${SH}.vram_high_watermark_mb`], type: "float" },
-  { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", paths: [`${SH}.vram_low_watermark_mb`], type: "float" },
-  { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", paths: [`${SH}.prefetch_window_blocks`], type: "int" },
-  { id: "max_inflight_transfers", label: "In-flight block H2D copies", paths: [`${SH}.max_inflight_transfers`], type: "int" },
+  { id: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", limit: true, type: "float" },
+  { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", limit: true, type: "float" },
+  { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", limit: true, type: "int" },
+  { id: "max_inflight_transfers", label: "In-flight block H2D copies", limit: true, type: "int" },
   // SquareQ (README "Frozen weights in 8 bits"): blank removes the whole `squareq` section.
   { id: "squareq_format", label: "8-bit frozen weights (~0.5x bytes)", paths: [`${SH}.squareq.format`], type: "select", options: ["", "int8", "fp8_e4m3"], section: `${SH}.squareq` },
   { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool" },
-  { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", paths: [`${AS}.vram_high_watermark_mb`], type: "float" },
-  { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", paths: [`${AS}.vram_low_watermark_mb`], type: "float" },
-  { id: "max_inflight_d2h", label: "Spill in-flight D2H", paths: [`${AS}.max_inflight_d2h`], type: "int" },
-  { id: "max_inflight_h2d", label: "Restore in-flight H2D", paths: [`${AS}.max_inflight_h2d`], type: "int" },
+  { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", limit: true, type: "float" },
+  { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", limit: true, type: "float" },
+  { id: "max_inflight_d2h", label: "Spill in-flight D2H", limit: true, type: "int" },
+  { id: "max_inflight_h2d", label: "Restore in-flight H2D", limit: true, type: "int" },
   { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
 ];
 
@@ -86,6 +87,8 @@ export function mount(root, { params }) {
   let base = {}; // the selected preset's config
   let config = {}; // what the user edits
   const bound = new Map(); // field id -> JSON path
+  let limitPaths = {}; // LiveLimits field -> config path (GET /api/limits/fields)
+  const pathsOf = (field) => (field.limit ? [limitPaths[field.id]] : field.paths);
   const errors = h("div", { class: "page-errors" });
   const presetSel = h("select", { id: "preset-select", onchange: () => selectPreset(presetSel.value) });
   const nameInput = h("input", { id: "run-name", type: "text", placeholder: "run name (optional)" });
@@ -172,7 +175,8 @@ export function mount(root, { params }) {
 
   function bindPaths() {
     for (const field of FIELDS) {
-      const path = field.paths.find((p) => getPath(config, p) != null) || field.paths[0];
+      const paths = pathsOf(field);
+      const path = paths.find((p) => getPath(config, p) != null) || paths[0];
       bound.set(field.id, path);
       const label = inputs.get(field.id).input.closest("label").querySelector(".path");
       label.textContent = path;
@@ -419,6 +423,7 @@ export function mount(root, { params }) {
 
   (async () => {
     try {
+      limitPaths = (await api.limitFields()).paths;
       if (from) {
         const [run, limits] = await Promise.all([api.run(from), api.limits(from)]);
         await loadPresets(run.preset);

@@ -357,6 +357,7 @@ export function mount(root, { parts }) {
     // Ask for the stored records first: the charts are built while the requests are in flight.
     const historyLoad = loadHistory(run);
     historyLoad.catch(() => {}); // reported where it is awaited below
+    const limitsLoad = api.limits(run.id);
     renderHeader();
     renderFailure();
     loadAhead();
@@ -364,7 +365,12 @@ export function mount(root, { parts }) {
     grid.before(charts.controls);
     // Beside the VRAM chart (under it on a narrow screen), where a user watching it looks.
     grid.firstElementChild.after(limitsBox);
-    limits = new LimitsPanel(limitsBox, run, errors);
+    try {
+      limits = new LimitsPanel(limitsBox, run, await limitsLoad, errors);
+    } catch (err) {
+      showError(errors, err, "live limits");
+    }
+    if (stopped) return;
     // Limits only matter while a run can still take them.
     limitsBox.hidden = FINISHED.has(run.status);
     let lastSeq = -1;
