@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from contract.limits import AUTO, PAIRS, WEIGHT_PAIR, check_pair, check_watermarks
+from contract.limits import PAIRS, WEIGHT_PAIR, check_pair, check_watermarks
 
 MB = 2**20
 """Bytes in one MB as the seeds count it."""
@@ -272,14 +272,10 @@ class ConductorConfig(_Strict):
 
     @model_validator(mode="after")
     def _caps(self) -> ConductorConfig:
-        soft, hard = self.vram_soft_cap_mb, self.vram_hard_cap_mb
-        if AUTO in (soft, hard):
-            check_pair(hard, soft, ("vram_hard_cap_mb", "vram_soft_cap_mb"))
-        elif soft > hard:
-            raise ValueError(
-                f"vram_soft_cap_mb ({self.vram_soft_cap_mb}) must not be above "
-                f"vram_hard_cap_mb ({self.vram_hard_cap_mb})"
-            )
+        # The caps are a (high, low) pair under the watermark rule.
+        check_pair(
+            self.vram_hard_cap_mb, self.vram_soft_cap_mb, ("vram_hard_cap_mb", "vram_soft_cap_mb")
+        )
         return self
 
 
