@@ -12,7 +12,7 @@ import { onAssets } from "../assets.js";
 import { noteworthy, scanView } from "../scan.js";
 import { clearErrors, deepDiff, fill, getPath, h, setPath, showError, splitPath } from "../ui.js";
 import { planPanel } from "../plan.js";
-import { pipelinePanel } from "./pipeline.js";
+import { pipelinePanel } from "../components/panels/pipeline.js";
 
 const SH = "memory.stagehand";
 const AS = `${SH}.activation_stagehand`;

@@ -4,8 +4,8 @@
 // `trainer/event` `control_rejected` one (refused, with the worker's message). The charts
 // draw a marker for either.
 
-import { api } from "../api.js";
-import { clearErrors, fill, getPath, h, showError } from "../ui.js";
+import { api } from "../../api.js";
+import { clearErrors, fill, getPath, h, showError } from "../../ui.js";
 
 // What each LiveLimits field is called on the panel; the fields, their config paths and which
 // are watermarks (MB) come from the API (GET /api/runs/{id}/limits, contract/limits.py).
