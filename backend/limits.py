@@ -3,10 +3,10 @@
 A run starts with the limits of its config's ``memory`` section (the runtime's defaults where
 the config says nothing: ``runtime.config.MemoryConfig``, which imports no torch; None for the
 prefetch window and copies in flight, which the runtime derives at the run's start from the
-blocks and the device, ``runtime/weights/defaults.py``). Each
-``strategy/limits_applied`` record's ``changed`` (``{field: [old, new]}``) then moves the
-limits in force, in seq order. Only the runtimes that are on have limits: a field of a runtime
-that is off is absent, and the worker refuses it (a ``trainer/event`` ``control_rejected``).
+blocks and the device, ``runtime/weights/defaults.py``). Each ``strategy/limits_applied``
+record's ``changed`` (``{field: [old, new]}``) then moves the limits in force, in seq order.
+The fields, their config paths and the watermark rule are ``contract.limits``'. Only the
+runtimes that are on have limits: a field of a runtime that is off is absent, and the worker refuses it (a ``trainer/event`` ``control_rejected``).
 """
 
 from __future__ import annotations
@@ -15,38 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from contract.limits import ACTIVATION_FIELDS, PAIRS, PATHS, WEIGHT_FIELDS
 from runtime.config import MemoryConfig
-
-SH = "memory.stagehand"
-AS = f"{SH}.activation_stagehand"
-
-WEIGHT_FIELDS = (
-    "vram_high_watermark_mb",
-    "vram_low_watermark_mb",
-    "prefetch_window_blocks",
-    "max_inflight_transfers",
-)
-"""LiveLimits fields of the weight runtime; their config path is ``memory.stagehand.<field>``."""
-
-ACTIVATION_FIELDS = {
-    "activation_vram_high_watermark_mb": "vram_high_watermark_mb",
-    "activation_vram_low_watermark_mb": "vram_low_watermark_mb",
-    "max_inflight_d2h": "max_inflight_d2h",
-    "max_inflight_h2d": "max_inflight_h2d",
-}
-"""LiveLimits field of the activation runtime -> its name in ``memory.stagehand.activation_stagehand``."""
-
-PATHS = {
-    **{field: f"{SH}.{field}" for field in WEIGHT_FIELDS},
-    **{field: f"{AS}.{name}" for field, name in ACTIVATION_FIELDS.items()},
-}
-"""Every LiveLimits field -> the dotted path of its value in a run's config."""
-
-PAIRS = (
-    ("vram_high_watermark_mb", "vram_low_watermark_mb"),
-    ("activation_vram_high_watermark_mb", "activation_vram_low_watermark_mb"),
-)
-"""(high, low) watermark pairs: a low watermark must never be above its high one."""
 
 
 def config_limits(config: dict[str, Any]) -> dict[str, float | int]:
@@ -73,7 +43,7 @@ def config_limits(config: dict[str, Any]) -> dict[str, float | int]:
 def effective_limits(config: dict[str, Any], applied: list[dict[str, Any]]) -> dict[str, Any]:
     """``{preset, now, paths, history}``: the limits the run started under (``preset``), those
     in force after every record of ``applied`` (``strategy/limits_applied`` records, in seq
-    order), each field's config path, and ``history: [{seq, step, time, request_id,
+    order), each field's config path (``paths``), the watermark pairs (``pairs``), and ``history: [{seq, step, time, request_id,
     changed}]`` (``changed``: ``{field: [old, new]}``, as the worker wrote it)."""
     preset = config_limits(config)
     now = dict(preset)
@@ -95,25 +65,10 @@ def effective_limits(config: dict[str, Any], applied: list[dict[str, Any]]) -> d
                 "changed": changed,
             }
         )
-    return {"preset": preset, "now": now, "paths": dict(PATHS), "history": history}
+    return {"preset": preset, "now": now, **limit_fields(), "history": history}
 
 
-def watermark_problem(now: dict[str, Any], given: dict[str, Any]) -> tuple[str, str] | None:
-    """``(field, sentence)`` when ``given`` would put a low watermark above its high one once
-    folded into the limits in force ``now``; the field is one the body gave. None when fine.
-
-    A pair the body gives whole is checked by the body's own model (``LimitsUpdate``)."""
-    for high, low in PAIRS:
-        if high in given and low in given:
-            continue
-        if high in given and low in now and now[low] > given[high]:
-            return high, (
-                f"{high} ({given[high]:g}) must not be below the low watermark in force, "
-                f"{low} ({now[low]:g})"
-            )
-        if low in given and high in now and given[low] > now[high]:
-            return low, (
-                f"{low} ({given[low]:g}) must not be above the high watermark in force, "
-                f"{high} ({now[high]:g})"
-            )
-    return None
+def limit_fields() -> dict[str, Any]:
+    """``{paths, pairs}``: each live-limit field's config path and the watermark pairs, for the
+    dashboard (``contract.limits``)."""
+    return {"paths": dict(PATHS), "pairs": [list(pair) for pair in PAIRS]}

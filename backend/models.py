@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from contract.limits import PAIRS, low_above_high
 from contract.status import RunStatus
 from runtime.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from runtime.preset import field_error
@@ -309,12 +310,11 @@ class LimitsUpdate(LiveLimits):
 
     @model_validator(mode="after")
     def _pairs(self) -> LimitsUpdate:  # replaces LiveLimits._pairs, which names the model
-        for prefix in ("", "activation_"):
-            high, low = f"{prefix}vram_high_watermark_mb", f"{prefix}vram_low_watermark_mb"
-            top, bottom = getattr(self, high), getattr(self, low)
-            if top is not None and bottom is not None and bottom > top:
-                sentence = f"{low} ({bottom}) must not be above {high} ({top})"
-                raise field_error("LimitsUpdate", low, bottom, sentence)
+        for names in PAIRS:
+            top, bottom = (getattr(self, name) for name in names)
+            sentence = None if top is None or bottom is None else low_above_high(top, bottom, names)
+            if sentence:
+                raise field_error("LimitsUpdate", names[1], bottom, sentence)
         return self
 
 
@@ -332,12 +332,19 @@ class LimitsChange(BaseModel):
     changed: dict[str, list[float | int]]
 
 
-class LimitsPublic(BaseModel):
+class LimitFields(BaseModel):
+    """``GET /api/limits/fields``: every LiveLimits field's config path and the (high, low)
+    watermark pairs (``contract.limits``); the other fields are whole numbers."""
+
+    paths: dict[str, str]
+    pairs: list[tuple[str, str]]
+
+
+class LimitsPublic(LimitFields):
     """``GET /api/runs/{id}/limits``: LiveLimits field -> value, for the runtimes that are on."""
 
     preset: dict[str, float | int]
     now: dict[str, float | int]
-    paths: dict[str, str]
     history: list[LimitsChange]
 
 

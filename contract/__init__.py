@@ -12,6 +12,8 @@ sides import it:
   the stdout marker and the environment variable that turns the stdout copy on;
 - ``contract.control``: the run's control folder (stop, live limits): the server writes
   requests (``write_request``), the worker consumes them (``ControlDir``);
+- ``contract.limits``: the live limits: their fields, each field's config path, the watermark
+  pairs and the one watermark rule (low <= high, ``"auto"`` in configs);
 - ``contract.presets``: overrides merged into a preset (``merge_overrides``).
 
 Standard library only: no torch, no pydantic, nothing of the project (``tests/test_layers.py``

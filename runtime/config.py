@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from contract.limits import PAIRS, WEIGHT_PAIR, check_pair, check_watermarks
+
 MB = 2**20
 """Bytes in one MB as the seeds count it."""
 
@@ -55,21 +57,8 @@ WholeMB = Annotated[int, Field(gt=0, le=MAX_MB), _at_most(MAX_MB, "MB")]
 NonNegBytes = Annotated[int, Field(ge=0, le=MAX_MB * MB), _at_most(MAX_MB * MB, "bytes")]
 PosInt = Annotated[int, Field(gt=0)]
 
-AUTO = "auto"
-"""A watermark or cap derived from the card and the step's needs at build
-(NOTE [ Auto watermarks ] in ``runtime/weights/auto.py``)."""
 MBOrAuto = NonNegMB | Literal["auto"]
-"""A watermark field: MB >= 0, or ``"auto"``."""
-
-
-def check_pair(high: float | str, low: float | str, names: tuple[str, str]) -> None:
-    """A pair of watermark (or cap) fields: both ``"auto"``, or both MB with ``Watermarks``'
-    rule. Raises ``ValueError`` naming the fields when only one is ``"auto"``."""
-    if high == AUTO and low == AUTO:
-        return
-    if AUTO in (high, low):
-        raise ValueError(f'{names[0]} and {names[1]} must both be "auto" or both MB numbers')
-    Watermarks(high, low, names)
+"""A watermark field: MB >= 0, or ``"auto"`` (``contract.limits.AUTO``)."""
 
 
 AUTO_DEVICE = "auto"
@@ -95,9 +84,8 @@ class _Strict(BaseModel):
 
 @dataclass(frozen=True)
 class Watermarks:
-    """The one rule for a pair of VRAM watermarks, used by the configs, the live limits and the
-    runtimes (here, torch-free, so the backend checks presets with it): both are numbers of MB
-    >= 0 and the low one is not above the high one. The weight runtime stops prefetching at the
+    """A checked pair of VRAM watermarks, as the runtimes hold them; the rule (both numbers of MB
+    >= 0, the low one not above the high one) is ``contract.limits.check_watermarks``. The weight runtime stops prefetching at the
     high watermark and evicts down to the low one; the activation runtime spills from the high
     one until below the low one (the seeds' ``vram_high_watermark_mb``/``vram_low_watermark_mb``).
     ``names`` are the fields errors name.
@@ -109,20 +97,10 @@ class Watermarks:
 
     high_mb: float
     low_mb: float
-    names: tuple[str, str] = ("vram_high_watermark_mb", "vram_low_watermark_mb")
+    names: tuple[str, str] = WEIGHT_PAIR
 
     def __post_init__(self) -> None:
-        for name, value in zip(self.names, (self.high_mb, self.low_mb), strict=True):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or value != value
-                or value < 0
-            ):
-                raise ValueError(f"{name} must be a number of MB >= 0, got {value!r}")
-        if self.low_mb > self.high_mb:
-            high, low = self.names
-            raise ValueError(f"{low} ({self.low_mb}) must not be above {high} ({self.high_mb})")
+        check_watermarks(self.high_mb, self.low_mb, self.names)
         object.__setattr__(self, "high_mb", float(self.high_mb))
         object.__setattr__(self, "low_mb", float(self.low_mb))
 
@@ -294,14 +272,10 @@ class ConductorConfig(_Strict):
 
     @model_validator(mode="after")
     def _caps(self) -> ConductorConfig:
-        soft, hard = self.vram_soft_cap_mb, self.vram_hard_cap_mb
-        if AUTO in (soft, hard):
-            check_pair(hard, soft, ("vram_hard_cap_mb", "vram_soft_cap_mb"))
-        elif soft > hard:
-            raise ValueError(
-                f"vram_soft_cap_mb ({self.vram_soft_cap_mb}) must not be above "
-                f"vram_hard_cap_mb ({self.vram_hard_cap_mb})"
-            )
+        # The caps are a (high, low) pair under the watermark rule.
+        check_pair(
+            self.vram_hard_cap_mb, self.vram_soft_cap_mb, ("vram_hard_cap_mb", "vram_soft_cap_mb")
+        )
         return self
 
 
@@ -385,13 +359,10 @@ class LiveLimits(_Strict):
 
     @model_validator(mode="after")
     def _pairs(self) -> LiveLimits:
-        for names in (
-            ("vram_high_watermark_mb", "vram_low_watermark_mb"),
-            ("activation_vram_high_watermark_mb", "activation_vram_low_watermark_mb"),
-        ):
+        for names in PAIRS:
             high, low = (getattr(self, name) for name in names)
             if high is not None and low is not None:
-                Watermarks(high, low, names)
+                check_watermarks(high, low, names)
         return self
 
     def given(self) -> dict[str, float | int]:

@@ -19,7 +19,6 @@ from backend.api.deps import (
     run_row,
 )
 from backend.errors import Conflict, Invalid
-from backend.limits import watermark_problem
 from backend.models import (
     LimitsAccepted,
     LimitsPublic,
@@ -33,6 +32,7 @@ from backend.models import (
 from backend.openapi import errors
 from backend.presets import run_config
 from contract.control import LIMITS
+from contract.limits import watermark_problem
 from contract.status import ACTIVE, RunStatus
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])

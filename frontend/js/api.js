@@ -160,8 +160,10 @@ export const api = {
   /** LiveLimits body (runtime/config.py); 409 when the run is not running. */
   setLimits: (id, limits) => request("PATCH", `/api/runs/${enc(id)}/limits`, limits),
 
-  /** Live limits: `{preset, now, paths, history: [{seq, step, time, request_id, changed}]}`. */
+  /** Live limits: `{preset, now, paths, pairs, history: [{seq, step, time, request_id, changed}]}`. */
   limits: (id) => request("GET", `/api/runs/${enc(id)}/limits`),
+  /** Every LiveLimits field's config path and the watermark pairs: `{paths, pairs}`. */
+  limitFields: () => request("GET", "/api/limits/fields"),
 
   compare: (ids, metrics) =>
     request("GET", `/api/compare${query({ ids: ids.join(","), metrics: (metrics || []).join(",") })}`),

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from contract.limits import AUTO
 from runtime.conductor.arbitration import AUTO_PRESSURE_THRESHOLD, auto_limits
-from runtime.config import AUTO, MB, StagehandSection
+from runtime.config import MB, StagehandSection
 from runtime.weights.auto import auto_watermarks, margin_bytes
 from runtime.weights.defaults import resolve
 

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from contract.limits import ACTIVATION_PAIR, WEIGHT_PAIR, check_watermarks
 from runtime.common.phases import Phase
 from runtime.conductor import ConductorRuntime
-from runtime.config import Watermarks
 from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class WeightsPart(MemoryPart):
         }
 
     def check_limits(self, given: dict[str, Any], merged: dict[str, Any]) -> None:
-        Watermarks(merged["vram_high_watermark_mb"], merged["vram_low_watermark_mb"])
+        check_watermarks(*(merged[name] for name in WEIGHT_PAIR), WEIGHT_PAIR)
 
     def set_limits(self, merged: dict[str, Any]) -> None:
         rt = self.runtime
@@ -269,8 +269,7 @@ class ActivationsPart(MemoryPart):
         }
 
     def check_limits(self, given: dict[str, Any], merged: dict[str, Any]) -> None:
-        high, low = "activation_vram_high_watermark_mb", "activation_vram_low_watermark_mb"
-        Watermarks(merged[high], merged[low], (high, low))
+        check_watermarks(*(merged[name] for name in ACTIVATION_PAIR), ACTIVATION_PAIR)
 
     def set_limits(self, merged: dict[str, Any]) -> None:
         rt = self.runtime

@@ -81,6 +81,14 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(api
         "memory.stagehand.activation_stagehand.vram_low_watermark_mb"
     )
     assert start["history"] == []
+    # The same table without a run, for the New run form (issue 38: the dashboard has none).
+    fields = client.get("/api/limits/fields").json()
+    assert fields == {"paths": start["paths"], "pairs": start["pairs"]}
+    assert fields["pairs"] == [
+        ["vram_high_watermark_mb", "vram_low_watermark_mb"],
+        ["activation_vram_high_watermark_mb", "activation_vram_low_watermark_mb"],
+    ]
+    assert len(fields["paths"]) == 8
     wait_status(client, run_id, "running")
     assert client.get(f"/api/runs/{other_id}").json()["status"] == "queued"
     worker = PlayedWorker(data_dir, run_id)

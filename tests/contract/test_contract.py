@@ -49,3 +49,52 @@ def test_overrides_merge_key_by_key_and_share_nothing_with_either_side():
     merged["memory"]["b"]["c"].append(2)
     merged["tags"].append("y")
     assert base["memory"]["b"]["c"] == [1] and overrides["tags"] == ["x"]
+
+
+def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worker():
+    from pydantic import ValidationError
+
+    from backend.models import LimitsUpdate
+    from contract.limits import ACTIVATION_PAIR, check_pair, check_watermarks, watermark_problem
+    from runtime.config import LiveLimits, MemoryConfig, Watermarks
+
+    sentence = "vram_low_watermark_mb (300.0) must not be above vram_high_watermark_mb (200.0)"
+    for refuse in (
+        lambda: check_watermarks(200.0, 300.0),
+        lambda: Watermarks(200.0, 300.0),
+        lambda: LiveLimits(vram_high_watermark_mb=200.0, vram_low_watermark_mb=300.0),
+        lambda: LimitsUpdate(vram_high_watermark_mb=200.0, vram_low_watermark_mb=300.0),
+    ):
+        try:
+            refuse()
+        except (ValueError, ValidationError) as exc:
+            assert sentence in str(exc)
+        else:
+            raise AssertionError("a low watermark above the high one was accepted")
+    check_watermarks(200.0, 200.0, ACTIVATION_PAIR)  # equal is fine
+    check_pair("auto", "auto", ACTIVATION_PAIR)
+    try:
+        check_pair("auto", 5.0, ("vram_hard_cap_mb", "vram_soft_cap_mb"))
+    except ValueError as exc:
+        assert 'vram_hard_cap_mb and vram_soft_cap_mb must both be "auto"' in str(exc)
+    else:
+        raise AssertionError("one auto watermark was accepted")
+    assert watermark_problem({"vram_low_watermark_mb": 300.0}, {"vram_high_watermark_mb": 200}) == (
+        "vram_high_watermark_mb",
+        "vram_high_watermark_mb (200) must not be below the low watermark in force, "
+        "vram_low_watermark_mb (300)",
+    )
+    assert (
+        watermark_problem({"vram_low_watermark_mb": 100.0}, {"vram_high_watermark_mb": 200}) is None
+    )
+    # Every live-limit field's path names a field of the memory section the worker reads.
+    from contract.limits import PATHS
+
+    config = MemoryConfig.model_validate(
+        {"strategy": "stagehand", "stagehand": {"activation_stagehand": {"enabled": True}}}
+    ).model_dump()
+    for field, path in PATHS.items():
+        node = {"memory": config}
+        for key in path.split("."):
+            assert key in node, f"{field}: {path} is not in a run's config"
+            node = node[key]

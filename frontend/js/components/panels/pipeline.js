@@ -3,8 +3,8 @@
 // family, each component's class, parameter count and dtype, the blocks the weight runtime
 // will stream and their size -- and "Use this folder" puts it into the config as model.path.
 
-import { api } from "../api.js";
-import { fill, h, showError } from "../ui.js";
+import { api } from "../../api.js";
+import { fill, h, showError } from "../../ui.js";
 
 const MB = 1024 * 1024;
 

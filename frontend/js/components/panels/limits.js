@@ -1,34 +1,43 @@
 // Live-limits panel: PATCH /api/runs/{id}/limits with the LiveLimits fields that changed
-// (runtime/config.py), then wait for the worker's answer with the same request_id and say
+// (contract/limits.py), then wait for the worker's answer with the same request_id and say
 // which: a `strategy/limits_applied` record (applied at the next step begin) or a
 // `trainer/event` `control_rejected` one (refused, with the worker's message). The charts
 // draw a marker for either.
 
-import { api } from "../api.js";
-import { clearErrors, fill, getPath, h, showError } from "../ui.js";
+import { api } from "../../api.js";
+import { clearErrors, fill, getPath, h, showError } from "../../ui.js";
 
-const SH = "memory.stagehand";
-const AS = `${SH}.activation_stagehand`;
+// What each LiveLimits field is called on the panel; the fields, their config paths and which
+// are watermarks (MB) come from the API (GET /api/runs/{id}/limits, contract/limits.py).
+const LABELS = {
+  vram_high_watermark_mb: ["VRAM high watermark (MB)", "Prefetch stops where a load would cross it."],
+  vram_low_watermark_mb: ["VRAM low watermark (MB)", "Blocks are evicted until usage is under it."],
+  prefetch_window_blocks: ["Prefetch window (blocks)", "Blocks loaded ahead of use; 0 turns prefetch off."],
+  max_inflight_transfers: ["In-flight block H2D copies", "Block copies host → device at once."],
+  activation_vram_high_watermark_mb: ["Spill high watermark (MB)", "Activations spill to the host above it."],
+  activation_vram_low_watermark_mb: ["Spill low watermark (MB)", "Spilling stops below it."],
+  max_inflight_d2h: ["Spill in-flight D2H", "Spill copies device → host at once."],
+  max_inflight_h2d: ["Restore in-flight H2D", "Restore copies host → device at once."],
+};
 
-// LiveLimits field -> where its current value lives in the run's config.
-const LIMITS = [
-  { field: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", path: `${SH}.vram_high_watermark_mb`, int: false, hint: "Prefetch stops where a load would cross it." },
-  { field: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", path: `${SH}.vram_low_watermark_mb`, int: false, hint: "Blocks are evicted until usage is under it." },
-  { field: "prefetch_window_blocks", label: "Prefetch window (blocks)", path: `${SH}.prefetch_window_blocks`, int: true, hint: "Blocks loaded ahead of use; 0 turns prefetch off." },
-  { field: "max_inflight_transfers", label: "In-flight block H2D copies", path: `${SH}.max_inflight_transfers`, int: true, hint: "Block copies host → device at once." },
-  { field: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", path: `${AS}.vram_high_watermark_mb`, int: false, hint: "Activations spill to the host above it." },
-  { field: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", path: `${AS}.vram_low_watermark_mb`, int: false, hint: "Spilling stops below it." },
-  { field: "max_inflight_d2h", label: "Spill in-flight D2H", path: `${AS}.max_inflight_d2h`, int: true, hint: "Spill copies device → host at once." },
-  { field: "max_inflight_h2d", label: "Restore in-flight H2D", path: `${AS}.max_inflight_h2d`, int: true, hint: "Restore copies host → device at once." },
-];
+/** `[{field, label, hint, int}]` for the API's `{paths, pairs}`: watermarks are MB, the other
+ * fields whole numbers. */
+export function limitFields({ paths, pairs }) {
+  const watermarks = new Set(pairs.flat());
+  return Object.keys(paths).map((field) => {
+    const [label, hint] = LABELS[field] || [field, ""];
+    return { field, label, hint, int: !watermarks.has(field) };
+  });
+}
 
 export class LimitsPanel {
   /**
    * @param {HTMLElement} box the panel's card
    * @param {object} run the API's Run
+   * @param {object} limits the API's limits of the run (`{paths, pairs}` are read)
    * @param {HTMLElement} errors where API errors are shown (besides the panel itself)
    */
-  constructor(box, run, errors) {
+  constructor(box, run, limits, errors) {
     this.box = box;
     this.run = run;
     this.errors = errors;
@@ -37,15 +46,17 @@ export class LimitsPanel {
     // A busy server can deliver the worker's answer before the PATCH answer: kept here.
     this.early = new Map(); // request_id -> limits_applied or control_rejected record
     this.inputs = new Map();
-    for (const { field, path } of LIMITS) {
-      const value = getPath(run.config || {}, path);
+    this.fields = limitFields(limits);
+    // The values in the run's config (at the API's paths); its limits_applied records move them.
+    for (const { field } of this.fields) {
+      const value = getPath(run.config || {}, limits.paths[field]);
       if (value !== undefined && value !== null) this.current[field] = value;
     }
     this.applyBtn = h("button", { class: "primary", id: "apply-limits", onclick: () => this.submit() }, "Apply limits");
     this.note = h("span", { class: "muted", id: "limits-note" });
     this.log = h("ul", { class: "limits-log", id: "limits-log" });
     const grid = h("div", { class: "form-grid compact" });
-    for (const { field, label, hint } of LIMITS) {
+    for (const { field, label, hint } of this.fields) {
       const input = h("input", { type: "text", inputmode: "decimal", id: `limit-${field}`, value: this.current[field] ?? "", placeholder: "unchanged" });
       const err = h("div", { class: "field-error" });
       // Editing a field the API refused takes its error (and the banner naming it) away.
@@ -76,7 +87,7 @@ export class LimitsPanel {
   body() {
     const out = {};
     let bad = false;
-    for (const { field, int } of LIMITS) {
+    for (const { field, int } of this.fields) {
       const { input, err } = this.inputs.get(field);
       err.textContent = "";
       input.classList.remove("invalid");

@@ -1,0 +1,93 @@
+// The run page's outputs: the LoRA files (download links) and checkpoints with "Resume" for a
+// run that stopped early, the plan of a succeeded run beside what it measured (calibration),
+// and the worker's own log.
+
+import { api } from "../../api.js";
+import { calibrationView, drawOverlay } from "../../calibration.js";
+import { clearErrors, fill, fmtBytes, h, showError } from "../../ui.js";
+
+export class RunOutputs {
+  /**
+   * @param {object} view the page's `{run, stopped}` (the API's Run, once loaded)
+   * @param {HTMLElement} errors where API errors are shown
+   */
+  constructor(view, errors) {
+    this.view = view;
+    this.errors = errors;
+    this.outputsCard = h("section", { class: "card", id: "run-outputs", hidden: true });
+    this.calibrationCard = h("section", { class: "card", id: "run-calibration", hidden: true });
+    this.logText = h("pre", { id: "worker-log-text", class: "log" }, "");
+    this.logCard = h("details", { class: "card", id: "worker-log" }, h("summary", {}, "Worker log"), this.logText);
+    this.logCard.addEventListener("toggle", () => this.loadLog());
+  }
+
+  /** The worker's own output, while the log card is open (every 3 s while the run goes). */
+  async loadLog() {
+    const { run } = this.view;
+    if (!this.logCard.open || !run) return;
+    const logText = this.logText;
+    try {
+      const { text } = await api.workerLog(run.id);
+      clearErrors(this.errors, "worker log");
+      const atEnd = logText.scrollTop + logText.clientHeight >= logText.scrollHeight - 4;
+      logText.textContent = text ?? "(the worker has written nothing yet)";
+      if (atEnd) logText.scrollTop = logText.scrollHeight;
+    } catch (err) {
+      showError(this.errors, err, "worker log");
+    }
+  }
+
+  /** The LoRA files (download links) and checkpoints; "Resume" for a run that stopped early. */
+  async loadOutputs() {
+    const { run } = this.view;
+    let out;
+    try {
+      out = await api.outputs(run.id);
+      clearErrors(this.errors, "outputs");
+    } catch (err) {
+      showError(this.errors, err, "outputs");
+      return;
+    }
+    const lora = (out.lora || []).map((f) =>
+      h("li", {}, h("a", { href: f.url, download: "", class: "lora-link" }, f.name), ` ${fmtBytes(f.size)}`));
+    const ckpts = (out.checkpoints || []).map((c) => h("li", {}, `${c.name} (${fmtBytes(c.size)})`));
+    const last = out.checkpoints && out.checkpoints.length ? out.checkpoints[out.checkpoints.length - 1] : null;
+    const resume = out.resumable && last
+      ? h("button", { id: "resume-run", onclick: async () => {
+        try {
+          await api.resumeRun(run.id);
+          location.reload(); // the same run, queued again: its page starts over
+        } catch (err) {
+          showError(this.errors, err, "resume");
+        }
+      } }, `Resume from ${last.name}`)
+      : null;
+    if (!lora.length && !ckpts.length) return;
+    fill(this.outputsCard,
+      h("h2", {}, "Outputs"),
+      lora.length ? h("div", {}, h("h3", {}, "LoRA"), h("ul", { id: "lora-files" }, ...lora)) : null,
+      ckpts.length ? h("div", {}, h("h3", {}, "Checkpoints"), h("ul", { id: "checkpoint-list" }, ...ckpts)) : null,
+      resume);
+    this.outputsCard.hidden = false;
+  }
+
+  /** The plan of a succeeded run next to what it measured; the backend plans it once the run
+   * has ended, on its own thread: asked again a few times until it is there. */
+  async loadCalibration(tries = 10) {
+    const { run } = this.view;
+    if (this.view.stopped || !run || run.status !== "succeeded" || !this.calibrationCard.hidden) return;
+    let cal;
+    try {
+      cal = await api.calibration(run.id);
+    } catch (err) {
+      if (err.status === 404 && tries > 1) setTimeout(() => this.loadCalibration(tries - 1), 1500);
+      else if (err.status !== 404) showError(this.errors, err, "calibration");
+      return;
+    }
+    if (this.view.stopped) return;
+    const { chart, nodes } = calibrationView(cal);
+    fill(this.calibrationCard, ...nodes);
+    this.calibrationCard.hidden = false;
+    drawOverlay(chart, cal);
+  }
+}
