@@ -22,7 +22,7 @@ def host_cache_mb(page, before: str = "") -> float:
         arg=before,
     )
     text = page.inner_text("#plan-host")
-    return float(re.search(r"of it host cache ([\d.]+) MB", text).group(1))
+    return float(re.search(r"of it host cache ([\d.]+) MiB", text).group(1))
 
 
 def test_squareq_switch_and_what_it_saves(backend_server, page):
