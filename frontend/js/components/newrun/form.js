@@ -16,15 +16,15 @@ const FIELDS = [
   { id: "resolution", label: "Resolution (px)", paths: ["resolution"], type: "int" },
   { id: "lora_rank", label: "LoRA rank", paths: ["lora_rank", "adapter.rank"], type: "int" },
   { id: "strategy", label: "Memory strategy", paths: ["memory.strategy"], type: "select", options: ["none", "stagehand", "layer_offload"] },
-  { id: "vram_high_watermark_mb", label: "VRAM high watermark (MB)", limit: true, type: "float" },
-  { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB)", limit: true, type: "float" },
+  { id: "vram_high_watermark_mb", label: "VRAM high watermark (MB or auto)", limit: true, type: "watermark" },
+  { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB or auto)", limit: true, type: "watermark" },
   { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", limit: true, type: "int" },
   { id: "max_inflight_transfers", label: "In-flight block H2D copies", limit: true, type: "int" },
   // SquareQ (README "Frozen weights in 8 bits"): blank removes the whole `squareq` section.
   { id: "squareq_format", label: "8-bit frozen weights (~0.5x bytes)", paths: [`${SH}.squareq.format`], type: "select", options: ["", "int8", "fp8_e4m3"], section: `${SH}.squareq` },
   { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool" },
-  { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB)", limit: true, type: "float" },
-  { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB)", limit: true, type: "float" },
+  { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB or auto)", limit: true, type: "watermark" },
+  { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB or auto)", limit: true, type: "watermark" },
   { id: "max_inflight_d2h", label: "Spill in-flight D2H", limit: true, type: "int" },
   { id: "max_inflight_h2d", label: "Restore in-flight H2D", limit: true, type: "int" },
   { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
@@ -45,9 +45,11 @@ function parseField(field, el) {
     if (!/^-?\d+$/.test(raw)) throw new Error(`expected a whole number, got "${raw}"`);
     return Number(raw);
   }
-  if (field.type === "float") {
+  // A watermark is MB or "auto" (README "Watermarks": the budget from the card, issue 33).
+  if (field.type === "watermark" && raw === "auto") return raw;
+  if (field.type === "float" || field.type === "watermark") {
     const v = Number(raw);
-    if (!Number.isFinite(v)) throw new Error(`expected a number, got "${raw}"`);
+    if (!Number.isFinite(v)) throw new Error(`expected a number${field.type === "watermark" ? ' or "auto"' : ""}, got "${raw}"`);
     return v;
   }
   if (field.type === "list") {
@@ -76,7 +78,7 @@ export class KeyFieldsForm {
       let input;
       if (field.type === "select") input = h("select", {}, field.options.map((o) => h("option", { value: o }, o || "off")));
       else if (field.type === "bool") input = h("input", { type: "checkbox" });
-      else input = h("input", { type: "text", placeholder: "default", inputmode: field.type === "text" || field.type === "list" ? "text" : "decimal" });
+      else input = h("input", { type: "text", placeholder: "default", inputmode: ["text", "list", "watermark"].includes(field.type) ? "text" : "decimal" });
       input.id = `field-${field.id}`;
       input.addEventListener(field.type === "bool" || field.type === "select" ? "change" : "input", () => this.read(field));
       const err = h("div", { class: "field-error", id: `error-${field.id}` });
