@@ -323,13 +323,14 @@ class LimitsAccepted(BaseModel):
 
 
 class LimitsChange(BaseModel):
-    """One ``strategy/limits_applied`` record: ``changed`` is ``{field: [old, new]}``."""
+    """One ``strategy/limits_applied`` record: ``changed`` is ``{field: [old, new]}`` (old is
+    ``"auto"`` in the record that resolves an ``"auto"`` watermark, request id ``auto``)."""
 
     seq: int | None
     step: int | None
     time: float | None
     request_id: str | None
-    changed: dict[str, list[float | int]]
+    changed: dict[str, list[float | int | str | None]]
 
 
 class LimitFields(BaseModel):
@@ -341,10 +342,11 @@ class LimitFields(BaseModel):
 
 
 class LimitsPublic(LimitFields):
-    """``GET /api/runs/{id}/limits``: LiveLimits field -> value, for the runtimes that are on."""
+    """``GET /api/runs/{id}/limits``: LiveLimits field -> value, for the runtimes that are on
+    (None: derived by the runtime at start, ``backend.limits.config_limits``)."""
 
-    preset: dict[str, float | int]
-    now: dict[str, float | int]
+    preset: dict[str, float | int | None]
+    now: dict[str, float | int | None]
     history: list[LimitsChange]
 
 

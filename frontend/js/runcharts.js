@@ -28,6 +28,15 @@ const SHORT = {
 };
 
 // Markers: limits the worker applied, and requests it refused.
+// "auto" watermarks on a tracked (CPU) device without a cap: no limit, written as this many MB
+// (runtime/strategy/auto.py, NO_BUDGET_MB). Not drawn: it would scale the VRAM chart to 1e9 MB.
+const NO_LIMIT_MB = 1e9;
+
+/** A watermark as the VRAM chart draws it: null (a gap) for "no limit". */
+export function drawnWatermark(mb) {
+  return mb >= NO_LIMIT_MB ? null : mb;
+}
+
 const APPLIED = { color: "#b4235a", dash: "dash" };
 const REFUSED = { color: "#d9480f", dash: "dot" };
 const REFUSED_LABEL_CHARS = 70;
@@ -190,8 +199,8 @@ export class RunCharts {
       case "stagehand/step":
         this.stagehandSteps += 1;
         this._setSource(rec.vram_source);
-        if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, rec.vram_high_watermark_mb);
-        if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, rec.vram_low_watermark_mb);
+        if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, drawnWatermark(rec.vram_high_watermark_mb));
+        if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, drawnWatermark(rec.vram_low_watermark_mb));
         if (this.blockRecords === 0) this._vramPoint(t, rec, `<br>step ${step}`);
         if (rec.h2d_bytes !== undefined) c.transfers.push(0, step, rec.h2d_bytes / 1e9);
         c.transfers.push(1, step, rec.blocks_loaded);
@@ -297,12 +306,12 @@ export class RunCharts {
   /** Vertical marker on every chart where limits took effect. */
   markLimits(t, step, rec) {
     const changed = Object.entries(rec.changed || {})
-      .map(([field, [, now]]) => `${SHORT[field] || field}=${now}`)
+      .map(([field, [, now]]) => `${SHORT[field] || field}=${drawnWatermark(now) ?? "no limit"}`)
       .join(", ");
     this._mark(t, step, `limits: ${changed || "no change"}`, APPLIED);
     const wm = rec.changed || {};
-    if (wm.vram_high_watermark_mb) this.charts.vram.push(2, t, wm.vram_high_watermark_mb[1]);
-    if (wm.vram_low_watermark_mb) this.charts.vram.push(3, t, wm.vram_low_watermark_mb[1]);
+    if (wm.vram_high_watermark_mb) this.charts.vram.push(2, t, drawnWatermark(wm.vram_high_watermark_mb[1]));
+    if (wm.vram_low_watermark_mb) this.charts.vram.push(3, t, drawnWatermark(wm.vram_low_watermark_mb[1]));
   }
 
   /** Marker where the worker refused a request (before any step: on the time charts only). */

@@ -339,7 +339,9 @@ def preset_family(preset: Any) -> Any:
     try:
         return pipeline_family(preset, torch.device("meta"))
     except (PipelineFolderError, ValueError) as exc:
-        raise PlanInputError(f"model.path: {exc}") from None
+        message = str(exc)  # some already name the field (folder.py: a missing folder)
+        field = "" if message.startswith("model.path:") else "model.path: "
+        raise PlanInputError(f"{field}{message}") from None
 
 
 def preset_model(preset: Any, family: Any = None) -> torch.nn.Module:

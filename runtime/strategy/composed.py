@@ -99,7 +99,9 @@ class StagehandStrategy(MemoryStrategy):
         except BaseException:
             self.close()
             raise
-        if self.auto is not None:  # the figures "auto" became, as a change of the limits
+        if self.auto is not None and mode == "training":
+            # The figures "auto" became, as a change of the run's live limits (an inference
+            # strategy's, the samples' or the text encoders', are not the run's limits).
             resolved = {k: v for k, v in self.limits().items() if k in self.auto.fields}
             changed = {k: ["auto", v] for k, v in resolved.items()}
             self.telemetry.emit(*LIMITS_APPLIED, request_id="auto", changed=changed)
@@ -184,7 +186,8 @@ class StagehandStrategy(MemoryStrategy):
 
     def _phase_end(self, phase: Phase) -> None:
         self._close_stack()
-        if self.auto is not None and phase is Phase.FORWARD:  # the saved activations' peak
+        if self.auto is not None and phase is Phase.FORWARD and self.mode == "training":
+            # the saved activations' peak (inference saves none)
             self.auto.measure(self.memory)
 
     def _close_stack(self) -> None:

@@ -197,3 +197,44 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(api
         str(run_id): [[high["step"], 0.25]]
     }
     assert "live" not in rows["max_steps"]
+
+
+def test_limits_of_a_run_with_auto_watermarks_and_derived_window(api_factory):
+    # As every 24 GB family preset: "auto" watermarks and no prefetch window or copies in
+    # flight (derived at start). GET answered 500 (ResponseValidationError) on the None
+    # values and on the worker's ["auto", MB] change.
+    executor = IdleExecutor(slots=1)
+    client = api_factory(executor=executor)
+    data_dir = client.app.state.settings.data_dir
+    stagehand = {
+        "vram_high_watermark_mb": "auto",
+        "vram_low_watermark_mb": "auto",
+        "prefetch_window_blocks": None,
+        "max_inflight_transfers": None,
+    }
+    body = {"preset": "tiny-ci", "overrides": {"memory": {"stagehand": stagehand}}}
+    run_id = client.post("/api/runs", json=body).json()["id"]
+    url = f"/api/runs/{run_id}/limits"
+    start = client.get(url)
+    assert start.status_code == 200, start.text
+    assert start.json()["now"]["prefetch_window_blocks"] is None
+    assert "vram_high_watermark_mb" not in start.json()["now"]
+    wait_status(client, run_id, "running")
+    worker = PlayedWorker(data_dir, run_id)
+    worker.emit("trainer", "run_started", None, max_steps=8)
+    marks = {"vram_high_watermark_mb": ["auto", 2.5], "vram_low_watermark_mb": ["auto", 1.75]}
+    worker.emit("strategy", "limits_applied", None, request_id="auto", changed=marks)
+    wait_for(
+        lambda: any(r["kind"] == "limits_applied" for r in stored_records(client, run_id)),
+        60,
+        0.2,
+        "the worker resolving auto",
+    )
+    limits = client.get(url)
+    assert limits.status_code == 200, limits.text
+    assert limits.json()["now"]["vram_high_watermark_mb"] == 2.5
+    assert limits.json()["history"][0]["changed"] == marks
+    client.post(f"/api/runs/{run_id}/cancel")
+    worker.emit("trainer", "run_finished", None, status="cancelled", steps_done=0)
+    executor.end(run_id, 0)
+    wait_status(client, run_id, "cancelled")

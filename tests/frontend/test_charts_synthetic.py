@@ -162,3 +162,30 @@ def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoo
         "run-100k",
         ready="#charts[data-all-drawn-ms]",
     )
+
+
+def test_auto_watermarks_without_a_limit_do_not_scale_the_vram_chart(synthetic_server, page):
+    # "auto" on a CPU device without a cap writes 1e9 MB watermarks (no limit): drawn, they
+    # scaled the VRAM chart to 1e9 MB and hid the allocated bytes; the marker said 1000000000.
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    result = page.evaluate("""async () => {
+        const { RunCharts } = await import('/static/js/runcharts.js');
+        const box = document.createElement('div');
+        document.body.append(box);
+        const charts = new RunCharts(box, {});
+        const base = {source: 'stagehand', kind: 'step', phase: 'step_end', vram_source: 'tracked',
+                      vram_allocated_mb: 0.3, h2d_bytes: 0, blocks_loaded: 0, resident_blocks: 8};
+        charts.ingest({...base, seq: 1, time: 100, step: 1,
+                       vram_high_watermark_mb: 1e9, vram_low_watermark_mb: 1e9});
+        charts.markLimits(0.5, 2, {changed: {vram_high_watermark_mb: [1e9, 0.12],
+                                             vram_low_watermark_mb: [1e9, 0.08]}});
+        charts.markLimits(0.8, 3, {changed: {vram_high_watermark_mb: ['auto', 1e9]}});
+        charts.flush();
+        const d = charts.charts.vram.data;
+        const labels = charts.charts.vram.markers.map((m) => m.label);
+        return {high: Array.from(d[2].y), low: Array.from(d[3].y), labels};
+    }""")
+    assert result["high"] == [None, 0.12, None]
+    assert result["low"] == [None, 0.08]
+    assert result["labels"] == ["limits: high=0.12, low=0.08", "limits: high=no limit"]

@@ -234,12 +234,26 @@ class PipelineFamily(Family):
         """Images (PIL) from the pipeline's ``__call__`` with cached embeddings ``text``."""
         raise NotImplementedError
 
+    def sample_vae(self, device: torch.device) -> Any:
+        """The folder's VAE in fp32 on ``device``, for a pipeline's ``__call__``: its
+        ``decode`` casts the latents to fp32 first, since FluxPipeline, Flux2Pipeline and
+        StableDiffusion3Pipeline hand them over in the transformer's dtype (bf16 in a bf16 run;
+        the others cast to the VAE's dtype themselves)."""
+        vae = load_component(self.root, "vae", torch.float32).to(device)
+        decode = vae.decode
+
+        def decode_fp32(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return decode(z.to(torch.float32), *args, **kwargs)
+
+        vae.decode = decode_fp32
+        return vae
+
     def sample_pooled(self, denoiser: dict[str, Any], text, latent_shape, *, steps, seed, device):
         """Images (PIL) from ``__call__`` of a pipeline conditioned on hidden and pooled text
         embeddings (SD3, SDXL): ``denoiser`` names the trained model's component
         (``{"transformer": model}``), the VAE is the folder's in fp32, ``latent_shape`` is
         ``(C, h, w)`` and no CFG (no negative prompt is cached)."""
-        vae = load_component(self.root, "vae", torch.float32).to(device)
+        vae = self.sample_vae(device)
         pipe = self.pipeline(**denoiser, vae=vae)
         pipe.set_progress_bar_config(disable=True)
         _, h, w = latent_shape

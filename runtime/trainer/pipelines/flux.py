@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.trainer.pipelines.base import PatchedLatents, PipelineFamily, load_component
+from runtime.trainer.pipelines.base import PatchedLatents, PipelineFamily
 from runtime.trainer.pipelines.folder import PipelineFolderError, read_json
 
 
@@ -112,7 +112,7 @@ class FluxPipelineFamily(PatchedLatents, PipelineFamily):
         return pipe._unpack_latents(out, h, w, 1)  # (B, C, h, w)
 
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = load_component(self.root, "vae", torch.float32).to(device)
+        vae = self.sample_vae(device)
         pipe = self.pipeline(transformer=model, vae=vae)
         pipe.set_progress_bar_config(disable=True)
         c, h, w = latent_shape

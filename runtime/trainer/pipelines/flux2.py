@@ -188,7 +188,7 @@ class Flux2PipelineFamily(PipelineFamily):
         return pipe._unpack_latents_with_ids(out[:, : h * w], img_ids, h, w)  # (B, 4C, h, w)
 
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = load_component(self.root, "vae", torch.float32).to(device)
+        vae = self.sample_vae(device)
         pipe = self.pipeline(transformer=model, vae=vae)
         pipe.set_progress_bar_config(disable=True)
         c, h, w = latent_shape  # patchified

@@ -135,7 +135,7 @@ class WanPipelineFamily(PipelineFamily):
     def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
         """First frames (PIL) of clips from ``__call__``; an expert run samples with the other
         expert as the folder holds it."""
-        vae = load_component(self.root, "vae", torch.float32).to(device)
+        vae = self.sample_vae(device)
         parts = {"vae": vae, "text_encoder": None}
         if self.expert is None:
             parts["transformer"] = model

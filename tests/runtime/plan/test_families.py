@@ -137,3 +137,16 @@ def test_qwen_image_24gb_plans_at_real_size_from_a_sparse_folder(asset_cache, tm
     assert out["inputs"]["latents"] == [1, 16, 128, 128]
     assert out["inputs"]["text"] == [1, 1024, 3584]
     assert "QwenImageTransformer2DModel" in capsys.readouterr().out
+
+
+def test_a_missing_model_folder_is_named_once(tmp_path, capsys):
+    """The 24 GB family presets as shipped (model.path a placeholder): exit 2 with the field
+    named once (before: "model.path: model.path: '/path/to/FLUX.1-dev' is not a folder")."""
+    data = _preset(tmp_path / "FLUX.1-dev", "flux")
+    with pytest.raises(PlanInputError) as err:
+        plan_preset(data, profile("rtx4090"))
+    assert str(err.value) == f"model.path: {str(tmp_path / 'FLUX.1-dev')!r} is not a folder"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**data, "name": "missing"}))
+    assert main([str(path), "--device", "rtx4090", "--no-calibration"]) == 2
+    assert capsys.readouterr().err.count("model.path") == 1

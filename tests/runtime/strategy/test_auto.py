@@ -127,3 +127,27 @@ def test_no_budget_on_a_cpu_device_keeps_every_block(tiny_flux):
         )
     finally:
         strategy.close()
+
+
+def test_an_inference_strategy_writes_no_limits_record(tiny_flux):
+    # The samples at a run's end stream through a strategy of their own: its "auto" figures
+    # are not the run's live limits, and a limits_applied record of it reset the run's
+    # limits in force (GET /api/runs/{id}/limits, Compare) to them at the last step.
+    model = exact.make_model("flux", tiny_flux, "lora", None)
+    sink = ListSink()
+    strategy = build_strategy(
+        model,
+        _memory(CAP_MB),
+        device="cpu",
+        telemetry=Telemetry(sink),
+        checkpoint_dir=tiny_flux,
+        mode="inference",
+    )
+    try:
+        assert strategy.weights.high_mb < CAP_MB  # "auto" resolved all the same
+        for step in range(2):
+            with torch.no_grad(), strategy.step(step), strategy.forward():
+                model(**example_inputs(model, seed=step))
+    finally:
+        strategy.close()
+    assert sink.of("strategy", "limits_applied") == []
