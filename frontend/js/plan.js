@@ -7,6 +7,7 @@
 
 import { api } from "./api.js";
 import { BASE_LAYOUT, PLOT_CONFIG } from "./charts.js";
+import { drawnWatermark } from "./runcharts.js";
 import { fill, h, showError } from "./ui.js";
 
 const MB = 1024 * 1024;
@@ -38,9 +39,11 @@ function transfers(plan) {
   const bound = b ? h("li", { id: "plan-bound" },
     `bound max(compute ${b.compute.toFixed(1)} ms, H2D ${b.h2d.toFixed(1)} ms) = ${b.bound.toFixed(1)} ms; plan ${plan.step_ms.total.toFixed(1)} ms`) : null;
   const a = plan.auto_watermarks;
-  const auto = a ? h("li", { id: "plan-auto" }, `"auto": weight watermarks ${a.high_mb.toFixed(0)} / ${a.low_mb.toFixed(0)} MiB`
-    + (a.activation_mb ? `, activation ${a.activation_mb[0].toFixed(0)} / ${a.activation_mb[1].toFixed(0)} MiB` : "")
-    + (a.conductor_caps_mb ? `, Conductor caps ${a.conductor_caps_mb[0].toFixed(0)} / ${a.conductor_caps_mb[1].toFixed(0)} MiB` : "")) : null;
+  // A pair "auto" left without a budget (a tracked device, no cap) is "no limit", not 1e9 MiB.
+  const pair = (high, low) => (drawnWatermark(high) === null ? "no limit" : `${high.toFixed(0)} / ${low.toFixed(0)} MiB`);
+  const auto = a ? h("li", { id: "plan-auto" }, `"auto": weight watermarks ${pair(a.high_mb, a.low_mb)}`
+    + (a.activation_mb ? `, activation ${pair(...a.activation_mb)}` : "")
+    + (a.conductor_caps_mb ? `, Conductor caps ${pair(...a.conductor_caps_mb)}` : "")) : null;
   return [resident, perStep, bound, auto];
 }
 
