@@ -134,10 +134,10 @@ class StagehandConfig(_Strict):
     pinned_slab_mb: WholeMB | None = None
     """Size of one slab; a block larger than a slab takes the direct path. None: the largest
     block (whole MB) on CUDA, 1024 on CPU."""
-    vram_high_watermark_mb: MBOrAuto = 20000
+    vram_high_watermark_mb: MBOrAuto = 20000.0
     """Speculative prefetch stops when a load would cross this. ``"auto"`` (with the low one):
     derived from the card at build (NOTE [ Auto watermarks ])."""
-    vram_low_watermark_mb: MBOrAuto = 16000
+    vram_low_watermark_mb: MBOrAuto = 16000.0
     """Blocks stay on the device after their use while usage is under this; above it they are
     evicted, needed furthest ahead first, until usage is under it (NOTE [ Eviction policy ])."""
     prefetch_window_blocks: Annotated[int, Field(ge=0)] | None = None
@@ -197,9 +197,9 @@ class ActivationStagehandConfig(_Strict):
     """Activation spill through ``saved_tensors_hooks``; defaults from the seed's config table."""
 
     enabled: bool = True
-    vram_high_watermark_mb: MBOrAuto = 20000
+    vram_high_watermark_mb: MBOrAuto = 20000.0
     """Start spilling above this (``"auto"``: NOTE [ Who gives way ] in runtime/conductor)."""
-    vram_low_watermark_mb: MBOrAuto = 16000
+    vram_low_watermark_mb: MBOrAuto = 16000.0
     """Stop spilling below this (hysteresis)."""
     pinned_pool_classes_mb: tuple[Annotated[NonNegMB, Field(gt=0)], ...] = (1, 4, 16, 64, 256)
     """Size-class bucket sizes, ascending."""
@@ -251,9 +251,9 @@ class ConductorConfig(_Strict):
     """Resource arbitration between the runtimes; fields from the seed's ``conductor_config``."""
 
     enabled: bool = False
-    vram_soft_cap_mb: MBOrAuto = 22000
+    vram_soft_cap_mb: MBOrAuto = 22000.0
     """``"auto"`` (with the hard cap): the card less the margin (NOTE [ Who gives way ])."""
-    vram_hard_cap_mb: MBOrAuto = 23500
+    vram_hard_cap_mb: MBOrAuto = 23500.0
     """``"auto"``: the card's memory."""
     pinned_budget_mb: NonNegMB = 16384
     """Pinned host memory the runtimes' pools may reserve together (weight slabs, activation

@@ -269,9 +269,9 @@ def test_sizes_have_upper_bounds_named_in_the_error():
 def test_rules_between_fields_name_the_field_with_a_sentence():
     probs, text = _problems({**MODEL, "memory": {"stagehand": {"vram_high_watermark_mb": 100}}})
     assert list(probs) == ["memory.stagehand.vram_low_watermark_mb"]
-    assert probs["memory.stagehand.vram_low_watermark_mb"]["found"] == "16000"
+    assert probs["memory.stagehand.vram_low_watermark_mb"]["found"] == "16000.0"
     assert (
-        "memory.stagehand.vram_low_watermark_mb: vram_low_watermark_mb (16000) must not be "
+        "memory.stagehand.vram_low_watermark_mb: vram_low_watermark_mb (16000.0) must not be "
         "above vram_high_watermark_mb (100.0)"
     ) in text
     caps = {"conductor_config": {"vram_soft_cap_mb": 5, "vram_hard_cap_mb": 4}}
