@@ -127,6 +127,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run every row this many times in turn, pooling step times (default 2)",
     )
     p.add_argument("--only", default="", help="comma-separated row names to run (baseline kept)")
+    p.add_argument(
+        "--card-gb",
+        type=float,
+        default=None,
+        help="real-size rows: emulate a card of this many GiB (CUDA: the allocator's per-process"
+        ' fraction; "auto" watermarks resolved for it), e.g. 24 on an 80 GB H100',
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cache-dir", default=None, help="asset cache (default: the factory's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per row")

@@ -129,10 +129,13 @@ CARD_BYTES = 24 * 2**30
 """The card a tiny row's ``"auto"`` figures are resolved for (then scaled): a 24 GiB card."""
 
 
-def card_section(spec: RealModel, memory: dict[str, Any]) -> dict[str, Any]:
+def card_section(
+    spec: RealModel, memory: dict[str, Any], card_bytes: int = CARD_BYTES
+) -> dict[str, Any]:
     """``memory`` with its ``"auto"`` stagehand fields as a real-size run of ``spec`` (LoRA
-    attached) resolves them at build on a ``CARD_BYTES`` card (``runtime.strategy.auto``), in
-    MB: what a tiny row scales, since a tiny model on the CPU has no card of its own."""
+    attached) resolves them at build on a ``card_bytes`` card (``runtime.strategy.auto``), in
+    MB: what a tiny row scales, since a tiny model on the CPU has no card of its own, and what a
+    real-size row on an emulated smaller card (``--card-gb``) runs with."""
     from runtime.config import MemoryConfig
     from runtime.plan.inventory import add_lora, meta_model
     from runtime.strategy.auto import has_auto, resolve_auto, trainable_bytes
@@ -150,7 +153,7 @@ def card_section(spec: RealModel, memory: dict[str, Any]) -> dict[str, Any]:
         block_sizes=sizes,
         trainable=trainable_bytes(model),
         activation_peak=0,
-        card_bytes=CARD_BYTES,
+        card_bytes=card_bytes,
     ).model_dump()
 
     def numbers(given: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:

@@ -76,7 +76,7 @@ GB = 1e9
 MB = 2**20
 
 
-def row_memory(name: str, model: str, size: str) -> dict[str, Any]:
+def row_memory(name: str, model: str, size: str, card_bytes: int | None = None) -> dict[str, Any]:
     """The ``memory`` section of row ``name`` for ``model`` at ``size`` (module table).
 
     Raises:
@@ -84,7 +84,9 @@ def row_memory(name: str, model: str, size: str) -> dict[str, Any]:
     """
     spec = real_model(model)
     preset = preset_memory(spec.preset)
-    if size != "real":  # "auto" is resolved on the run's own card; a tiny row has none
+    if card_bytes is not None:  # an emulated card (--card-gb): "auto" resolved for it
+        preset = card_section(spec, preset, card_bytes)
+    elif size != "real":  # "auto" is resolved on the run's own card; a tiny row has none
         preset = card_section(spec, preset)
     preset = scale_section(preset, section_scale(spec, size))
     stream = {k: v for k, v in preset["stagehand"].items() if k not in _STREAM_ONLY_DROP}
@@ -200,7 +202,13 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
 
     spec, size, device = real_model(job["model"]), job["size"], torch.device(job["device"])
     attention = apply_attention_backend("auto", device)  # NOTE [ cuDNN SDPA guard ]
-    memory = row_memory(job["row"], job["model"], size)
+    card = job.get("card_bytes")
+    # The emulated card bounds the streamed rows; ``resident`` (the baseline) keeps the card.
+    if card is not None and device.type == "cuda" and job["row"] != "resident":
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, card / torch.cuda.get_device_properties(device).total_memory), device
+        )
+    memory = row_memory(job["row"], job["model"], size, card)
     if job["row"] in SQUAREQ_ROWS:  # the quantized copy beside the weights, built once
         memory["stagehand"]["squareq"]["cache_dir"] = str(job["folder"]).rstrip("/") + "-squareq"
     t0 = time.perf_counter()

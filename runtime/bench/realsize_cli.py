@@ -83,6 +83,13 @@ def run(args: Any, log: Any) -> int:
         raise SystemExit("workbench bench: --model flux-dev needs --folder DIR (weights go there)")
     runner = Runner(timeout_s=args.timeout)
     base = {"model": args.model, "folder": args.folder, "size": size, "device": device}
+    card_gb = getattr(args, "card_gb", None)
+    if card_gb is not None:
+        if not 0 < card_gb <= 4096:
+            raise SystemExit(
+                f"workbench bench: --card-gb must be in (0, 4096] GiB, got {card_gb:g}"
+            )
+        base["card_bytes"] = int(card_gb * 2**30)
     t0 = time.perf_counter()
     log(f"bench: {args.model} ({size}) weights in {args.folder} ...")
     built = runner.run("realsize_build", base, timeout_s=max(args.timeout, 3600))
@@ -114,12 +121,14 @@ def run(args: Any, log: Any) -> int:
         "steps": steps,
         "warmup": warmup,
         "rows": rows,
+        "card_gb": card_gb,
         "wall_s": time.perf_counter() - t0,
     }
     name = probe.get("name", device)
     print(
         f"workbench bench: {args.model} ({size}) on {name}, torch {probe.get('torch')}, "
         f"{warmup} warm-up + {steps} measured LoRA steps per row"
+        + (f", streamed rows on an emulated {card_gb:g} GiB card" if card_gb else "")
     )
     print(
         "probes (GB/s): "

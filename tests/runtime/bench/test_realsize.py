@@ -47,6 +47,16 @@ def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():
     soft = (CARD_BYTES - margin_bytes(CARD_BYTES, cuda=True)) / MB
     assert tiny["vram_soft_cap_mb"] == pytest.approx(soft * section_scale(spec, "tiny"))
     assert row_memory("layer_offload_0.9", "flux-dev", "real")["layer_offload_fraction"] == 0.9
+    # An emulated card (--card-gb): the real-size rows' "auto" is resolved for it, in MB, the
+    # rule's own figures (no scaling); a bigger card keeps more.
+    for name in ("preset", "stream_file"):
+        card24 = row_memory(name, "flux-dev", "real", card_bytes=24 * 2**30)["stagehand"]
+        card80 = row_memory(name, "flux-dev", "real", card_bytes=80 * 2**30)["stagehand"]
+        assert card24["vram_high_watermark_mb"] < card80["vram_high_watermark_mb"]
+        assert card24["vram_low_watermark_mb"] < card24["vram_high_watermark_mb"] < 24 * 1024
+    card24 = row_memory("preset", "flux-dev", "real", card_bytes=CARD_BYTES)["stagehand"]
+    soft24 = (CARD_BYTES - margin_bytes(CARD_BYTES, cuda=True)) / MB
+    assert card24["conductor_config"]["vram_soft_cap_mb"] == pytest.approx(soft24)
     with pytest.raises(ValueError, match="real-size rows are"):
         row_memory("nope", "flux-dev", "real")
     with pytest.raises(ValueError, match="--model must be one of"):
