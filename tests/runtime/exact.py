@@ -214,15 +214,17 @@ def make_model(
     checkpointing: str | None = None,
     ordinary: bool = False,
     dtype: torch.dtype = torch.float32,
+    cls: type | None = None,
 ) -> nn.Module:
-    """``arch`` from ``folder`` with ``from_pretrained`` in ``dtype``, in train mode.
+    """``arch`` (or ``cls`` when given) from ``folder`` with ``from_pretrained`` in ``dtype``,
+    in train mode.
 
     ``method``: ``"lora"`` (frozen base + peft LoRA on ``LORA_TARGETS``, ``lora_B`` non-zero so
     every LoRA gradient is non-trivial) or ``"full"`` (every parameter trainable).
     ``checkpointing``: one of ``CHECKPOINTING``. ``ordinary``: parameters in ordinary aligned
     tensors (``own_storage``), as the plain model a strategy is compared with must have them.
     """
-    model = model_class_of(arch).from_pretrained(folder, torch_dtype=dtype)
+    model = (cls or model_class_of(arch)).from_pretrained(folder, torch_dtype=dtype)
     if ordinary:
         own_storage(model)
     if method == "lora":
@@ -274,10 +276,12 @@ def train(
     strategy: MemoryStrategy | None = None,
     steps: int = STEPS,
     after_step: Callable[[MemoryStrategy], None] | None = None,
+    forward: Callable[[nn.Module, int], torch.Tensor] | None = None,
 ) -> Run:
     """``steps`` AdamW steps (lr 1e-2, weight decay ``WEIGHT_DECAY``) on ``loss = out.pow(2)
     .mean()``; driven through ``strategy``'s phases when given, plainly otherwise.
-    ``after_step(strategy)`` runs after each step (invariant checks)."""
+    ``after_step(strategy)`` runs after each step (invariant checks). ``forward(model, step)``
+    gives step ``step``'s output (default: the model on ``inputs_for(model, step)``)."""
     strategy = strategy if strategy is not None else MemoryStrategy(model, device="cpu")
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
@@ -285,10 +289,13 @@ def train(
     )
     losses, grads = [], []
     for step in range(steps):
-        inputs = inputs_for(model, step)
         with strategy.step(step):
             with strategy.forward():
-                loss = output_tensor(model(**inputs)).pow(2).mean()
+                if forward is None:
+                    out = output_tensor(model(**inputs_for(model, step)))
+                else:
+                    out = forward(model, step)
+                loss = out.pow(2).mean()
             with strategy.backward():
                 loss.backward()
             losses.append(loss.item())
