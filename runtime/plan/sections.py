@@ -10,7 +10,7 @@ from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.plan.inventory import Inventory, PlanInputError
 from runtime.plan.profiles import DeviceProfile
 from runtime.strategy.auto import resolve_auto
-from runtime.weights.defaults import resolve
+from runtime.weights.defaults import resolve, staged_sizes
 from runtime.weights.registry import ALIGN
 
 
@@ -37,7 +37,11 @@ def weight_section(
             )
         except ValueError as exc:  # a budget too small for the window: the rule names it
             raise PlanInputError(f"memory.stagehand.vram_high_watermark_mb: {exc}") from None
-        return resolve(sh, sizes, cuda=cuda, vram_bytes=profile.vram_bytes if cuda else 0)
+        # With SquareQ the slab stages the 8-bit images, as the runtime sizes it.
+        staged = staged_sizes(sh.squareq is not None, [b.image_bytes for b in inv.blocks])
+        return resolve(
+            sh, sizes, staged=staged, cuda=cuda, vram_bytes=profile.vram_bytes if cuda else 0
+        )
     weights = inv.param_bytes + inv.buffer_bytes
     return section_for(
         memory,

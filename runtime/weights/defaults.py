@@ -18,6 +18,8 @@ as many slots as window blocks the next prefetch would be skipped and become a d
 H100 run of ``test_h2d_copies_overlap_compute_without_host_syncs``). Slots cost no VRAM (loaded
 blocks are bounded by the window and the watermarks). One slab holds the largest block (no
 direct-path allocation), the pool one slab per copy in flight plus one for a demand load.
+With SquareQ a slab stages a block's 8-bit image, not its compute-dtype buffer: slab and pool
+follow the staged bytes (``staged_sizes``); the window still counts the device buffers.
 Readers: half the cores, 2 to 8 (one block's read is shared by all of them, ``readers.py``;
 page cache -> pinned reads on an H100 host scaled 4.4 -> 13.9 -> 22.8 GB/s on 1, 4, 8 threads,
 ``shared/gpu/FINDINGS.md``). CPU: copies are synchronous, so depth buys nothing and only holds
@@ -59,10 +61,17 @@ CPU = Pipeline(2, 2, 1024, 8192, 0)
 
 
 def pipeline(
-    block_bytes: Sequence[int], *, cuda: bool, vram_bytes: int = 0, cpus: int | None = None
+    block_bytes: Sequence[int],
+    *,
+    cuda: bool,
+    vram_bytes: int = 0,
+    cpus: int | None = None,
+    staged: Sequence[int] | None = None,
 ) -> Pipeline:
     """The settings for blocks of ``block_bytes`` (bytes each, aligned layout) on a CUDA card of
-    ``vram_bytes`` (0: unknown) with ``cpus`` cores (None: this machine's), or on the CPU."""
+    ``vram_bytes`` (0: unknown) with ``cpus`` cores (None: this machine's), or on the CPU.
+    ``staged``: each block's bytes staged per load when they differ (``staged_sizes``); the
+    slab holds the largest (None: ``block_bytes``)."""
     if not cuda or not block_bytes:
         return CPU
     largest = max(block_bytes)
@@ -71,7 +80,7 @@ def pipeline(
         window = min(window, max(1, int(VRAM_SHARE * vram_bytes) // largest - 1))
     window = min(window, max(1, len(block_bytes) - 1))
     inflight = 2 * window
-    slab = max(1, math.ceil(largest / MB))
+    slab = max(1, math.ceil(max(staged or block_bytes) / MB))
     cores = cpus if cpus is not None else os.cpu_count() or 2
     return Pipeline(window, inflight, slab, (inflight + 1) * slab, min(8, max(2, cores // 2)))
 
@@ -85,11 +94,25 @@ def block_bytes(found: Sequence[tuple[str, nn.Module]]) -> list[int]:
     ]
 
 
-def resolve(config: StagehandConfig, sizes: Sequence[int], **device) -> StagehandConfig:
-    """``config`` with its ``None`` pipeline fields derived (``pipeline(sizes, **device)``);
-    given fields are kept. On CUDA a slab given without a pool: a pool of as many such slabs
+def staged_sizes(squareq: bool, images: Sequence[int]) -> list[int] | None:
+    """The ``staged`` sizes of ``pipeline``/``resolve``: with SquareQ on, each block's bytes
+    staged per load (``images``: ``Block.staged_bytes`` in the runtime, ``BlockInfo.image_bytes``
+    in the planner: the 8-bit image, or the layout's bytes when nothing in it is quantizable);
+    off, None (the slab holds the largest of the blocks' ``block_bytes``)."""
+    return list(images) if squareq and images else None
+
+
+def resolve(
+    config: StagehandConfig,
+    sizes: Sequence[int],
+    *,
+    staged: Sequence[int] | None = None,
+    **device,
+) -> StagehandConfig:
+    """``config`` with its ``None`` pipeline fields derived (``pipeline(sizes, **device,
+    staged=staged)``); given fields are kept. On CUDA a slab given without a pool: a pool of as many such slabs
     as the derived one has; a pool given without a slab: the derived slab, at most the pool."""
-    derived = asdict(pipeline(sizes, **device))
+    derived = asdict(pipeline(sizes, staged=staged, **device))
     update = {name: value for name, value in derived.items() if getattr(config, name) is None}
     slab, pool = config.pinned_slab_mb, config.pinned_pool_mb
     if slab is not None and pool is None and device.get("cuda"):

@@ -46,7 +46,6 @@ from runtime.config import MB, StagehandConfig, Watermarks
 from runtime.weights import policy
 from runtime.weights.convert import restore_blocks
 from runtime.weights.counts import StepCounts, Totals
-from runtime.weights.defaults import block_bytes, resolve
 from runtime.weights.hooks import BlockBoundaries, SavedViews
 from runtime.weights.optimizer import refuse_unfrozen, trainable_on_device
 from runtime.weights.registry import Block, BlockState, find_blocks
@@ -86,16 +85,16 @@ class StagehandRuntime:
         cuda = uses_cuda(self.device)
         found = find_blocks(model, config.block_pattern)
         vram = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
-        # Pipeline settings the preset left out, from the blocks and the card (defaults.py).
-        config = resolve(config, block_bytes(found), cuda=cuda, vram_bytes=vram)
-        self.model, self.config, self.mode = model, config, mode
+        self.model, self.mode = model, mode
         self._owns_memory = memory is None
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self._owns_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else default_telemetry(TELEMETRY_FILE)
         self.conductor: Any | None = None
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
-        host = open_host_side(model, found, config, self.device, cuda, mode, checkpoint_dir)
+        # Pipeline settings the preset left out, from the blocks and the card (defaults.py).
+        host = open_host_side(model, found, config, self.device, cuda, vram, mode, checkpoint_dir)
+        self.config = config = host.config
         self.pool, self.source, self.blocks = host.pool, host.source, host.blocks
         self.resident_bytes, self.squareq, self.cache = (
             host.resident_bytes,

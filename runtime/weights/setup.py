@@ -14,6 +14,7 @@ from torch import nn
 from runtime.config import MB, StagehandConfig
 from runtime.squareq import SquareQ
 from runtime.weights.convert import check_sizes, place_resident, register_blocks
+from runtime.weights.defaults import block_bytes, resolve, staged_sizes
 from runtime.weights.host_cache import HostCache, weights_mode
 from runtime.weights.pool import PinnedPool
 from runtime.weights.registry import Block
@@ -22,6 +23,8 @@ from runtime.weights.sources import SafetensorsCheckpoint
 
 @dataclass
 class HostSide:
+    config: StagehandConfig
+    """The section with its pipeline fields resolved (``defaults.resolve``)."""
     pool: PinnedPool
     source: SafetensorsCheckpoint | None
     """The checkpoint the blocks read (SquareQ's 8-bit copy when it is on), None: module-backed."""
@@ -40,24 +43,20 @@ def open_host_side(
     config: StagehandConfig,
     device: torch.device,
     cuda: bool,
+    vram_bytes: int,
     mode: Literal["training", "inference"],
     checkpoint_dir: str | Path | None,
 ) -> HostSide:
     """Build the host side of ``model``'s weight runtime: ``found`` are its blocks
-    (``find_blocks``), ``config`` the resolved section.
+    (``find_blocks``), ``config`` the preset's section; the pipeline fields it leaves out are
+    derived from the blocks and the card (``vram_bytes``, 0 off CUDA) once SquareQ's images
+    exist, the slab sized to the bytes staged (``defaults.staged_sizes``).
 
     Raises: ``UnmatchedParameterError``, ``ParameterMismatchError``, ``BlockTooLargeError``,
     ``PoolConfigError`` (``runtime.weights.errors``), SquareQ's configuration errors.
     """
-    pool = PinnedPool(
-        int(config.pinned_pool_mb * MB),
-        int(config.pinned_slab_mb * MB),
-        pin=cuda,
-        timeout_s=config.slab_acquire_timeout_s,
-        allow_pageable=config.allow_pageable_fallback,
-        device=device if cuda else None,
-    )
     source = SafetensorsCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    sizes = block_bytes(found)  # the modules as given, before their layouts are built
     blocks = register_blocks(
         model,
         found,
@@ -69,9 +68,19 @@ def open_host_side(
     )
     resident_bytes = place_resident(model, blocks, source, device)
     squareq, source = SquareQ.attach(blocks, source, config.squareq)
+    staged = staged_sizes(squareq.enabled, [b.staged_bytes for b in blocks])
+    config = resolve(config, sizes, staged=staged, cuda=cuda, vram_bytes=vram_bytes)
+    pool = PinnedPool(
+        int(config.pinned_pool_mb * MB),
+        int(config.pinned_slab_mb * MB),
+        pin=cuda,
+        timeout_s=config.slab_acquire_timeout_s,
+        allow_pageable=config.allow_pageable_fallback,
+        device=device if cuda else None,
+    )
     check_sizes(blocks, pool, device)
     cache = HostCache.for_run(config.host_cache_mb, cuda, device, pool.locked_bytes)
     for block in blocks:  # module-backed frozen blocks: one (locked) image each
         cache.register(block)
     mode_reason = weights_mode(blocks, cache, config.host_cache_mb, cuda)
-    return HostSide(pool, source, blocks, resident_bytes, squareq, cache, mode_reason)
+    return HostSide(config, pool, source, blocks, resident_bytes, squareq, cache, mode_reason)
