@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.gzip import GZipMiddleware
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from backend import apidocs, errors, openapi
@@ -30,6 +30,7 @@ from backend.store import Store
 from backend.supervisor import Supervisor
 from backend.system import SystemProbe
 from backend.tailer import Tailer
+from contract.status import javascript_module
 
 log = logging.getLogger("backend.app")
 
@@ -135,6 +136,11 @@ def create_app(
         if path is None:
             raise NotFound("plotly is not installed: pip install plotly")
         return FileResponse(path, media_type="text/javascript")
+
+    @app.get("/static/js/contract.js", include_in_schema=False)
+    def contract_js():
+        """Run status names and groups for the dashboard, from ``contract.status``."""
+        return Response(javascript_module(), media_type="text/javascript")
 
     app.mount(
         "/static", StaticFiles(directory=settings.frontend_dir, check_dir=False), name="static"

@@ -191,5 +191,6 @@ export const api = {
   artifactUrl: (id, name) => `/api/runs/${enc(id)}/artifacts/${enc(name)}`,
 };
 
-/** Terminal statuses: a run in one of these will not produce more records. */
-export const FINISHED = new Set(["succeeded", "failed", "cancelled", "killed", "crashed"]);
+/** Run status names and groups (FINISHED: a run in one of these will not produce more records),
+ * served by the server from contract/status.py. */
+export { ACTIVE, FINISHED, RESUMABLE, STATUSES } from "./contract.js";

@@ -5,13 +5,12 @@
 // to the whole list, and kept in the URL (#/runs?status=…&q=…&sort=…&dir=…): a reload or a
 // shared link shows the same rows, and "0 of N runs" says when the filters hide every run.
 
-import { FINISHED, api } from "../api.js";
+import { FINISHED, STATUSES, api } from "../api.js";
 import {
   clearErrors, fill, fmtBytes, fmtDuration, fmtMB, fmtMs, fmtNum, fmtTime, h, runDuration, showError, statusBadge, toDate,
 } from "../ui.js";
 
 const POLL_MS = 3000;
-const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "killed", "crashed", "stalled"];
 const MAX_COMPARE = 6;
 
 // Sortable columns: the key in the URL, the header, and the value a run sorts by (null last).
