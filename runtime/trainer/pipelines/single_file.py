@@ -47,7 +47,8 @@ ROW_BITS = 32
 
 def eight_bit_weights(single: Path, header: dict, squareq_on: bool) -> dict[str, str | None]:
     """``{key: its scale key or None}`` of the file's 8-bit tensors (``DROPPED`` keys aside),
-    each checked as SquareQ reads folders (``prequantized.check_weight``).
+    checked as SquareQ reads folders (``prequantized.check_weight``): all with ``squareq_on``
+    (they are kept as stored), else the scaled ones (the others are upcast as they are read).
 
     Raises:
         PipelineFolderError: a tensor that cannot be read as stored (e5m2, int8, not 2-D, a
@@ -62,6 +63,8 @@ def eight_bit_weights(single: Path, header: dict, squareq_on: bool) -> dict[str,
         owner = key.rpartition(".")[0]
         scales = [f"{owner}.{s}" for s in SCALE_SUFFIXES if f"{owner}.{s}" in header]
         out[key] = scales[0] if scales else None
+        if not (squareq_on or scales):  # upcast on reading, as any precision
+            continue
         try:
             check_weight(
                 f"model.transformer_path: checkpoint tensor {key!r} in {single.name}",

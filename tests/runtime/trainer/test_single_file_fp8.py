@@ -245,3 +245,24 @@ def test_unreadable_fp8_single_file_names_key_dtype_and_scale(
     else:
         assert "scale_weight" in message and "memory.stagehand.squareq" in message
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_unscaled_8bit_single_file_without_squareq_is_upcast_as_any_file(
+    sd3_pipeline_dir, sd3_state, tmp_path, dtype
+):
+    """SquareQ off: unscaled 8-bit weights (e5m2 too) are read as any precision, as before."""
+    from diffusers import SD3Transformer2DModel
+
+    layout = original_rows(sd3_state)
+    tensors = {name: stack(sd3_state, pieces).contiguous() for name, pieces in layout.items()}
+    for name, value in tensors.items():
+        if name.startswith("joint_blocks.") and name.endswith(".weight") and value.dim() == 2:
+            tensors[name] = value.to(dtype)
+    single = tmp_path / "sd3-8bit.safetensors"
+    save_file(tensors, str(single))
+    info = inspect_pipeline(sd3_pipeline_dir, transformer_path=str(single))
+    folder = convert_single_file(info, tmp_path / "cache", torch.float32)
+    got = SD3Transformer2DModel.from_pretrained(folder).state_dict()
+    for key, pieces in layout.items():
+        assert torch.equal(stack(got, pieces), tensors[key].float()), key
