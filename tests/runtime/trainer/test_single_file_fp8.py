@@ -266,3 +266,28 @@ def test_unscaled_8bit_single_file_without_squareq_is_upcast_as_any_file(
     got = SD3Transformer2DModel.from_pretrained(folder).state_dict()
     for key, pieces in layout.items():
         assert torch.equal(stack(got, pieces), tensors[key].float()), key
+
+
+def test_preset_with_squareq_trains_from_fp8_single_file(
+    sd3_pipeline_dir, sd3_state, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    """The trainer passes SquareQ's state to the conversion: a preset with
+    ``memory.stagehand.squareq`` trains from a ComfyUI-style file, its block weights streamed
+    as stored (``squareq/step``: no weight quantized again)."""
+    from runtime.assets import ENV_VAR
+    from runtime.trainer.cli import main
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    single = tmp_path / "sd3-fp8.safetensors"
+    stored, layout = write_fp8_file(sd3_state, single, "per-tensor")
+    squareq = {"format": "int8", "cache_dir": str(tmp_path / "sq")}
+    preset = pipe_io.preset(
+        tmp_path, sd3_pipeline_dir, wide_images, name="fp8",
+        model={"path": str(sd3_pipeline_dir), "dtype": "float32", "transformer_path": str(single)},
+        memory={"stagehand": {"squareq": squareq}},
+        max_steps=1, validation_every=None, samples={"prompts": []},
+    )  # fmt: skip
+    assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 0
+    (record,) = pipe_io.of(pipe_io.records(tmp_path / "run"), "squareq", "step")[:1]
+    blocks = {k for n in stored for k, _, _ in layout[n] if k.startswith("transformer_blocks.")}
+    assert record["prequantized_layers"] == len(blocks) and record["quantized_layers"] == 0
