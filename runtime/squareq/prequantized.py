@@ -44,7 +44,7 @@ def is_prequantized(source: Any, key: str | None) -> bool:
 
 
 def check(source: Any, key: str, squareq_on: bool) -> None:
-    """Refuse a weight that cannot be streamed (see the module docstring).
+    """Refuse a weight that cannot be streamed (see the module docstring; ``check_weight``).
 
     Raises:
         PrequantizedCheckpointError: names the key, its dtype, the scale found and the fix.
@@ -53,22 +53,47 @@ def check(source: Any, key: str, squareq_on: bool) -> None:
     if entry.dtype not in EIGHT_BIT:
         return
     scale = scale_key(source, key)
-    found = f"checkpoint tensor {key!r} in {entry.path.name} is {entry.dtype} {tuple(entry.shape)}"
+    check_weight(
+        f"checkpoint tensor {key!r} in {entry.path.name}",
+        entry.dtype,
+        tuple(entry.shape),
+        scale,
+        None if scale is None else tuple(source.entries[scale].shape),
+        squareq_on,
+    )
+
+
+def check_weight(
+    where: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    scale: str | None,
+    scale_shape: tuple[int, ...] | None,
+    squareq_on: bool,
+) -> None:
+    """Refuse an 8-bit weight (``dtype`` in ``EIGHT_BIT``) that cannot be read as stored: not a
+    2-D float8_e4m3fn weight, a scale (key ``scale``, ``scale_shape``) neither per tensor (one
+    element, 0-d included) nor per output row, or a scaled one with SquareQ off. ``where``
+    names the tensor (``"checkpoint tensor 'k' in file"``).
+
+    Raises:
+        PrequantizedCheckpointError: names the key, its dtype, the scale found and the fix.
+    """
+    found = f"{where} is {dtype} {shape}"
     if scale is not None:
-        found += f" with scale {scale!r} of shape {tuple(source.entries[scale].shape)}"
-    if entry.dtype != torch.float8_e4m3fn or len(entry.shape) != 2:
+        found += f" with scale {scale!r} of shape {scale_shape}"
+    if dtype != torch.float8_e4m3fn or len(shape) != 2:
         raise PrequantizedCheckpointError(
             f"{found}: only 2-D float8_e4m3fn weights (a scale per tensor or per row) are read "
             "as stored; convert this file to bf16 or float8_e4m3fn first"
         )
     if scale is not None:
-        rows = entry.shape[0]
         numel = 1
-        for size in source.entries[scale].shape:
+        for size in scale_shape:
             numel *= size
-        if numel not in (1, rows):
+        if numel not in (1, shape[0]):
             raise PrequantizedCheckpointError(
-                f"{found}: expected one scale per tensor or one per output row ({rows}); "
+                f"{found}: expected one scale per tensor or one per output row ({shape[0]}); "
                 "block-wise scales are not read"
             )
         if not squareq_on:
@@ -79,13 +104,18 @@ def check(source: Any, key: str, squareq_on: bool) -> None:
             )
 
 
+def row_scales(scale: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``(rows,)`` fp32: a weight's scale (one element, 0-d included, or one per row; None: 1)
+    given to each of its ``rows`` output rows."""
+    if scale is None:
+        return torch.ones(rows, dtype=torch.float32)
+    value = scale.to(torch.float32).reshape(-1)
+    return value.expand(rows).contiguous() if value.numel() == 1 else value.contiguous()
+
+
 def load_packed_parts(source: Any, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes (rows, cols) float8_e4m3fn as stored, scales (rows,) fp32)`` of a prequantized
     weight: its scale broadcast to the rows, 1 when the file has none."""
     codes = source.load(key)
-    rows = codes.shape[0]
     scale = scale_key(source, key)
-    if scale is None:
-        return codes, torch.ones(rows, dtype=torch.float32)
-    value = source.load(scale).to(torch.float32).reshape(-1)
-    return codes, value.expand(rows).contiguous() if value.numel() == 1 else value.contiguous()
+    return codes, row_scales(None if scale is None else source.load(scale), codes.shape[0])

@@ -29,8 +29,18 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
     check_dtype(preset.model.dtype, device)
     check_dtype(preset.train_dtype, device)
     cache = cache_root() / "trainer-cache"
+    memory = preset.memory
+    squareq = (
+        memory.strategy == "stagehand"
+        and memory.stagehand.weight_streaming
+        and memory.stagehand.squareq is not None
+    )
     return pipelines.adapter_for(
-        info, cache, loop.DTYPES[preset.model.dtype], expert=preset.model.expert
+        info,
+        cache,
+        loop.DTYPES[preset.model.dtype],
+        expert=preset.model.expert,
+        prequantized=squareq,
     )
 
 

@@ -79,10 +79,15 @@ def inspect_preset(preset) -> PipelineInfo:
 
 
 def adapter_for(
-    info: PipelineInfo, cache_dir: Path, dtype, expert: str | None = None
+    info: PipelineInfo,
+    cache_dir: Path,
+    dtype,
+    expert: str | None = None,
+    prequantized: bool = False,
 ) -> PipelineFamily:
     """The family adapter bound to the folder (a single-file transformer is converted once
-    into ``cache_dir`` in the folder layout the weight runtime streams from). ``expert``
+    into ``cache_dir`` in the folder layout the weight runtime streams from; with
+    ``prequantized``, SquareQ on, its 8-bit weights as stored: ``single_file.py``). ``expert``
     (``model.expert``) picks one of Wan 2.2's two transformers.
 
     Raises:
@@ -100,7 +105,7 @@ def adapter_for(
     if info.transformer_path is not None:
         from runtime.trainer.pipelines.single_file import convert_single_file
 
-        transformer_dir = convert_single_file(info, cache_dir, dtype)
+        transformer_dir = convert_single_file(info, cache_dir, dtype, prequantized)
     bound = ADAPTERS[info.family].bind(info, transformer_dir, expert)
     bound.check_components()
     bound.check_tokenizers()

@@ -153,7 +153,8 @@ def test_single_file_transformer_loads_and_bad_keys_are_listed(flux_pipeline_dir
         "bar.bias": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
         "foo.weight": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
     }
-    # A ComfyUI scaled fp8 file: diffusers' conversion would drop the scales (wrong weights).
+    # A ComfyUI scaled fp8 file without SquareQ: its codes read without their scale would be
+    # wrong weights (with SquareQ: test_single_file_fp8.py).
     scaled = tmp_path / "flux-fp8-scaled.safetensors"
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     key = "transformer_blocks.0.attn.to_q.weight"
@@ -163,7 +164,9 @@ def test_single_file_transformer_loads_and_bad_keys_are_listed(flux_pipeline_dir
     info = inspect_pipeline(flux_pipeline_dir, transformer_path=str(scaled))
     with pytest.raises(
         PipelineFolderError,
-        match=rf"{key} is F8_E4M3 \[\d+, \d+\] with 'transformer_blocks.0.attn.to_q.scale_weight'",
+        match=rf"'{key}' in flux-fp8-scaled.safetensors is torch.float8_e4m3fn \(\d+, \d+\) "
+        r"with scale 'transformer_blocks.0.attn.to_q.scale_weight' of shape \(1,\): .* only "
+        r"with memory.stagehand.squareq",
     ):
         adapter_for(info, tmp_path / "cache", torch.float32)
 
