@@ -9,8 +9,8 @@ as ``register_blocks`` keys it), so ``cache_entries`` and the store's key are th
 that folder exists its ``squareq.json`` is read; otherwise (``mode="compute"``) the store
 quantizes the checkpoint into it, with its progress bar, and the run then reuses it.
 
-Not measured, with the reason, instead of failing: a factory model (random weights, no
-checkpoint), a folder whose safetensors are sparse files (headers with holes: the planner's
+Not measured, with the reason, instead of failing: a factory model not built into the asset
+cache yet (the run builds it; a plan builds nothing), a folder whose safetensors are sparse files (headers with holes: the planner's
 real-size test folders) or hold no file, a checkpoint the run would refuse (the message
 names the parameter), ``mode="cached"`` with nothing cached yet, or ``mode="off"``.
 Weights stored in float8_e4m3fn in the checkpoint are streamed as stored: they have no
@@ -111,11 +111,12 @@ def measure(
     build: Callable[[], nn.Module],
     mode: str = "compute",
     progress: bool = True,
+    unavailable: str | None = None,
 ) -> dict[str, Any] | None:
     """The quantization error table of a run's SquareQ blocks, or None when SquareQ is off.
 
     ``memory``: the preset's ``MemoryConfig``; ``folder``: the transformer's checkpoint folder
-    (None: a factory model); ``build``: the run's transformer on ``meta`` in its dtype, LoRA
+    (None: not there, ``unavailable`` says why); ``build``: the run's transformer on ``meta`` in its dtype, LoRA
     added (called only when the folder is readable); ``mode``: one of ``MODES``.
 
     Returns ``format``, ``measured`` and either ``reason`` (``"not measured: ..."``) or the
@@ -137,7 +138,7 @@ def measure(
     if mode == "off":
         return not_measured(fmt, "turned off (--no-quant-error)")
     if folder is None:
-        return not_measured(fmt, "a factory model has random weights and no checkpoint")
+        return not_measured(fmt, unavailable or "no checkpoint folder")
     why = sparse_file(folder)
     if why is not None:
         return not_measured(fmt, why)
@@ -179,6 +180,30 @@ def measure_preset(
         keep_in_fp32(built)
         return built
 
-    path = preset.model.path
-    folder = None if path is None else family.transformer_dir if family else Path(path).expanduser()
-    return measure(preset.memory, folder, build, mode)
+    folder, why = checkpoint_folder(preset, family)
+    return measure(preset.memory, folder, build, mode, unavailable=why)
+
+
+def checkpoint_folder(preset: Any, family: Any) -> tuple[Path | None, str | None]:
+    """``(folder, None)``: the safetensors folder the run's weight runtime streams the
+    transformer from (``runtime.trainer.setup.resolve_assets``' rule), or ``(None, why)`` when
+    the run builds it first (a factory model not built into the cache yet, the demo's trained
+    model): nothing is built for a plan."""
+    from runtime.assets.cache import is_complete, spec_hash
+    from runtime.assets.models import model_dir, model_spec
+    from runtime.trainer.setup import denoiser_folder
+
+    m = preset.model
+    if family is not None and hasattr(family, "transformer_dir"):
+        return family.transformer_dir, None
+    if m.path is not None:
+        return denoiser_folder(Path(m.path).expanduser()), None
+    if m.pretrained is not None:
+        return (
+            None,
+            f'the demo\'s trained model (model.pretrained "{m.pretrained}") is built by the run',
+        )
+    folder = model_dir(m.factory, m.size)
+    if not is_complete(folder, spec_hash(model_spec(m.factory, m.size))):
+        return None, f"the factory model is not built yet (the run builds it into {folder})"
+    return folder, None
