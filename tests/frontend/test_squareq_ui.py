@@ -62,6 +62,17 @@ def test_run_page_weights_fact_says_squareq(backend_server, page, tmp_path):
     api.wait_run(run_id, {"succeeded"})
     note = api.call("GET", f"/api/runs/{run_id}")["summary"]["weights_squareq"]
     assert note.startswith("SquareQ int8: blocks held and copied in 8 bits (0.27x")
+    # The plan of the same config reads the error table the run's first record carries from
+    # the SquareQ cache the run built (same key: nothing quantized in the request).
+    from runtime.preset import load_preset
+
+    first = api.call("GET", f"/api/runs/{run_id}/telemetry?source=squareq&kind=step")["data"][0]
+    _, preset = load_preset("tiny-ci")
+    preset["memory"]["stagehand"]["squareq"] = squareq
+    q = api.call("POST", "/api/plan", {"preset": preset, "device": "rtx4090"})["quant_error"]
+    assert q["measured"] and q["cached"] is True and first["quantized_layers"] > 0
+    table = ("quantized_layers", "rel_rms_mean", "rel_rms_max", "worst_layer", "worst_layers")
+    assert {k: q[k] for k in table} == {k: first[k] for k in table}
     page.goto(f"{backend_server}/#/runs/{run_id}")
     page.wait_for_selector("#fact-weights .fact-squareq")
     assert page.inner_text("#fact-weights .fact-squareq") == note
