@@ -8,7 +8,7 @@ server never imports torch):
 - ``bench``        the benchmark suite                                (runtime.bench.cli)
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (runtime.trainer.demo_cli)
-- ``plan``         predicted VRAM and step time of a preset, no weights (backend.plan_cli)
+- ``plan``         predicted VRAM and step time of a preset (backend.plan_cli)
 - ``tune``         trials of limits that fit a VRAM budget          (runtime.plan.tune_cli)
 """
 

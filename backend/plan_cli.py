@@ -1,9 +1,11 @@
-"""``workbench plan PRESET [--device cpu|rtx3090|rtx4090|rtx5090|h100|h100-pcie] [--json OUT]``.
+"""``workbench plan PRESET [--device cpu|rtx3090|rtx4090|rtx5090|h100|h100-pcie] [--json OUT]
+[--no-quant-error]``.
 
 Prints the plan's table (fits or not and the knob that makes it fit, peak VRAM of the trace
 step and the steady state, the steady band, host bytes, step time with its breakdown, H2D bytes
-and block loads per steady step with where they come from, resident and streamed blocks, and
-the bound ``max(compute, bytes / H2D)``) and writes
+and block loads per steady step with where they come from, resident and streamed blocks, the
+bound ``max(compute, bytes / H2D)``, and with SquareQ on the quantization error of the model's
+weights, ``runtime.plan.quant_error``) and writes
 the whole plan, VRAM curve included, as JSON with ``--json``. Exit status 0 when it fits, 1 when
 it does not, 2 for a bad input (the message names the field).
 
@@ -69,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         "$STAGEHAND_WORKBENCH_DATA or ./data; none there: uncalibrated)",
     )
     p.add_argument("--no-calibration", action="store_true", help="the plan as modelled")
+    p.add_argument(
+        "--no-quant-error",
+        action="store_true",
+        help="with SquareQ on, do not measure the quantization error (default: read it from "
+        "SquareQ's cache, else quantize the checkpoint into that cache once, as the run's set-up "
+        "would, which the run then reuses; minutes for a 12B model)",
+    )
     args = p.parse_args(argv)
     try:
         name, data = load_preset(args.preset)
@@ -81,11 +90,16 @@ def main(argv: list[str] | None = None) -> int:
             disk_gbps=args.disk_gbps,
         )
         plan = plan_preset(
-            data, dev, name=name, text_len=args.text_len, efficiency=args.efficiency
+            data,
+            dev,
+            name=name,
+            text_len=args.text_len,
+            efficiency=args.efficiency,
+            quant_error="off" if args.no_quant_error else "compute",
         ).to_dict()
         if not args.no_calibration:
             plan = calibrated(plan, args.device, data, args.data_dir)
-    except (PlanInputError, FileNotFoundError, ValueError) as exc:
+    except (PlanInputError, OSError, ValueError) as exc:
         print(f"workbench plan: {exc}", file=sys.stderr)
         return 2
     print(table(plan))

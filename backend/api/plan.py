@@ -1,5 +1,6 @@
 """``POST /api/plan``: predicted VRAM and step time of a preset on a device profile, before a
-run starts (``runtime.plan``). Reads configs and safetensors headers only; no weights load."""
+run starts (``runtime.plan``). Reads configs and safetensors headers only; no weights load
+(SquareQ's quantization error comes from its cache when there, else "not measured")."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ class PlanRequest(BaseModel):
 def plan(body: PlanRequest, store: StoreDep) -> dict:
     """The plan (``runtime.plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
     ``steady_band_bytes``, ``host``, ``step_ms``, ``transfers`` (H2D bytes and block loads per
-    steady step, resident and streamed blocks, where the loads come from), ``bound_ms`` and
-    the VRAM ``curve`` of one steady step.
+    steady step, resident and streamed blocks, where the loads come from), ``bound_ms``, the
+    VRAM ``curve`` of one steady step and ``quant_error`` (with SquareQ on: the error table
+    read from SquareQ's cache, or ``measured`` false and a ``reason``; never quantized inside
+    a request, ``runtime.plan.quant_error``).
     With calibrations of the device and the preset's family (finished runs' measured figures),
     the median of their ratios within bounds is applied and ``calibration`` says from which
     runs and which ratios were refused (``backend.calibration.calibration_for``,

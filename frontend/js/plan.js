@@ -2,8 +2,9 @@
 // POST /api/plan with a device profile and shows whether it fits (or the knob that makes it
 // fit), peak VRAM, the steady band, host bytes, the step time with its breakdown, what a
 // steady step moves (resident vs streamed blocks, GB of H2D per step and where the loads come
-// from, the bound max(compute, bytes / H2D)), and the predicted VRAM over one steady step as a
-// Plotly line. Sizes in MiB / GiB (2^20, 2^30 bytes).
+// from, the bound max(compute, bytes / H2D)), SquareQ's quantization error when it is on, and
+// the predicted VRAM over one steady step as a Plotly line. Sizes in MiB / GiB (2^20, 2^30
+// bytes).
 
 import { api } from "./api.js";
 import { BASE_LAYOUT, PLOT_CONFIG } from "./charts.js";
@@ -47,6 +48,23 @@ function transfers(plan) {
   return [resident, perStep, bound, auto];
 }
 
+const pct = (x) => `${(100 * x).toFixed(3)}%`;
+
+/** SquareQ's quantization error of the weights (plan.quant_error, runtime/plan/quant_error.py):
+ * read from SquareQ's cache only (a request never quantizes), else "not measured: why". */
+function quantError(plan) {
+  const q = plan.quant_error;
+  if (!q) return null;
+  const head = h("strong", {}, `SquareQ ${q.format}`);
+  if (!q.measured) return h("li", { id: "plan-quant-error" }, head, `: ${q.reason}`);
+  const stored = q.prequantized_layers
+    ? `; ${q.prequantized_layers} layers stored in 8 bits in the checkpoint (no source to compare)` : "";
+  if (!q.quantized_layers) return h("li", { id: "plan-quant-error" }, head, `: no layer quantized${stored}`);
+  const worst = q.worst_layers.map(([name, err]) => `${name} ${pct(err)}`).join(", ");
+  return h("li", { id: "plan-quant-error", title: `five worst: ${worst}` }, head,
+    `: ${q.quantized_layers} layers, relative RMS error mean ${pct(q.rel_rms_mean)}, worst ${pct(q.rel_rms_max)} (${q.worst_layer})${stored}`);
+}
+
 /** The plan's numbers as a few lines. */
 function summary(plan) {
   const ms = plan.step_ms;
@@ -65,6 +83,7 @@ function summary(plan) {
       h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}, of it host cache ${mb(plan.host.host_cache_bytes ?? 0)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
       h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
       ...transfers(plan),
+      quantError(plan),
       plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
 }
 

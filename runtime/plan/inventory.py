@@ -302,6 +302,24 @@ class _FlashAttention(TorchFunctionMode):
         return out
 
 
+def block_layouts(
+    model: nn.Module, found: list[tuple[str, nn.Module]], resident_trainable_max_fraction: float
+) -> tuple[list[Block], frozenset[int]]:
+    """The weight runtime's blocks of ``model`` (``found``: ``find_blocks``) with their layouts,
+    as ``register_blocks`` lays them out (shared parameters and a small enough LoRA left out,
+    NOTE [ H2D-only streaming ]), and the ``id`` of each parameter left out."""
+    qualnames = {p: n for n, p in model.named_parameters()}
+    resident = shared_parameters(model, found) | _resident_trainable(
+        found, resident_trainable_max_fraction
+    )
+    layouts = []
+    for index, (name, module) in enumerate(found):
+        block = Block(name=name, index=index, module=module)
+        build_layout(block, qualnames, resident)
+        layouts.append(block)
+    return layouts, resident
+
+
 def inventory(
     model: nn.Module,
     inputs: dict[str, Any] | Callable[[nn.Module], Any],
@@ -320,15 +338,7 @@ def inventory(
     from runtime.assets import output_tensor
 
     found = find_blocks(model, block_pattern)
-    qualnames = {p: n for n, p in model.named_parameters()}
-    resident = shared_parameters(model, found) | _resident_trainable(
-        found, resident_trainable_max_fraction
-    )
-    layouts = []
-    for index, (name, module) in enumerate(found):
-        block = Block(name=name, index=index, module=module)
-        build_layout(block, qualnames, resident)
-        layouts.append(block)
+    layouts, resident = block_layouts(model, found, resident_trainable_max_fraction)
     streamed = {id(s.param) for b in layouts for s in b.layout}
     in_blocks = {id(p) for _, m in found for p in m.parameters()}
     params = list(model.parameters())

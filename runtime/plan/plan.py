@@ -1,9 +1,8 @@
 """A plan: will this preset fit on this device, how fast, and which knob makes it fit.
 
 ``plan_preset`` reads a preset, builds its transformer on ``meta`` (``inventory``), runs the
-simulation (``simulate``) and, when the peak does not fit, re-runs it with the knobs a user
-would turn, in order, and names the first that fits.
-"""
+simulation (``simulate``), re-runs it with the knobs a user would turn when the peak does not
+fit (naming the first that fits), and reads SquareQ's error table (``quant_error``)."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from runtime.plan.inventory import (
     meta_model,
 )
 from runtime.plan.profiles import DeviceProfile
+from runtime.plan.quant_error import measure_preset
 from runtime.plan.sections import weight_section
 from runtime.plan.simulate import Simulation, StepResult
 from runtime.plan.sources import host_cache_budget
@@ -60,6 +60,8 @@ class Plan:
     family's call; the keyword arguments' otherwise)."""
     auto_watermarks: dict[str, Any] | None = None
     """What ``"auto"`` fields became (``auto_figures``), when the preset has any."""
+    quant_error: dict[str, Any] | None = None
+    """SquareQ's error table of the weights (``quant_error.measure``); None: SquareQ off."""
 
     @property
     def steady(self) -> StepResult:
@@ -132,6 +134,7 @@ class Plan:
             "h2d_bytes": s.h2d_bytes,
             "transfers": self.transfers(),
             "auto_watermarks": self.auto_watermarks,
+            "quant_error": self.quant_error,
             "bound_ms": self.bound_ms(),
             "curve": {
                 "t_ms": [t for t, _, _ in s.curve],
@@ -419,12 +422,15 @@ def plan_preset(
     name: str = "(preset)",
     text_len: int | None = None,
     efficiency: float | None = None,
+    quant_error: str = "cached",
 ) -> Plan:
-    """The plan of a preset's JSON object on ``profile``.
+    """The plan of a preset's JSON object on ``profile``; with SquareQ on, the quantization
+    error table (``quant_error``: a mode of ``runtime.plan.quant_error.MODES``).
 
     Raises:
         PlanInputError: the preset is invalid (the message lists the fields), or a field the
             plan needs is wrong (naming it).
+        OSError: ``compute`` cannot write SquareQ's cache folder (names it).
     """
     from runtime.preset import PresetError, validate_preset
 
@@ -439,4 +445,6 @@ def plan_preset(
     model = preset_model(preset, family)
     inputs = preset_inputs(model, preset, text_len, family)
     memory = data.get("memory") or {"strategy": "none"}
-    return plan_model(model, inputs, memory, profile, name=name, efficiency=efficiency)
+    plan = plan_model(model, inputs, memory, profile, name=name, efficiency=efficiency)
+    plan.quant_error = measure_preset(preset, family, preset_model, quant_error)
+    return plan

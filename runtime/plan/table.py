@@ -74,6 +74,9 @@ def table(plan: dict[str, Any]) -> str:
     t, bound = plan.get("transfers"), plan.get("bound_ms")
     if t:
         lines.extend(transfer_lines(t, bound, plan))
+    quant = plan.get("quant_error")
+    if quant:
+        lines.extend(quant_lines(quant))
     cal = plan.get("calibration")
     if cal:
         from runtime.plan.feedback import describe
@@ -127,3 +130,31 @@ def transfer_lines(t: dict[str, Any], bound: dict[str, Any] | None, plan: dict) 
             f"plan {plan['step_ms']['total']:.1f} ms{x}"
         )
     return lines
+
+
+def quant_lines(q: dict[str, Any]) -> list[str]:
+    """SquareQ's quantization error (``runtime.plan.quant_error.measure``): relative RMS error
+    ``||w - deq(q(w))|| / ||w||`` in percent, per quantized linear weight."""
+    head = f"  SquareQ      {q['format']}: "
+    if not q.get("measured"):
+        return [head + q["reason"]]
+    where = (
+        "read from the SquareQ cache"
+        if q.get("cached")
+        else f"quantized now in {q['quantize_s']:.2f} s"
+    )
+    stored = q.get("prequantized_layers", 0)
+    pre = (
+        f"; {stored} layers stored in 8 bits in the checkpoint (no source to compare)"
+        if stored
+        else ""
+    )
+    if not q.get("quantized_layers"):
+        return [head + f"no layer quantized{pre} ({where})"]
+    worst = ", ".join(f"{name} {100 * err:.3f}%" for name, err in q["worst_layers"])
+    return [
+        head + f"{q['quantized_layers']} layers, relative RMS error mean "
+        f"{100 * q['rel_rms_mean']:.3f}%, worst {100 * q['rel_rms_max']:.3f}% "
+        f"({q['worst_layer']}){pre}; {where}",
+        f"               five worst: {worst}",
+    ]

@@ -50,6 +50,42 @@ def quantizable(block_module: nn.Module, slot: Any) -> bool:
     return linear_weight(module, leaf, slot.shape, slot.dtype, not slot.trainable)
 
 
+def slot_kinds(block: Any, source: Any) -> list[tuple[Any, bool, bool]]:
+    """``(slot, quantized, stored)`` for each slot of ``block``'s layout: whether SquareQ
+    quantizes it (``quantizable``) and whether its checkpoint tensor is already float8_e4m3fn
+    (``prequantized.is_prequantized``; ``source`` None: module-backed, never).
+
+    Raises:
+        PrequantizedCheckpointError: a float8_e4m3fn tensor whose parameter is not a frozen
+            linear weight (names the key and the parameter).
+    """
+    out = []
+    for slot in block.layout:
+        quantized = quantizable(block.module, slot)
+        stored = prequantized.is_prequantized(source, slot.key)
+        if stored and not quantized:
+            raise prequantized.PrequantizedCheckpointError(
+                f"checkpoint tensor {slot.key!r} is float8_e4m3fn but parameter "
+                f"{slot.qualname!r} is not a frozen linear weight SquareQ streams"
+            )
+        out.append((slot, quantized, stored))
+    return out
+
+
+def cache_entries(blocks: list[Any], source: Any) -> list[store.Entry]:
+    """The tensors SquareQ's cache holds for ``blocks`` (weight runtime ``Block``s whose
+    file-backed slots carry their checkpoint ``key``): every keyed slot, in layout order, with
+    its compute dtype and whether it is quantized (``slot_kinds``). What ``store.cache_key``
+    hashes: the run's set-up and the planner (``runtime.plan.quant_error``) both build it here.
+    """
+    return [
+        store.Entry(slot.key, slot.dtype, tuple(slot.shape), quantized, stored)
+        for block in blocks
+        for slot, quantized, stored in slot_kinds(block, source)
+        if slot.key is not None
+    ]
+
+
 class DequantTimer:
     """Bytes dequantized and the time it took: host time on CPU, CUDA events on a GPU (read
     when they completed). Thread-safe: reader threads issue copies too."""
@@ -136,25 +172,14 @@ class SquareQ:
         if config is None:
             return cls(None), source
         self = cls(config.format)
-        entries: list[store.Entry] = []
         images: list[tuple[Any, BlockImage]] = []
         for block in blocks:
             image = BlockImage(config.format, timer=self.timer)
-            for slot in block.layout:
-                quantized = quantizable(block.module, slot)
-                stored = prequantized.is_prequantized(source, slot.key)
-                if stored and not quantized:
-                    raise prequantized.PrequantizedCheckpointError(
-                        f"checkpoint tensor {slot.key!r} is float8_e4m3fn but parameter "
-                        f"{slot.qualname!r} is not a frozen linear weight SquareQ streams"
-                    )
+            for slot, quantized, stored in slot_kinds(block, source):
                 image.add(slot, quantized, slot.key, "fp8_e4m3" if stored else None)
-                if slot.key is not None:
-                    entries.append(
-                        store.Entry(slot.key, slot.dtype, tuple(slot.shape), quantized, stored)
-                    )
             if image.dequantized_bytes:
                 images.append((block, image))
+        entries = cache_entries(blocks, source)
         if not images:
             return cls(None), source
         t0 = time.perf_counter()

@@ -109,6 +109,20 @@ def cache_root(explicit: str | os.PathLike[str] | None) -> Path:
     return Path(explicit).expanduser().absolute() if explicit else cache_dir() / "squareq"
 
 
+def folder_for(source: Any, entries: list[Entry], fmt: str, root: Path) -> Path:
+    """The cache folder of ``entries`` of ``source`` in ``fmt`` under ``root`` (``cache_key``),
+    whether or not it exists."""
+    return root / f"squareq-{fmt}-{cache_key(source, fmt, entries)}"
+
+
+def cached_meta(folder: Path) -> dict[str, Any] | None:
+    """The ``squareq.json`` of a complete cache ``folder`` (``folder_for``) with ``cached``
+    True, or None when it was not built yet (nothing else is read, nothing written)."""
+    if not (folder / META).is_file():
+        return None
+    return {**json.loads((folder / META).read_text()), "cached": True}
+
+
 def ensure(
     source: Any,
     entries: list[Entry],
@@ -122,10 +136,10 @@ def ensure(
     Raises:
         OSError: the cache root cannot be written (names the folder).
     """
-    folder = root / f"squareq-{fmt}-{cache_key(source, fmt, entries)}"
-    if (folder / META).is_file():
-        meta = json.loads((folder / META).read_text())
-        return folder, {**meta, "cached": True}
+    folder = folder_for(source, entries, fmt, root)
+    found = cached_meta(folder)
+    if found is not None:
+        return folder, found
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

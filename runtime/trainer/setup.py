@@ -111,9 +111,7 @@ def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path
         vae_dir = Path(m.vae_path) if m.vae_path else assets.build_model("vae", m.size)
     else:
         root = Path(m.path).expanduser()
-        # A pipeline folder keeps the denoiser in transformer/ (DiT) or unet/ (SD 1.x).
-        subs = [root / sub for sub in ("transformer", "unet") if (root / sub).is_dir()]
-        model_dir = subs[0] if subs else root
+        model_dir = denoiser_folder(root)
         vae_dir = Path(m.vae_path) if m.vae_path else root / "vae"
         if not vae_dir.is_dir():
             raise FileNotFoundError(
@@ -121,6 +119,13 @@ def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path
             )
     encoder = Path(preset.text_encoder_path) if preset.text_encoder_path else assets.minilm_path()
     return model_dir, vae_dir, encoder, data_folder(preset)
+
+
+def denoiser_folder(root: Path) -> Path:
+    """The denoiser's folder of ``model.path`` outside a pipeline family: a pipeline folder
+    keeps it in transformer/ (DiT) or unet/ (SD 1.x), else ``root`` is the model folder."""
+    subs = [root / sub for sub in ("transformer", "unet") if (root / sub).is_dir()]
+    return subs[0] if subs else root
 
 
 def data_folder(preset: Preset) -> Path:
