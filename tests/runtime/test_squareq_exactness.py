@@ -176,9 +176,15 @@ def family_forward(family, dtype=torch.float32, seed_base: int = 100):
 
 
 @pytest.fixture(scope="module")
-def pipeline_families(asset_cache):
+def pipeline_families(asset_cache, tmp_path_factory):
     """Each family's adapter bound to its tiny pipeline folder (``tests/fixtures``); Wan 2.2's
-    two-expert folder once per expert (``wan22-high_noise``, ``wan22-low_noise``)."""
+    two-expert folder once per expert (``wan22-high_noise``, ``wan22-low_noise``), from a copy
+    whose experts' files all have one modification time (as a Nix store or an image built
+    with ``SOURCE_DATE_EPOCH`` has them): the experts' files then have the same names, sizes,
+    headers and times, only their bytes differ."""
+    import os
+    import shutil
+
     from runtime.trainer.pipelines import adapter_for, inspect_pipeline
     from tests.fixtures.pipelines import build_pipeline
 
@@ -187,7 +193,11 @@ def pipeline_families(asset_cache):
     for name in PIPELINE_FAMILIES:
         info = inspect_pipeline(build_pipeline(name, asset_cache))
         bound[name] = adapter_for(info, cache, torch.float32)
-    info = inspect_pipeline(build_pipeline("wan22", asset_cache))
+    wan22 = tmp_path_factory.mktemp("wan22") / "wan22-tiny"
+    shutil.copytree(build_pipeline("wan22", asset_cache), wan22)
+    for path in wan22.glob("transformer*/*.safetensors"):
+        os.utime(path, ns=(10**9, 10**9))
+    info = inspect_pipeline(wan22)
     for expert in info.experts:
         bound[f"wan22-{expert}"] = adapter_for(info, cache, torch.float32, expert=expert)
     return bound
@@ -254,7 +264,8 @@ def test_wan22_experts_squareq_train_as_the_dequantized_model(pipeline_families,
     """Wan 2.2's two experts (``transformer``: sigmas in [0.875, 1], ``transformer_2``: in
     [0, 0.875)), each streamed file-backed in 8 bits with one SquareQ cache folder between
     them, as two runs of one workbench share it: each trains as its own resident dequantized
-    expert. Not vacuous: the experts' weights differ, and each got its own cache entry."""
+    expert (``pipeline_families``: their files differ in their bytes only). Not vacuous: the
+    experts' weights differ, and each got its own cache entry."""
     from safetensors.torch import load_file
 
     high, low = (pipeline_families[f"wan22-{e}"] for e in ("high_noise", "low_noise"))
