@@ -6,8 +6,13 @@ One folder per (source, format, entries): ``squareq-<format>-<key>/`` beside the
 ``blocks.safetensors`` (each quantized weight as its packed uint8 entry, ``image.pack``; every
 other block tensor in the compute dtype) and ``squareq.json`` (the error table, the quantization
 time). The key hashes what identifies the source's content without reading all of it (each
-file's name, size, modification time and safetensors header: every key, dtype, shape and
-offset), the format and the entries asked for (keys, compute dtypes, which are quantized). The
+file's resolved path, size, modification time and safetensors header: every key, dtype, shape
+and offset), the format and the entries asked for (keys, compute dtypes, which are quantized).
+The path tells apart files that agree in all the rest and differ in their bytes only: Wan 2.2's
+two experts (``transformer/``, ``transformer_2/``: one architecture, the same file names) when
+their times are equal too, as in a Nix store or an image built with ``SOURCE_DATE_EPOCH``;
+keyed by their names alone, the second expert read the first one's images. A moved folder is
+quantized again (a copied one already was: its times change). The
 folder is written under a temporary name and renamed when complete (atomic: a crash leaves no
 folder a later run would trust); a folder that exists is reused as it is.
 
@@ -79,15 +84,16 @@ class Entry:
         return SAFETENSORS_DTYPES[self.dtype], self.shape, numel * self.dtype.itemsize
 
 
-def source_identity(folder: Path, paths: list[Path]) -> list[list[object]]:
-    """What identifies a checkpoint's content: per file its name, size, mtime and header hash."""
+def source_identity(paths: list[Path]) -> list[list[object]]:
+    """What identifies a checkpoint's content: per file its resolved path (symlinks followed: a
+    Hugging Face snapshot's blob), size, mtime and header hash (module docstring)."""
     out: list[list[object]] = []
     for path in sorted(set(paths)):
         stat = path.stat()
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = hashlib.sha256(f.read(length)).hexdigest()
-        out.append([str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns, header])
+        out.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns, header])
     return out
 
 
@@ -97,7 +103,7 @@ def cache_key(source: Any, fmt: str, entries: list[Entry]) -> str:
     spec = {
         "version": VERSION,
         "format": fmt,
-        "source": source_identity(source.folder, paths),
+        "source": source_identity(paths),
         "entries": [[e.key, str(e.dtype), e.quantized, e.prequantized] for e in entries],
     }
     blob = json.dumps(spec, sort_keys=True, separators=(",", ":"))

@@ -4,9 +4,11 @@ dequantized weights computes all resident (``dequantized_in_place``): every loss
 final parameter, for both formats, file-backed and module-backed, fp32 and bf16, on the tiny
 diffusers denoisers of the factory (Flux, SD3, LTX-Video transformers, the SDXL-style UNet:
 its stages stream, their convolutions stay in the model's dtype), the defect toys, and the
-transformer of each other family's tiny pipeline folder (Qwen-Image, Wan, Z-Image, FLUX.2,
-LTX-2), called through the trainer's own family adapter (``family.predict``) on inputs of the
-shapes the planner derives from it (``runtime.plan.calls``).
+denoiser of every family's tiny pipeline folder (Flux, SD3, SDXL, Qwen-Image, Wan, Z-Image,
+FLUX.2, LTX-2; Wan 2.2's two experts), called through the trainer's own family adapter
+(``family.training_pair``, ``family.predict``) on inputs of the shapes the planner derives from
+it (``runtime.plan.calls``): every family file-backed in fp32 (both formats where the factory
+has no folder of its class), once in bf16 and once module-backed, the formats taking turns.
 
 Not vacuous: the blocks really loaded their 8-bit images (``h2d_bytes`` is the images' bytes,
 under 0.56x of the compute-dtype blocks), and the dequantized weights differ from the
@@ -132,14 +134,17 @@ def test_bf16_squareq_trains_as_the_dequantized_model(folders, tmp_path, fmt):
     check(folders, tmp_path, "flux", fmt, file_backed=True, dtype=torch.bfloat16)
 
 
-PIPELINE_FAMILIES = ["qwenimage", "wan", "zimage", "flux2", "ltx2"]
+PIPELINE_FAMILIES = ["flux", "sd3", "sdxl", "qwenimage", "wan", "zimage", "flux2", "ltx2"]
+"""Every family the trainer trains from a pipeline folder (``runtime.trainer.pipelines``)."""
 
 
-def family_forward(family, seed_base: int = 100):
-    """``forward(model, step)``: one training call of ``family`` (``family.predict``, as the
-    trainer makes it) on seeded random latents, text and sigmas of the shapes the planner
+def family_forward(family, dtype=torch.float32, seed_base: int = 100):
+    """``forward(model, step)``: one training call of ``family`` in ``dtype`` (the run's
+    ``model.dtype``) as the trainer's loop makes it
+    (``family.training_pair`` then ``family.predict``: a Wan 2.2 expert's sigmas in its range,
+    SDXL's integer timesteps) on seeded random latents and text of the shapes the planner
     derives through the same adapter (``runtime.plan.calls.latent_shape``: 32 px, 5 frames
-    for a video family, 8 caption tokens, batch 1)."""
+    for a video family, 8 caption tokens, batch 1, uniform timesteps)."""
     from types import SimpleNamespace
 
     from runtime.plan.calls import latent_shape, pooled_dim
@@ -149,10 +154,12 @@ def family_forward(family, seed_base: int = 100):
         batch_size=1,
         resolution=32,
         data=SimpleNamespace(frames=5 if family.video else None, max_caption_tokens=8),
+        timestep_distribution="uniform",
+        logit_mean=0.0,
+        logit_std=1.0,
     )
 
     def forward(model, step):
-        dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
         shape = latent_shape(family, preset, dtype)
         g = torch.Generator().manual_seed(seed_base + step)
         b, tokens = shape[0], preset.data.max_caption_tokens
@@ -161,46 +168,129 @@ def family_forward(family, seed_base: int = 100):
             mask=torch.ones(b, tokens, dtype=torch.long),
             pooled=torch.randn(b, pooled_dim(model.config), generator=g).to(dtype),
         )
-        sigma = torch.rand(b, generator=g).to(dtype)
-        x_t = torch.randn(shape, generator=g).to(dtype)
-        return family.predict(model, x_t, sigma, text)
+        x0, noise = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+        x_t, t, _ = family.training_pair(x0, noise, g, preset)
+        return family.predict(model, x_t, t, text)
 
     return forward
 
 
 @pytest.fixture(scope="module")
-def pipeline_families(asset_cache):
-    """Each family's adapter bound to its tiny pipeline folder (``tests/fixtures``)."""
+def pipeline_families(asset_cache, tmp_path_factory):
+    """Each family's adapter bound to its tiny pipeline folder (``tests/fixtures``); Wan 2.2's
+    two-expert folder once per expert (``wan22-high_noise``, ``wan22-low_noise``), from a copy
+    whose experts' files all have one modification time (as a Nix store or an image built
+    with ``SOURCE_DATE_EPOCH`` has them): the experts' files then have the same names, sizes,
+    headers and times, only their bytes differ."""
+    import os
+    import shutil
+
     from runtime.trainer.pipelines import adapter_for, inspect_pipeline
     from tests.fixtures.pipelines import build_pipeline
 
+    cache = asset_cache / "trainer-cache"
     bound = {}
     for name in PIPELINE_FAMILIES:
         info = inspect_pipeline(build_pipeline(name, asset_cache))
-        bound[name] = adapter_for(info, asset_cache / "trainer-cache", torch.float32)
+        bound[name] = adapter_for(info, cache, torch.float32)
+    wan22 = tmp_path_factory.mktemp("wan22") / "wan22-tiny"
+    shutil.copytree(build_pipeline("wan22", asset_cache), wan22)
+    for path in wan22.glob("transformer*/*.safetensors"):
+        os.utime(path, ns=(10**9, 10**9))
+    info = inspect_pipeline(wan22)
+    for expert in info.experts:
+        bound[f"wan22-{expert}"] = adapter_for(info, cache, torch.float32, expert=expert)
     return bound
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", PIPELINE_FAMILIES)
-def test_pipeline_family_squareq_trains_as_the_dequantized_model(
-    pipeline_families, tmp_path, name, fmt
-):
-    """The transformer a pipeline folder trains, called as the trainer calls it, streamed
-    file-backed in 8 bits: as the resident dequantized model, for two steps."""
+def check_family(family, tmp_path, fmt, file_backed=True, dtype=torch.float32, **extra):
+    """``check`` on the transformer ``family`` trains, called as the trainer calls it, for two
+    steps (SquareQ's cache in ``tmp_path / "sq"``)."""
     import diffusers
 
-    family = pipeline_families[name]
     folder = family.transformer_dir
     config = json.loads((folder / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
-    check(
-        {name: folder},
-        tmp_path,
-        name,
-        fmt,
-        file_backed=True,
-        cls=cls,
-        forward=family_forward(family),
-        steps=2,
+    arch = "unet" if cls is diffusers.UNet2DConditionModel else family.name
+    forward = family_forward(family, dtype)
+    check({arch: folder}, tmp_path, arch, fmt, file_backed, dtype, cls, forward, 2, **extra)
+
+
+def alternating(names):
+    """``(name, format)`` params: each family once, the formats taking turns."""
+    return [
+        pytest.param(n, FORMATS[i % 2], id=f"{n}-{FORMATS[i % 2]}") for i, n in enumerate(names)
+    ]
+
+
+FACTORY_FAMILIES = 3
+"""Flux, SD3, SDXL: their denoisers' classes stream file-backed in fp32 in both formats above
+(the factory's folders); through their pipeline adapters, once each, the formats in turn."""
+
+
+@pytest.mark.parametrize(
+    "name, fmt",
+    alternating(PIPELINE_FAMILIES[:FACTORY_FAMILIES])
+    + [
+        pytest.param(n, f, id=f"{n}-{f}")
+        for n in PIPELINE_FAMILIES[FACTORY_FAMILIES:]
+        for f in FORMATS
+    ],
+)
+def test_pipeline_family_squareq_trains_as_the_dequantized_model(
+    pipeline_families, tmp_path, name, fmt
+):
+    """The denoiser a pipeline folder trains, called as the trainer calls it, streamed
+    file-backed in 8 bits in fp32: as the resident dequantized model, for two steps."""
+    check_family(pipeline_families[name], tmp_path, fmt)
+
+
+@pytest.mark.parametrize("name, fmt", alternating(PIPELINE_FAMILIES))
+def test_pipeline_family_bf16_squareq_trains_as_the_dequantized_model(
+    pipeline_families, tmp_path, name, fmt
+):
+    """bf16 compute, file-backed: the cache quantizes the fp32 checkpoint's weights cast to
+    bf16, as the resident bf16 model dequantizes its own."""
+    check_family(pipeline_families[name], tmp_path, fmt, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name, fmt", alternating(PIPELINE_FAMILIES[1:] + PIPELINE_FAMILIES[:1]))
+def test_pipeline_family_module_backed_squareq_trains_as_the_dequantized_model(
+    pipeline_families, tmp_path, name, fmt
+):
+    """Module-backed, quantized in memory (each family in the other format than its bf16
+    case). int8 turns: fp32, the host masters, the LoRA adapters streamed with their blocks
+    (over ``resident_trainable_max_fraction`` in these tiny blocks). fp8_e4m3 turns: bf16,
+    the adapters resident (as a real model's, a small fraction) and the 8-bit images
+    registered in a host cache."""
+    family = pipeline_families[name]
+    if fmt == "int8":
+        check_family(family, tmp_path, fmt, file_backed=False)
+    else:
+        resident = {"host_cache_mb": 64, "resident_trainable_max_fraction": 1.0}
+        check_family(family, tmp_path, fmt, False, torch.bfloat16, **resident)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wan22_experts_squareq_train_as_the_dequantized_model(pipeline_families, tmp_path, fmt):
+    """Wan 2.2's two experts (``transformer``: sigmas in [0.875, 1], ``transformer_2``: in
+    [0, 0.875)), each streamed file-backed in 8 bits with one SquareQ cache folder between
+    them, as two runs of one workbench share it: each trains as its own resident dequantized
+    expert (``pipeline_families``: their files differ in their bytes only). Not vacuous: the
+    experts' weights differ, and each got its own cache entry."""
+    from safetensors.torch import load_file
+
+    high, low = (pipeline_families[f"wan22-{e}"] for e in ("high_noise", "low_noise"))
+    assert (high.transformer_dir.name, low.transformer_dir.name) == ("transformer", "transformer_2")
+    a, b = (
+        {k: v for f in e.transformer_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+        for e in (high, low)
     )
+    assert (
+        a
+        and a.keys() == b.keys()
+        and not any(torch.equal(a[k], b[k]) for k in a if a[k].dim() == 2)
+    )
+    for expert in (high, low):
+        check_family(expert, tmp_path, fmt)
+    assert len(list((tmp_path / "sq").glob(f"squareq-{fmt}-*"))) == 2
