@@ -40,9 +40,13 @@ ENCODE_BATCH = 16
 
 
 def _folder_id(folder: Path) -> list:
-    """What identifies a model folder's weights: file names, sizes and mtimes."""
+    """What identifies a model folder's weights: the folder's resolved path, then its files' names,
+    sizes and mtimes. The path tells apart two folders whose files agree on all three (Wan 2.2's
+    experts, images built with ``SOURCE_DATE_EPOCH``); a moved folder is encoded again."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix != ".lock")
-    return [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [str(folder.resolve())] + [
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
+    ]
 
 
 def cache_key(**parts: object) -> str:

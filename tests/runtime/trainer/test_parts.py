@@ -155,3 +155,23 @@ def test_progress_bar_on_a_terminal():
     text = out.getvalue()
     assert text.count("\r") == 3 and "[############............]" in text
     assert "step 4/4 loss 0.2500" in text and text.endswith("\n")
+
+
+def test_two_encoder_folders_alike_in_names_sizes_and_times_are_not_one_cache_entry(tmp_path):
+    """The embedding caches key a folder by its path too: two folders whose files agree on
+    names, sizes and mtimes (Wan 2.2's experts, images built with SOURCE_DATE_EPOCH) but hold
+    other weights must not share cached embeddings."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from runtime.trainer.encode import _folder_id, cache_key
+
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"w": torch.full((4,), value)}, str(folder / "model.safetensors"))
+        os.utime(folder / "model.safetensors", ns=(10**18, 10**18))
+    a, b = _folder_id(tmp_path / "a"), _folder_id(tmp_path / "b")
+    assert a[1:] == b[1:]  # names, sizes and times agree
+    assert cache_key(kind="text", encoder=a) != cache_key(kind="text", encoder=b)
