@@ -13,6 +13,8 @@ from runtime.trainer.pipelines.folder import (
     PipelineFolderError,
     PipelineInfo,
     inspect_pipeline,
+    safetensors_header,
+    weight_files,
 )
 from runtime.trainer.pipelines.ltx2 import LTX2PipelineFamily
 from runtime.trainer.pipelines.qwenimage import QwenImagePipelineFamily
@@ -106,6 +108,12 @@ def adapter_for(
         from runtime.trainer.pipelines.single_file import convert_single_file
 
         transformer_dir = convert_single_file(info, cache_dir, dtype, prequantized)
+    elif not prequantized:
+        # Loaded without SquareQ, a scaled fp8 weight would be read without its scale.
+        from runtime.trainer.pipelines.single_file import eight_bit_weights
+
+        for path in weight_files(transformer_dir):
+            eight_bit_weights(path, safetensors_header(path), False, field="model.path")
     bound = ADAPTERS[info.family].bind(info, transformer_dir, expert)
     bound.check_components()
     bound.check_tokenizers()

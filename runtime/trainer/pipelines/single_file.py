@@ -45,10 +45,13 @@ ROW_BITS = 32
 """``convert_prequantized``'s row labels: ``weight index * 2**ROW_BITS + row`` (exact in fp64)."""
 
 
-def eight_bit_weights(single: Path, header: dict, squareq_on: bool) -> dict[str, str | None]:
+def eight_bit_weights(
+    single: Path, header: dict, squareq_on: bool, field: str = "model.transformer_path"
+) -> dict[str, str | None]:
     """``{key: its scale key or None}`` of the file's 8-bit tensors (``DROPPED`` keys aside),
     checked as SquareQ reads folders (``prequantized.check_weight``): all with ``squareq_on``
     (they are kept as stored), else the scaled ones (the others are upcast as they are read).
+    ``field`` names the config field the file came from in the error.
 
     Raises:
         PipelineFolderError: a tensor that cannot be read as stored (e5m2, int8, not 2-D, a
@@ -67,7 +70,7 @@ def eight_bit_weights(single: Path, header: dict, squareq_on: bool) -> dict[str,
             continue
         try:
             check_weight(
-                f"model.transformer_path: checkpoint tensor {key!r} in {single.name}",
+                f"{field}: checkpoint tensor {key!r} in {single.name}",
                 dtype,
                 tuple(entry["shape"]),
                 out[key],

@@ -291,3 +291,28 @@ def test_preset_with_squareq_trains_from_fp8_single_file(
     (record,) = pipe_io.of(pipe_io.records(tmp_path / "run"), "squareq", "step")[:1]
     blocks = {k for n in stored for k, _, _ in layout[n] if k.startswith("transformer_blocks.")}
     assert record["prequantized_layers"] == len(blocks) and record["quantized_layers"] == 0
+
+
+def test_scaled_fp8_folder_without_squareq_is_refused_naming_model_path(sd3_pipeline_dir, tmp_path):
+    """A diffusers-layout folder (``model.path``) of scaled fp8 weights loaded without SquareQ
+    would be read without its scales (``from_pretrained`` ignores them): refused, naming the
+    field, the key and the scale; with SquareQ on it binds."""
+    import shutil
+
+    from runtime.trainer.pipelines import adapter_for
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(sd3_pipeline_dir, folder)
+    key = "transformer_blocks.0.attn.to_q.weight"
+    path = next(p for p in weight_files(folder / "transformer") if key in load_file(p))
+    tensors = load_file(path)
+    codes, scales = quantize(tensors[key], "fp8_e4m3")
+    tensors[key], tensors[key.replace(".weight", ".weight_scale")] = codes, scales.reshape(-1, 1)
+    save_file(tensors, str(path))
+    info = inspect_pipeline(folder)
+    with pytest.raises(PipelineFolderError) as raised:
+        adapter_for(info, tmp_path / "cache", torch.float32)
+    message = str(raised.value)
+    assert message.startswith(f"model.path: checkpoint tensor {key!r} in {path.name}")
+    assert "weight_scale" in message and "memory.stagehand.squareq" in message
+    adapter_for(info, tmp_path / "cache", torch.float32, prequantized=True)
