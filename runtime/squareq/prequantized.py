@@ -99,8 +99,8 @@ def check_weight(
         if not squareq_on:
             raise PrequantizedCheckpointError(
                 f"{found}: a scaled fp8 weight is streamed as stored only with "
-                'memory.stagehand.squareq: {"format": "fp8_e4m3"} (read without its scale its '
-                "values would be wrong)"
+                'memory.stagehand.squareq: {"format": "fp8_e4m3"} and file_backed streaming (read '
+                "without its scale its values would be wrong)"
             )
 
 

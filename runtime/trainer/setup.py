@@ -34,6 +34,7 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
         memory.strategy == "stagehand"
         and memory.stagehand.weight_streaming
         and memory.stagehand.squareq is not None
+        and memory.stagehand.file_backed  # module-backed blocks hold what from_pretrained read
     )
     return pipelines.adapter_for(
         info,

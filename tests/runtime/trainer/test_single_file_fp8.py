@@ -293,13 +293,18 @@ def test_preset_with_squareq_trains_from_fp8_single_file(
     assert record["prequantized_layers"] == len(blocks) and record["quantized_layers"] == 0
 
 
-def test_scaled_fp8_folder_without_squareq_is_refused_naming_model_path(sd3_pipeline_dir, tmp_path):
+@pytest.mark.parametrize("memory", ["none", "module-backed", "squareq"])
+def test_scaled_fp8_folder_without_file_backed_squareq_is_refused_naming_model_path(
+    sd3_pipeline_dir, wide_images, tmp_path, pipe_io, memory
+):
     """A diffusers-layout folder (``model.path``) of scaled fp8 weights loaded without SquareQ
-    would be read without its scales (``from_pretrained`` ignores them): refused, naming the
-    field, the key and the scale; with SquareQ on it binds."""
+    streaming it from the files (strategy none, or module-backed blocks, which hold what
+    ``from_pretrained`` read: the codes without their scales) is refused, naming the field, the
+    key and the scale; with file-backed SquareQ it binds."""
     import shutil
 
-    from runtime.trainer.pipelines import adapter_for
+    from runtime.preset import load_preset, validate_preset
+    from runtime.trainer.setup import pipeline_family
 
     folder = tmp_path / "pipe"
     shutil.copytree(sd3_pipeline_dir, folder)
@@ -309,10 +314,20 @@ def test_scaled_fp8_folder_without_squareq_is_refused_naming_model_path(sd3_pipe
     codes, scales = quantize(tensors[key], "fp8_e4m3")
     tensors[key], tensors[key.replace(".weight", ".weight_scale")] = codes, scales.reshape(-1, 1)
     save_file(tensors, str(path))
-    info = inspect_pipeline(folder)
+    stagehand = {"squareq": {"format": "fp8_e4m3", "cache_dir": str(tmp_path / "sq")}}
+    if memory == "module-backed":
+        stagehand["file_backed"] = False
+    over = (
+        {"memory": {"strategy": "none"}}
+        if memory == "none"
+        else {"memory": {"stagehand": stagehand}}
+    )
+    preset = validate_preset(load_preset(pipe_io.preset(tmp_path, folder, wide_images, **over))[1])
+    if memory == "squareq":
+        assert pipeline_family(preset, torch.device("cpu")) is not None
+        return
     with pytest.raises(PipelineFolderError) as raised:
-        adapter_for(info, tmp_path / "cache", torch.float32)
+        pipeline_family(preset, torch.device("cpu"))
     message = str(raised.value)
     assert message.startswith(f"model.path: checkpoint tensor {key!r} in {path.name}")
     assert "weight_scale" in message and "memory.stagehand.squareq" in message
-    adapter_for(info, tmp_path / "cache", torch.float32, prequantized=True)
