@@ -108,6 +108,8 @@ def convert_single_file(
         file=str(single),
         size=stat.st_size,
         mtime=stat.st_mtime_ns,
+        dtype=str(dtype),  # the copy is written in the run's dtype
+        config=str(Path(info.path).resolve()),  # and read against this folder's config
     )
     out = cache_dir / f"transformer-{key}"
     if (out / "config.json").is_file():

@@ -266,6 +266,12 @@ def test_unscaled_8bit_single_file_without_squareq_is_upcast_as_any_file(
     got = SD3Transformer2DModel.from_pretrained(folder).state_dict()
     for key, pieces in layout.items():
         assert torch.equal(stack(got, pieces), tensors[key].float()), key
+    # The copy is keyed by the run's dtype too: a bf16 run does not reuse the fp32 copy.
+    again = convert_single_file(info, tmp_path / "cache", torch.bfloat16)
+    assert again != folder
+    assert {v.dtype for v in load_file(next(again.glob("*.safetensors"))).values()} == {
+        torch.bfloat16
+    }
 
 
 def test_preset_with_squareq_trains_from_fp8_single_file(
