@@ -66,25 +66,55 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     return codes, scale
 
 
-def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+CPU_CHUNK_ELEMENTS = 1 << 16
+"""Elements of the CPU path's fp32 scratch (256 KiB, within a core's L2 cache): a weight is
+dequantized that many elements (whole rows) at a time."""
+
+
+def cpu_scratch(rows: int, cols: int) -> torch.Tensor:
+    """The fp32 scratch ``dequantize_into`` uses on the CPU for weights up to ``(rows, cols)``:
+    ``min(rows * cols, max(CPU_CHUNK_ELEMENTS, cols))`` elements (at least one row)."""
+    return torch.empty(min(rows * cols, max(CPU_CHUNK_ELEMENTS, cols)), dtype=torch.float32)
+
+
+def dequantize_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Write ``codes * scales[:, None]`` (computed in fp32, rounded once) into ``out`` (``(out,
     in)``, the compute dtype) and return it. ``codes`` ``(out, in)`` int8 or float8_e4m3fn,
-    ``scales`` ``(out,)`` fp32, all on one device (on CUDA: on the current stream).
+    contiguous, ``scales`` ``(out,)`` fp32, all on one device (on CUDA: on the current stream).
+    ``scratch``: the CPU path's fp32 buffer (``cpu_scratch``; one is made when None or shorter
+    than a row), reused across the weights of a block.
 
     On a GPU the codes are first copied into ``out``: exact in bf16, fp16 and fp32 (int8 needs
     7 significant bits, e4m3 3 and exponents 2^-9..2^8), so the product is ``float(q) * s`` in
     fp32 rounded once, with no fp32 temporary the size of the weight (torch promotes no float8
     operand). On the CPU, whose kernels convert bf16 and float8 element by element and cast
-    mixed operands through temporaries, the same product is formed in one fp32 buffer (float8
-    codes through a 256-entry table of their exact values): the same bits, ~1.5x faster."""
-    if codes.device.type == "cpu":
-        if codes.dtype == torch.float8_e4m3fn:
-            wide = torch.take(_FP8_VALUES, codes.view(torch.uint8).long())
+    mixed operands through temporaries, the same product is formed in an fp32 scratch of whole
+    rows at a time (float8 codes through a 256-entry table of their exact values, int8 by a
+    vectorised copy), multiplied in place and rounded into ``out``: the same bits, with no
+    allocation the size of the weight (NOTE [ CPU dequantization ])."""
+    if codes.device.type != "cpu":
+        out.copy_(codes)
+        return torch.mul(out, scales[:, None], out=out)
+    rows, cols = codes.shape
+    if scratch is None or scratch.numel() < cols:
+        scratch = cpu_scratch(rows, cols)
+    step = scratch.numel() // cols
+    table = codes.dtype == torch.float8_e4m3fn
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        wide = scratch[: (stop - start) * cols]
+        part = codes[start:stop].reshape(-1)
+        if table:
+            torch.index_select(_FP8_VALUES, 0, part.view(torch.uint8).int(), out=wide)
         else:
-            wide = codes.to(torch.float32)
-        return out.copy_(wide.mul_(scales[:, None]))
-    out.copy_(codes)
-    return torch.mul(out, scales[:, None], out=out)
+            wide.copy_(part)
+        out[start:stop].copy_(wide.view(stop - start, cols).mul_(scales[start:stop, None]))
+    return out
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,3 +155,17 @@ def error_table(errors: list[LayerError]) -> dict[str, object]:
         "worst_layer": worst[0].name,
         "worst_layers": [[e.name, e.rel_rms] for e in worst[:5]],
     }
+
+
+# NOTE [ CPU dequantization ]
+# On the CPU a load's dequantization runs on the host's cores between the compute, so its cost
+# is the bench rows' (issue 35). Forming ``float(q) * s`` for the whole weight in one fp32
+# temporary allocated per weight (4 bytes per element: 151 MB for FLUX's 12288 x 3072
+# ``proj_mlp``) cost more in page faults and DRAM traffic than the arithmetic, and gathering
+# float8 values through an int64 index (8 bytes per element) more still. Whole rows at a time
+# into one L2-sized fp32 scratch (``CPU_CHUNK_ELEMENTS``), reused across a block's weights,
+# with float8 codes looked up through an int32 index, computes the same elementwise product
+# in the same order (same bits: tests/runtime/squareq/test_squareq_formats.py). Measured on
+# this 2-core host, OMP_NUM_THREADS=1, thread CPU time per weight, bf16 target: 3072 x 3072
+# int8 18.3 -> 3.2 ms, fp8 60.4 -> 8.3 ms; 12288 x 3072 int8 72.3 -> 13.7 ms, fp8 248 ->
+# 34 ms; at the bench's tiny widths (64 x 64 .. 384 x 64) both take ~10 us, per-call overhead.

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.squareq.formats import dequantize, dequantize_into, storage_dtype
+from runtime.squareq.formats import cpu_scratch, dequantize, dequantize_into, storage_dtype
 
 IMAGE_ALIGN = 16
 """Byte alignment of an image entry: an fp32 scale view needs 4, a vectorised copy likes 16.
@@ -133,6 +133,8 @@ class BlockImage:
     """Compute-dtype bytes one ``stage`` writes by dequantization (its quantized weights)."""
     timer: Any = None
     """``DequantTimer`` (``runtime.squareq.runtime``) that times each ``stage``."""
+    widest: tuple[int, int] = (0, 0)
+    """``(rows, cols)`` whose ``cpu_scratch`` serves every quantized weight of the block."""
 
     def add(
         self, target: Any, quantized: bool, key: str | None = None, fmt: str | None = None
@@ -144,19 +146,23 @@ class BlockImage:
         self.nbytes += _aligned(nbytes)
         if quantized:
             self.dequantized_bytes += target.nbytes
+            # One scratch for all: as many rows as the largest weight, as wide as the widest.
+            self.widest = (max(self.widest[0], rows), max(self.widest[1], cols))
         return slot
 
     def dequantize(self, image: torch.Tensor, flat: torch.Tensor) -> None:
         """Fill the block buffer ``flat`` (uint8, the block's ``nbytes``) from ``image`` (uint8,
         ``nbytes``, same device): quantized weights dequantized into the compute dtype, the rest
-        copied. On CUDA the kernels go to the current stream."""
+        copied. On CUDA the kernels go to the current stream; on the CPU one fp32 scratch
+        serves the block's weights (NOTE [ CPU dequantization ] in ``formats``)."""
+        scratch = cpu_scratch(*self.widest) if flat.device.type == "cpu" else None
         for slot in self.slots:
             t = slot.target
             dst = flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
             src = image[slot.offset : slot.offset + slot.nbytes]
             if slot.quantized:
                 codes, scales = unpack(src, t.shape[0], t.shape[1], slot.fmt)
-                dequantize_into(dst, codes, scales)
+                dequantize_into(dst, codes, scales, scratch)
             else:
                 dst.copy_(src.view(t.dtype).view(t.shape))
 

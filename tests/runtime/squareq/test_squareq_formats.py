@@ -4,7 +4,15 @@ deterministic, a zero row survives, and the error table names the worst layer.""
 import pytest
 import torch
 
-from runtime.squareq.formats import dequantize, error_table, quantize, relative_rms
+from runtime.squareq.formats import (
+    CPU_CHUNK_ELEMENTS,
+    cpu_scratch,
+    dequantize,
+    dequantize_into,
+    error_table,
+    quantize,
+    relative_rms,
+)
 from runtime.squareq.image import pack, packed_bytes, unpack
 
 
@@ -54,6 +62,36 @@ def test_deterministic_and_dequantized_in_one_rounding(fmt, dtype):
     assert torch.equal(got, gpu_formula)
     bound = 0.01 if fmt == "int8" else 0.04  # int8 ~0.4-0.7%, e4m3 ~2.5% on Gaussian rows
     assert 0 < relative_rms(w, got) < bound
+
+
+def bits(t):
+    """The raw bits of ``t`` (NaN compares equal to the same NaN)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_row_chunks_equal_the_one_rounding_formula(fmt, dtype):
+    """The CPU path's row chunks through a reused fp32 scratch (issue 35) give the bits of
+    ``(float(q) * s).to(dtype)`` on random weights: one chunk, a remainder chunk, one row per
+    chunk, a row wider than the default chunk, and every float8 code (NaN ones included)."""
+    cases = [weight(rows=48, cols=80, dtype=dtype, seed=1)]
+    cases.append(weight(rows=CPU_CHUNK_ELEMENTS // 100 + 7, cols=100, dtype=dtype, seed=2))
+    cases.append(weight(rows=2, cols=CPU_CHUNK_ELEMENTS + 3, dtype=dtype, seed=3))
+    for w in cases:
+        codes, scales = quantize(w, fmt)
+        reference = (codes.float() * scales[:, None]).to(dtype)
+        rows, cols = codes.shape
+        for scratch in (None, cpu_scratch(rows, cols), torch.empty(cols + 5), torch.empty(1)):
+            out = torch.full_like(w, float("nan"))
+            assert dequantize_into(out, codes, scales, scratch) is out
+            assert torch.equal(bits(out), bits(reference))
+    if fmt == "fp8_e4m3":  # all 256 bit patterns, two rows of 128, scales not powers of two
+        codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
+        scales = torch.tensor([0.0123, 3.7])
+        reference = (codes.float() * scales[:, None]).to(dtype)
+        got = dequantize_into(torch.empty(2, 128, dtype=dtype), codes, scales, torch.empty(130))
+        assert torch.equal(bits(got), bits(reference))
 
 
 def test_zero_row_gets_scale_one_and_zero_codes():
