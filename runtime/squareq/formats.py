@@ -66,9 +66,9 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     return codes, scale
 
 
-CPU_CHUNK_ELEMENTS = 1 << 16
-"""Elements of the CPU path's fp32 scratch (256 KiB, within a core's L2 cache): a weight is
-dequantized that many elements (whole rows) at a time."""
+CPU_CHUNK_ELEMENTS = 1 << 19
+"""Elements of the CPU path's fp32 scratch (2 MiB, cache-resident): a weight is dequantized
+that many elements (whole rows) at a time (NOTE [ CPU dequantization ])."""
 
 
 def cpu_scratch(rows: int, cols: int) -> torch.Tensor:
@@ -159,13 +159,16 @@ def error_table(errors: list[LayerError]) -> dict[str, object]:
 
 # NOTE [ CPU dequantization ]
 # On the CPU a load's dequantization runs on the host's cores between the compute, so its cost
-# is the bench rows' (issue 35). Forming ``float(q) * s`` for the whole weight in one fp32
+# is the bench rows' (issue 35). Forming ``float(q) * s`` for a whole weight in one fp32
 # temporary allocated per weight (4 bytes per element: 151 MB for FLUX's 12288 x 3072
 # ``proj_mlp``) cost more in page faults and DRAM traffic than the arithmetic, and gathering
 # float8 values through an int64 index (8 bytes per element) more still. Whole rows at a time
-# into one L2-sized fp32 scratch (``CPU_CHUNK_ELEMENTS``), reused across a block's weights,
-# with float8 codes looked up through an int32 index, computes the same elementwise product
-# in the same order (same bits: tests/runtime/squareq/test_squareq_formats.py). Measured on
-# this 2-core host, OMP_NUM_THREADS=1, thread CPU time per weight, bf16 target: 3072 x 3072
-# int8 18.3 -> 3.2 ms, fp8 60.4 -> 8.3 ms; 12288 x 3072 int8 72.3 -> 13.7 ms, fp8 248 ->
-# 34 ms; at the bench's tiny widths (64 x 64 .. 384 x 64) both take ~10 us, per-call overhead.
+# into one cache-resident fp32 scratch (``CPU_CHUNK_ELEMENTS``: 2^16 .. 2^21 elements measured,
+# 2^19 to 2^21 the fastest on a 3072 x 3072 weight, smaller chunks pay per-chunk dispatch),
+# reused across a block's weights, with float8 codes looked up through an int32 index, computes
+# the same elementwise product in the same order: the same bits
+# (tests/runtime/squareq/test_squareq_formats.py). Thread CPU time of one use of a real-size
+# FLUX.1-dev block into bf16, OMP_NUM_THREADS=1, 2-core EPYC host, median of 3: double block
+# (340 M parameters) int8 674 -> 67 ms, fp8 2118 -> 243 ms; single block (142 M) int8 280 ->
+# 30 ms, fp8 893 -> 101 ms. At the bench's tiny widths (weights of 64 x 64 .. 384 x 64) a
+# block's load costs ~0.3 ms either way: per-call dispatch, not arithmetic.
