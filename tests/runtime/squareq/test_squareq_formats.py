@@ -133,3 +133,40 @@ def test_error_table_names_the_worst_layer():
     assert table["worst_layer"] == "b" and table["rel_rms_max"] == 0.03
     assert table["quantized_layers"] == 3 and abs(table["rel_rms_mean"] - 0.02) < 1e-12
     assert [n for n, _ in table["worst_layers"]] == ["b", "c", "a"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_block_image_fills_mixed_dtype_layouts_bit_exactly(fmt):
+    """``BlockImage.dequantize`` (typed views of the image and the buffer, one scratch per
+    block) writes each quantized weight as the one-rounding formula and copies the rest, in a
+    block mixing bf16 and fp32 linears, biases and a norm."""
+    from torch import nn
+
+    from runtime.squareq.image import BlockImage
+    from runtime.weights.registry import Block, build_layout
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(80, 48), nn.LayerNorm(48), nn.Linear(48, 40).float())
+    module[0].to(torch.bfloat16)
+    module[1].to(torch.bfloat16)
+    block = Block("b", 0, module)
+    build_layout(block, {p: n for n, p in module.named_parameters()})
+    image = BlockImage(fmt)
+    host = {}
+    for slot in block.layout:
+        entry = image.add(slot, slot.name.endswith("weight") and len(slot.shape) == 2)
+        param = module.get_parameter(slot.name).detach()
+        host[id(entry)] = pack(*quantize(param, fmt)) if entry.quantized else param
+    packed = torch.zeros(image.nbytes, dtype=torch.uint8)
+    for entry in image.slots:
+        view = packed[entry.offset : entry.offset + entry.nbytes]
+        view.view(entry.dtype).view(entry.shape).copy_(host[id(entry)])
+    flat = torch.zeros(block.nbytes, dtype=torch.uint8)
+    image.dequantize(packed, flat)
+    for slot in block.layout:
+        got = flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        param = module.get_parameter(slot.name).detach()
+        if len(slot.shape) == 2:
+            codes, scales = quantize(param, fmt)
+            param = (codes.float() * scales[:, None]).to(slot.dtype)
+        assert got.dtype == param.dtype and torch.equal(bits(got), bits(param)), slot.name
