@@ -181,4 +181,7 @@ def error_table(errors: list[LayerError]) -> dict[str, object]:
 # block's dequantization is per-call dispatch, not arithmetic: a weight in one chunk skips the
 # per-chunk views and ``BlockImage.dequantize`` takes its views through ``slot_views`` (one
 # typed view per dtype, one strided view per entry), 222 -> 155 us per block in int8 and
-# 340 -> 218 us in fp8 (the bench's 57 blocks, thread CPU time).
+# 340 -> 218 us in fp8 (the bench's 57 blocks, thread CPU time). The tiny bench rows load 29
+# blocks a step: 6.4 -> 4.5 ms of dequantization per step in int8, 9.9 -> 6.3 ms in fp8, out of
+# ~300 ms; their ms/step on the shared 2-core host (load average 2-4) vary more than that from
+# run to run (``stream_file``, unchanged, 282-612 ms), so the rows cannot show it.
