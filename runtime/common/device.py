@@ -13,7 +13,8 @@ import ctypes
 import mmap
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -286,3 +287,20 @@ class TransferStream:
         destination, or reuses its source, first waits on ``record()``'s event. False only for
         the synchronous CPU stand-in."""
         return self.stream is not None
+
+
+def slot_views(flat: torch.Tensor, layout: Sequence[Any]) -> list[torch.Tensor]:
+    """Each entry's tensor inside a buffer (``flat``: uint8, its size a multiple of every
+    entry's ``itemsize``; a block buffer, a host image, SquareQ's block image): one typed view
+    of the buffer per dtype and one strided view per entry (a load rebuilds them all: the
+    fewer calls, the cheaper a block transition). ``layout``: entries with ``dtype``,
+    ``shape``, ``stride`` (elements), ``offset`` (bytes, a multiple of ``itemsize``) and
+    ``itemsize`` (bytes): the weight runtime's ``ParamSlot``, SquareQ's ``ImageSlot``."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = []
+    for slot in layout:
+        whole = typed.get(slot.dtype)
+        if whole is None:
+            whole = typed[slot.dtype] = flat.view(slot.dtype)
+        views.append(whole.as_strided(slot.shape, slot.stride, slot.offset // slot.itemsize))
+    return views

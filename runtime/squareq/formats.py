@@ -66,25 +66,62 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     return codes, scale
 
 
-def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+CPU_CHUNK_ELEMENTS = 1 << 19
+"""Elements of the CPU path's fp32 scratch (2 MiB, cache-resident): a weight is dequantized
+that many elements (whole rows) at a time (NOTE [ CPU dequantization ])."""
+
+
+def cpu_scratch(rows: int, cols: int) -> torch.Tensor:
+    """The fp32 scratch ``dequantize_into`` uses on the CPU for weights up to ``(rows, cols)``:
+    ``min(rows * cols, max(CPU_CHUNK_ELEMENTS, cols))`` elements (at least one row)."""
+    return torch.empty(min(rows * cols, max(CPU_CHUNK_ELEMENTS, cols)), dtype=torch.float32)
+
+
+def dequantize_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Write ``codes * scales[:, None]`` (computed in fp32, rounded once) into ``out`` (``(out,
     in)``, the compute dtype) and return it. ``codes`` ``(out, in)`` int8 or float8_e4m3fn,
-    ``scales`` ``(out,)`` fp32, all on one device (on CUDA: on the current stream).
+    contiguous, ``scales`` ``(out,)`` fp32, all on one device (on CUDA: on the current stream).
+    ``scratch``: the CPU path's fp32 buffer (``cpu_scratch``; one is made when None or shorter
+    than a row), reused across the weights of a block.
 
     On a GPU the codes are first copied into ``out``: exact in bf16, fp16 and fp32 (int8 needs
     7 significant bits, e4m3 3 and exponents 2^-9..2^8), so the product is ``float(q) * s`` in
     fp32 rounded once, with no fp32 temporary the size of the weight (torch promotes no float8
     operand). On the CPU, whose kernels convert bf16 and float8 element by element and cast
-    mixed operands through temporaries, the same product is formed in one fp32 buffer (float8
-    codes through a 256-entry table of their exact values): the same bits, ~1.5x faster."""
-    if codes.device.type == "cpu":
-        if codes.dtype == torch.float8_e4m3fn:
-            wide = torch.take(_FP8_VALUES, codes.view(torch.uint8).long())
-        else:
-            wide = codes.to(torch.float32)
+    mixed operands through temporaries, the same product is formed in an fp32 scratch of whole
+    rows at a time (float8 codes through a 256-entry table of their exact values, int8 by a
+    vectorised copy), multiplied in place and rounded into ``out``: the same bits, with no
+    allocation the size of the weight (NOTE [ CPU dequantization ])."""
+    if codes.device.type != "cpu":
+        out.copy_(codes)
+        return torch.mul(out, scales[:, None], out=out)
+    rows, cols = codes.shape
+    if scratch is None or scratch.numel() < cols:
+        scratch = cpu_scratch(rows, cols)
+    step = scratch.numel() // cols
+    if step >= rows:  # one chunk (a small model's weights): no per-chunk views
+        wide = _widen(codes, scratch[: rows * cols].view(rows, cols))
         return out.copy_(wide.mul_(scales[:, None]))
-    out.copy_(codes)
-    return torch.mul(out, scales[:, None], out=out)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        wide = _widen(codes[start:stop], scratch[: (stop - start) * cols].view(stop - start, cols))
+        out[start:stop].copy_(wide.mul_(scales[start:stop, None]))
+    return out
+
+
+def _widen(codes: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """``codes`` (2-D, contiguous) as their exact fp32 values in ``wide`` (same shape): int8 by
+    a copy, float8 through the 256-entry table (an int32 index: 4 bytes per code, not 8)."""
+    if codes.dtype == torch.float8_e4m3fn:
+        index = codes.reshape(-1).view(torch.uint8).int()
+        torch.index_select(_FP8_VALUES, 0, index, out=wide.view(-1))
+        return wide
+    return wide.copy_(codes)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,3 +162,26 @@ def error_table(errors: list[LayerError]) -> dict[str, object]:
         "worst_layer": worst[0].name,
         "worst_layers": [[e.name, e.rel_rms] for e in worst[:5]],
     }
+
+
+# NOTE [ CPU dequantization ]
+# On the CPU a load's dequantization runs on the host's cores between the compute, so its cost
+# is the bench rows' (issue 35). Forming ``float(q) * s`` for a whole weight in one fp32
+# temporary allocated per weight (4 bytes per element: 151 MB for FLUX's 12288 x 3072
+# ``proj_mlp``) cost more in page faults and DRAM traffic than the arithmetic, and gathering
+# float8 values through an int64 index (8 bytes per element) more still. Whole rows at a time
+# into one cache-resident fp32 scratch (``CPU_CHUNK_ELEMENTS``: 2^16 .. 2^21 elements measured,
+# 2^19 to 2^21 the fastest on a 3072 x 3072 weight, smaller chunks pay per-chunk dispatch),
+# reused across a block's weights, with float8 codes looked up through an int32 index, computes
+# the same elementwise product in the same order: the same bits
+# (tests/runtime/squareq/test_squareq_formats.py). Thread CPU time of one use of a real-size
+# FLUX.1-dev block into bf16, OMP_NUM_THREADS=1, 2-core EPYC host, median of 3: double block
+# (340 M parameters) int8 674 -> 67 ms, fp8 2118 -> 243 ms; single block (142 M) int8 280 ->
+# 30 ms, fp8 893 -> 101 ms. At the bench's tiny widths (weights of 64 x 64 .. 384 x 64) a
+# block's dequantization is per-call dispatch, not arithmetic: a weight in one chunk skips the
+# per-chunk views and ``BlockImage.dequantize`` takes its views through ``slot_views`` (one
+# typed view per dtype, one strided view per entry), 222 -> 155 us per block in int8 and
+# 340 -> 218 us in fp8 (the bench's 57 blocks, thread CPU time). The tiny bench rows load 29
+# blocks a step: 6.4 -> 4.5 ms of dequantization per step in int8, 9.9 -> 6.3 ms in fp8, out of
+# ~300 ms; their ms/step on the shared 2-core host (load average 2-4) vary more than that from
+# run to run (``stream_file``, unchanged, 282-612 ms), so the rows cannot show it.

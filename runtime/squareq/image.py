@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from runtime.squareq.formats import dequantize, dequantize_into, storage_dtype
+from runtime.common.device import slot_views
+from runtime.squareq.formats import cpu_scratch, dequantize, dequantize_into, storage_dtype
 
 IMAGE_ALIGN = 16
 """Byte alignment of an image entry: an fp32 scale view needs 4, a vectorised copy likes 16.
@@ -55,6 +56,21 @@ def unpack(
     start = _aligned(4 * rows)
     codes = entry[start : start + rows * cols].view(storage_dtype(fmt)).view(rows, cols)
     return codes, scales
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """A typed view inside an image entry, as ``slot_views`` reads it: a quantized entry's
+    scales (fp32 ``(rows,)``) or codes (``(rows, cols)``). ``offset`` in bytes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
 
 
 @dataclass(eq=False)
@@ -133,6 +149,11 @@ class BlockImage:
     """Compute-dtype bytes one ``stage`` writes by dequantization (its quantized weights)."""
     timer: Any = None
     """``DequantTimer`` (``runtime.squareq.runtime``) that times each ``stage``."""
+    widest: tuple[int, int] = (0, 0)
+    """``(rows, cols)`` whose ``cpu_scratch`` serves every quantized weight of the block."""
+    views: list[Any] = field(default_factory=list)
+    """What ``dequantize`` reads, in slot order: a passthrough slot itself, a quantized one's
+    scales and codes (``EntryView``s)."""
 
     def add(
         self, target: Any, quantized: bool, key: str | None = None, fmt: str | None = None
@@ -141,24 +162,34 @@ class BlockImage:
         nbytes = packed_bytes(rows, cols) if quantized else target.nbytes
         slot = ImageSlot(target, self.nbytes, nbytes, quantized, key, fmt=fmt or self.fmt)
         self.slots.append(slot)
+        if quantized:  # the layout of ``pack``/``unpack``
+            codes = self.nbytes + _aligned(4 * rows)
+            dtype = storage_dtype(slot.fmt)
+            self.views.append(EntryView(torch.float32, (rows,), (1,), self.nbytes))
+            self.views.append(EntryView(dtype, (rows, cols), (cols, 1), codes))
+        else:
+            self.views.append(slot)
         self.nbytes += _aligned(nbytes)
         if quantized:
             self.dequantized_bytes += target.nbytes
+            # One scratch for all: as many rows as the largest weight, as wide as the widest.
+            self.widest = (max(self.widest[0], rows), max(self.widest[1], cols))
         return slot
 
     def dequantize(self, image: torch.Tensor, flat: torch.Tensor) -> None:
         """Fill the block buffer ``flat`` (uint8, the block's ``nbytes``) from ``image`` (uint8,
         ``nbytes``, same device): quantized weights dequantized into the compute dtype, the rest
-        copied. On CUDA the kernels go to the current stream."""
-        for slot in self.slots:
-            t = slot.target
-            dst = flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
-            src = image[slot.offset : slot.offset + slot.nbytes]
+        copied. On CUDA the kernels go to the current stream; on the CPU one fp32 scratch
+        serves the block's weights (NOTE [ CPU dequantization ] in ``formats``)."""
+        scratch = cpu_scratch(*self.widest) if flat.device.type == "cpu" else None
+        sources = iter(slot_views(image, self.views))
+        targets = slot_views(flat, [s.target for s in self.slots])
+        for slot, dst in zip(self.slots, targets, strict=True):
             if slot.quantized:
-                codes, scales = unpack(src, t.shape[0], t.shape[1], slot.fmt)
-                dequantize_into(dst, codes, scales)
+                scales = next(sources)
+                dequantize_into(dst, next(sources), scales, scratch)
             else:
-                dst.copy_(src.view(t.dtype).view(t.shape))
+                dst.copy_(next(sources))
 
     def stage(self, stream: Any, host: torch.Tensor, flat: torch.Tensor) -> None:
         """The block's H2D copy with SquareQ (inside ``stream.use()``): copy the image ``host``

@@ -302,3 +302,34 @@ def dequantized_in_place(blocks: list[nn.Module], fmt: str) -> int:
                     weight.data = dequantize(*quantize(weight, fmt), weight.dtype)
                     count += 1
     return count
+
+
+# NOTE [ Resident blocks stay dequantized ]
+# Issue 35 asked whether blocks that stay on the device should be held as their 8-bit image and
+# dequantized at each use, so that more of them stay. Measured and planned, not adopted:
+# - Bytes: a FLUX.1-dev double block is 648.2 MiB in bf16 and 324.5 MiB as an int8 image, a
+#   single block 270.1 vs 135.2 MiB (``image_nbytes``). Planned (``workbench plan``'s path,
+#   flux-dev-24gb's memory section with ``squareq: int8``, the sparse real-size folder of
+#   tests/fixtures/sparse_pipelines.py, rtx4090 profile, 1024 px): today 23 blocks stay and 34
+#   are loaded per step, 7.20 GB of images copied (14.39 GB in bf16); with every block held as
+#   its image on the device (block bytes = image bytes, plus two bf16 working buffers of the
+#   largest block) all 57 stay, peak 14983 MiB of 24576: 34 more blocks, 7.20 GB/step less H2D.
+# - Time saved: none. The step is compute-bound: 4250 ms of compute, the 7.20 GB of copies take
+#   288 ms at 25 GB/s on the copy engine and are all hidden (0 ms exposed), with or without 8-bit
+#   residency (the meta-config plan, runtime.plan.reference.flux_dev_plan, at 512 px likewise:
+#   1245 ms compute, 4.51 GB copied, 0 ms exposed; 22 loads, all 57 blocks stay in 8 bits).
+# - Time added: every use dequantizes, forward and backward (one use each under gradient
+#   checkpointing: the buffer lives through recomputation and backward), 2 x 57 block
+#   dequantizations per step instead of the 34 loads'. Modelled, no GPU measured: bytes read
+#   and written over device memory bandwidth, 11.88 B parameters per pass; today's GPU formula
+#   (``formats.dequantize_into``: codes copied into the output, then an in-place product) moves
+#   7 bytes per parameter, a fused kernel 3. At the rtx4090 profile's 1008 GB/s: +116 ms/step
+#   (+50 fused), 2.7% (1.2%) of the step; at 3 TB/s: +39 (+17) ms. Per block and use: double
+#   2.36 ms (1.01 fused), single 0.99 ms (0.42) at 1008 GB/s. On the CPU (NOTE [ CPU
+#   dequantization ]) one use costs 67 ms (double) and 30 ms (single) in int8: 0.21 ms per MiB
+#   kept, 4.8 s per real-size step for all 57 blocks twice.
+# So on the 24 GB target the trade buys PCIe bytes the step does not wait for with device time
+# it does; it would pay only where copies are exposed with SquareQ on (a card or resolution where
+# the 8-bit images still outrun compute), which none of the planned FLUX cases is. Reproduce:
+# the planner with ``BlockInfo.nbytes`` replaced by ``image_bytes`` (its compute then reads the
+# weights at half size, 36 ms less: an artefact, GEMMs read bf16).

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.common.device import host_buffer, page_locked_buffer, unlock
+from runtime.common.device import host_buffer, page_locked_buffer, slot_views, unlock
 from runtime.common.host_ram import host_ram, pinned_cap
 from runtime.config import MB
-from runtime.weights.registry import Block, slot_views
+from runtime.weights.registry import Block
 
 MARGIN_FRACTION = 0.25
 """Share of the machine's RAM the cache leaves free (the trainer's own memory, the activation

@@ -320,17 +320,3 @@ def build_layout(
         )
         offset += -(-nbytes // ALIGN) * ALIGN
     block.nbytes = offset
-
-
-def slot_views(flat: torch.Tensor, layout: list[ParamSlot]) -> list[torch.Tensor]:
-    """Each parameter's tensor inside a block buffer (``flat``: uint8, the block's ``nbytes``,
-    a multiple of ``ALIGN``): one typed view of the buffer per dtype and one strided view per
-    parameter (a load rebuilds them all: the fewer calls, the cheaper a block transition)."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    views = []
-    for slot in layout:
-        whole = typed.get(slot.dtype)
-        if whole is None:
-            whole = typed[slot.dtype] = flat.view(slot.dtype)
-        views.append(whole.as_strided(slot.shape, slot.stride, slot.offset // slot.itemsize))
-    return views

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from runtime.common.device import TransferEvent, TransferStream, host_buffer, host_like
+from runtime.common.device import TransferEvent, TransferStream, host_buffer, host_like, slot_views
 from runtime.common.memory import DeviceMemory
 from runtime.config import MB
 from runtime.weights.host_cache import HostCache
 from runtime.weights.pool import PinnedPool, Slab
 from runtime.weights.readers import Readers, StagedCopy
-from runtime.weights.registry import Block, BlockState, slot_views
+from runtime.weights.registry import Block, BlockState
 from runtime.weights.sources import SafetensorsCheckpoint, split_plan
 
 PART_MIN_BYTES = 8 * MB

@@ -4,7 +4,15 @@ deterministic, a zero row survives, and the error table names the worst layer.""
 import pytest
 import torch
 
-from runtime.squareq.formats import dequantize, error_table, quantize, relative_rms
+from runtime.squareq.formats import (
+    CPU_CHUNK_ELEMENTS,
+    cpu_scratch,
+    dequantize,
+    dequantize_into,
+    error_table,
+    quantize,
+    relative_rms,
+)
 from runtime.squareq.image import pack, packed_bytes, unpack
 
 
@@ -56,6 +64,36 @@ def test_deterministic_and_dequantized_in_one_rounding(fmt, dtype):
     assert 0 < relative_rms(w, got) < bound
 
 
+def bits(t):
+    """The raw bits of ``t`` (NaN compares equal to the same NaN)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_row_chunks_equal_the_one_rounding_formula(fmt, dtype):
+    """The CPU path's row chunks through a reused fp32 scratch (issue 35) give the bits of
+    ``(float(q) * s).to(dtype)`` on random weights: one chunk, a remainder chunk, one row per
+    chunk, a row wider than the default chunk, and every float8 code (NaN ones included)."""
+    cases = [weight(rows=48, cols=80, dtype=dtype, seed=1)]
+    cases.append(weight(rows=CPU_CHUNK_ELEMENTS // 100 + 7, cols=100, dtype=dtype, seed=2))
+    cases.append(weight(rows=2, cols=CPU_CHUNK_ELEMENTS + 3, dtype=dtype, seed=3))
+    for w in cases:
+        codes, scales = quantize(w, fmt)
+        reference = (codes.float() * scales[:, None]).to(dtype)
+        rows, cols = codes.shape
+        for scratch in (None, cpu_scratch(rows, cols), torch.empty(cols + 5), torch.empty(1)):
+            out = torch.full_like(w, float("nan"))
+            assert dequantize_into(out, codes, scales, scratch) is out
+            assert torch.equal(bits(out), bits(reference))
+    if fmt == "fp8_e4m3":  # all 256 bit patterns, two rows of 128, scales not powers of two
+        codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
+        scales = torch.tensor([0.0123, 3.7])
+        reference = (codes.float() * scales[:, None]).to(dtype)
+        got = dequantize_into(torch.empty(2, 128, dtype=dtype), codes, scales, torch.empty(130))
+        assert torch.equal(bits(got), bits(reference))
+
+
 def test_zero_row_gets_scale_one_and_zero_codes():
     w = weight(dtype=torch.float32)
     w[3] = 0
@@ -95,3 +133,40 @@ def test_error_table_names_the_worst_layer():
     assert table["worst_layer"] == "b" and table["rel_rms_max"] == 0.03
     assert table["quantized_layers"] == 3 and abs(table["rel_rms_mean"] - 0.02) < 1e-12
     assert [n for n, _ in table["worst_layers"]] == ["b", "c", "a"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_block_image_fills_mixed_dtype_layouts_bit_exactly(fmt):
+    """``BlockImage.dequantize`` (typed views of the image and the buffer, one scratch per
+    block) writes each quantized weight as the one-rounding formula and copies the rest, in a
+    block mixing bf16 and fp32 linears, biases and a norm."""
+    from torch import nn
+
+    from runtime.squareq.image import BlockImage
+    from runtime.weights.registry import Block, build_layout
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(80, 48), nn.LayerNorm(48), nn.Linear(48, 40).float())
+    module[0].to(torch.bfloat16)
+    module[1].to(torch.bfloat16)
+    block = Block("b", 0, module)
+    build_layout(block, {p: n for n, p in module.named_parameters()})
+    image = BlockImage(fmt)
+    host = {}
+    for slot in block.layout:
+        entry = image.add(slot, slot.name.endswith("weight") and len(slot.shape) == 2)
+        param = module.get_parameter(slot.name).detach()
+        host[id(entry)] = pack(*quantize(param, fmt)) if entry.quantized else param
+    packed = torch.zeros(image.nbytes, dtype=torch.uint8)
+    for entry in image.slots:
+        view = packed[entry.offset : entry.offset + entry.nbytes]
+        view.view(entry.dtype).view(entry.shape).copy_(host[id(entry)])
+    flat = torch.zeros(block.nbytes, dtype=torch.uint8)
+    image.dequantize(packed, flat)
+    for slot in block.layout:
+        got = flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        param = module.get_parameter(slot.name).detach()
+        if len(slot.shape) == 2:
+            codes, scales = quantize(param, fmt)
+            param = (codes.float() * scales[:, None]).to(slot.dtype)
+        assert got.dtype == param.dtype and torch.equal(bits(got), bits(param)), slot.name
