@@ -37,8 +37,7 @@ peak (flash attention, large GEMMs). CPU: 1, the profile's rate is the GEMM rate
 and the costs per operation and per load come from its calibration step."""
 
 STEPS = 3
-"""Simulated steps: step 0 traces (demand loads only), steps 1-2 follow the trace; the last is
-reported (the steady state)."""
+"""Simulated steps: step 0 traces (demand loads), steps 1-2 follow it; the last is reported."""
 
 
 @dataclass
@@ -56,8 +55,7 @@ class Plan:
     nothing tried does)."""
     efficiency: float
     inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Shapes the model was measured at (``latents``, ``text``, ``pooled`` for a pipeline
-    family's call; the keyword arguments' otherwise)."""
+    """Shapes the model was measured at (a pipeline family's ``latents``, ``text``, ``pooled``)."""
     auto_watermarks: dict[str, Any] | None = None
     """What ``"auto"`` fields became (``auto_figures``), when the preset has any."""
     quant_error: dict[str, Any] | None = None
