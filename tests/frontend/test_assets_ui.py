@@ -16,7 +16,7 @@ from tests.frontend.conftest import SHOTS, Api, _start_server, _stop_server
 
 pytestmark = [pytest.mark.browser]
 
-TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4}'
+TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4, "sample_steps": 1}'
 
 
 @pytest.fixture
