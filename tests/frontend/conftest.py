@@ -216,5 +216,13 @@ def shoot(browser, tmp_path):
     return take
 
 
+def picture(target, name: str, **kw) -> None:
+    """``target.screenshot(**kw)`` (a page or a locator) saved as ``SHOTS/name.png``, where
+    ``TAKE_SHOTS``: a picture for a developer's eyes, none under CI."""
+    if TAKE_SHOTS:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        target.screenshot(path=str(SHOTS / f"{name}.png"), **kw)
+
+
 def api_of(base: str) -> Api:
     return Api(base)
