@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4}'
+TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4, "sample_steps": 1}'
 
 
 def _wait(api, states: set[str], timeout: float = 240) -> dict:

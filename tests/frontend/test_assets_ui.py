@@ -7,16 +7,15 @@ stage kept), then ``default`` started from the page once the assets are on disk.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 
 import pytest
 
-from tests.frontend.conftest import SHOTS, Api, _start_server, _stop_server
+from tests.frontend.conftest import Api, _start_server, _stop_server, picture
 
 pytestmark = [pytest.mark.browser]
 
-TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4}'
+TINY_BUILD = '{"vae_steps": 2, "vae_batch": 4, "base_steps": 2, "base_batch": 4, "sample_steps": 1}'
 
 
 @pytest.fixture
@@ -34,14 +33,7 @@ def building_server(tmp_path):
     _stop_server(proc)
 
 
-def _shot(page, tmp_path, name: str) -> None:
-    path = tmp_path / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    shutil.copy(path, SHOTS / path.name)
-
-
-def test_asset_progress_failure_retry_then_default_starts(building_server, page, tmp_path):
+def test_asset_progress_failure_retry_then_default_starts(building_server, page):
     base, cache = building_server
     api = Api(base)
     page.goto(base + "/#/new")
@@ -66,7 +58,7 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page,
     assert "This run cannot start yet: the demo assets it needs" in box.inner_text()
     assert "(HTTP 409, assets_not_ready)" in box.inner_text()
     assert api.call("GET", "/api/runs")["count"] == 0
-    _shot(page, tmp_path, "assets-failed-desktop")
+    picture(page, "assets-failed-desktop", full_page=True)
     page.select_option("#preset-select", "tiny-ci")  # another preset is not held back
     assert page.locator("#asset-note").is_hidden()
     page.select_option("#preset-select", "default")
@@ -81,7 +73,7 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page,
     assert re.search(r"elapsed \d+s · about \d+s left", row), row
     assert "already built, kept" in page.locator('.asset-stage[data-stage="digits"]').inner_text()
     assert "building, about" in page.locator("#asset-summary").inner_text()
-    _shot(page, tmp_path, "assets-progress-desktop")
+    picture(page, "assets-progress-desktop", full_page=True)
 
     page.wait_for_selector('#asset-strip[data-state="ready"]', timeout=240_000)
     assert digits_marker.stat().st_mtime_ns == built_at  # the retry kept the digits
@@ -101,6 +93,6 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page,
         assert time.monotonic() < deadline, api.call("GET", f"/api/runs/{run_id}")
         time.sleep(0.5)
     assert recs[0]["model"].endswith("models/flux-small-digits/transformer")
-    _shot(page, tmp_path, "assets-default-run-desktop")
+    picture(page, "assets-default-run-desktop", full_page=True)
     api.call("POST", f"/api/runs/{run_id}/cancel")
     api.wait_run(run_id, {"cancelled", "succeeded", "failed", "killed"}, timeout=120)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.frontend.conftest import PHONE, SHOTS, Api
+from tests.frontend.conftest import PHONE, Api, picture
 from tests.frontend.test_hardening import make_preset
 
 pytestmark = [pytest.mark.browser]
@@ -34,6 +34,5 @@ def test_config_diff_of_five_runs_is_readable_at_phone_width(synthetic_server, b
     )
     assert len(widths) == 5 and min(widths) >= 80, widths  # before: 47 px, a word cut a line
     assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "compare-five-runs-phone.png"), full_page=True)
+    picture(page, "compare-five-runs-phone", full_page=True)
     context.close()

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.frontend.conftest import SHOTS, Api
+from tests.frontend.conftest import Api, picture
 from tests.runtime.trainer.messy_data import BAD, USABLE, WARNED, build_messy
 
 pytestmark = [pytest.mark.browser]
@@ -156,8 +156,7 @@ def test_new_run_page_scans_the_data_before_start_and_the_run_page_shows_it(
     options = page.eval_on_selector_all("#run-device option", "os => os.map(o => o.value)")
     assert options == ["auto", "cpu", *[f"cuda:{i}" for i in range(cuda)]]
     page.select_option("#run-device", "cpu")
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "new-run-data-scan-desktop.png"), full_page=True)
+    picture(page, "new-run-data-scan-desktop", full_page=True)
     page.click("#start-run")
     page.wait_for_url(re.compile(r"#/runs/\d+$"))
     run_id = int(page.url.rsplit("/", 1)[1])

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.frontend.conftest import SHOTS, Api
+from tests.frontend.conftest import Api, picture
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -92,8 +92,7 @@ def test_a_change_the_worker_refuses_is_shown_on_the_panel_and_charts(
         "that limit"
     )
     assert page.input_value(spill_high) == "0.5"  # the value in force, again
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.locator("#limits-panel").screenshot(path=str(SHOTS / "limits-refused-panel.png"))
+    picture(page.locator("#limits-panel"), "limits-refused-panel")
     # The worker's record is the one shown.
     rejected = rejections()
     assert len(rejected) == 1 and rejected[0]["message"] in text
@@ -150,7 +149,7 @@ def test_header_live_watermark_alone_compare_and_rerun_show_effective_limits(
     )["data"]
     assert [r["changed"] for r in records] == [{"vram_high_watermark_mb": [1.0, 2.0]}]
     step = records[0]["step"]
-    page.screenshot(path=str(SHOTS / "limits-applied-live.png"))
+    picture(page, "limits-applied-live")
     # An API refusal (low above the high in force) beside its field.
     page.fill("#limit-vram_low_watermark_mb", "3")
     page.click("#apply-limits")

@@ -7,11 +7,10 @@ from __future__ import annotations
 import copy
 import csv
 import re
-import shutil
 
 import pytest
 
-from tests.frontend.conftest import DESKTOP, SHOTS, Api
+from tests.frontend.conftest import DESKTOP, Api, picture
 
 pytestmark = [pytest.mark.browser]
 REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
@@ -39,7 +38,7 @@ def offline_page(browser, base: str):
     return context, context.new_page(), blocked
 
 
-def test_api_docs_render_with_the_network_blocked(synthetic_server, browser, tmp_path):
+def test_api_docs_render_with_the_network_blocked(synthetic_server, browser):
     context, pg, blocked = offline_page(browser, synthetic_server)
     try:
         pg.goto(synthetic_server + "/docs")
@@ -55,7 +54,7 @@ def test_api_docs_render_with_the_network_blocked(synthetic_server, browser, tmp
             )
             != ""
         )
-        pg.screenshot(path=str(tmp_path / "docs-offline-desktop.png"), full_page=False)
+        picture(pg, "docs-offline-desktop", full_page=False)
 
         pg.goto(synthetic_server + "/redoc")
         pg.wait_for_selector("redoc .api-content h1", timeout=20_000)
@@ -64,13 +63,10 @@ def test_api_docs_render_with_the_network_blocked(synthetic_server, browser, tmp
         # ReDoc's sidebar asks its CDN for the Redocly logo and drops the image when that fails
         # (its onError): the one request allowed to go unanswered, and nothing broken shown.
         pg.wait_for_function("!document.querySelector(\"redoc img[alt='redocly logo']\")")
-        pg.screenshot(path=str(tmp_path / "redoc-offline-desktop.png"), full_page=False)
+        picture(pg, "redoc-offline-desktop", full_page=False)
         assert set(blocked) <= {REDOC_LOGO}, f"the docs pages asked the network for {blocked}"
     finally:
         context.close()
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    for name in ("docs-offline-desktop.png", "redoc-offline-desktop.png"):
-        shutil.copy(tmp_path / name, SHOTS / name)
 
 
 def ema(values: list[float], w: float) -> list[float]:
@@ -181,9 +177,8 @@ def test_run_charts_window_linked_axes_smoothing_log_and_csv(synthetic_server, p
     rows = read_csv(dl.value)
     assert rows[0][:2] == ["time (s)", "block"]
     assert {int(r[1]) for r in rows[1:]} == set(range(12))
-    SHOTS.mkdir(parents=True, exist_ok=True)
     page.mouse.move(0, 0)
-    page.screenshot(path=str(SHOTS / "run-window-desktop.png"), full_page=True)
+    picture(page, "run-window-desktop", full_page=True)
 
 
 @pytest.fixture(scope="module")
@@ -272,10 +267,9 @@ def test_runs_list_sorts_searches_keeps_filters_in_the_url(synthetic_server, thr
     page.click("#clear-filters")
     page.wait_for_function(f"{rows}.length === {total}")
     assert page.url.endswith("#/runs?sort=steps&dir=asc")
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "runs-1440-desktop.png"), full_page=True)
+    picture(page, "runs-1440-desktop", full_page=True)
     page.set_viewport_size({"width": 390, "height": 844})
-    page.screenshot(path=str(SHOTS / "runs-phone.png"), full_page=True)
+    picture(page, "runs-phone", full_page=True)
 
 
 def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(
@@ -303,8 +297,7 @@ def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(
     )
     assert ranges == [[1, 8]] * 4
     assert page.evaluate("Array.from(document.getElementById('cmp-loss').data[1].x)") == [1, 2, 3]
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "compare-lengths-desktop.png"), full_page=True)
+    picture(page, "compare-lengths-desktop", full_page=True)
     page.evaluate("Plotly.relayout('cmp-loss', {'xaxis.range': [2, 5]})")
     page.wait_for_function(
         f"{list(charts)}.every((id) => document.getElementById(id).layout.xaxis.range[1] === 5)"
@@ -341,7 +334,7 @@ def test_compare_lengths_deltas_missing_id_add_remove_and_path_wrap(
     assert "".join(t for t, _, _ in lines) == path
     assert all(n == 1 for _, n, _ in lines), lines
     assert len({top for _, _, top in lines}) > 1, lines  # it did wrap
-    page.screenshot(path=str(SHOTS / "compare-lengths-phone.png"), full_page=True)
+    picture(page, "compare-lengths-phone", full_page=True)
 
 
 def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page):
@@ -357,8 +350,7 @@ def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page
         text,
     ), text
     assert box.get_attribute("data-fields") == "max_steps"
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "new-run-error-desktop.png"))
+    picture(page, "new-run-error-desktop")
     page.fill("#field-max_steps", "4")
     page.wait_for_selector(".page-errors .error-box", state="detached")
     assert page.inner_text("#error-max_steps") == ""
@@ -369,7 +361,7 @@ def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page
     page.goto(synthetic_server + "/#/runs")
     box = page.wait_for_selector(".page-errors .error-box[data-key='loading runs']")
     assert "Down for maintenance. (HTTP 503, http_503)" in box.inner_text()
-    page.screenshot(path=str(SHOTS / "runs-error-desktop.png"))
+    picture(page, "runs-error-desktop")
     page.unroute("**/api/runs")
     page.wait_for_selector(".page-errors .error-box", state="detached", timeout=10_000)
     page.wait_for_selector("#runs-count:has-text('run')")

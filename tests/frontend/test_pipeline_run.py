@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.frontend.conftest import SHOTS, Api
+from tests.frontend.conftest import Api, picture
 
 pytestmark = [pytest.mark.browser]
 
@@ -57,14 +57,13 @@ def test_start_a_run_from_a_pipeline_folder(backend_server, flux_folder, page):
     assert page.inner_text("#pipeline-blocks").startswith("8 blocks streamed")
     row = page.inner_text("#pipeline-components tr[data-component='transformer']")
     assert "FluxTransformer2DModel" in row and "float32" in row
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "new-run-pipeline.png"), full_page=True)
+    picture(page, "new-run-pipeline", full_page=True)
     page.click("#use-pipeline")
     config = json.loads(page.input_value("#config-json"))
     assert config["model"]["path"] == str(flux_folder) and config["model"]["factory"] is None
     assert config["model"]["expert"] is None and page.is_hidden("#pipeline-expert")
     assert page.input_value("#field-model") == str(flux_folder)
-    page.screenshot(path=str(SHOTS / "new-run-pipeline-used.png"), full_page=True)
+    picture(page, "new-run-pipeline-used", full_page=True)
     page.fill("#field-max_steps", "3")
     page.fill("#run-name", "ui-pipeline")
     page.click("#start-run")

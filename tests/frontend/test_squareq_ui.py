@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.frontend.conftest import PHONE, SHOTS, TAKE_SHOTS
+from tests.frontend.conftest import PHONE, SHOTS, TAKE_SHOTS, picture
 
 pytestmark = [pytest.mark.browser]
 
@@ -37,10 +37,9 @@ def test_squareq_switch_and_what_it_saves(backend_server, page):
     assert config["memory"]["stagehand"]["squareq"] == {"format": "int8"}
     eight = host_cache_mb(page, before=page.inner_text("#plan-host"))
     assert 0 < eight <= 0.56 * full  # tiny-ci is fp32: 8 bits are about a quarter
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "new-run-squareq.png"), full_page=True)
+    picture(page, "new-run-squareq", full_page=True)
     page.set_viewport_size({"width": 390, "height": 844})
-    page.screenshot(path=str(SHOTS / "new-run-squareq-phone.png"), full_page=True)
+    picture(page, "new-run-squareq-phone", full_page=True)
     page.select_option("#field-squareq_format", "")
     config = json.loads(page.input_value("#config-json"))
     assert "squareq" not in config["memory"]["stagehand"]  # off: the section is gone
@@ -76,8 +75,7 @@ def test_run_page_weights_fact_says_squareq(backend_server, page, tmp_path):
     page.goto(f"{backend_server}/#/runs/{run_id}")
     page.wait_for_selector("#fact-weights .fact-squareq")
     assert page.inner_text("#fact-weights .fact-squareq") == note
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "run-squareq.png"), full_page=False)
+    picture(page, "run-squareq", full_page=False)
 
 
 def test_plan_panel_shows_the_quantization_error(backend_server, page, tmp_path):

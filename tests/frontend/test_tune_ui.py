@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.frontend.conftest import SHOTS, Api
+from tests.frontend.conftest import Api, picture
 
 # block_mb/base_mb/ms_per_load: the synthetic run's MB and ms (see its docstring); device_name:
 # its run_started record's, so that the server calibrates plans on rtx4090 by its trials.
@@ -158,8 +158,7 @@ def test_tune_page_run_overlay_and_calibrated_plan(synthetic_server, tune, page,
     assert ratio == f"×{found['ratios']['peak_vram_mb']:.3f}"
     traces = page.evaluate("document.getElementById('calibration-chart').data.length")
     assert traces == 4  # predicted and measured curves, their peaks
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "tune-trial-run-desktop.png"), full_page=True)
+    picture(page, "tune-trial-run-desktop", full_page=True)
 
     # New run: the plan of that preset on rtx4090 is calibrated by the newest trial's ratios.
     page.goto(f"{synthetic_server}/#/new?preset={tune['preset']}")
@@ -177,7 +176,7 @@ def test_tune_page_run_overlay_and_calibrated_plan(synthetic_server, tune, page,
     assert re.search(
         r"smallest feasible plan .*: \d+\.\d\d MB peak", page.inner_text("#plan-errors")
     )
-    page.screenshot(path=str(SHOTS / "new-run-calibrated-plan.png"), full_page=True)
+    picture(page, "new-run-calibrated-plan", full_page=True)
 
 
 def _wait_calibration(base: str, run_id: int, timeout: float = 60) -> dict:

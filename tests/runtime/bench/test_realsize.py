@@ -66,7 +66,7 @@ def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():
 def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
     out = tmp_path / "realsize.json"
     argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
-    argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
+    argv += ["--device", "cpu", "--steps", "1", "--warmup", "1", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["kind"] == "bench_realsize" and result["size"] == "tiny"

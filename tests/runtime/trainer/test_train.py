@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from runtime.assets import ENV_VAR
 from runtime.trainer.cli import main
 
 
@@ -13,10 +14,13 @@ def _losses(recs, of):
     return {r["step"]: r["loss"] for r in of(recs, "trainer", "step")}
 
 
-@pytest.fixture
-def tiny_run(cache_env, tmp_path, run_io):
-    run_dir = tmp_path / "run"
-    assert main(["tiny-ci", "--run-dir", str(run_dir)]) == 0
+@pytest.fixture(scope="module")
+def tiny_run(asset_cache, tmp_path_factory):
+    """One tiny-ci run the tests below read (none writes into it), trained once."""
+    run_dir = tmp_path_factory.mktemp("tiny-run") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, str(asset_cache))
+        assert main(["tiny-ci", "--run-dir", str(run_dir)]) == 0
     return run_dir
 
 
@@ -56,7 +60,7 @@ def test_tiny_ci_trains_end_to_end(tiny_run, run_io):
     assert sorted(p.name for p in (tiny_run / "checkpoints").iterdir()) == ["step-4", "step-8"]
 
 
-def test_second_run_reuses_the_stage1_cache(tiny_run, tmp_path, run_io):
+def test_second_run_reuses_the_stage1_cache(tiny_run, cache_env, tmp_path, run_io):
     again = tmp_path / "again"
     assert main(["tiny-ci", "--run-dir", str(again)]) == 0
     messages = [s["message"] for s in run_io.of(run_io.records(again), "trainer", "stage")]
@@ -67,7 +71,7 @@ def test_second_run_reuses_the_stage1_cache(tiny_run, tmp_path, run_io):
 
 
 def test_samples_during_training_leave_the_losses_unchanged(
-    tiny_run, tmp_path, run_io, make_preset
+    tiny_run, cache_env, tmp_path, run_io, make_preset
 ):
     """``samples.every`` draws samples through the training strategy before the first step
     (step 0) and mid-run (steps 3 and 6 of tiny-ci's 8), then the final ones: files and records
@@ -89,7 +93,7 @@ def test_samples_during_training_leave_the_losses_unchanged(
     assert not any(r.get("sampling") for r in run_io.of(recs, "trainer", "step"))
 
 
-def test_resume_continues_with_the_same_losses(tiny_run, tmp_path, run_io):
+def test_resume_continues_with_the_same_losses(tiny_run, cache_env, tmp_path, run_io):
     full = _losses(run_io.records(tiny_run), run_io.of)
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.assets import ENV_VAR
 from runtime.preset import PRESETS_DIR, PresetError, load_preset, validate_preset
 from runtime.trainer.cli import main
 from runtime.trainer.families import Text, family
@@ -84,15 +85,19 @@ def test_unet_loss_is_ddpm_noise_prediction(prediction):
     assert 0.5 < float(want) < 3.0  # an untrained net against unit-variance targets
 
 
-@pytest.fixture
-def unet_run(cache_env, tmp_path):
-    run_dir = tmp_path / "run"
-    preset = _write(tmp_path, "unet-e2e", samples={"prompts": ["a handwritten digit seven"]})
-    assert main([preset, "--run-dir", str(run_dir)]) == 0
+@pytest.fixture(scope="module")
+def unet_run(asset_cache, tmp_path_factory):
+    """One unet-tiny run (8 steps, a sample prompt) the tests below read, trained once."""
+    tmp = tmp_path_factory.mktemp("unet-run")
+    run_dir = tmp / "run"
+    preset = _write(tmp, "unet-e2e", samples={"prompts": ["a handwritten digit seven"]})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, str(asset_cache))
+        assert main([preset, "--run-dir", str(run_dir)]) == 0
     return run_dir
 
 
-def test_unet_tiny_trains_end_to_end(unet_run, tmp_path, run_io):
+def test_unet_tiny_trains_end_to_end(unet_run, cache_env, tmp_path, run_io):
     recs = run_io.records(unet_run)
     steps = run_io.of(recs, "trainer", "step")
     assert [s["step"] for s in steps] == list(range(1, 9))
