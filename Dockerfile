@@ -8,7 +8,10 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY backend ./backend
-COPY runtime ./runtime
+COPY contract ./contract
+COPY stagehand ./stagehand
+COPY worker ./worker
+COPY workbench ./workbench
 COPY presets ./presets
 COPY frontend ./frontend
 # torch comes from the base image; pyproject's range keeps it.

@@ -1,6 +1,6 @@
 """Calibration of plans by finished runs: a succeeded run's measured figures stored next to
 the plan of the config it started with, under its device profile and family
-(``runtime/plan/feedback.py`` says which figures and how they compare).
+(``workbench/plan/feedback.py`` says which figures and how they compare).
 
 The plan is made when the run has finished, on the ``Calibrator``'s own thread, not when it
 starts: a plan is a function of the config and the profile only, so the start config planned at
@@ -8,7 +8,7 @@ the end is the same prediction, and no launch waits for a plan (the first plan o
 measures this machine for seconds) nor does a run that fails cost one. A run whose limits were
 changed while it ran is not calibrated: its peak and step time mix two configs. Plans take the
 median of the newest runs' ratios within bounds (``calibration_for``; NOTE [ Ratios the model
-can be off by ] in runtime/plan/feedback.py), so one disturbed run does not scale them all.
+can be off by ] in workbench/plan/feedback.py), so one disturbed run does not scale them all.
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ log = logging.getLogger("backend.calibration")
 
 def calibration_for(store: Store, device: str, family: str) -> dict | None:
     """What a plan of ``device`` and ``family`` is scaled by: the median ratios of the newest
-    runs within the bounds (``runtime.plan.feedback.combine``), or None."""
-    from runtime.plan.feedback import RUNS, combine  # runtime.plan imports torch: not at start
+    runs within the bounds (``workbench.plan.feedback.combine``), or None."""
+    from workbench.plan.feedback import RUNS, combine  # workbench.plan imports torch: not at start
 
     return combine(store.calibrations_of(device, family, RUNS))
 
 
 ProfileOf = Callable[[str], Any]
-"""Device profile name -> ``runtime.plan.DeviceProfile`` (tests give a fixed one for cpu)."""
+"""Device profile name -> ``workbench.plan.DeviceProfile`` (tests give a fixed one for cpu)."""
 
 
 def _profile(name: str):
-    from runtime.plan import profile
+    from workbench.plan import profile
 
     return profile(name)
 
@@ -115,8 +115,8 @@ class Calibrator:
         """Plan the run's config on its device, store the calibration and return it; None
         (logged, nothing stored) when the run did not succeed, changed limits while it ran, ran
         on a device without a profile, or its config cannot be planned."""
-        from runtime.plan import PlanInputError, plan_preset
-        from runtime.plan.feedback import (
+        from workbench.plan import PlanInputError, plan_preset
+        from workbench.plan.feedback import (
             family_of,
             measured_figures,
             predicted_figures,

@@ -4,12 +4,12 @@ Sub-commands, each implemented by the module named beside it (imported only when
 server never imports torch):
 
 - ``serve``        the dashboard and API on http://127.0.0.1:8000   (backend.server)
-- ``train``        one training run, the worker the backend launches  (runtime.trainer.cli)
-- ``bench``        the benchmark suite                                (runtime.bench.cli)
+- ``train``        one training run, the worker the backend launches  (worker.cli)
+- ``bench``        the benchmark suite                                (workbench.bench.cli)
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
-- ``demo-assets``  build the local models, digits and text encoder   (runtime.trainer.demo_cli)
+- ``demo-assets``  build the local models, digits and text encoder   (worker.demo_cli)
 - ``plan``         predicted VRAM and step time of a preset (backend.plan_cli)
-- ``tune``         trials of limits that fit a VRAM budget          (runtime.plan.tune_cli)
+- ``tune``         trials of limits that fit a VRAM budget          (workbench.plan.tune_cli)
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("backend.server", "serve the dashboard and API (default http://127.0.0.1:8000)"),
-    "train": ("runtime.trainer.cli", "run one training job: workbench train PRESET --run-dir DIR"),
-    "bench": ("runtime.bench.cli", "run the benchmark suite and print its table"),
-    "demo-assets": ("runtime.trainer.demo_cli", "build the local demo models, digits and encoder"),
+    "train": ("worker.cli", "run one training job: workbench train PRESET --run-dir DIR"),
+    "bench": ("workbench.bench.cli", "run the benchmark suite and print its table"),
+    "demo-assets": ("worker.demo_cli", "build the local demo models, digits and encoder"),
     "plan": ("backend.plan_cli", "predict a preset's VRAM and step time on a device profile"),
-    "tune": ("runtime.plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
+    "tune": ("workbench.plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
 }
 
 

@@ -1,9 +1,9 @@
 """The live limits a run is under: its config's, folded with what the worker applied.
 
 A run starts with the limits of its config's ``memory`` section (the runtime's defaults where
-the config says nothing: ``runtime.config.MemoryConfig``, which imports no torch; None for the
+the config says nothing: ``contract.config.MemoryConfig``, which imports no torch; None for the
 prefetch window and copies in flight, which the runtime derives at the run's start from the
-blocks and the device, ``runtime/weights/defaults.py``). Each ``strategy/limits_applied``
+blocks and the device, ``stagehand/weights/defaults.py``). Each ``strategy/limits_applied``
 record's ``changed`` (``{field: [old, new]}``) then moves the limits in force, in seq order.
 The fields, their config paths and the watermark rule are ``contract.limits``'. Only the
 runtimes that are on have limits: a field of a runtime that is off is absent, and the worker refuses it (a ``trainer/event`` ``control_rejected``).
@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from contract.config import MemoryConfig
 from contract.limits import ACTIVATION_FIELDS, PAIRS, PATHS, WEIGHT_FIELDS
-from runtime.config import MemoryConfig
 
 
 def config_limits(config: dict[str, Any]) -> dict[str, float | int]:

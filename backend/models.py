@@ -19,10 +19,10 @@ from pydantic import (
     model_validator,
 )
 
+from contract.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from contract.limits import PAIRS, low_above_high
+from contract.preset import field_error
 from contract.status import RunStatus
-from runtime.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
-from runtime.preset import field_error
 
 MAX_ID = 2**62
 """Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
@@ -92,7 +92,7 @@ PresetConfig = Annotated[
     dict[str, Any],
     WithJsonSchema({"allOf": [{"$ref": "#/components/schemas/Preset"}], "description": "a Preset"}),
 ]
-"""A preset's config: validated as ``runtime.preset.Preset`` (its schema, with its bounds, is
+"""A preset's config: validated as ``workbench.preset.Preset`` (its schema, with its bounds, is
 published in the OpenAPI document)."""
 Overrides = Annotated[
     dict[str, Any],
@@ -193,7 +193,7 @@ class ScanWarning(BaseModel):
 
 
 class DatasetScan(BaseModel):
-    """The dataset scan (``runtime/trainer/scan.py``; the worker records the same fields as
+    """The dataset scan (``worker/scan.py``; the worker records the same fields as
     ``trainer/dataset_scan``). ``usable`` is null when the folder is a factory's, built and
     scanned by the worker (``note`` says so)."""
 
@@ -304,7 +304,7 @@ class RunsPublic(BaseModel):
 class LimitsUpdate(LiveLimits):
     """The ``PATCH /api/runs/{id}/limits`` body: ``LiveLimits`` with strict, finite numbers
     (``true``, ``"5"`` and ``NaN`` are refused), and a low watermark above its high one reported
-    at the low field with a sentence (NOTE [ Cross-field errors ] in runtime/preset/load.py)."""
+    at the low field with a sentence (NOTE [ Cross-field errors ] in workbench/preset/load.py)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 

@@ -59,7 +59,7 @@ def document(app: FastAPI) -> dict[str, Any]:
     """The app's OpenAPI document, built once (``app.openapi``)."""
     if app.openapi_schema:
         return app.openapi_schema
-    from runtime.preset import Preset
+    from contract.preset import Preset
 
     schema = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes

@@ -1,6 +1,6 @@
 """Preset configs: the built-in ones from the repo's ``presets/*.json``, validation, overrides.
 
-Validation is ``runtime.preset.validate_preset`` (torch-free) when that module is present;
+Validation is ``workbench.preset.validate_preset`` (torch-free) when that module is present;
 without it only the JSON shape is checked (an object). Its errors become 422s whose ``field``
 is the JSON path into the request (``config.memory...`` or ``overrides.memory...``).
 """
@@ -19,14 +19,14 @@ from pydantic import ValidationError
 from backend.errors import Invalid, NotFound, from_validation
 from backend.models import NAME_RE
 from backend.store import Store
-from contract.presets import merge_overrides
+from contract.preset.merge import merge_overrides
 
 log = logging.getLogger("backend.presets")
 
 
 def _preset_module():
     try:
-        module = importlib.import_module("runtime.preset")
+        module = importlib.import_module("workbench.preset")
     except ImportError:  # the trainer's module is optional for the backend
         return None
     return module if hasattr(module, "validate_preset") else None

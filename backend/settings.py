@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.asset_status import cache_dir
+from contract.cache import cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """The checkout: ``presets/`` (built-in presets) and ``frontend/`` (the dashboard) live here."""

@@ -37,10 +37,10 @@ from backend.run_files import checkpoints
 from backend.settings import Settings
 from backend.store import Store
 from backend.tailer import Tailer
+from contract.config import AUTO_DEVICE
 from contract.control import STOP, write_request
 from contract.records import RUN_FINISHED
 from contract.status import ACTIVE, RESUMABLE, RunStatus
-from runtime.config import AUTO_DEVICE
 
 log = logging.getLogger("backend.supervisor")
 

@@ -1,6 +1,6 @@
 """What the worker, the server and the browser must agree on, each rule written once.
 
-Three processes meet here: the worker (``workbench train``, ``runtime/trainer``) writes a run
+Three processes meet here: the worker (``workbench train``, ``worker``) writes a run
 folder, the server (``backend``) launches, tails and steers it, and the dashboard reads what the
 server sends. Every name or format two of them must spell alike lives in this package, and both
 sides import it:
@@ -15,9 +15,13 @@ sides import it:
   requests (``write_request``), the worker consumes them (``ControlDir``);
 - ``contract.limits``: the live limits: their fields, each field's config path, the watermark
   pairs and the one watermark rule (low <= high, ``"auto"`` in configs);
-- ``contract.presets``: overrides merged into a preset (``merge_overrides``).
+- ``contract.preset``: the preset schema (pydantic), its errors and the merge of overrides
+  into a preset (``merge_overrides``);
+- ``contract.config``: the memory config schema (``MemoryConfig``, the runtimes' sections,
+  ``LiveLimits``) that presets, the planner and the runtimes read;
+- ``contract.cache``: the cache folder the server and the worker share.
 
-Standard library only: no torch, no pydantic, nothing of the project (``tests/test_layers.py``
-holds it to that), so the server imports it without the runtimes and a reader finds the whole
+The standard library and pydantic only (the schemas): no torch, nothing else of the project
+(``tests/test_layers.py`` holds it to that), so the server imports it without the runtimes and a reader finds the whole
 agreement in one folder. Field-level formats are in ``docs/contracts.md``.
 """

@@ -1,10 +1,18 @@
-"""One way down: every import of the ``contract``, ``runtime`` and ``backend`` packages runs down the
-layer order, no import closes a circle, and no source module is over 450 lines (issue 29).
+"""One way down: every import of the ``contract``, ``stagehand``, ``worker``, ``workbench`` and
+``backend`` packages runs down the layer order, no import closes a circle, and no source module
+is over 450 lines (issue 29).
 
-The order, bottom first (``ORDER``): contract -> common -> the runtimes -> strategy -> trainer ->
-plan -> bench -> backend -> frontend. A *room* is a package directly under ``runtime/``
-(``runtime.weights``), a loose module there (``runtime.config``), or a whole top-level package
-(``contract``, ``backend``); ``ORDER`` gives each room a rank. The rules, checked by walking the source with ``ast`` (nothing is imported):
+The packages (issue 38): ``contract`` (what the worker, the server, the planner and the browser
+agree on), ``stagehand`` (the memory runtimes: a library that reads without the application),
+``worker`` (the training worker process, ``workbench train``), ``workbench`` (the application's
+tools: model factory, presets, planner, bench) and ``backend`` (the server).
+
+The order, bottom first (``ORDER``): contract -> stagehand (common -> the runtimes -> strategy)
+-> the tools (asset status, assets, presets) -> worker -> plan -> bench -> backend -> frontend.
+A *room* is a package directly under ``stagehand/`` or ``workbench/`` (``stagehand.weights``), a
+loose module there (``workbench.asset_status``), the package's own ``__init__`` (``stagehand``),
+or a whole other top-level package (``contract``, ``worker``, ``backend``); ``ORDER`` gives each
+room a rank. The rules, checked by walking the source with ``ast`` (nothing is imported):
 
 - An arrow is an ``import`` or ``from ... import`` of a project module, absolute or relative,
   wherever it stands: at module level, inside a function (a lazy import is the same dependency,
@@ -18,12 +26,14 @@ plan -> bench -> backend -> frontend. A *room* is a package directly under ``run
 - Circles: no circle between modules through the imports that run (module level and lazy ones).
   ``if TYPE_CHECKING:`` imports never run, so a circle they alone would close is allowed (a
   runtime's hooks naming its runtime class in annotations).
-- Size: no module of ``contract/``, ``runtime/``, ``backend/`` or ``frontend/js/`` over
-  ``MAX_LINES`` lines.
-- Floor: ``contract`` (what the worker, the server and the browser agree on, issue 38) imports
-  the standard library and itself only: no torch, no pydantic, nothing of the project.
+- Size: no module of the packages or of ``frontend/js/`` over ``MAX_LINES`` lines.
+- Floors: ``contract`` imports the standard library, pydantic (the config and preset schemas)
+  and itself only, and loads without torch; ``stagehand`` imports no part of the application
+  (``worker``, ``workbench``, ``backend``): the library reads alone, on the contract and third
+  party packages (torch, safetensors, psutil, ...).
 
-``python tests/test_layers.py`` prints every violation.
+``python tests/test_layers.py`` prints the rooms, the arrows between them, the five largest
+modules and every violation.
 """
 
 from __future__ import annotations
@@ -31,39 +41,42 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("contract", "runtime", "backend")
+PACKAGES = ("contract", "stagehand", "worker", "workbench", "backend")
 MAX_LINES = 450
 
 #: Rooms by rank, bottom first; each tuple holds peers. A new room fails the test until it is
 #: placed here.
 ORDER: list[tuple[str, tuple[str, ...]]] = [
-    # The contract between the worker, the server and the browser: standard library only.
+    # What the worker, the server, the planner and the browser agree on: the standard library and
+    # pydantic only.
     ("contract", ("contract",)),
-    # Plain values and names that every layer shares; they import nothing of the project but the
-    # contract.
-    ("common", ("runtime", "runtime.config", "runtime.asset_status")),
-    # Device, memory and telemetry helpers; the preset schema (on runtime.config); the model and
-    # data factory (random models from small configs, the digits, the text encoder).
-    ("common", ("runtime.common", "runtime.preset", "runtime.assets")),
+    # The library's front page (the call order, NOTE [ Exact numbers ]) and the mechanisms every
+    # runtime shares: device, memory, telemetry, the saved-tensor router.
+    ("common", ("stagehand", "stagehand.common")),
     # SquareQ's formats, block images and cache (torch only): the weight runtime stages them.
-    ("runtimes", ("runtime.squareq",)),
+    ("runtimes", ("stagehand.squareq",)),
     # The runtimes beside each other.
-    ("runtimes", ("runtime.weights", "runtime.activations", "runtime.conductor")),
+    ("runtimes", ("stagehand.weights", "stagehand.activations", "stagehand.conductor")),
     # Layer offload: a runtime built on the weight runtime's blocks and scheduler.
-    ("runtimes", ("runtime.layer_offload",)),
+    ("runtimes", ("stagehand.layer_offload",)),
     # The strategy composes the runtimes into the one object a training loop drives.
-    ("strategy", ("runtime.strategy",)),
-    ("trainer", ("runtime.trainer",)),
-    # The planner reads the trainer's pipeline families; it defines the workload it calibrates on.
-    ("plan", ("runtime.plan",)),
+    ("strategy", ("stagehand.strategy",)),
+    # The application's tools, bottom first: the demo build's status file (read torch-free by the
+    # server), then the model and data factory and the presets loaded by name.
+    ("tools", ("workbench", "workbench.asset_status")),
+    ("tools", ("workbench.assets", "workbench.preset")),
+    ("worker", ("worker",)),
+    # The planner reads the worker's pipeline families; it defines the workload it calibrates on.
+    ("plan", ("workbench.plan",)),
     # The bench measures strategies on the planner's workload, and records the planner's CPU
     # profile of the machine its rows ran on.
-    ("bench", ("runtime.bench",)),
+    ("bench", ("workbench.bench",)),
     ("backend", ("backend",)),
 ]
 RANK = {room: rank for rank, (_, rooms) in enumerate(ORDER) for room in rooms}
@@ -94,10 +107,13 @@ def modules() -> dict[str, tuple[Path, bool]]:
     return found
 
 
+#: Packages whose rooms are their sub-packages and loose modules (two components).
+SPLIT = ("stagehand", "workbench")
+
+
 def room(module: str) -> str:
-    if module.split(".")[0] != "runtime":
-        return module.split(".")[0]
-    return ".".join(module.split(".")[:2])
+    parts = module.split(".")
+    return ".".join(parts[:2] if parts[0] in SPLIT else parts[:1])
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -214,9 +230,9 @@ def test_every_room_is_placed_and_the_walk_sees_the_known_arrows():
     assert rooms == set(RANK)
     pairs = {(a.source, a.target) for a in found}
     # Not vacuous: a top-level, a lazy and a TYPE_CHECKING import, absolute and relative.
-    assert ("runtime.strategy.layer_offload", "runtime.layer_offload.manager") in pairs
+    assert ("stagehand.strategy.layer_offload", "stagehand.layer_offload.manager") in pairs
     assert ("backend.server", "backend.executors") in pairs  # inside main()
-    assert ("runtime.assets", "runtime.assets.cache") in pairs  # from .cache import ...
+    assert ("workbench.assets", "workbench.assets.cache") in pairs  # from .cache import ...
     assert any(not a.runs for a in found)
     assert len(found) > 500
 
@@ -242,7 +258,7 @@ def test_readme_draws_the_rooms_in_this_order():
         assert found, f"README's layer drawing does not name {room}"
         return found[0]
 
-    lines = {room: line_of(room) for room in RANK if room != "runtime"}
+    lines = {room: line_of(room) for room in RANK if room not in SPLIT}
     for a, b in itertools.combinations(lines, 2):
         if RANK[a] == RANK[b]:
             assert lines[a] == lines[b], (a, b)
@@ -250,31 +266,76 @@ def test_readme_draws_the_rooms_in_this_order():
             assert (lines[a] < lines[b]) == (RANK[a] > RANK[b]), (a, b)
 
 
-def contract_imports() -> list[str]:
-    """``path:line module`` for each import in ``contract/`` of anything but the standard
-    library and ``contract`` itself (relative imports stay inside it)."""
+#: Third-party packages ``contract`` may import: the schemas' pydantic, and Pillow's colour names
+#: for ``data.background`` (a lazy import in ``contract/preset/schema.py``).
+CONTRACT_MAY_IMPORT = ("pydantic", "pydantic_core", "PIL")
+
+
+def absolute_imports(package: str) -> list[tuple[str, int, str]]:
+    """``(path, line, module)`` for each absolute import in ``package/`` (relative imports stay
+    inside it), lazy and ``TYPE_CHECKING`` ones included."""
     out = []
-    for path in sorted((ROOT / "contract").rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        for node, _ in _imports(ast.parse(path.read_text(), str(rel))):
+    for path in sorted((ROOT / package).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for node, _ in _imports(ast.parse(path.read_text(), rel)):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
                 names = [] if node.level else [node.module or ""]
-            for name in names:
-                top = name.split(".")[0]
-                if top != "contract" and top not in sys.stdlib_module_names:
-                    out.append(f"{rel}:{node.lineno} {name}")
+            out += [(rel, node.lineno, name) for name in names]
     return out
 
 
-def test_the_contract_imports_the_standard_library_only():
+def contract_imports() -> list[str]:
+    """``path:line module`` for each import in ``contract/`` of anything but the standard
+    library, ``CONTRACT_MAY_IMPORT`` and ``contract`` itself."""
+    allowed = {"contract", *CONTRACT_MAY_IMPORT}
+    return [
+        f"{rel}:{line} {name}"
+        for rel, line, name in absolute_imports("contract")
+        if name.split(".")[0] not in allowed | sys.stdlib_module_names
+    ]
+
+
+def library_imports() -> list[str]:
+    """``path:line module`` for each import in ``stagehand/`` of a project package other than
+    ``stagehand`` and ``contract``: the library never reaches into the application."""
+    project = {*PACKAGES, "tests", "frontend"} - {"stagehand", "contract"}
+    return [
+        f"{rel}:{line} {name}"
+        for rel, line, name in absolute_imports("stagehand")
+        if name.split(".")[0] in project
+    ]
+
+
+def test_the_contract_imports_the_standard_library_and_pydantic_only():
     assert contract_imports() == []
     found = {(a.source, a.target) for a in arrows()}
-    # Not vacuous: the server, the worker and the planner import it.
+    # Not vacuous: the server, the worker, the planner and the runtimes import it.
     assert ("backend.supervisor", "contract.control") in found
-    assert ("runtime.trainer.run", "contract.control") in found
-    assert ("runtime.plan.tune", "contract.presets") in found
+    assert ("worker.run", "contract.control") in found
+    assert ("workbench.plan.tune", "contract.preset.merge") in found
+    assert ("stagehand.weights.runtime", "contract.config") in found
+
+
+def test_the_contract_loads_without_torch():
+    names = sorted(m for m in modules() if room(m) == "contract")
+    code = (
+        f"import importlib, sys\nfor name in {names!r}: importlib.import_module(name)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'numpy', 'PIL', 'stagehand', 'worker', 'workbench', 'backend'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert len(names) > 10 and out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_library_imports_nothing_of_the_application():
+    assert library_imports() == []
+    # Not vacuous: the walk sees the library's imports of itself and of the contract.
+    names = {name for _, _, name in absolute_imports("stagehand")}
+    assert {"stagehand.weights.runtime", "contract.config", "torch"} <= names
 
 
 def test_no_source_module_over_the_line_limit():
@@ -283,8 +344,19 @@ def test_no_source_module_over_the_line_limit():
 
 if __name__ == "__main__":
     found = arrows()
+    rooms = sorted({room(m) for m in modules()}, key=lambda r: (RANK.get(r, -1), r))
+    between = sorted({(room(a.source), room(a.target)) for a in found} - {(r, r) for r in rooms})
+    print(f"{len(rooms)} rooms, bottom first: {' '.join(rooms)}")
+    print(f"{len(found)} arrows between modules; {len(between)} between rooms:")
+    for src in reversed(rooms):
+        targets = [dst for s, dst in between if s == src]
+        if targets:
+            print(f"  {src} -> {' '.join(sorted(targets, key=lambda r: -RANK.get(r, -1)))}")
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    sizes = sorted(((len(p.read_text().splitlines()), p) for p in files), reverse=True)[:5]
+    print("5 largest modules: " + ", ".join(f"{p.relative_to(ROOT)} {n}" for n, p in sizes))
     problems = order_violations(found)
-    print(f"{len(found)} arrows; {len(problems)} against the order:")
+    print(f"{len(problems)} arrows against the order:")
     print("\n".join(f"  {a}: {why}" for a, why in problems))
     loops = circles(found)
     print(f"{len(loops)} circles:")
@@ -293,9 +365,12 @@ if __name__ == "__main__":
         print(f"  {' '.join(loop)}")
         print("\n".join(f"    {a}" for a in inner))
     floor = contract_imports()
-    print(f"{len(floor)} imports of contract/ beyond the standard library:")
+    print(f"{len(floor)} imports of contract/ beyond the standard library and pydantic:")
     print("\n".join(f"  {s}" for s in floor))
+    library = library_imports()
+    print(f"{len(library)} imports of the application by stagehand/:")
+    print("\n".join(f"  {s}" for s in library))
     sizes = long_modules()
     print(f"{len(sizes)} modules over {MAX_LINES} lines:")
     print("\n".join(f"  {s}" for s in sizes))
-    sys.exit(1 if problems or loops or floor or sizes else 0)
+    sys.exit(1 if problems or loops or floor or library or sizes else 0)

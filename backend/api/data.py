@@ -1,5 +1,5 @@
 """``POST /api/data/scan``: the dataset scan a run would start with, for the New run page to
-show before Start (``runtime/trainer/scan.py``: the worker runs the same scan and records it)."""
+show before Start (``worker/scan.py``: the worker runs the same scan and records it)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from backend.errors import Invalid
 from backend.models import DatasetScan, ScanRequest
 from backend.openapi import errors
 from backend.presets import run_config
-from runtime.preset import validate_preset
-from runtime.trainer.scan import DataError, scan_folder
+from workbench.preset import validate_preset
+from worker.scan import DataError, scan_folder
 
 router = APIRouter(prefix="/api/data", tags=["data"])
 
@@ -50,8 +50,8 @@ def takes_clips(model_path: str | None) -> bool:
     clips beside the images (the worker's scan does the same)."""
     if model_path is None:
         return False
-    from runtime.trainer.pipelines import ADAPTERS, PipelineFolderError
-    from runtime.trainer.pipelines.folder import detect_family
+    from worker.pipelines import ADAPTERS, PipelineFolderError
+    from worker.pipelines.folder import detect_family
 
     try:
         family, _ = detect_family(model_path)

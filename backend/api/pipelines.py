@@ -31,8 +31,8 @@ def _field(message: str) -> str:
 
 @router.post("/inspect")
 def inspect(body: PipelineInspect) -> dict:
-    from runtime.preset import MODEL_TYPES
-    from runtime.trainer.pipelines import PipelineFolderError, inspect_pipeline, trainable
+    from contract.preset import MODEL_TYPES
+    from worker.pipelines import PipelineFolderError, inspect_pipeline, trainable
 
     try:
         info = inspect_pipeline(

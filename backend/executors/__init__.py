@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from backend.tailer import Line
-from runtime.config import AUTO_DEVICE
+from contract.config import AUTO_DEVICE
 
 EXECUTORS = ("local", "ray")
 

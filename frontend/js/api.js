@@ -157,7 +157,7 @@ export const api = {
    */
   telemetry: (id, params) => request("GET", `/api/runs/${enc(id)}/telemetry${query(params)}`),
 
-  /** LiveLimits body (runtime/config.py); 409 when the run is not running. */
+  /** LiveLimits body (contract/config.py); 409 when the run is not running. */
   setLimits: (id, limits) => request("PATCH", `/api/runs/${enc(id)}/limits`, limits),
 
   /** Live limits: `{preset, now, paths, pairs, history: [{seq, step, time, request_id, changed}]}`. */

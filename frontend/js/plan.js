@@ -50,7 +50,7 @@ function transfers(plan) {
 
 const pct = (x) => `${(100 * x).toFixed(3)}%`;
 
-/** SquareQ's quantization error of the weights (plan.quant_error, runtime/plan/quant_error.py):
+/** SquareQ's quantization error of the weights (plan.quant_error, workbench/plan/quant_error.py):
  * read from SquareQ's cache only (a request never quantizes), else "not measured: why". */
 function quantError(plan) {
   const q = plan.quant_error;
@@ -90,7 +90,7 @@ function summary(plan) {
 const RATIO_NAMES = { peak_vram_mb: "VRAM", step_ms: "step", host_ram_mb: "host RAM", pinned_mb: "pinned" };
 
 /** "calibrated by runs #7, #5 on cpu/flux (median): VRAM ×1.004, step ×0.910; refused: run #6
- * step ×0.047 (outside 0.2–5)" (runtime/plan/feedback.py describe). */
+ * step ×0.047 (outside 0.2–5)" (workbench/plan/feedback.py describe). */
 function calibrationText(cal) {
   const ratios = Object.entries(cal.ratios).map(([k, v]) => `${RATIO_NAMES[k] || k} ×${v.toFixed(3)}`).join(", ");
   const runs = cal.run_ids.flatMap((id, i) => [i ? ", " : "", h("a", { href: `#/runs/${id}` }, `#${id}`)]);

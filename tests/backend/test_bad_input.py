@@ -297,7 +297,7 @@ def test_system_info(client):
 
 
 def test_data_scan_before_start_names_every_file_left_out(client, tmp_path):
-    from tests.runtime.trainer.messy_data import BAD, LEFT_OUT, USABLE, WARNED, build_messy
+    from tests.worker.messy_data import BAD, LEFT_OUT, USABLE, WARNED, build_messy
 
     folder = build_messy(tmp_path / "messy")
     runs = client.get("/api/runs").json()["count"]
@@ -330,7 +330,7 @@ def test_data_scan_of_a_video_pipeline_takes_its_clips(client, tmp_path):
     (before, every clip was "not an image" and the folder had "no usable image")."""
     import json
 
-    from tests.runtime.trainer.conftest import write_clip
+    from tests.worker.conftest import write_clip
 
     model = tmp_path / "wan"
     model.mkdir()

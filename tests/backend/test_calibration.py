@@ -14,8 +14,8 @@ import pytest
 from backend.calibration import Calibrator
 from backend.plan_cli import main as plan_main
 from backend.store import Store
-from runtime.plan.feedback import predicted_figures
-from runtime.preset import load_preset
+from workbench.plan.feedback import predicted_figures
+from workbench.preset import load_preset
 
 GPU = {"device": "cuda:0", "device_name": "NVIDIA GeForce RTX 4090"}
 STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
@@ -24,7 +24,7 @@ STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
     (1.6, 0.25, 710.0, 41.0),
 ]
 """Figures a tiny-ci run on an RTX 4090 could measure: its plan predicts 1.54 MB, 0.18 ms per
-step, 41.6 MB pinned (ratios within runtime.plan.feedback.RATIO_BOUNDS)."""
+step, 41.6 MB pinned (ratios within workbench.plan.feedback.RATIO_BOUNDS)."""
 
 
 def _record_run(store: Store, config: dict, started: dict, limits_changed: bool = False) -> int:

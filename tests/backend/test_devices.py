@@ -17,7 +17,7 @@ from backend.settings import Settings
 from backend.store import Store
 from backend.supervisor import Supervisor
 from backend.tailer import Tailer
-from runtime.trainer.cli import device_arg, pick_device
+from worker.cli import device_arg, pick_device
 
 SLOW = {"name": "slow", "max_steps": 1000, "description": "step_s=5"}
 

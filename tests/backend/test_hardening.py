@@ -12,7 +12,7 @@ from backend_helpers import assert_error_body
 from inprocess import IdleExecutor, in_process
 
 from backend.security import MAX_JSON_DEPTH
-from runtime.config import MAX_MB
+from contract.config import MAX_MB
 
 
 @pytest.fixture(scope="module")

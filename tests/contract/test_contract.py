@@ -1,11 +1,11 @@
 """The contract read from both sides: what the server writes the worker reads, and the reverse
-(``contract.control``, ``contract.wire``, ``contract.presets``)."""
+(``contract.control``, ``contract.wire``, ``contract.preset.merge``)."""
 
 import json
 import math
 
 from contract.control import LIMITS, STOP, ControlDir, write_request
-from contract.presets import merge_overrides
+from contract.preset.merge import merge_overrides
 from contract.wire import decode, encode
 
 
@@ -55,8 +55,8 @@ def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worke
     from pydantic import ValidationError
 
     from backend.models import LimitsUpdate
+    from contract.config import LiveLimits, MemoryConfig, Watermarks
     from contract.limits import ACTIVATION_PAIR, check_pair, check_watermarks, watermark_problem
-    from runtime.config import LiveLimits, MemoryConfig, Watermarks
 
     sentence = "vram_low_watermark_mb (300.0) must not be above vram_high_watermark_mb (200.0)"
     for refuse in (

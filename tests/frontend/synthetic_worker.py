@@ -25,7 +25,7 @@ from pathlib import Path
 
 from contract import wire
 from contract.control import LIMITS, STOP, ControlDir
-from runtime.trainer.scan import scan_folder
+from worker.scan import scan_folder
 
 
 class Writer:

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.frontend.conftest import Api, picture
-from tests.runtime.trainer.messy_data import BAD, USABLE, WARNED, build_messy
+from tests.worker.messy_data import BAD, USABLE, WARNED, build_messy
 
 pytestmark = [pytest.mark.browser]
 

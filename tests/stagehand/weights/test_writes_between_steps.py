@@ -1,0 +1,63 @@
+"""Frozen module-backed block weights written between steps (issue 34, defect 5): the user's
+code loads a state dict (or swaps EMA weights) after a step, while some blocks are still on the
+device. The host masters are views of the image the H2D copy reads, so a write to a block still
+PREFETCHING raced its copy (old or torn weights next step), and a block left GPU_READY took the
+write on the device and lost it at eviction (frozen blocks were never copied back). Every later
+step must see the write exactly, under a device that lags the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagehand.strategy import build_strategy
+from tests.stagehand import exact
+from tests.stagehand.lagging import lagging_device
+from tests.stagehand.test_exactness import memory_section
+
+pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
+
+
+def _run(path, section=None, lag=0):
+    """LoRA training (frozen block weights) with, after each step, an evaluation forward and
+    every weight scaled by a ``load_state_dict``; the evaluations' sums and the ``exact.Run``."""
+    with lagging_device(lag):
+        model = exact.make_model("dual", path, "lora", ordinary=section is None)
+        built = build_strategy(
+            model, section or {"strategy": "none"}, device="cpu", checkpoint_dir=path
+        )
+        evals: list[float] = []
+
+        def after_step(strategy):
+            with strategy.step(100 + len(evals)):
+                with torch.no_grad(), strategy.forward():
+                    evals.append(model(**exact.inputs_for(model, 9)).sum().item())
+            with torch.no_grad():
+                model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+
+        run = exact.train(model, built, steps=4, after_step=after_step)
+    return run, evals
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    path = exact.build_toy("dual", tmp_path_factory.mktemp("dual") / "dual")
+    return path, _run(path)
+
+
+@pytest.mark.parametrize("host_cache_mb", [None, 64], ids=["masters", "images"])
+@pytest.mark.parametrize("low_mb", [0, 1000], ids=["evicted-after-use", "kept-loaded"])
+def test_frozen_weights_written_between_steps_reach_every_later_step(toy, host_cache_mb, low_mb):
+    """Module-backed frozen blocks, their masters as they are or moved into one image each
+    (``host_cache_mb``); blocks evicted after each use (the step's end prefetches the next
+    step's first blocks: PREFETCHING while the user writes) or kept loaded (GPU_READY)."""
+    path, (reference, reference_evals) = toy
+    section = memory_section("stream-module", True)
+    section["stagehand"].update(
+        vram_high_watermark_mb=1000, vram_low_watermark_mb=low_mb, prefetch_window_blocks=2
+    )
+    if host_cache_mb is not None:
+        section["stagehand"]["host_cache_mb"] = host_cache_mb
+    got, evals = _run(path, section, lag=4)
+    exact.assert_exact(reference, got)
+    assert evals == reference_evals

@@ -1,0 +1,194 @@
+"""Device profiles: what a plan's cost model needs to know about a device.
+
+``PROFILES`` holds named GPUs with their vendor figures; ``cpu_profile()`` measures this
+machine with a micro-benchmark (a plan on CPU predicts ``tracked`` bytes and host-side copies).
+Efficiency (the share of peak TFLOPs a transformer block reaches) is the plan's parameter, not
+the profile's.
+
+Sources of the table (figures not measured here; the project's machines have no GPU):
+
+- bf16 dense tensor TFLOPs with FP32 accumulate: NVIDIA Ampere GA102 whitepaper (RTX 3090:
+  71), Ada Lovelace whitepaper (RTX 4090: 165.2), RTX Blackwell GPU architecture whitepaper
+  (RTX 5090: 209.5), H100 Tensor Core GPU datasheet (H100 SXM5 80GB: 989.4; H100 PCIe 80GB:
+  756.5, half its 1,513 "with sparsity").
+- Memory GB/s: the same documents (936, 1008, 1792; H100 SXM5 HBM3 3350, H100 PCIe HBM2e
+  2000).
+- Pinned H2D GB/s: what CUDA's ``bandwidthTest --memory=pinned`` typically reports on the card's
+  host link, about 80% of the link's raw rate: PCIe 4.0 x16 (32 GB/s raw) 25 GB/s; PCIe 5.0 x16
+  (64 GB/s raw) 50 GB/s (both H100 forms have a PCIe 5.0 x16 host link; an H100 SXM5 80GB
+  HBM3 measured 49.5 GB/s here, ``docs/perf-gpu.md``). Pass ``--h2d-gbps`` with your own
+  measurement to replace it.
+- Page cache -> pinned slab read GB/s (``read_gbps``): the same H100 host with 4 reader
+  threads measured 13.9 GB/s (4.4 on 1, 22.8 on 8; ``docs/perf-gpu.md``); every GPU profile
+  uses the 4-thread figure (the runtime's readers: half the host's cores, 2 to 8). A host's
+  own figure replaces it (``read_gbps`` override); ``--disk-gbps`` says the files come from
+  storage at that rate instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A compute device for the cost model."""
+
+    name: str
+    vram_bytes: int
+    """Memory the device has (bytes); on CPU the tracked budget is unbounded (0)."""
+    tflops: float
+    """Peak dense TFLOPs in the training dtype."""
+    h2d_gbps: float
+    """Host -> device copy bandwidth from a pinned buffer, GB/s (1e9 bytes/s)."""
+    source: str
+    mem_gbps: float = 0.0
+    """Device memory bandwidth, GB/s: the cost of operations that are not matrix products."""
+    op_us: float = 0.0
+    """Fixed cost of one operation, us: what the host spends dispatching it where it is not
+    hidden behind the device's queue (a CPU device); 0 on a GPU."""
+    load_us: float = 0.0
+    """Fixed cost of one block load beyond its bytes, us, where it is not hidden (a CPU device:
+    a fresh allocation's page faults, the parameters re-viewed)."""
+    disk_gbps: float | None = None
+    """On a GPU: the storage read rate of file-backed blocks without a host-cache image (GB/s;
+    None: the files are in the page cache, read at ``read_gbps``). On a CPU device: what
+    reading the slab from the page cache costs beyond copying it from the host masters."""
+    read_gbps: float = 13.9
+    """Page cache -> pinned slab read rate of the weight runtime's reader threads (GB/s): a
+    GPU's file-backed loads without a host-cache image (NOTE [ Where a load's bytes come from ]
+    in ``simulate.py``)."""
+    tracked: bool = False
+    """A CPU "device": figures are the runtimes' tracked bytes."""
+    synchronous_copies: bool = False
+    """Copies run on the host in line with compute (no copy engine)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+GB = 10**9
+GIB = 2**30
+
+PROFILES: dict[str, DeviceProfile] = {
+    "rtx3090": DeviceProfile(
+        "rtx3090", 24 * GIB, 71.0, 25.0, "GA102 whitepaper; PCIe 4.0 x16 bandwidthTest", 936.0
+    ),
+    "rtx4090": DeviceProfile(
+        "rtx4090",
+        24 * GIB,
+        165.2,
+        25.0,
+        "Ada Lovelace whitepaper; PCIe 4.0 x16 bandwidthTest",
+        1008.0,
+    ),
+    "rtx5090": DeviceProfile(
+        "rtx5090",
+        32 * GIB,
+        209.5,
+        50.0,
+        "RTX Blackwell whitepaper; PCIe 5.0 x16 bandwidthTest",
+        1792.0,
+    ),
+    "h100": DeviceProfile(
+        "h100",
+        80 * GIB,
+        989.4,
+        50.0,
+        "H100 SXM5 80GB HBM3 datasheet; PCIe 5.0 x16 host link, bandwidthTest",
+        3350.0,
+    ),
+    "h100-pcie": DeviceProfile(
+        "h100-pcie",
+        80 * GIB,
+        756.5,
+        50.0,
+        "H100 PCIe 80GB HBM2e datasheet; PCIe 5.0 x16 bandwidthTest",
+        2000.0,
+    ),
+}
+
+
+def _best_ms(fn, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+@functools.cache
+def cpu_profile(dtype: str = "float32") -> DeviceProfile:
+    """This machine as a CPU device, measured at the first call in a process (a few seconds).
+
+    TFLOPs: a 512 x 512 x 512 matmul in ``dtype`` on the threads torch uses. Memory GB/s and
+    the cost per operation: resident LoRA steps of the tiny and the small flux model (an
+    in-place multiply of 64 MB when those disagree); per block load, fixed and per byte
+    (``h2d_gbps``): streamed steps of both, module-backed; per byte read from a file
+    (``disk_gbps``): the small one streamed from its folder (``workbench.plan.calibrate``, NOTE
+    [ Block loads measured in a step ]). Where a solution is not positive, the copy benchmark:
+    what the weight runtime does per block on CPU, a copy into a staging buffer, then a copy
+    into a fresh allocation (whose first touch costs page faults), for a 16 MB block.
+    """
+    import torch
+
+    dt = getattr(torch, dtype)
+    a = torch.randn(512, 512, dtype=dt)
+    b = torch.randn(512, 512, dtype=dt)
+    ms = _best_ms(lambda: a @ b)
+    tflops = 2 * 512**3 / (ms * 1e-3) / 1e12
+    n = 16 * 2**20
+    big = torch.ones(4 * n // 4)  # 64 MB: larger than the caches, as a model's weights are
+    mem_ms = _best_ms(lambda: big.mul_(1.0001), repeat=3)
+    src = torch.empty(n, dtype=torch.uint8).fill_(1)
+    slab = torch.empty(n, dtype=torch.uint8)
+
+    def staged() -> None:
+        slab.copy_(src)
+        torch.empty(n, dtype=torch.uint8).copy_(slab)
+
+    copy_ms = _best_ms(staged)
+    mem_gbps = 2 * 4 * n / (mem_ms * 1e-3) / GB
+    copy_gbps = n / (copy_ms * 1e-3) / GB
+    from workbench.plan.calibrate import calibrate
+
+    c = calibrate(tflops, mem_gbps, copy_gbps)
+    return DeviceProfile(
+        "cpu",
+        0,
+        round(tflops, 4),
+        round(c["h2d_gbps"], 3),
+        f"measured on this machine ({torch.get_num_threads()} threads, {dtype})",
+        mem_gbps=round(c["mem_gbps"], 3),
+        op_us=round(c["op_us"], 3),
+        load_us=round(c["load_us"], 3),
+        disk_gbps=None if c["disk_gbps"] is None else round(c["disk_gbps"], 3),
+        tracked=True,
+        synchronous_copies=True,
+    )
+
+
+def profile(name: str, **overrides: float) -> DeviceProfile:
+    """The profile ``name`` (a key of ``PROFILES`` or ``cpu``) with ``overrides`` applied
+    (``vram_bytes``, ``tflops``, ``h2d_gbps``, ``disk_gbps``, ``read_gbps``).
+
+    Raises:
+        PlanInputError: unknown name (field ``device``), or an override <= 0 (naming it).
+    """
+    from workbench.plan.inventory import PlanInputError
+
+    if name == "cpu":
+        base = cpu_profile()
+    elif name in PROFILES:
+        base = PROFILES[name]
+    else:
+        known = ", ".join(["cpu", *PROFILES])
+        raise PlanInputError(f"device: unknown profile {name!r}; known: {known}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for key, value in given.items():
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise PlanInputError(f"{key} must be a number > 0, got {value!r}")
+    return replace(base, **given) if given else base

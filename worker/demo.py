@@ -1,0 +1,308 @@
+"""The embedded demo's trained models: a VAE trained on the digits and the Flux-style base
+transformer pre-trained on their latents and captions, so that the default run's samples are
+handwritten digits that follow their prompts (a random VAE decodes anything to colour noise).
+
+Built once, at asset-build time (``workbench demo-assets``, or the first run that needs it), into
+``<cache>/models/flux-<size>-digits/``::
+
+    vae/            AutoencoderKL (the tiny VAE's config), ``scaling_factor`` and
+                    ``shift_factor`` set from its latents on the digits (unit variance, zero mean)
+    transformer/    FluxTransformer2DModel (``MODEL_SPECS[("flux", size)]``), sharded like the
+                    factory's models, which is what the weight runtime streams
+    demo.json       the spec and what the build measured (losses, held-out reconstruction error
+                    against the random VAE's, which digit each prompt's samples are nearest to)
+
+Deterministic: one thread, ``torch.use_deterministic_algorithms``, every draw from a seeded
+``torch.Generator``; the same spec, torch and diffusers give the same bytes, and the folder's
+``.complete`` marker (a hash of all three) makes a second build a no-op. The last
+``held_out`` digits are seen by neither model, so the build's figures are measured on digits
+they were not trained on.
+
+NOTE [ Demo pre-training ]
+The base is trained with the trainer's own objective (``FluxFamily``: rectified flow,
+logit-normal sigmas, guidance 1) on the text the trainer caches (all-MiniLM-L6-v2, padded to
+``max_tokens``), so the LoRA run continues what the base learned rather than starting another
+task. It is brief (300 steps of 32, ~6 CPU minutes on one thread): the base's samples are rough
+white-on-black digits, 7 of the 10 prompts' samples nearest their own digit's mean image
+(``demo.json``). The default run's LoRA (160 steps of 8) changes them only a little; the run page
+shows its step-0 samples beside the last ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from workbench.asset_status import demo_folder
+from workbench.assets.cache import cache_root
+from workbench.assets.digits import caption_for
+from workbench.assets.models import MODEL_SPECS, check_spec, instantiate
+
+#: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels).
+#: The digits are 8x8 images upscaled; with the demo's 200 steps it reconstructs held-out ones to a
+#: mean squared error of 0.010 in [-1, 1] pixels (the random VAE: 0.69).
+VAE_CONFIG = MODEL_SPECS[("vae", "tiny")]
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """What the demo build trains. The defaults are the demo's (``demo_stages.build_demo``); tests pass a
+    smaller one (a tiny transformer, fewer steps)."""
+
+    size: str = "small"
+    """The Flux-style transformer's factory size (the default preset trains ``small``)."""
+    resolution: int = 64
+    """Pixels per side (the default preset's ``resolution``): 8x8 latents, 16 packed tokens."""
+    held_out: int = 97
+    """The last digits, trained on by neither model (1,700 of the 1,797 are)."""
+    vae_steps: int = 200
+    vae_batch: int = 24
+    vae_lr: float = 2e-3
+    kl_weight: float = 1.0
+    """KL term per latent image against the summed L1 + L2 loss per pixel (x 1 / pixels)."""
+    base_steps: int = 300
+    base_batch: int = 32
+    base_lr: float = 5e-4
+    warmup_steps: int = 20
+    max_tokens: int = 16
+    """Caption tokens, padded: the default preset's ``data.max_caption_tokens``."""
+    sample_steps: int = 8
+    """Euler steps of the build's own sample check (the default preset's ``samples.steps``)."""
+    seed: int = 0
+
+
+DEMO = DemoSpec()
+
+SPEC_ENV = "STAGEHAND_WORKBENCH_DEMO_SPEC"
+"""A JSON object of ``DemoSpec`` fields that replace the demo's for the build and the runs that
+use it (``{"vae_steps": 2, "base_steps": 2}``: a build of seconds whose samples are noise; the
+browser tests use it). Unset: the demo's own spec."""
+
+
+def demo_spec(size: str = DEMO.size) -> DemoSpec:
+    """The demo's spec for the Flux-style ``size``, with ``$STAGEHAND_WORKBENCH_DEMO_SPEC``'s fields.
+
+    Raises:
+        ValueError: the variable is not a JSON object of ``DemoSpec`` fields.
+    """
+    raw = os.environ.get(SPEC_ENV)
+    try:
+        fields = json.loads(raw) if raw else {}
+        return DemoSpec(**{**fields, "size": size})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{SPEC_ENV}: expected a JSON object of DemoSpec fields, got {raw!r} ({exc})"
+        ) from None
+
+
+def demo_dir(cache_dir: str | os.PathLike | None = None, spec: DemoSpec = DEMO) -> Path:
+    """Where the demo models for ``spec`` live (built or not)."""
+    return cache_root(cache_dir, create=False) / demo_folder(spec.size)
+
+
+def demo_key(spec: DemoSpec = DEMO) -> dict:
+    """What the demo folder is built from: its ``.complete`` marker is this dict's hash."""
+    check_spec("flux", spec.size)
+    import diffusers
+
+    return {
+        "demo": asdict(spec),
+        "vae": VAE_CONFIG,
+        "flux": MODEL_SPECS[("flux", spec.size)],
+        "torch": torch.__version__.split("+")[0],
+        "diffusers": diffusers.__version__,
+        "format": 1,
+    }
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """One thread and deterministic kernels for the build; the caller's settings come back."""
+    threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(strict)
+        torch.set_num_threads(threads)
+
+
+def _loss_vae(vae, x: torch.Tensor, g: torch.Generator, spec: DemoSpec) -> torch.Tensor:
+    post = vae.encode(x).latent_dist
+    z = post.mean + post.std * torch.randn(post.mean.shape, generator=g)  # (B, 4, h, w)
+    err = vae.decode(z).sample - x  # (B, 3, H, W)
+    per_pixel = err.abs().mean() + err.pow(2).mean()
+    return per_pixel + spec.kl_weight * post.kl().mean() / x[0].numel()
+
+
+@torch.no_grad()
+def reconstruction_mse(vae, x: torch.Tensor) -> float:
+    """Mean squared error of ``decode(encode(x).mean)`` on pixels ``x`` (N, 3, H, W) in [-1, 1]."""
+    vae.eval()
+    errs = [
+        (vae.decode(vae.encode(b).latent_dist.mean).sample - b).pow(2).mean() * len(b)
+        for b in x.split(64)
+    ]
+    return float(sum(errs) / len(x))
+
+
+def train_vae(
+    train: torch.Tensor,
+    held: torch.Tensor,
+    spec: DemoSpec,
+    advance: Callable[[int], None] | None = None,
+):
+    """``(vae, report)``: the demo AutoencoderKL trained on ``train`` (N, 3, H, W) in [-1, 1]
+    (L1 + L2 reconstruction of a posterior sample, a small KL term), with ``scaling_factor`` and
+    ``shift_factor`` set so the trainer's latents ``(mean - shift) * scale`` have zero mean and
+    unit variance. The report gives held-out MSE before (random init) and after. ``advance(1)``
+    is called after each step."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(spec.seed)
+    vae = AutoencoderKL(**VAE_CONFIG)
+    random_mse = reconstruction_mse(vae, held)
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=spec.vae_lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(spec.seed)
+    for _ in range(spec.vae_steps):
+        idx = torch.randint(len(train), (spec.vae_batch,), generator=g)
+        loss = _loss_vae(vae, train[idx], g, spec)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if advance is not None:
+            advance(1)
+    vae.eval()
+    with torch.no_grad():
+        z = torch.cat([vae.encode(b).latent_dist.mean for b in train.split(64)])  # (N, 4, h, w)
+    vae.register_to_config(scaling_factor=float(1.0 / z.std()), shift_factor=float(z.mean()))
+    report = {
+        "steps": spec.vae_steps,
+        "random_held_out_mse": random_mse,
+        "held_out_mse": reconstruction_mse(vae, held),
+        "scaling_factor": vae.config.scaling_factor,
+        "shift_factor": vae.config.shift_factor,
+    }
+    return vae, report
+
+
+@torch.no_grad()
+def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """(N, 4, h, w) latents as the trainer caches them: ``(mean - shift) * scale``."""
+    z = torch.cat([vae.encode(b).latent_dist.mean for b in pixels.split(64)])
+    return (z - vae.config.shift_factor) * vae.config.scaling_factor
+
+
+def caption_text(max_tokens: int):
+    """``families.Text`` with one row per digit 0..9 (its caption), as stage 1 caches captions:
+    all-MiniLM-L6-v2's last hidden state padded to ``max_tokens``, the mask, the masked mean."""
+    from workbench.assets.text_encoder import load_text_encoder
+    from worker.families import Text
+
+    tokenizer, encoder = load_text_encoder()
+    tok = tokenizer(
+        [caption_for(k) for k in range(10)],
+        padding="max_length",
+        truncation=True,
+        max_length=max_tokens,
+        return_tensors="pt",
+    )
+    with torch.inference_mode():
+        hidden = encoder(**tok).last_hidden_state.float()  # (10, T, 384)
+    mask = tok["attention_mask"]  # (10, T)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+    return Text(hidden=hidden.clone(), mask=mask.clone(), pooled=pooled.clone())
+
+
+def _rows(text, k: torch.Tensor):
+    from worker.families import Text
+
+    return Text(hidden=text.hidden[k], mask=text.mask[k], pooled=text.pooled[k])
+
+
+def pretrain_base(
+    latents: torch.Tensor,
+    labels: torch.Tensor,
+    text,
+    spec: DemoSpec,
+    advance: Callable[[int], None] | None = None,
+):
+    """``(model, losses)``: the Flux-style transformer trained from its factory init on
+    ``latents`` (N, 4, h, w) with their captions' ``text`` rows (NOTE [ Demo pre-training ]);
+    ``advance(1)`` after each step."""
+    from worker.families import FluxFamily, flow_pair, sample_sigmas
+
+    family = FluxFamily()
+    model = instantiate("flux", spec.size, seed=spec.seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.base_lr, weight_decay=0.0)
+    warmup = max(1, spec.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    losses = []
+    for _ in range(spec.base_steps):
+        idx = torch.randint(len(latents), (spec.base_batch,), generator=g)
+        x0 = latents[idx]  # (B, 4, h, w)
+        noise = torch.randn(x0.shape, generator=g)
+        sigma = sample_sigmas(len(idx), "logit_normal", g)  # (B,)
+        x_t, target = flow_pair(x0, noise, sigma)
+        loss = (family.predict(model, x_t, sigma, _rows(text, labels[idx])) - target).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if advance is not None:
+            advance(1)
+    return model.eval(), losses
+
+
+@torch.no_grad()
+def sample_digits(model, vae, text, per_digit: int, spec: DemoSpec) -> torch.Tensor:
+    """(10 * per_digit, H, W) grey images in [-1, 1] for the prompts of digits 0..9 (row
+    ``k * per_digit + j`` is digit k), with the trainer's Euler sampler and a fixed seed."""
+    from worker.families import FluxFamily
+
+    family = FluxFamily()
+    k = torch.arange(10).repeat_interleave(per_digit)  # (n,)
+    side = spec.resolution // 8
+    x = torch.randn(len(k), 4, side, side, generator=torch.Generator().manual_seed(spec.seed))
+    sigmas = torch.linspace(1.0, 0.0, spec.sample_steps + 1)
+    for i in range(spec.sample_steps):
+        s = torch.full((len(k),), float(sigmas[i]))
+        x = x + (sigmas[i + 1] - sigmas[i]) * family.predict(model, x, s, _rows(text, k))
+    z = x / vae.config.scaling_factor + vae.config.shift_factor
+    return vae.decode(z).sample.clamp(-1, 1).mean(1)  # (n, H, W)
+
+
+def nearest_class_means(
+    images: torch.Tensor, pixels: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """(n,) the digit whose mean image (over ``pixels`` (N, 3, H, W) of ``labels``) is nearest,
+    in L2, to each of ``images`` (n, H, W)."""
+    means = torch.stack([pixels[labels == d, 0].mean(0) for d in range(10)])  # (10, H, W)
+    dist = (images[:, None] - means[None]).pow(2).flatten(2).sum(-1)  # (n, 10)
+    return dist.argmin(1)
+
+
+def sample_check(model, vae, text, pixels, labels, spec: DemoSpec, per_digit: int = 4) -> dict:
+    """Which digit's mean image (over ``pixels``, held-out digits) each prompt's samples are
+    nearest to: ``matches`` counts the prompts whose mean sample is nearest its own digit."""
+    images = sample_digits(model, vae, text, per_digit, spec)  # (10 * per_digit, H, W)
+    per_prompt = images.view(10, per_digit, *images.shape[1:]).mean(1)  # (10, H, W)
+    nearest = nearest_class_means(per_prompt, pixels, labels)
+    each = nearest_class_means(images, pixels, labels).view(10, per_digit)
+    return {
+        "nearest": nearest.tolist(),
+        "matches": int((nearest == torch.arange(10)).sum()),
+        "sample_matches": int((each == torch.arange(10)[:, None]).sum()),
+        "samples": 10 * per_digit,
+    }

@@ -1,0 +1,294 @@
+"""``Run``: one training run, the orchestrator ``workbench train`` drives (``cli.py``).
+
+Stage 1 scans the data and caches text embeddings and latents (``stage1.py``), stage 2 trains
+(``loop.py``) under the preset's memory strategy; samples (``sampling.py``), checkpoints, the
+LoRA and the final record (``records.py``) are written into the run folder
+(``docs/contracts.md``), and everything it reports goes into ONE telemetry stream,
+``DIR/telemetry.jsonl``, shared with the memory strategy. This module wires them together and
+handles control requests and the run's ending.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from contract import wire
+from contract.control import LIMITS, STOP, ControlDir
+from contract.preset import Preset
+from contract.records import RUN_FINISHED
+from contract.status import RunStatus
+from stagehand.common.attention import apply_attention_backend
+from stagehand.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
+from workbench.preset import load_preset, validate_preset
+from worker import loop, records
+from worker.control import StopFlag
+from worker.families import family
+from worker.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
+from worker.pipelines import PipelineFamily
+from worker.progress import Progress
+from worker.sampling import Sampler
+from worker.scan import Sample
+from worker.setup import check_text_dim, family_targets, pipeline_family, resolve_assets
+from worker.stage1 import build_cache, resolve_frames, scan_data
+
+FLUSH_INTERVAL_S = 0.25
+"""The worker's telemetry reaches its JSONL file at most this long after a record (seconds)."""
+
+
+class Run:
+    """One training run in ``run_dir``; ``execute`` returns the final status."""
+
+    def __init__(self, spec: str, run_dir: Path, device: torch.device, resume: bool) -> None:
+        self.spec, self.run_dir, self.device, self.resume = spec, run_dir, device, resume
+        sink = JsonlSink(run_dir / wire.TELEMETRY_FILE)
+        if os.environ.get(wire.STDOUT_ENV) == "1":
+            sink = TeeStdoutSink(sink)  # the Ray executor's log stream (backend/executors)
+        # Stage 1 (caching) writes progress for minutes before a step flushes: a time bound
+        # brings each record to the dashboard within FLUSH_INTERVAL_S.
+        self.telemetry = Telemetry(sink, flush_interval_s=FLUSH_INTERVAL_S)
+        self.control = ControlDir(run_dir)
+        self.stop = StopFlag()
+        self.progress = Progress()
+        self.model: torch.nn.Module | None = None
+        self.vae_dir: Path | None = None
+        self.strategy = None
+        self.family = None
+        self.steps_done = 0
+        self.start_step = 0
+        self.lora_path: Path | None = None
+
+    # -- control ------------------------------------------------------------------------------
+    def poll_control(self) -> str | None:
+        """Handle pending control requests; return the stop reason, if any."""
+        for req in self.control.poll():
+            if req.command == STOP:
+                self.stop.set(STOP)
+            elif req.command == LIMITS and self.strategy is not None:
+                try:
+                    self.strategy.set_limits(
+                        req.body.get("limits") or {}, request_id=req.request_id
+                    )
+                except ValueError as exc:  # pydantic.ValidationError is a ValueError
+                    self._rejected(req.request_id, f"invalid limits: {exc}")
+            else:
+                why = req.error or f"command {req.command!r} not understood (or no strategy yet)"
+                self._rejected(req.request_id, why)
+        return self.stop.reason if self.stop.requested else None
+
+    def _rejected(self, request_id: str | None, message: str) -> None:
+        self.telemetry.emit(
+            "trainer", "event", event="control_rejected", request_id=request_id, message=message
+        )
+
+    def stage(self, stage: str, done: int, total: int, message: str) -> None:
+        self.telemetry.emit(
+            "trainer", "stage", stage=stage, done=done, total=total, message=message
+        )
+        self.progress.stage(stage, done, total, message)
+
+    # -- the run --------------------------------------------------------------------------------
+    def execute(self) -> str:
+        name, raw = load_preset(self.spec)
+        preset = validate_preset(raw)
+        preset.check_paths()
+        # Process-wide, before any model runs: NOTE [ cuDNN SDPA guard ].
+        attention = apply_attention_backend(preset.model.cudnn_sdp, self.device)
+        self.progress.log_every = preset.log_every
+        self.stop.install()
+        (self.run_dir / "config.json").write_text(
+            json.dumps(
+                {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
+            )
+        )
+        self.family = pipeline_family(preset, self.device)
+        samples = self.scan(preset)  # before any model is built or loaded
+        preset, frames = resolve_frames(preset, self.family, samples)
+        model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family, self.progress.line)
+        self.family = self.family or family(preset.family)
+        records.run_started(
+            self.telemetry,
+            run_dir=self.run_dir,
+            name=name,
+            preset=preset,
+            device=self.device,
+            model_dir=model_dir,
+            resume=self.resume,
+            attention=attention.as_record(),
+            **frames,
+        )
+        if isinstance(self.family, PipelineFamily):
+            records.report_pipeline(self.family.info, self.telemetry, self.progress)
+        t0 = time.perf_counter()
+        cached = self.stage1(preset, vae_dir, encoder_dir, samples)
+        cache_s = time.perf_counter() - t0
+        if cached is None:
+            return self.finish(RunStatus.CANCELLED, {"cache_s": cache_s})
+        t1 = time.perf_counter()
+        self.vae_dir = vae_dir  # samples during training (factory families)
+        state = self.stage2(preset, model_dir, cached)
+        timings = {"cache_s": cache_s, "train_s": time.perf_counter() - t1}
+        if state.stopped:
+            return self.finish(RunStatus.CANCELLED, timings)
+        if preset.samples.prompts:
+            self.samples(preset, vae_dir, cached)
+        return self.finish(RunStatus.SUCCEEDED, timings)
+
+    def scan(self, preset: Preset) -> list[Sample]:
+        """The usable samples of the data folder (``stage1.scan_data``)."""
+        return scan_data(preset, self.family, self.telemetry, self.progress)
+
+    def stage1(
+        self, preset: Preset, vae_dir, encoder_dir, samples: list[Sample]
+    ) -> loop.Batchable | None:
+        """The stage-1 cache (``stage1.build_cache``); None when a stop request arrived."""
+        return build_cache(
+            preset,
+            self.family,
+            vae_dir,
+            encoder_dir,
+            samples,
+            device=self.device,
+            telemetry=self.telemetry,
+            stage=self.stage,
+            should_stop=lambda: self.poll_control() is not None,
+        )
+
+    def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
+        from stagehand.strategy import build_strategy
+
+        dtype = loop.DTYPES[preset.train_dtype]
+        self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
+        model = loop.load_transformer(self.family, model_dir, dtype)
+        check_text_dim(model, data.text["hidden"].shape[-1], self.family)
+        preset = family_targets(preset, self.family)
+        trainable = loop.attach_adapter(model, preset)
+        self.model = model
+        if preset.memory.gradient_checkpointing:
+            loop.enable_checkpointing(model)
+        model.train()
+        self.strategy = build_strategy(
+            model,
+            preset.memory,
+            device=self.device,
+            telemetry=self.telemetry,
+            checkpoint_dir=model_dir,
+            mode="training",
+        )
+        optimizer, scheduler = loop.make_optimizer(preset, trainable)
+        if self.resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is not None:
+                self.start_step = load_checkpoint(ckpt, model, optimizer, scheduler)
+                self.progress.line(f"resumed from {ckpt} (step {self.start_step})")
+        self.steps_done = self.start_step
+        message = f"{sum(p.numel() for p in trainable):,} trainable parameters"
+        self.stage("train", self.start_step, preset.max_steps, message)
+
+        def draw_samples(step: int) -> None:
+            self.sampler().during_training(model, self.strategy, preset, data, self.vae_dir, step)
+
+        def on_step(step: int, loss: float, step_s: float) -> None:
+            self.steps_done = step
+            self.progress.step(step, preset.max_steps, loss, step_s)
+            every = preset.samples.every
+            if every and preset.samples.prompts and step % every == 0:
+                if step < preset.max_steps:  # the last step's samples are the final ones
+                    draw_samples(step)
+
+        if preset.samples.prompts and self.start_step == 0:
+            draw_samples(0)  # the model before training: what the final samples are set against
+
+        state = loop.run_steps(
+            preset=preset,
+            family=self.family,
+            model=model,
+            trainable=trainable,
+            strategy=self.strategy,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            data=data,
+            start_step=self.start_step,
+            device=self.device,
+            dtype=dtype,
+            telemetry=self.telemetry,
+            between_steps=self.poll_control,
+            on_step=on_step,
+            run_dir=self.run_dir,
+        )
+        self.stage("train", state.steps_done, preset.max_steps, state.stopped or "done")
+        self.close_strategy()
+        return state
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.run_dir, self.family, self.device, self.telemetry)
+
+    def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
+        self.sampler().final(self.model, preset, data, vae_dir)
+
+    # -- endings --------------------------------------------------------------------------------
+    def close_strategy(self) -> None:
+        if self.strategy is not None:
+            strategy, self.strategy = self.strategy, None
+            strategy.close()
+            gc.collect()
+
+    def save(self) -> None:
+        """Save the LoRA when at least one step ran (the user's work is never lost)."""
+        if self.model is not None and self.steps_done > 0:
+            self.lora_path = save_lora(self.model, self.family, self.run_dir, self.steps_done)
+
+    def finish(self, status: str, timings: dict[str, float]) -> str:
+        self.close_strategy()
+        self.save()
+        self.telemetry.step, self.telemetry.phase = self.steps_done or None, None
+        lora = str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None
+        self.telemetry.emit(
+            *RUN_FINISHED,
+            status=status,
+            lora_path=lora,
+            steps_done=self.steps_done,
+            timings_s=timings,
+            stop_reason=self.stop.reason,
+        )
+        self.progress.line(
+            f"{status}: {self.steps_done} steps"
+            + "".join(f", {k} {v:.1f} s" for k, v in timings.items())
+            + (f", LoRA {self.lora_path}" if self.lora_path else "")
+        )
+        return status
+
+    def fail(self, exc: BaseException) -> None:
+        """Save what exists, then write the final ``trainer/error`` record. An error that means
+        the run folder cannot be written (gone, read-only, full) says so, naming the folder.
+
+        Raises:
+            OSError: the error record itself cannot be written (the run folder's state).
+        """
+        problem = folder_problem(self.run_dir, exc) if isinstance(exc, OSError) else None
+        message = problem or str(exc)
+        self.progress.line(f"failed: {type(exc).__name__}: {message}")
+        save_error = None
+        try:
+            if self.run_dir.is_dir():  # saving into a removed folder would make a new one
+                self.save()
+        except Exception as inner:  # the original error is the one to report
+            save_error = f"{type(inner).__name__}: {inner}"
+        self.telemetry.phase = None
+        self.telemetry.emit(
+            "trainer",
+            "error",
+            **records.error_record(
+                exc,
+                message,
+                self.device,
+                steps_done=self.steps_done,
+                lora_path=str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None,
+                save_error=save_error,
+            ),
+        )
