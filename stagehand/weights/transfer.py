@@ -2,18 +2,15 @@
 transfer stream, and bind the parameters to views of that buffer once the copy's event was
 waited on by the compute stream (a device-side wait: no host ``synchronize()`` in the hot path).
 
-On CPU the same calls run as synchronous copies: "loading" materialises the block into a fresh
-buffer and "evicting" releases it, and both are counted in ``DeviceMemory`` (category
-``"weights"``), so the tracked figure falls with streaming exactly as VRAM would.
+On CPU the same calls run as synchronous copies (a load materialises the block in a fresh
+buffer, an eviction frees it), counted in ``DeviceMemory`` (``"weights"``) as VRAM would be.
 
 Eviction copies back to the host, on a D2H stream of its own, what may have changed on the
-device: trainable gradients that changed since the load, trainable weights after an optimizer
-step (``Block.dirty``), and every module-backed weight of a block left on the device while the
-user's code ran between steps (``expose``); the weights of a block loaded from its masters are
-the masters' own copy until then. One event per block that copied anything; whoever reads those
-host tensors first waits on it (``synchronize_d2h``; a load from an image, on the device): a
-gradient copied with ``non_blocking`` is never read before the copy finished (a defect of the
-public implementation). Host waits on unfinished copies are counted (``host_waits``).
+device: changed trainable gradients, trainable weights after an optimizer step (``Block.dirty``)
+and module-backed weights of a block left on the device between steps (``expose``). One event
+per block that copied anything; whoever reads those host tensors first waits on it
+(``synchronize_d2h``; a load from an image, on the device), so a ``non_blocking`` gradient is
+never read early (a defect of the public implementation); host waits are counted.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ from stagehand.weights.registry import Block, BlockState
 from stagehand.weights.sources import SafetensorsCheckpoint, split_plan
 
 PART_MIN_BYTES = 8 * MB
-"""A block's read is shared by the readers in parts of at least this (a part's handoff costs
-~0.1 ms, 8 MB of page-cache reads ~2 ms)."""
+"""Readers share a block's read in parts of at least this (a handoff ~0.1 ms, 8 MB read ~2 ms)."""
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
 
