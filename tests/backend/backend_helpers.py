@@ -147,8 +147,11 @@ def wait_status(client, run_id, statuses, timeout=180) -> dict:
 
 
 def file_records(data_dir: Path, run_id: int) -> list[dict]:
-    path = data_dir / "runs" / str(run_id) / "telemetry.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run folder's records; a torn last line (a worker killed mid-write) is no record, as
+    the server's tailer reads it."""
+    text = (data_dir / "runs" / str(run_id) / "telemetry.jsonl").read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def stored_records(client, run_id: int) -> list[dict]:
