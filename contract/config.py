@@ -332,6 +332,15 @@ class MemoryConfig(_Strict):
             self.stagehand = StagehandSection()
         return self
 
+    def squareq_format(self) -> str | None:
+        """The format a run of this section streams its frozen blocks in (``"int8"``,
+        ``"fp8_e4m3"``), or None when SquareQ is off: it needs the weight runtime (``strategy:
+        stagehand`` with ``weight_streaming``) and ``stagehand.squareq``."""
+        sh = self.stagehand
+        if self.strategy != "stagehand" or sh is None or not sh.weight_streaming:
+            return None
+        return sh.squareq.format if sh.squareq is not None else None
+
     def for_text_encoder(self) -> MemoryConfig:
         """The section stage 1's text encoders run under: without ``squareq`` unless
         ``text_encoder_squareq`` is on (then the same section)."""

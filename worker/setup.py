@@ -30,12 +30,8 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
     check_dtype(preset.train_dtype, device)
     cache = cache_root() / "trainer-cache"
     memory = preset.memory
-    squareq = (
-        memory.strategy == "stagehand"
-        and memory.stagehand.weight_streaming
-        and memory.stagehand.squareq is not None
-        and memory.stagehand.file_backed  # module-backed blocks hold what from_pretrained read
-    )
+    # Module-backed blocks hold what from_pretrained read: only file-backed ones stream as stored.
+    squareq = memory.squareq_format() is not None and memory.stagehand.file_backed
     return pipelines.adapter_for(
         info,
         cache,

@@ -48,16 +48,6 @@ SPARSE_SHARE = 0.5
 its tensors are holes that read as zeros (``tests/fixtures/sparse_pipelines.py``)."""
 
 
-def squareq_format(memory: Any) -> str | None:
-    """The format a run of ``memory`` (``MemoryConfig``) streams its blocks in, or None when
-    SquareQ is off: it needs the weight runtime (``strategy: stagehand`` with
-    ``weight_streaming``) and ``stagehand.squareq``."""
-    sh = memory.stagehand
-    if memory.strategy != "stagehand" or sh is None or not sh.weight_streaming:
-        return None
-    return sh.squareq.format if sh.squareq is not None else None
-
-
 def sparse_file(folder: Path) -> str | None:
     """Why ``folder``'s weights cannot be read (a sparse safetensors file: names it and its
     bytes on disk), or None."""
@@ -132,7 +122,7 @@ def measure(
     """
     if mode not in MODES:
         raise ValueError(f"quant error mode must be one of {MODES}, got {mode!r}")
-    fmt = squareq_format(memory)
+    fmt = memory.squareq_format()
     if fmt is None:
         return None
     if mode == "off":

@@ -135,7 +135,7 @@ class Simulation:
         act = sh.activation_stagehand if sh is not None else None
         # Layer offload always builds the activation runtime (a training step).
         self.act = act if act is not None and (act.enabled or self.layer_offload) else None
-        squareq = memory.strategy == "stagehand" and self.streaming and sh.squareq is not None
+        squareq = memory.squareq_format() is not None
         self.blocks = [
             _Block(i, b, staged=b.image_bytes if squareq else b.nbytes)
             for i, b in enumerate(inv.blocks)
