@@ -118,6 +118,21 @@ def half_budget(weights: Any) -> int:
     return 2 * (sum(sizes) - half)
 
 
+def emulate_card(device: torch.device, card_bytes: int) -> float:
+    """Cap the CUDA caching allocator of ``device`` (``cuda`` or ``cuda:N``) at ``card_bytes``
+    (``--card-gb``): ``set_per_process_memory_fraction`` with the card's share of the device's
+    memory, at most 1. Returns that fraction. The allocator wants an integer index (a bare
+    ``torch.device("cuda")`` raises ``ValueError``): a device without one means the current
+    device, as a tensor's ``.to("cuda")`` does. ``mem_get_info`` and the device properties
+    still report the whole card: code that sizes itself from the card must be told
+    ``card_bytes`` too (``row_memory``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, card_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
 # -- child jobs (workbench.bench.child.JOBS) ----------------------------------------------------
 def build_job(job: dict[str, Any]) -> dict[str, Any]:
     """Random weights saved sharded in ``job["folder"]``, unless a matching folder is there."""
@@ -205,9 +220,7 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     card = job.get("card_bytes")
     # The emulated card bounds the streamed rows; ``resident`` (the baseline) keeps the card.
     if card is not None and device.type == "cuda" and job["row"] != "resident":
-        torch.cuda.set_per_process_memory_fraction(
-            min(1.0, card / torch.cuda.get_device_properties(device).total_memory), device
-        )
+        emulate_card(device, card)
     memory = row_memory(job["row"], job["model"], size, card)
     if job["row"] in SQUAREQ_ROWS:  # the quantized copy beside the weights, built once
         memory["stagehand"]["squareq"]["cache_dir"] = str(job["folder"]).rstrip("/") + "-squareq"

@@ -18,7 +18,7 @@ from stagehand.weights.defaults import block_bytes, resolve
 from stagehand.weights.registry import find_blocks
 from workbench.bench.cli import main
 from workbench.bench.realmodel import CARD_BYTES, REAL_MODELS, real_model, section_scale
-from workbench.bench.realsize import ROWS, row_memory
+from workbench.bench.realsize import ROWS, emulate_card, row_memory
 from workbench.plan.inventory import add_lora, meta_model
 from workbench.plan.profiles import profile
 
@@ -122,3 +122,26 @@ def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
     # A second run reuses the weights.
     assert main([*argv[:-1], str(tmp_path / "again.json"), "--only", "resident"]) == 0
     assert json.loads((tmp_path / "again.json").read_text())["build"]["reused"] is True
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", 1), ("cuda:3", 3)])
+def test_card_gb_caps_the_allocator_of_a_device_with_or_without_an_index(
+    monkeypatch, device, index
+):
+    """``--card-gb`` through torch's own ``set_per_process_memory_fraction`` (its device-index
+    check included) on a fake CUDA device of 141 GB whose current index is 1: a bare ``cuda``
+    crashed there on a GPU, the fraction must reach the allocator for the right index."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    props = type("Props", (), {"total_memory": 141 * 10**9})
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: calls.append(("props", i)) or props
+    )
+    monkeypatch.setattr(
+        torch._C, "_cuda_setMemoryFraction", lambda f, i: calls.append((f, i)), raising=False
+    )
+    fraction = emulate_card(torch.device(device), CARD_BYTES)
+    assert fraction == CARD_BYTES / (141 * 10**9)
+    assert calls == [("props", index), (fraction, index)]
+    assert emulate_card(torch.device(device), 200 * 10**9) == 1.0  # a card larger than the device
