@@ -298,9 +298,8 @@ class SpillTable:
             self._finalize([record])
         if record.state is S.RESTORING and record in self.transfer.h2d_inflight:
             self.transfer.h2d_inflight.remove(record)
-            if self.is_cuda:
-                # Never consumed: the allocator must not reuse it before the H2D copy lands.
-                record.device_tensor.record_stream(self.transfer.h2d.stream)
+            # Never consumed: the allocator must not reuse it before the H2D copy lands.
+            self.transfer.h2d.hold(record.device_tensor)
             self._pending.append((record.event, record.buffer))
             record.buffer = None
         if record.buffer is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stagehand.common.device import TransferEvent, TransferStream
+from stagehand.common.device import TransferEvent, TransferStream, device_empty
 
 
 def _check_cap(name: str, value: Any, minimum: int) -> int:
@@ -132,7 +132,7 @@ class ActivationTransferEngine:
         the stream that will read it) before the H2D stream, which first waits for the compute
         stream's queued work, writes it.
         """
-        target = torch.empty(buffer.shape, dtype=torch.uint8, device=self.device)
+        target = device_empty(buffer.nbytes, self.device).view(buffer.shape)
         with self.h2d.use():
             self.h2d.copy_(target, buffer)
             return target, self.h2d.record()

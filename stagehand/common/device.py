@@ -13,7 +13,7 @@ import ctypes
 import mmap
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,49 @@ def ordinary(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() % CPU_ALIGN:
         return tensor.clone()
     return tensor
+
+
+def device_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` bytes on the compute ``device``, allocated on
+    the calling thread's current stream (inside ``TransferStream.use()``: that stream's), whose
+    caching allocator hands the memory to later work on that stream only once it is freed: a
+    buffer another stream still reads must be kept with ``TransferStream.hold``. Under the test
+    double of the device layer (``TransferStream.double``) its own per-stream allocator gives it,
+    and poisons it when freed."""
+    double = TransferStream.double
+    if double is not None and not uses_cuda(device):
+        return double.empty(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def on_device(tensor: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether ``tensor``'s memory is the compute ``device``'s. On a CPU "device" a host tensor
+    is on it too, except under the test double, whose device memory is apart from the host's
+    (only what ``device_empty`` and ``to_device`` gave, and views of it)."""
+    double = TransferStream.double
+    if double is not None and not uses_cuda(device):
+        return double.owns(tensor)
+    return tensor.device == torch.device(device)
+
+
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is host memory: a CPU tensor, except the device memory of the test
+    double (``on_device``). On a CPU "device" a tensor is on both."""
+    double = TransferStream.double
+    return tensor.device.type == "cpu" and not (double is not None and double.owns(tensor))
+
+
+def to_device(
+    tensor: torch.Tensor, device: torch.device | str, non_blocking: bool = False
+) -> torch.Tensor:
+    """A copy of ``tensor`` on the compute ``device`` (always a new tensor), on the current
+    stream: asynchronous from pinned host memory when ``non_blocking`` (the caller keeps the
+    source unchanged until the stream passed the copy)."""
+    double = TransferStream.double
+    if double is not None and not uses_cuda(device):
+        out = double.empty(tensor.nbytes).view(tensor.dtype).view(tensor.shape)
+        return out.copy_(tensor)
+    return tensor.to(device, copy=True, non_blocking=non_blocking)
 
 
 def host_buffer(nbytes: int, pin: bool, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -210,9 +253,12 @@ class TransferEvent:
 class TransferStream:
     """A dedicated copy stream on CUDA; a synchronous stand-in with the same calls on CPU.
 
-    Copies go through ``copy_`` inside ``use()``; completion through ``record()``'s event.
-    ``TransferStream.double`` is the seam for a test double of the device layer (a device that
-    lags the host, ``tests/stagehand/lagging.py``): when set, a CPU stream is built from it.
+    Copies go through ``copy_`` and kernels through ``launch`` inside ``use()``; completion
+    through ``record()``'s event. ``TransferStream.double`` is the seam for a test double of the
+    device layer (``tests/stagehand/device_double.py``: device memory apart from the host's,
+    copies and kernels run late in each stream's order, a caching allocator per stream, freed
+    memory poisoned): when set, a CPU stream is built from it, and ``device_empty``,
+    ``to_device`` and ``on_device`` ask it.
     """
 
     double: type[TransferStream] | None = None
@@ -242,7 +288,7 @@ class TransferStream:
             yield
             return
         if after is not None:
-            after.wait(self.stream)
+            self.wait(after)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -267,6 +313,27 @@ class TransferStream:
                 with self._count_lock:  # reader threads issue copies too
                     self.pageable_copies += 1
         dst.copy_(src, non_blocking=self.non_blocking)
+
+    def wait(self, event: TransferEvent | Any) -> None:
+        """Make this stream wait, on the device, for ``event`` (a copy on another stream, or
+        the compute work a ``mark()`` covers): work issued here afterwards runs after it. The
+        host does not wait. A no-op without streams (copies there are complete)."""
+        if self.stream is not None:
+            event.wait(self.stream)
+
+    def launch(self, kernel: Callable[..., Any], *tensors: torch.Tensor) -> None:
+        """``kernel(*tensors)`` on this stream (inside ``use()``): on CUDA its kernels are
+        queued there, after the copies issued before it; ``record()``'s event covers them. On
+        the CPU stand-in it runs now. ``tensors``: every device tensor it reads or writes (a
+        device double runs it late, and must know what memory it touches)."""
+        kernel(*tensors)
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (device memory) is read or written by work queued on this stream: its
+        memory is not handed to new allocations before that work finished, even once freed
+        (``record_stream``). A no-op without streams."""
+        if self.stream is not None:
+            tensor.record_stream(self.stream)
 
     def record(self) -> TransferEvent:
         """An event completing when the copies issued so far on this stream finished."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stagehand.common.device import slot_views
+from stagehand.common.device import device_empty, slot_views
 from stagehand.squareq.formats import cpu_scratch, dequantize, dequantize_into, storage_dtype
 
 IMAGE_ALIGN = 16
@@ -195,16 +195,12 @@ class BlockImage:
         """The block's H2D copy with SquareQ (inside ``stream.use()``): copy the image ``host``
         to a device staging buffer, then dequantize it into ``flat`` on the same stream
         (NOTE [ Dequant staging ]). ``stream``: the transfer engine's ``TransferStream``."""
-        device_image = torch.empty(self.nbytes, dtype=torch.uint8, device=flat.device)
+        device_image = device_empty(self.nbytes, flat.device)
         stream.copy_(device_image, host)
-        if stream.stream is None:
-            # No streams (CPU): the copy lands before the dequantization reads it (a device
-            # double that lags the host runs its queue here), so the load is synchronous.
-            stream.record().synchronize()
-        start = self.timer.start(stream) if self.timer is not None else None
-        self.dequantize(device_image, flat)
-        if self.timer is not None:
-            self.timer.stop(stream, start, self)
+        if self.timer is None:
+            stream.launch(self.dequantize, device_image, flat)
+        else:
+            self.timer.launch(stream, self, device_image, flat)
 
     def restore(self, source: Any, device: torch.device) -> None:
         """Each target parameter becomes an ordinary tensor on ``device`` holding what a load

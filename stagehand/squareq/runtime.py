@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -97,25 +98,29 @@ class DequantTimer:
         self._pending: list[tuple[Any, Any]] = []
         self._lock = threading.Lock()
 
-    def start(self, stream: Any) -> Any:
+    def launch(self, stream: Any, image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``image.dequantize(src, dst)`` launched on ``stream`` (a ``TransferStream``, inside
+        ``use()``), timed: between two CUDA events on the stream, or on the host while the
+        kernel runs where there are no streams (at once on the CPU, late under a device double)."""
         if stream.stream is None:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream.stream)
-        return event
-
-    def stop(self, stream: Any, start: Any, image: BlockImage) -> None:
-        end = None
-        if stream.stream is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(stream.stream)
+            stream.launch(partial(self._timed, image), src, dst)
+            return
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record(stream.stream)
+        stream.launch(image.dequantize, src, dst)
+        end.record(stream.stream)
         with self._lock:
             self.bytes += image.dequantized_bytes
             self.blocks += 1
-            if end is None:
-                self.ms += (time.perf_counter() - start) * 1e3
-            else:
-                self._pending.append((start, end))
+            self._pending.append((start, end))
+
+    def _timed(self, image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        image.dequantize(src, dst)
+        with self._lock:
+            self.bytes += image.dequantized_bytes
+            self.blocks += 1
+            self.ms += (time.perf_counter() - t0) * 1e3
 
     def totals(self) -> tuple[int, int, float]:
         """(bytes, blocks, ms) so far; events not yet complete are counted later."""

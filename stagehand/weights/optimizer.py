@@ -16,30 +16,32 @@ from typing import Any
 
 import torch
 
-from stagehand.common.device import host_like, uses_cuda
+from stagehand.common.device import host_like, on_device, on_host, to_device, uses_cuda
 from stagehand.common.memory import DeviceMemory
 from stagehand.weights.errors import FrozenParameterError
 from stagehand.weights.registry import Block, BlockState, ParamSlot
 
 
 def _move_state(
-    optimizer: Any, slots: list[ParamSlot], device: torch.device, non_blocking: bool
+    optimizer: Any, slots: list[ParamSlot], compute: torch.device, to_host: bool, non_blocking: bool
 ) -> None:
-    """Every optimizer state tensor of ``slots`` to ``device``: H2D from the pinned host copies
-    made below, D2H into fresh pinned host tensors (``non_blocking``; the caller waits)."""
+    """Every optimizer state tensor of ``slots`` to the ``compute`` device (H2D from the pinned
+    host copies made below), or back to the host when ``to_host`` (D2H into fresh pinned host
+    tensors; ``non_blocking``: the caller waits)."""
     if optimizer is None:
         return
     for slot in slots:
         state = optimizer.state.get(slot.param)
         for name, value in (state or {}).items():
             # 0-d tensors (Adam's ``step``) stay where the optimizer keeps them.
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
-                if device.type == "cpu":
-                    host = host_like(value, non_blocking)
-                    host.copy_(value, non_blocking=non_blocking)
-                    state[name] = host
-                else:
-                    state[name] = value.to(device, non_blocking=non_blocking)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if to_host and not on_host(value):
+                host = host_like(value, non_blocking)
+                host.copy_(value, non_blocking=non_blocking)
+                state[name] = host
+            elif not to_host and not on_device(value, compute):
+                state[name] = to_device(value, compute, non_blocking)
 
 
 def refuse_unfrozen(frozen: list[ParamSlot]) -> None:
@@ -77,16 +79,14 @@ def trainable_on_device(
             continue
         for slot in block.layout:
             if slot.trainable:
-                slot.param.data = slot.host.to(device, copy=True, non_blocking=non_blocking)
+                slot.param.data = to_device(slot.host, device, non_blocking)
                 if slot.param.grad is not None:
-                    slot.param.grad = slot.param.grad.to(
-                        device, copy=True, non_blocking=non_blocking
-                    )
+                    slot.param.grad = to_device(slot.param.grad, device, non_blocking)
                 memory.track(slot.nbytes, "weights")
                 moved.append(slot)
     # State follows every trainable block parameter (also those whose block is loaded).
     trainable = [s for b in blocks for s in b.layout if s.trainable]
-    _move_state(optimizer, trainable, device, non_blocking)
+    _move_state(optimizer, trainable, device, False, non_blocking)
     try:
         yield
     finally:
@@ -99,7 +99,7 @@ def trainable_on_device(
                 host.copy_(grad, non_blocking=non_blocking)
                 slot.param.grad = host
             memory.untrack(slot.nbytes, "weights")
-        _move_state(optimizer, trainable, torch.device("cpu"), non_blocking)
+        _move_state(optimizer, trainable, device, True, non_blocking)
         if non_blocking:
             # The device tensors just dropped are freed in stream order (the copies were queued
             # on the same stream before them); the host reads the copies' results after this.

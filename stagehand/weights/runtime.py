@@ -131,7 +131,7 @@ class StagehandRuntime:
         self.steps = StepBoundaries(
             inference=mode == "inference",
             begin=partial(self._start, explicit=False),
-            end=self.end_step,
+            end=partial(self._end_step, detected=True),
         )
         self.phases = self.steps.phases
         """The step's phase (NOTE [ Step boundaries ] in steps.py)."""
@@ -185,11 +185,20 @@ class StagehandRuntime:
         self._prefetch()
 
     def end_step(self) -> None:
-        """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``."""
+        """Close the step: finish backward leftovers, close the trace, write ``stagehand/step``;
+        every copy back to host masters is complete when it returns (the user's code runs next
+        and may read them)."""
+        self._end_step(detected=False)
+
+    def _end_step(self, detected: bool) -> None:
+        """``end_step``; ``detected``: closed by the next step's first block (no ``end_step``
+        call, NOTE [ Step boundaries ]): the user's code between the steps has already run, so
+        frozen weights' copies back stay in flight, each waited for by its block's next load
+        (a host wait here, in a forward, would stall the host behind the copy engine)."""
         if not self.steps.open:
             return
         self.boundaries.finish()
-        self.transfer.synchronize_d2h()
+        self.transfer.synchronize_d2h(frozen=not detected)
         traced = self.scheduler.end_step()
         self.steps.leave_step()
         mem = self.memory.snapshot()
@@ -249,10 +258,11 @@ class StagehandRuntime:
 
     @contextlib.contextmanager
     def managed_backward(self) -> Iterator[None]:
-        """Backward; on exit, unfinished blocks are finished and D2H gradient copies waited on."""
+        """Backward; on exit, unfinished blocks are finished and the copies back the host reads
+        (gradients, trainable weights) waited on."""
         yield
         self.boundaries.finish()
-        self.transfer.synchronize_d2h()
+        self.transfer.synchronize_d2h(frozen=False)
 
     def optimizer_context(
         self, optimizer: torch.optim.Optimizer | None = None
@@ -260,7 +270,7 @@ class StagehandRuntime:
         """Trainable block parameters, their gradients and optimizer state on the compute device
         for ``optimizer.step()``, back to their host masters after (the seed's bug 6)."""
         refuse_unfrozen(self._frozen)
-        self.transfer.synchronize_d2h()
+        self.transfer.synchronize_d2h(frozen=False)
         for block in self.blocks:
             if block.state is BlockState.PREFETCHING:
                 self._ready(block)

@@ -27,9 +27,12 @@ from contract.config import MB
 from stagehand.common.device import (
     TransferEvent,
     TransferStream,
+    device_empty,
     host_buffer,
     host_like,
+    on_device,
     slot_views,
+    to_device,
 )
 from stagehand.common.memory import DeviceMemory
 from stagehand.weights.host_cache import HostCache
@@ -119,7 +122,10 @@ class TransferEngine:
         self.d2h_bytes = 0
         """Bytes copied back to the host at evictions (``evict``: gradients that changed,
         weights an optimizer step changed or the user's code could write)."""
-        self.d2h_events: list[TransferEvent] = []
+        self.d2h_events: list[tuple[TransferEvent, bool]] = []
+        """Copies back not yet waited on: each block's event, and whether the host reads what it
+        copied (gradients, trainable weights) rather than only a later load of the block (the
+        frozen weights of a block ``expose``d, which that load waits for itself)."""
         self.host_waits = 0
         """Host waits on a copy (or a reader) not finished yet (``_host_wait``): none belong in
         a forward or backward (the ``host_waits`` counter)."""
@@ -183,11 +189,18 @@ class TransferEngine:
         self.retire()
         return len(self.inflight) < self.inflight_limit
 
-    def synchronize_d2h(self) -> None:
-        """Block the host until every D2H copy back to host masters finished."""
-        for event in self.d2h_events:
-            self._host_wait(event)
-        self.d2h_events.clear()
+    def synchronize_d2h(self, frozen: bool = True) -> None:
+        """Block the host until the D2H copies back to host masters finished: those the host
+        reads (gradients, trainable weights), and with ``frozen`` every one (the user's code
+        runs next and may read any host master). A frozen weight's copy back left pending is
+        waited for by its block's next load (on the device from an image, else on the host)."""
+        kept = []
+        for event, host_reads in self.d2h_events:
+            if host_reads or frozen:
+                self._host_wait(event)
+            else:
+                kept.append((event, host_reads))
+        self.d2h_events = kept
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, block: Block, *, speculative: bool, grant: Any | None = None) -> bool:
@@ -234,7 +247,7 @@ class TransferEngine:
             self._host_wait(d2h)
         block.to(BlockState.HOST_STAGED)  # staging (here, or on reader threads)
         # Allocated on this thread's (compute) stream, which frees it after its last use.
-        flat = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        flat = device_empty(block.nbytes, self.device)
         parts = block.read_parts
         if image is not None:
             event: TransferEvent | StagedCopy = self._copy(block, host, flat, None, d2h)
@@ -313,7 +326,7 @@ class TransferEngine:
     ) -> TransferEvent:
         with self.stream.use(after=after):
             if d2h is not None:  # ``host`` is being written by a copy back
-                d2h.wait(self.stream.stream)
+                self.stream.wait(d2h)
             if block.image is None:
                 self.stream.copy_(flat, host)
             else:  # SquareQ: the 8-bit image copied, dequantized into ``flat`` on this stream
@@ -347,8 +360,8 @@ class TransferEngine:
         its backward or an optimizer step accumulates into them or reads them."""
         for slot in block.trainable:
             grad = slot.param.grad
-            if grad is not None and grad.device != self.device:
-                slot.param.grad = grad.to(self.device, non_blocking=self.stream.non_blocking)
+            if grad is not None and not on_device(grad, self.device):
+                slot.param.grad = to_device(grad, self.device, self.stream.non_blocking)
 
     def expose(self, blocks: list[Block], ready: Callable[[Block], None]) -> None:
         """A step ended and the user's code runs next: it may write weights (a state dict loaded
@@ -437,14 +450,15 @@ class TransferEngine:
                 host_grads[id(slot)] = host = host_like(grad, self.d2h_stream.non_blocking)
                 self.d2h_stream.copy_(host, grad)
             block.d2h_event = self.d2h_stream.record()
-            self.d2h_events.append(block.d2h_event)
+            host_reads = bool(grads) or any(s.trainable for s in weights)
+            self.d2h_events.append((block.d2h_event, host_reads))
         # Freed by ``evict``, yet read by the D2H copy until its event: not reusable before.
         pending = block.nbytes if weights else 0
         if self.d2h_stream.stream is not None:  # device gradients are real allocations
             pending += sum(s.param.grad.nbytes for s in grads)
-            if weights:
-                block.flat.record_stream(self.d2h_stream.stream)
-            for slot in grads:
-                slot.param.grad.record_stream(self.d2h_stream.stream)
+        if weights:
+            self.d2h_stream.hold(block.flat)
+        for slot in grads:
+            self.d2h_stream.hold(slot.param.grad)
         self.memory.release_after(block.d2h_event, pending)
         block.to(BlockState.HOST_STAGED)

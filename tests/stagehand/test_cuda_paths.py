@@ -1,5 +1,5 @@
 """Issue 16 on a real GPU (``gpu``: skipped without CUDA): the bookkeeping the lagging-device
-double checks on CPU (``test_lagging_device.py``), now with real streams, events, pinned memory
+double checks on CPU (``test_device_double.py``), now with real streams, events, pinned memory
 and the caching allocator; allocator health, pinned accounting and release, no pageable copy in
 the hot path, and exact gradients under a compute stream slowed down against the copies."""
 
@@ -32,7 +32,7 @@ def _no_tf32():
 
 
 def check_bookkeeping_cuda(strategy) -> None:
-    """``test_lagging_device.check_bookkeeping`` with the real device catching up."""
+    """``test_device_double.check_bookkeeping`` with the real device catching up."""
     weights, conductor = strategy.weights, strategy.conductor
     pool, transfer = weights.pool, weights.transfer
     held = {id(s) for s in pool.slabs if s.holder is not None}

@@ -111,10 +111,10 @@ def test_slots_of_finished_copies_are_reclaimed_before_a_full_pool_denies():
     from stagehand.common.telemetry import Telemetry
     from stagehand.weights import StagehandRuntime
     from tests.stagehand.conductor.runtimes import Blocks
-    from tests.stagehand.lagging import lagging_device
+    from tests.stagehand.device_double import device_double
 
     config = StagehandConfig(pinned_pool_mb=4, pinned_slab_mb=1, max_inflight_transfers=2)
-    with lagging_device(100) as clock:  # copies run only when the test lets the device go
+    with device_double(100) as clock:  # copies run only when the test lets the device go
         rt = StagehandRuntime(Blocks(), config, device="cpu", telemetry=Telemetry())
         rt.scheduler.order = [0, 1, 2, 3]
         conductor = ConductorRuntime(ConductorConfig(enabled=True, h2d_slots=2))

@@ -17,7 +17,7 @@ import torch
 
 from stagehand.common.telemetry import ListSink, Telemetry
 from stagehand.strategy import build_strategy
-from tests.stagehand.lagging import lagging_device
+from tests.stagehand.device_double import device_double
 from workbench.assets import example_inputs, output_tensor
 from workbench.bench.realmodel import (
     REAL_MODELS,
@@ -58,7 +58,7 @@ def train(folder, memory):
     strategy counters, the telemetry sink, the lag clock)."""
     sink = ListSink()
     hw, text = SPEC.inputs_shape("tiny")
-    with lagging_device(LAG) as clock:
+    with device_double(LAG) as clock:
         model = load_lora_model(SPEC, folder)
         strategy = build_strategy(
             model, memory, device="cpu", telemetry=Telemetry(sink), checkpoint_dir=folder

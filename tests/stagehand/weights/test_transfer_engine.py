@@ -18,7 +18,7 @@ from stagehand.weights.pool import PinnedPool
 from stagehand.weights.readers import StagedCopy
 from stagehand.weights.transfer import InFlight, TransferEngine
 from tests.stagehand import exact
-from tests.stagehand.lagging import lagging_device
+from tests.stagehand.device_double import device_double
 from tests.stagehand.test_exactness import memory_section
 
 
@@ -88,13 +88,13 @@ def _steps(model, built, lag, steps, set_to_none) -> dict[int, tuple]:
 
 @pytest.mark.parametrize("strategy", ["stream-module", "stream-file"])
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_no_host_wait_in_forward_or_backward_under_a_lagging_device(tmp_path, strategy, method):
+def test_no_host_wait_in_forward_or_backward_under_a_device_double(tmp_path, strategy, method):
     """Defect 7: the runtime's own host waits are counted (``host_waits``) and none falls in a
     forward or backward, under a device 4 operations behind the host with prefetches evicted
     before their use (high watermark above a block, low at 0). Before: the eviction of a
     PREFETCHING block waited on the host, and so did the load after an empty D2H event."""
     path = exact.build_toy("dual", tmp_path / "dual")
-    with lagging_device(4) as lag:
+    with device_double(4) as lag:
         model = exact.make_model("dual", path, method, "non-reentrant")
         memory = memory_section(strategy, True)
         memory["stagehand"].update(vram_high_watermark_mb=1000, prefetch_window_blocks=2)
@@ -111,7 +111,7 @@ def test_unchanged_gradients_stay_on_the_host_through_a_forward(tmp_path):
     the gradients, a fresh host tensor each). The training stays exact (gradient accumulation:
     ``test_copy_back.py``)."""
     path = exact.build_toy("dual", tmp_path / "dual")
-    with lagging_device(4) as lag:
+    with device_double(4) as lag:
         model = exact.make_model("dual", path, "full", "non-reentrant")
         memory = memory_section("stream-module", True)
         memory["stagehand"]["prefetch_window_blocks"] = 0  # no block exposed at a step's end

@@ -12,7 +12,7 @@ import torch
 
 from stagehand.strategy import build_strategy
 from tests.stagehand import exact
-from tests.stagehand.lagging import lagging_device
+from tests.stagehand.device_double import device_double
 from tests.stagehand.test_exactness import memory_section
 
 pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by
 def _run(path, section=None, lag=0):
     """LoRA training (frozen block weights) with, after each step, an evaluation forward and
     every weight scaled by a ``load_state_dict``; the evaluations' sums and the ``exact.Run``."""
-    with lagging_device(lag):
+    with device_double(lag):
         model = exact.make_model("dual", path, "lora", ordinary=section is None)
         built = build_strategy(
             model, section or {"strategy": "none"}, device="cpu", checkpoint_dir=path

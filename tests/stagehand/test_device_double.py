@@ -1,4 +1,4 @@
-"""Every strategy under a device that lags the host (``lagging.py``): the same numbers as the
+"""Every strategy under a device that lags the host (``device_double.py``): the same numbers as the
 plain model, and after every step the bookkeeping a GPU depends on holds:
 
 - every slab that is held belongs to a copy still in flight (no slab leaked, none released early:
@@ -21,8 +21,8 @@ from stagehand.strategy import build_strategy
 from stagehand.weights import StagehandRuntime
 from stagehand.weights.pool import Slab
 
+from .device_double import LAGS, Device, device_double
 from .exact import assert_exact, build_toy, make_model, train
-from .lagging import LAGS, Clock, lagging_device
 from .test_exactness import STRATEGIES, memory_section
 from .weights._train import config
 from .weights._train import train as train_runtime
@@ -53,7 +53,7 @@ def references(folders):
     return get
 
 
-def check_bookkeeping(strategy, clock: Clock) -> None:
+def check_bookkeeping(strategy, clock: Device) -> None:
     weights, conductor = strategy.weights, strategy.conductor
     if weights is not None:
         pool, transfer = weights.pool, weights.transfer
@@ -75,8 +75,8 @@ def check_bookkeeping(strategy, clock: Clock) -> None:
 @pytest.mark.parametrize("lag", [lag for lag in LAGS if lag])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(("arch", "method"), MODELS, ids=[f"{a}-{m}" for a, m in MODELS])
-def test_exact_and_clean_under_a_lagging_device(folders, references, arch, method, strategy, lag):
-    with lagging_device(lag) as clock:
+def test_exact_and_clean_under_a_device_double(folders, references, arch, method, strategy, lag):
+    with device_double(lag) as clock:
         model = make_model(arch, folders[arch], method, "non-reentrant")
         memory = memory_section(strategy, True)
         if strategy in ("stream-module", "stream-file"):  # the Conductor's grants too
@@ -98,7 +98,7 @@ def test_an_evicted_block_counts_until_its_copy_back_lands(folders):
     nothing (before: an empty event per block, its buffer counted until the event ran, and the
     block's next load waited on it). Step 1's first block, prefetched at step 0's end (its
     weights exposed to the user's code), copies its weights back."""
-    with lagging_device(4) as clock:
+    with device_double(4) as clock:
         model = make_model("flux", folders["flux"], "full", None)
         memory = DeviceMemory("cpu")
         runtime = StagehandRuntime(
