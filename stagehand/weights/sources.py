@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from stagehand.common.safetensors_header import SafetensorsHeaderError, read_header
 from stagehand.weights.errors import StagehandSetupError, UnmatchedParameterError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -102,17 +102,20 @@ def checkpoint_key(name: str) -> str:
     return name.replace(".base_layer.", ".").removesuffix(".base_layer")
 
 
-def _read_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length)), 8 + length
+def _read_header(path: Path) -> tuple[dict, int]:
+    """``read_header`` with its error a set-up error (it names the file)."""
+    try:
+        return read_header(path)
+    except SafetensorsHeaderError as exc:
+        raise StagehandSetupError(str(exc)) from None
 
 
 class SafetensorsCheckpoint:
     """The tensors of a folder of safetensors files (``*.safetensors.index.json`` when sharded).
 
     Raises:
-        StagehandSetupError: the folder holds no safetensors file, or a header is malformed.
+        StagehandSetupError: the folder holds no safetensors file, or a header does not
+            describe its file (``stagehand.common.safetensors_header``; names the file).
     """
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:

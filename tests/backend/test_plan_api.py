@@ -3,6 +3,9 @@ model, and the one error body naming the field for bad input."""
 
 from __future__ import annotations
 
+import shutil
+import struct
+
 import pytest
 from fastapi.testclient import TestClient
 from inprocess import in_process
@@ -61,3 +64,23 @@ def test_bad_input_is_one_error_body_naming_the_field(client, body, field):
     assert res.status_code == 422, res.text
     error = res.json()["error"]
     assert field in (error["field"] or "") and error["message"]
+
+
+def test_a_pipeline_header_length_past_its_file_is_a_422_naming_it(client, asset_cache, tmp_path):
+    """Read as is, the 2^62-byte header was a ``MemoryError``: a 500 with an empty message."""
+    from tests.fixtures.pipelines import build_pipeline
+
+    folder = shutil.copytree(build_pipeline("flux", asset_cache), tmp_path / "flux")
+    shard = sorted((folder / "transformer").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    shard.write_bytes(bytes(data))
+    named = f"{shard}: header length 4611686018427387904 bytes, but the file holds"
+    res = client.post("/api/pipelines/inspect", json={"path": str(folder)})
+    assert res.status_code == 422, res.text
+    error = res.json()["error"]
+    assert error["field"] == "path" and error["message"].startswith(named)
+    preset = {**TINY, "model": {"path": str(folder), "dtype": "float32"}}
+    res = client.post("/api/plan", json={"preset": preset, "device": "rtx4090"})
+    assert res.status_code == 422, res.text
+    assert named in res.json()["error"]["message"]

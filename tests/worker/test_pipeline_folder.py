@@ -3,6 +3,7 @@ the pipeline's own numbers, and every bad input named (file, field, what was exp
 
 import json
 import shutil
+import struct
 
 import pytest
 import torch
@@ -267,6 +268,40 @@ def test_bad_input_through_workbench_train_is_the_error_record(
     assert last["error_type"] == "PipelineFolderError"
     assert f"{flux_copy / 'model_index.json'}: not found" in last["message"]
     assert not (tmp_path / "cache").exists()  # nothing half-written
+
+
+def huge_header(folder):
+    """The transformer's first shard with a header length field of 2^62 (a corrupt file: read
+    as is, a ``MemoryError`` with an empty message). Returns the shard."""
+    shard = weight_files(folder / "transformer")[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_header_length_past_the_file_is_named(flux_copy):
+    shard = huge_header(flux_copy)
+    with pytest.raises(PipelineFolderError) as info:
+        inspect_pipeline(flux_copy)
+    assert str(info.value).startswith(
+        f"{shard}: header length 4611686018427387904 bytes, but the file holds "
+    )
+
+
+def test_a_header_length_past_the_file_is_the_runs_error_record(
+    flux_copy, wide_images, tmp_path, monkeypatch, pipe_io
+):
+    from workbench.assets import ENV_VAR
+    from worker.cli import main
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    shard = huge_header(flux_copy)
+    preset = pipe_io.preset(tmp_path, flux_copy, wide_images, name="huge-header")
+    assert main([str(preset), "--run-dir", str(tmp_path / "run")]) == 1
+    last = pipe_io.records(tmp_path / "run")[-1]
+    assert last["kind"] == "error" and last["error_type"] == "PipelineFolderError"
+    assert last["message"].startswith(f"{shard}: header length 4611686018427387904 bytes")
 
 
 def test_resolution_the_latent_patches_do_not_divide_is_named(

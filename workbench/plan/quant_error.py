@@ -7,7 +7,10 @@ as the run's weight runtime lays them out (the transformer on ``meta`` in the ru
 ``train_dtype``, its LoRA added, each frozen block parameter keyed to its checkpoint tensor
 as ``register_blocks`` keys it), so ``cache_entries`` and the store's key are the run's. When
 that folder exists its ``squareq.json`` is read; otherwise (``mode="compute"``) the store
-quantizes the checkpoint into it, with its progress bar, and the run then reuses it.
+quantizes the checkpoint into it, with its progress bar, and the run then reuses it. A folder
+that does not verify (``store.cached_meta``: its record, sizes and header; the planner does not
+hash the file, it trains nothing) is replaced with ``mode="compute"`` and reported, named, with
+``mode="cached"``.
 
 Not measured, with the reason, instead of failing: a factory model not built into the asset
 cache yet (the run builds it; a plan builds nothing), a folder whose safetensors are sparse files (headers with holes: the planner's
@@ -119,6 +122,8 @@ def measure(
     Raises:
         ValueError: an unknown ``mode``.
         OSError: the cache folder cannot be written (``mode="compute"``; names it).
+        store.CorruptCacheError: a folder that does not verify cannot be moved aside
+            (``mode="compute"``; names it and how to clear it).
     """
     if mode not in MODES:
         raise ValueError(f"quant error mode must be one of {MODES}, got {mode!r}")
@@ -141,7 +146,12 @@ def measure(
         entries = cache_entries(run_blocks(build(), source, memory.stagehand), source)
         root = store.cache_root(sq.cache_dir)
         cache = store.folder_for(source, entries, fmt, root)
-        meta = store.cached_meta(cache)
+        try:
+            meta = store.cached_meta(cache)
+        except store.CorruptCacheError as exc:
+            if mode == "cached":  # a request never quantizes: say so, and who replaces it
+                return not_measured(fmt, f"{exc} (`workbench plan` or the run's set-up does)")
+            meta = None  # ``ensure`` replaces it
         if meta is None and mode == "cached":
             return not_measured(
                 fmt, "not in the SquareQ cache yet (`workbench plan` or the run's set-up builds it)"

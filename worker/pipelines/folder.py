@@ -13,10 +13,11 @@ Every problem raises ``PipelineFolderError`` naming the file, the field and what
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from stagehand.common.safetensors_header import SafetensorsHeaderError, read_header
 
 PIPELINE_FAMILIES: dict[str, str] = {
     "FluxPipeline": "flux",
@@ -100,13 +101,19 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: ``{key: {dtype, shape, data_offsets}}``."""
+    """The JSON header of a safetensors file: ``{key: {dtype, shape, data_offsets}}``.
+
+    Raises:
+        PipelineFolderError: the file cannot be read, or its header does not describe it
+            (``stagehand.common.safetensors_header``: a length past the file's end, not JSON,
+            ranges that do not tile the data); names the file.
+    """
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError) as exc:
-        raise PipelineFolderError(f"{path}: not a safetensors file ({exc})") from None
+        header, _ = read_header(path)
+    except SafetensorsHeaderError as exc:
+        raise PipelineFolderError(str(exc)) from None
+    except OSError as exc:
+        raise PipelineFolderError(f"{path}: not readable ({exc})") from None
     header.pop("__metadata__", None)
     return header
 

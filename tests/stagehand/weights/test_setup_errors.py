@@ -1,5 +1,8 @@
 """Bad input raises a named error at set-up, naming the parameter, block or field."""
 
+import shutil
+import struct
+
 import pydantic
 import pytest
 import torch
@@ -17,7 +20,9 @@ from stagehand.weights import (
     StagehandRuntime,
     UnmatchedParameterError,
 )
+from stagehand.weights.errors import StagehandSetupError
 from stagehand.weights.registry import Block
+from stagehand.weights.sources import SafetensorsCheckpoint
 
 from ._train import config, make_model
 
@@ -63,6 +68,18 @@ def test_shape_and_dtype_mismatch_name_the_parameter(tiny_flux):
         ParameterMismatchError, match=r"transformer_blocks\.1\.norm1\.linear\.weight.*int8"
     ):
         StagehandRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
+
+
+def test_a_checkpoint_header_length_past_its_file_names_the_file(tiny_flux, tmp_path):
+    """Read as is, the length field asked for 2^62 bytes: a ``MemoryError`` with no message."""
+    folder = shutil.copytree(tiny_flux, tmp_path / "flux")
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StagehandSetupError) as info:
+        SafetensorsCheckpoint(folder)
+    assert str(info.value).startswith(f"{shard}: header length 4611686018427387904 bytes")
 
 
 def test_block_larger_than_pool_is_refused_with_sizes():

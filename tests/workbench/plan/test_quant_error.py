@@ -107,6 +107,29 @@ def test_plan_error_is_the_runs_first_record_and_its_cache(asset_cache, tmp_path
     assert 0 < got["rel_rms_mean"] <= got["rel_rms_max"] < (0.01 if fmt == "int8" else 0.05)
 
 
+def test_a_cache_that_does_not_verify_is_named_then_replaced(asset_cache, tmp_path, quantized):
+    """A garbage ``squareq.json`` was ``Expecting value: line 1 column 1`` on every later plan:
+    the New run page's plan (cache only) names the folder and how to clear it, ``workbench
+    plan`` quantizes into a fresh one, with the same table."""
+    from tests.fixtures.pipelines import build_pipeline
+
+    data = _preset(build_pipeline("flux", asset_cache), "int8", tmp_path / "sq")
+    got = plan_preset(data, profile("cpu"), quant_error="compute").quant_error
+    cache = Path(got["folder"])
+    (cache / "squareq.json").write_text("garbage")
+    named = plan_preset(data, profile("cpu")).quant_error
+    assert named["measured"] is False and len(quantized) == 72
+    assert named["reason"].startswith(
+        f"not measured: SquareQ cache {cache} does not verify: squareq.json is not readable JSON"
+    )
+    assert f"delete it (rm -r '{cache}')" in named["reason"]
+    again = plan_preset(data, profile("cpu"), quant_error="compute").quant_error
+    assert again["measured"] and again["cached"] is False and len(quantized) == 2 * 72
+    assert again["replaced"].startswith(f"SquareQ cache {cache} did not verify")
+    assert {k: again[k] for k in TABLE} == {k: got[k] for k in TABLE}
+    assert plan_preset(data, profile("cpu")).quant_error["cached"] is True
+
+
 def test_cli_table_and_no_quant_error(asset_cache, tmp_path, capsys):
     """The CLI prints the table (percent, the worst layer, the five worst) and writes it in the
     JSON; ``--no-quant-error`` says not measured and quantizes nothing."""
