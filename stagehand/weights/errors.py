@@ -43,3 +43,9 @@ class FrozenParameterError(StagehandError):
 
 class BlockStateError(StagehandError):
     """An illegal block state transition; names the state expected and the state found."""
+
+
+class LostWriteError(StagehandError):
+    """A block parameter with no host copy (read from its checkpoint file, or held by SquareQ in
+    8 bits) was written between steps while its block was on the device: the write would be
+    lost at the block's eviction. Names the parameter."""

@@ -26,7 +26,7 @@ gradients, ``pin_memory`` copies); else those would fail with a CUDA out-of-memo
 ``host_cache_mb: 0`` turns every image off, registered ones included. ``close`` unlocks every
 image (the memory stays valid pageable memory for views still held). A cached image is never
 written after its fill; a registered one only by its own block's copy back (a block left on the
-device while the user's code ran: ``TransferEngine.expose``), which that block's next load waits
+device while the user's code ran: ``CopyBack.expose``), which that block's next load waits
 for on the device.
 """
 

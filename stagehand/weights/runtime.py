@@ -178,6 +178,7 @@ class StagehandRuntime:
 
     def _start(self, step: int, explicit: bool) -> None:
         self.steps.enter_step(step, explicit)
+        self.transfer.back.refuse_lost_writes()
         self.counts = StepCounts(at_begin=self._totals())
         if self._owns_memory:
             self.memory.reset_peak()
@@ -198,7 +199,7 @@ class StagehandRuntime:
         if not self.steps.open:
             return
         self.boundaries.finish()
-        self.transfer.synchronize_d2h(frozen=not detected)
+        self.transfer.back.synchronize(frozen=not detected)
         traced = self.scheduler.end_step()
         self.steps.leave_step()
         mem = self.memory.snapshot()
@@ -219,8 +220,8 @@ class StagehandRuntime:
         self.telemetry.emit(*WEIGHTS_STEP, **self._last)
         self.squareq.emit(self.telemetry)  # SquareQ's ``squareq/step``, when it is on
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
-        # The user's code runs next and may write weights (TransferEngine.expose).
-        self.transfer.expose(self.blocks, partial(self._ready, grads=False))
+        # The user's code runs next and may write weights (CopyBack.expose).
+        self.transfer.back.expose(self.blocks, partial(self._ready, grads=False))
 
     def counters(self) -> dict[str, int]:
         """Work of the open step (the last one between steps): ``blocks_loaded``,
@@ -234,10 +235,10 @@ class StagehandRuntime:
         source, transfer = self.source, self.transfer
         return Totals(
             h2d_bytes=transfer.h2d_bytes,
-            d2h_bytes=transfer.d2h_bytes,
+            d2h_bytes=transfer.back.bytes,
             file_reads=source.reads if source is not None else 0,
             file_read_bytes=source.read_bytes if source is not None else 0,
-            pageable_copies=transfer.stream.pageable_copies + transfer.d2h_stream.pageable_copies,
+            pageable_copies=transfer.stream.pageable_copies + transfer.back.stream.pageable_copies,
             host_waits=transfer.host_waits,
             host_cache_hits=self.cache.hits,
             file_reads_avoided=self.cache.reads_avoided,
@@ -262,7 +263,7 @@ class StagehandRuntime:
         (gradients, trainable weights) waited on."""
         yield
         self.boundaries.finish()
-        self.transfer.synchronize_d2h(frozen=False)
+        self.transfer.back.synchronize(frozen=False)
 
     def optimizer_context(
         self, optimizer: torch.optim.Optimizer | None = None
@@ -270,7 +271,7 @@ class StagehandRuntime:
         """Trainable block parameters, their gradients and optimizer state on the compute device
         for ``optimizer.step()``, back to their host masters after (the seed's bug 6)."""
         refuse_unfrozen(self._frozen)
-        self.transfer.synchronize_d2h(frozen=False)
+        self.transfer.back.synchronize(frozen=False)
         for block in self.blocks:
             if block.state is BlockState.PREFETCHING:
                 self._ready(block)

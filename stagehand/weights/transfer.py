@@ -5,18 +5,12 @@ waited on by the compute stream (a device-side wait: no host ``synchronize()`` i
 On CPU the same calls run as synchronous copies (a load materialises the block in a fresh
 buffer, an eviction frees it), counted in ``DeviceMemory`` (``"weights"``) as VRAM would be.
 
-Eviction copies back to the host, on a D2H stream of its own, what may have changed on the
-device: changed trainable gradients, trainable weights after an optimizer step (``Block.dirty``)
-and module-backed weights of a block left on the device between steps (``expose``). One event
-per block that copied anything; whoever reads those host tensors first waits on it
-(``synchronize_d2h``; a load from an image, on the device), so a ``non_blocking`` gradient is
-never read early (a defect of the public implementation); host waits are counted.
+Eviction copies back to the host what may have changed on the device (``copy_back.py``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -29,12 +23,12 @@ from stagehand.common.device import (
     TransferStream,
     device_empty,
     host_buffer,
-    host_like,
     on_device,
     slot_views,
     to_device,
 )
 from stagehand.common.memory import DeviceMemory
+from stagehand.weights.copy_back import CopyBack
 from stagehand.weights.host_cache import HostCache
 from stagehand.weights.pool import PinnedPool, Slab
 from stagehand.weights.readers import Readers, StagedCopy
@@ -97,11 +91,8 @@ class TransferEngine:
         self.device = device
         self.stream = TransferStream(device)
         """H2D copies (block loads)."""
-        self.d2h_stream = TransferStream(device)
-        """D2H copies (trainable weights and gradients copied back at eviction): a stream of
-        their own, so a prefetch is not queued behind an eviction and the copy engines run both
-        directions at once. A load of a block whose copy back is still running waits for it
-        first (``block.d2h_event``)."""
+        self.back = CopyBack(device, memory, self._host_wait)
+        """Copies back at eviction, on their own D2H stream, and the step-end exposure."""
         self.readers = Readers(reader_threads) if reader_threads > 0 else None
         """Reader threads (``reader_threads``): they share each block's read, and the last
         part's reader issues its H2D copy (``readers.py``)."""
@@ -119,21 +110,9 @@ class TransferEngine:
         """Issued copies not yet retired, in issue order (they may finish in another order:
         ``retire``)."""
         self.h2d_bytes = 0
-        self.d2h_bytes = 0
-        """Bytes copied back to the host at evictions (``evict``: gradients that changed,
-        weights an optimizer step changed or the user's code could write)."""
-        self.d2h_events: list[tuple[TransferEvent, bool]] = []
-        """Copies back not yet waited on: each block's event, and whether the host reads what it
-        copied (gradients, trainable weights) rather than only a later load of the block (the
-        frozen weights of a block ``expose``d, which that load waits for itself)."""
         self.host_waits = 0
         """Host waits on a copy (or a reader) not finished yet (``_host_wait``): none belong in
         a forward or backward (the ``host_waits`` counter)."""
-        self.exposed: set[int] = set()
-        """Blocks on the device while the user's code may write their weights (``expose``)."""
-        self._kept: dict[int, tuple[torch.Tensor, int]] = {}
-        """Trainable slot -> the host gradient it kept at its block's load, and that gradient's
-        version then: the same tensor and version at eviction is an unchanged gradient."""
 
     # -- completion -----------------------------------------------------------------------------
     def retire(self) -> bool:
@@ -177,7 +156,7 @@ class TransferEngine:
         for entry in self.inflight:
             self._host_wait(entry.event)
         self.retire()
-        self.synchronize_d2h()
+        self.back.synchronize()
 
     @property
     def inflight_limit(self) -> int:
@@ -188,19 +167,6 @@ class TransferEngine:
     def has_capacity(self) -> bool:
         self.retire()
         return len(self.inflight) < self.inflight_limit
-
-    def synchronize_d2h(self, frozen: bool = True) -> None:
-        """Block the host until the D2H copies back to host masters finished: those the host
-        reads (gradients, trainable weights), and with ``frozen`` every one (the user's code
-        runs next and may read any host master). A frozen weight's copy back left pending is
-        waited for by its block's next load (on the device from an image, else on the host)."""
-        kept = []
-        for event, host_reads in self.d2h_events:
-            if host_reads or frozen:
-                self._host_wait(event)
-            else:
-                kept.append((event, host_reads))
-        self.d2h_events = kept
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, block: Block, *, speculative: bool, grant: Any | None = None) -> bool:
@@ -347,10 +313,7 @@ class TransferEngine:
         block.load_event.wait()
         for slot, view in zip(block.layout, slot_views(block.flat, block.layout), strict=True):
             slot.param.data = view
-        for slot in block.trainable:
-            grad = slot.param.grad
-            if grad is not None:
-                self._kept[id(slot)] = (grad, grad._version)
+        self.back.keep_grads(block)
         block.to(BlockState.GPU_READY)
         if grads:
             self.grads_to_device(block)
@@ -362,26 +325,6 @@ class TransferEngine:
             grad = slot.param.grad
             if grad is not None and not on_device(grad, self.device):
                 slot.param.grad = to_device(grad, self.device, self.stream.non_blocking)
-
-    def expose(self, blocks: list[Block], ready: Callable[[Block], None]) -> None:
-        """A step ended and the user's code runs next: it may write weights (a state dict loaded
-        back, an EMA or weight swap). Every module-backed block on the device is bound to its
-        buffer (a PREFETCHING one is made ready with ``ready``: a write to its host masters
-        would race the copy still reading them) and *exposed*: its next eviction copies every
-        weight with a host master back (trainable ones as ``dirty``), so the write reaches
-        every later step. Frozen blocks left on the device at a step's end pay one D2H copy
-        each when evicted (``d2h_bytes``), synchronous where their masters are not page-locked
-        (no image: ``host_cache_mb: 0``, a lock refused; ``pageable_copies``); file-backed ones
-        have no host copy to keep a write (not handled).
-        """
-        for block in blocks:
-            if block.on_device and any(s.host is not None for s in block.layout):
-                if block.state is BlockState.PREFETCHING:
-                    ready(block)
-                if block.trainable:
-                    block.dirty = True
-                if any(s.host is not None and not s.trainable for s in block.layout):
-                    self.exposed.add(block.index)
 
     # -- evict ----------------------------------------------------------------------------------
     def evict(self, block: Block) -> None:
@@ -403,7 +346,7 @@ class TransferEngine:
                 event.wait()
         host_grads: dict[int, torch.Tensor] = {}
         if block.state is BlockState.GPU_READY:
-            self._copy_back(block, host_grads)
+            self.back.issue(block, host_grads)
         block.to(BlockState.GPU_FREEING)
         for slot in block.layout:
             slot.param.data = slot.host if slot.host is not None else placeholder(slot.dtype)
@@ -413,52 +356,3 @@ class TransferEngine:
         block.prefetched = False
         self.memory.untrack(block.nbytes, "weights")
         block.to(BlockState.UNLOADED)
-
-    def _copy_back(self, block: Block, host_grads: dict[int, torch.Tensor]) -> None:
-        """Issue ``block``'s D2H copies (see ``evict``) on the D2H stream; ``host_grads`` gets
-        each trainable slot's host gradient."""
-        everything = block.index in self.exposed
-        self.exposed.discard(block.index)
-        weights = [
-            s
-            for s in block.layout
-            if s.host is not None and (everything or block.dirty and s.trainable)
-        ]
-        block.dirty = False
-        grads = []
-        for slot in block.trainable:
-            grad, kept = slot.param.grad, self._kept.pop(id(slot), None)
-            if grad is None:
-                continue
-            if kept is not None and kept[0] is grad and grad._version == kept[1]:
-                host_grads[id(slot)] = grad  # the host gradient it kept, unchanged
-            else:
-                grads.append(slot)
-        if not weights and not grads:
-            return
-        block.to(BlockState.EVICTING)
-        with self.d2h_stream.use():
-            for slot in weights:
-                self.d2h_stream.copy_(slot.host, slot.param.data)
-                self.d2h_bytes += slot.nbytes
-            for slot in grads:
-                grad = slot.param.grad
-                self.d2h_bytes += grad.nbytes
-                # A fresh host gradient per copy, as autograd gives a fresh ``.grad`` after
-                # ``zero_grad(set_to_none=True)``: one the user kept is never overwritten.
-                # Pinned ones come from PyTorch's caching host allocator.
-                host_grads[id(slot)] = host = host_like(grad, self.d2h_stream.non_blocking)
-                self.d2h_stream.copy_(host, grad)
-            block.d2h_event = self.d2h_stream.record()
-            host_reads = bool(grads) or any(s.trainable for s in weights)
-            self.d2h_events.append((block.d2h_event, host_reads))
-        # Freed by ``evict``, yet read by the D2H copy until its event: not reusable before.
-        pending = block.nbytes if weights else 0
-        if self.d2h_stream.stream is not None:  # device gradients are real allocations
-            pending += sum(s.param.grad.nbytes for s in grads)
-        if weights:
-            self.d2h_stream.hold(block.flat)
-        for slot in grads:
-            self.d2h_stream.hold(slot.param.grad)
-        self.memory.release_after(block.d2h_event, pending)
-        block.to(BlockState.HOST_STAGED)

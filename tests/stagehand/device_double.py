@@ -53,6 +53,9 @@ import torch
 from stagehand.common.device import TransferStream
 
 LAGS = (0, 1, 2, 4)
+SLOW = 10**9
+"""A lag no step reaches: the device runs a stream's work only when something waits on it, as a
+GPU that the host always runs ahead of (large copies behind queued compute)."""
 ALLOC_ROUND = 512
 """Bytes an allocation is rounded up to (CUDA's caching allocator rounds to 512)."""
 POISON = 0xFF
@@ -393,9 +396,10 @@ def device_double(lag: int) -> Iterator[Device]:
     """Every CPU ``TransferStream`` built inside is a ``LaggingStream`` of one ``Device`` with
     ``lag``, and the device layer allocates from that device (module docstring)."""
     device = Device(lag)
+    outer = TransferStream.double  # a test's own double inside the suite-wide mode's
     TransferStream.double = type("LaggingStream", (LaggingStream,), {"device": device})
     try:
         yield device
     finally:
-        TransferStream.double = None
+        TransferStream.double = outer
         device.closed = True

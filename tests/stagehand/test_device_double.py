@@ -111,7 +111,7 @@ def test_an_evicted_block_counts_until_its_copy_back_lands(folders):
 
         def after_eviction(block, *_):
             pending = memory.usage_bytes() - memory.tracked_bytes()
-            seen.setdefault((runtime.step, block.index), (pending, len(transfer.d2h_events)))
+            seen.setdefault((runtime.step, block.index), (pending, len(transfer.back.events)))
 
         transfer = runtime.transfer
         for block in runtime.blocks:  # after the runtime's hook evicted the block

@@ -10,7 +10,7 @@ import pytest
 
 from contract.preset import PRESETS_DIR
 from contract.preset.merge import merge_overrides
-from tests.stagehand.conftest import _in_tmp_dir, _device_double  # noqa: F401
+from tests.stagehand.conftest import _device_double, _in_tmp_dir  # noqa: F401
 from workbench.assets import ENV_VAR
 
 REPO = Path(__file__).resolve().parents[2]

@@ -44,7 +44,7 @@ def test_streamed_blocks_copy_back_their_gradients_once_and_no_weights(tiny_flux
         # (before: its weights at every eviction too, 3x these bytes).
         assert record["blocks_loaded"] == 2 * len(runtime.blocks)
         assert record["d2h_bytes"] == trainable
-    assert runtime.transfer.d2h_stream is not runtime.transfer.stream
+    assert runtime.transfer.back.stream is not runtime.transfer.stream
 
 
 def test_blocks_loaded_at_the_optimizer_step_copy_their_weights_back(tiny_flux):

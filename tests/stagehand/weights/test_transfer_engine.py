@@ -66,11 +66,11 @@ def _steps(model, built, lag, steps, set_to_none) -> dict[int, tuple]:
     for step in range(steps):
         with built.step(step):
             waits, counted = lag.host_waits, built.counters()["host_waits"]
-            grads, d2h = [p.grad for p in params], weights.transfer.d2h_bytes
+            grads, d2h = [p.grad for p in params], weights.transfer.back.bytes
             with built.forward():
                 loss = model(**exact.inputs_for(model, step)).pow(2).mean()
             kept = all(a is b for a, b in zip(grads, (p.grad for p in params), strict=True))
-            forward_d2h = weights.transfer.d2h_bytes - d2h
+            forward_d2h = weights.transfer.back.bytes - d2h
             with built.backward():
                 loss.backward()
                 seen[step] = (

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stagehand.strategy import build_strategy
+from stagehand.weights.errors import LostWriteError
 from tests.stagehand import exact
 from tests.stagehand.device_double import device_double
 from tests.stagehand.test_exactness import memory_section
@@ -61,3 +62,26 @@ def test_frozen_weights_written_between_steps_reach_every_later_step(toy, host_c
     got, evals = _run(path, section, lag=4)
     exact.assert_exact(reference, got)
     assert evals == reference_evals
+
+
+@pytest.mark.parametrize(
+    ("file_backed", "squareq", "kept_as"),
+    [
+        (True, None, "streams read-only from its checkpoint file"),
+        (False, {"format": "int8"}, "is held on the host by SquareQ in 8 bits"),
+    ],
+    ids=["file-backed", "squareq-module-backed"],
+)
+def test_a_write_a_block_cannot_keep_is_refused_by_name(
+    toy, tmp_path, file_backed, squareq, kept_as
+):
+    """Blocks kept loaded at a step's end whose weights have no host copy to take a write
+    (read from the checkpoint file; quantized by SquareQ, its host holding 8 bits): a state
+    dict loaded between steps would be lost at eviction, so the next step refuses it by name."""
+    path, _ = toy
+    section = memory_section("stream-file" if file_backed else "stream-module", True)
+    section["stagehand"].update(vram_high_watermark_mb=1000, vram_low_watermark_mb=1000)
+    if squareq is not None:
+        section["stagehand"]["squareq"] = {**squareq, "cache_dir": str(tmp_path)}
+    with pytest.raises(LostWriteError, match=rf"parameter '.+\.weight' .* but it {kept_as}"):
+        _run(path, section, lag=4)
