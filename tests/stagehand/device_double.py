@@ -89,7 +89,8 @@ class Chunk:
 
     def __post_init__(self) -> None:
         self.mapping = mmap.mmap(-1, self.size)
-        self.base = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        with torch.inference_mode(False):  # the double's own view: written in any mode
+            self.base = torch.frombuffer(self.mapping, dtype=torch.uint8)
         self.ptr = self.base.data_ptr()
 
 
@@ -177,7 +178,7 @@ class Device:
                 bisect.insort(self._starts, chunk.ptr)
             self.allocations += 1
             chunk.holders = set()
-            chunk.base.fill_(POISON)  # device memory is never handed out zeroed
+            poison(chunk)  # device memory is never handed out zeroed
         owner = (ctypes.c_ubyte * size).from_buffer(chunk.mapping)
         weakref.finalize(owner, self._freed, chunk, chunk.generation)
         return torch.frombuffer(owner, dtype=torch.uint8)[:nbytes]
@@ -237,7 +238,7 @@ class Device:
                 stream.queue.append(("free", chunk))
 
     def _release(self, chunk: Chunk) -> None:
-        chunk.base.fill_(POISON)
+        poison(chunk)
         chunk.generation += 1
         self.poisoned_bytes += chunk.size
         key = (id(chunk.stream) if chunk.stream else 0, chunk.size)
@@ -385,6 +386,11 @@ class LaggingStream(TransferStream):
         with self.device.lock:
             while self.queue:
                 self._run_next()
+
+
+def poison(chunk: Chunk) -> None:
+    with torch.inference_mode(False), torch.no_grad():
+        chunk.base.fill_(POISON)
 
 
 def _tensor(ref: DeviceRef | torch.Tensor, what: str) -> torch.Tensor:
