@@ -192,6 +192,7 @@ class Run:
             if ckpt is not None:
                 self.start_step = load_checkpoint(ckpt, model, optimizer, scheduler)
                 self.progress.line(f"resumed from {ckpt} (step {self.start_step})")
+                records.resumed(self.telemetry, self.run_dir, ckpt, self.start_step)
         self.steps_done = self.start_step
         message = f"{sum(p.numel() for p in trainable):,} trainable parameters"
         self.stage("train", self.start_step, preset.max_steps, message)
