@@ -20,6 +20,10 @@ class Record(NamedTuple):
 
 RUN_STARTED = Record("trainer", "run_started")
 """The resolved config and the run's identity (calibration plans its config)."""
+RESUMED = Record("trainer", "resumed")
+"""A resumed worker has loaded ``checkpoint`` and trains the steps after its ``step`` again:
+the step records of higher steps written before it are of the discarded run, and each step is
+drawn once, from its newest records (charts and Compare's series)."""
 RUN_FINISHED = Record("trainer", "run_finished")
 """How the run ended (``status``); the supervisor's exit rules read it."""
 LIMITS_APPLIED = Record("strategy", "limits_applied")

@@ -1,5 +1,6 @@
 """The run's own telemetry records that take more than a line to build: ``trainer/run_started``,
-``trainer/pipeline`` and the figures of ``trainer/error`` (``docs/contracts.md``)."""
+``trainer/resumed``, ``trainer/pipeline`` and the figures of ``trainer/error``
+(``docs/contracts.md``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from contract.config import MB
 from contract.preset import Preset
-from contract.records import RUN_STARTED
+from contract.records import RESUMED, RUN_STARTED
 from stagehand.common.telemetry import Telemetry
 from worker.progress import Progress
 
@@ -50,6 +51,13 @@ def run_started(
         attention=attention,
         **fields,
     )
+
+
+def resumed(telemetry: Telemetry, run_dir: Path, checkpoint: Path, step: int) -> None:
+    """The ``trainer/resumed`` record, its envelope ``step`` the checkpoint's: emitted before the
+    first step trained again, so a reader drops the older records of the steps after it (a
+    worker killed after step N + k wrote them; training resumes after step N)."""
+    telemetry.emit(*RESUMED, step=step, checkpoint=str(checkpoint.relative_to(run_dir)))
 
 
 def report_pipeline(info, telemetry: Telemetry, progress: Progress) -> None:

@@ -101,11 +101,7 @@ class Run:
         attention = apply_attention_backend(preset.model.cudnn_sdp, self.device)
         self.progress.log_every = preset.log_every
         self.stop.install()
-        (self.run_dir / "config.json").write_text(
-            json.dumps(
-                {"name": name, **preset.model_dump(mode="json", exclude_none=True)}, indent=2
-            )
-        )
+        self.write_config(name, preset)
         self.family = pipeline_family(preset, self.device)
         samples = self.scan(preset)  # before any model is built or loaded
         preset, frames = resolve_frames(preset, self.family, samples)
@@ -138,6 +134,16 @@ class Run:
         if preset.samples.prompts:
             self.samples(preset, vae_dir, cached)
         return self.finish(RunStatus.SUCCEEDED, timings)
+
+    def write_config(self, name: str, preset: Preset) -> None:
+        """``DIR/config.json``: the preset as given, in its validated spelling, the fields it
+        left unset left out. A resume reads this file back (``--resume DIR/config.json``), and
+        an unset field is resolved by the run's folder, not by a default: a pipeline family's
+        LoRA targets (``setup.family_targets``), its ``model_type`` from ``model_index.json``,
+        the memory runtimes' settings derived from the others. Writing the defaults would make
+        them explicit, and the resumed adapter would not be the checkpoint's."""
+        config = {"name": name, **preset.model_dump(mode="json", exclude_unset=True)}
+        (self.run_dir / "config.json").write_text(json.dumps(config, indent=2))
 
     def scan(self, preset: Preset) -> list[Sample]:
         """The usable samples of the data folder (``stage1.scan_data``)."""
@@ -186,6 +192,7 @@ class Run:
             if ckpt is not None:
                 self.start_step = load_checkpoint(ckpt, model, optimizer, scheduler)
                 self.progress.line(f"resumed from {ckpt} (step {self.start_step})")
+                records.resumed(self.telemetry, self.run_dir, ckpt, self.start_step)
         self.steps_done = self.start_step
         message = f"{sum(p.numel() for p in trainable):,} trainable parameters"
         self.stage("train", self.start_step, preset.max_steps, message)

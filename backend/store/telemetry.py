@@ -15,7 +15,7 @@ from typing import Any
 import sqlite_utils
 
 from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
-from contract.records import RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
+from contract.records import RESUMED, RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
 
 
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
@@ -282,7 +282,9 @@ class TelemetryTables:
 
     def series(self, run_id: int, metric: str, source: str | None) -> list[list[float]]:
         """``[[step, value], ...]`` of ``metric`` (a JSON path below the record) over step records,
-        a sampling step's left out (``sampling: true``: its number is also a training step's)."""
+        a sampling step's left out (``sampling: true``: its number is also a training step's), and
+        so are a discarded run's: a record followed by a ``trainer/resumed`` record at a lower
+        step (the resumed worker trained that step again: the later record is the one kept)."""
         path = "$." + metric
         where = (
             "run_id = ? AND kind = 'step' AND json_extract(data, ?) IS NOT NULL"
@@ -293,10 +295,20 @@ class TelemetryTables:
             where += " AND source = ?"
             args.append(source)
         rows = self.db.execute(
-            f"SELECT step, json_extract(data, ?) FROM telemetry WHERE {where} ORDER BY seq",
+            f"SELECT seq, step, json_extract(data, ?) FROM telemetry WHERE {where} ORDER BY seq",
             [path, *args],
         )
-        return [[s, v] for s, v in rows if isinstance(v, (int, float))]
+        resumes = self.db.execute(
+            "SELECT seq, step FROM telemetry WHERE run_id = ? AND source = ? AND kind = ?"
+            " AND step IS NOT NULL",
+            [run_id, *RESUMED],
+        ).fetchall()
+        return [
+            [s, v]
+            for seq, s, v in rows
+            if isinstance(v, (int, float))
+            and not (s is not None and any(r > seq and at < s for r, at in resumes))
+        ]
 
     def metric_sources(self, run_ids: list[int], metric: str) -> list[str]:
         marks = ",".join("?" for _ in run_ids)

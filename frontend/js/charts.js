@@ -407,6 +407,22 @@ export class LiveChart extends ChartPanel {
     this.setSeries(index, x.concat(trace.x), y.concat(trace.y), text);
   }
 
+  /**
+   * Keeps the points of every trace at x <= `x`, in x order (a stable sort: points of one x keep
+   * their order), and drops the others, queued ones included. A step chart of a resumed run
+   * calls it with the checkpoint's step: the discarded run's later steps are trained again.
+   */
+  dropAfter(x) {
+    this._fold();
+    this.data.forEach((t, i) => {
+      const keep = t.x.map((_, j) => j).filter((j) => t.x[j] <= x).sort((a, b) => t.x[a] - t.x[b] || a - b);
+      if (keep.length === t.x.length && keep.every((j, k) => j === k)) return;
+      const text = Array.isArray(t.text) ? keep.map((j) => t.text[j]) : undefined;
+      this._set(i, { x: keep.map((j) => t.x[j]), y: keep.map((j) => t.y[j]), text });
+      this.invalidate();
+    });
+  }
+
   _set(index, { x, y, text }) {
     this.data[index] = { ...this.data[index], x, y, ...(text ? { text } : {}) };
     if (!this.hasPoints && y.some((v) => v !== undefined && v !== null)) this.hasPoints = true;

@@ -3,7 +3,9 @@
 // Time-based charts (VRAM at block resolution, block residency) use seconds since the run's
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
 // becomes a marker on every chart, at its time or its step; a limits request the worker
-// refused (`trainer/event` `control_rejected`) one of another colour.
+// refused (`trainer/event` `control_rejected`) one of another colour. A resumed run's
+// `trainer/resumed` record drops from the step charts what the discarded run drew past the
+// checkpoint's step: the resumed worker trains those steps again, and each is drawn once.
 // A "last N steps" window shows the same steps on every chart: the step charts from step
 // last-N+1, the time charts from the time step last-N ended (its `trainer/step` record); the
 // two time charts (VRAM, residency) zoom and pan together. What each chart draws (traces,
@@ -39,6 +41,7 @@ export function drawnWatermark(mb) {
 
 const APPLIED = { color: "#b4235a", dash: "dash" };
 const REFUSED = { color: "#d9480f", dash: "dot" };
+const RESUMED = { color: "#2e9e5b", dash: "dashdot" };
 const REFUSED_LABEL_CHARS = 70;
 
 /** Exponential moving average of `ys` with weight `w` on the past (the first value as is). */
@@ -254,6 +257,9 @@ export class RunCharts {
         c.conductor.push(3, step, rec.h2d_inflight);
         c.conductor.push(4, step, rec.d2h_inflight);
         break;
+      case "trainer/resumed":
+        this.resumedAt(t, step);
+        break;
       case "strategy/limits_applied":
         this.markLimits(t, step, rec);
         break;
@@ -301,6 +307,24 @@ export class RunCharts {
     if (rec.vram_reserved_mb !== undefined && rec.vram_source !== "tracked") {
       this.charts.vram.push(1, t, rec.vram_reserved_mb, text);
     }
+  }
+
+  /**
+   * A resumed worker trains the steps after `step` (its checkpoint's) again: what the discarded
+   * run drew past it leaves every step chart, so each step is drawn once, from its newest
+   * records (the records themselves all arrive, once each). A marker says where it resumed.
+   */
+  resumedAt(t, step) {
+    if (typeof step !== "number") return;
+    for (const [id, chart] of Object.entries(this.charts)) {
+      if (id !== "vram" && id !== "residency") chart.dropAfter(step);
+    }
+    const kept = this.losses.x.flatMap((x, i) => (x <= step ? [i] : []));
+    this.losses = { x: kept.map((i) => this.losses.x[i]), y: kept.map((i) => this.losses.y[i]) };
+    this.setEma(this.emaWeight);
+    for (const s of [...this.stepEnds.keys()]) if (s > step) this.stepEnds.delete(s);
+    if (this.lastStep !== null && this.lastStep > step) this.lastStep = step;
+    this._mark(t, step, `resumed after step ${step}`, RESUMED);
   }
 
   /** Vertical marker on every chart where limits took effect. */

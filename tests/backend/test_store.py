@@ -1,5 +1,5 @@
 """The store: idempotent ingest, migrations once, SQL buckets and rollups against the Python
-reference, the run summary, run ids never given again."""
+reference, the run summary, Compare's series of a resumed run, run ids never given again."""
 
 from __future__ import annotations
 
@@ -186,6 +186,33 @@ def test_summary_peak_vram_per_stage(tmp_path):
         run_id, [row(6, "stagehand", "step", step=0, vram_peak_mb=99.0, sampling=True)], 30
     )
     assert [v for _, v in store.series(run_id, "vram_peak_mb", "stagehand")] == [52.8, 36.0]
+    store.close()
+
+
+def test_compare_series_draws_each_step_of_a_resumed_run_once(tmp_path):
+    """A worker killed after step 5 (and mid-step 6) is resumed from its step-3 checkpoint: its
+    ``trainer/resumed`` record at step 3 leaves the discarded run's steps 4-6 out of the series,
+    the resumed run's steps 4-7 in, every record stored."""
+
+    def row(seq, source, kind, step, **fields):
+        data = json.dumps({"seq": seq, "time": 1.0, "source": source, "kind": kind, "step": step})
+        return (seq, 1.0, source, kind, step, None, data[:-1] + ", " + json.dumps(fields)[1:])
+
+    store = Store(tmp_path / "db.sqlite")
+    run_id = store.create_run("r", "p", {}, "default")
+    killed = [row(n - 1, "trainer", "step", n, loss=1.0 / n) for n in range(1, 6)]
+    killed.append(row(5, "stagehand", "step", 6, blocks_loaded=60))
+    store.ingest(run_id, killed, 10)
+    resumed = [row(6, "trainer", "resumed", 3, checkpoint="checkpoints/step-3")]
+    resumed += [row(3 + n, "trainer", "step", n, loss=2.0 / n) for n in range(4, 8)]
+    resumed.append(row(11, "stagehand", "step", 6, blocks_loaded=61))
+    store.ingest(run_id, resumed, 20)
+    assert len(store.telemetry_lines(run_id)) == 12
+    assert store.series(run_id, "loss", "trainer") == [
+        [1, 1.0], [2, 0.5], [3, 1.0 / 3], [4, 0.5], [5, 0.4], [6, 2.0 / 6], [7, 2.0 / 7]
+    ]  # fmt: skip
+    assert store.series(run_id, "blocks_loaded", "stagehand") == [[6, 61]]
+    assert store.summary(run_id)["final_loss"] == 2.0 / 7
     store.close()
 
 

@@ -189,3 +189,50 @@ def test_auto_watermarks_without_a_limit_do_not_scale_the_vram_chart(synthetic_s
     assert result["high"] == [None, 0.12, None]
     assert result["low"] == [None, 0.08]
     assert result["labels"] == ["limits: high=0.12, low=0.08", "limits: high=no limit"]
+
+
+def test_a_resumed_run_draws_each_step_once_from_its_newest_records(synthetic_server, page):
+    # A worker killed after step 5 (and in step 6) resumed from its step-3 checkpoint trains
+    # steps 4-6 again: the charts draw the resumed run's points there, one per step.
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    result = page.evaluate("""async () => {
+        const { RunCharts, ema } = await import('/static/js/runcharts.js');
+        const box = document.createElement('div');
+        document.body.append(box);
+        const charts = new RunCharts(box, {});
+        let seq = 0;
+        const rec = (source, kind, step, fields) =>
+            ({seq, time: 100 + seq++, source, kind, step, phase: null, ...fields});
+        const weights = (n, loads) => rec('stagehand', 'step', n, {
+            vram_source: 'tracked', h2d_bytes: 1e9, blocks_loaded: loads, resident_blocks: 1});
+        const step = (n, loss, again) => [weights(n, 10 * n + again), rec('trainer', 'step', n, {
+            loss, grad_norm: 2 * loss, step_time_ms: 10 * n, rss_mb: 100 + n, pinned_mb: 0,
+            phase_ms: {forward: 1, backward: 2, optimizer: 3}})];
+        const killed = [1, 2, 3, 4, 5].flatMap((n) => step(n, 1 / n, 0)).concat([weights(6, 60)]);
+        const resumed = [rec('trainer', 'resumed', 3, {checkpoint: 'checkpoints/step-3'})]
+            .concat([4, 5, 6, 7].flatMap((n) => step(n, 2 / n, 1)));
+        for (const r of killed) charts.ingest(r);
+        charts.flush();  // the killed run's points drawn, then the resumed run's arrive
+        for (const r of resumed) charts.ingest(r);
+        charts.flush();
+        const c = charts.charts;
+        const xy = (id, i) => ({x: Array.from(c[id].data[i].x), y: Array.from(c[id].data[i].y)});
+        const losses = [1, 1 / 2, 1 / 3, 2 / 4, 2 / 5, 2 / 6, 2 / 7];
+        return {
+            loss: xy('loss', 0), smooth: xy('loss', 1).y, wantSmooth: ema(losses, 0.9),
+            grad: xy('loss', 2).x, phases: xy('phases', 3).x, host: xy('host', 0).x,
+            loads: xy('transfers', 1), csvRows: c.loss.csv().trim().split('\\n').length - 1,
+            markers: c.loss.markers.map((m) => [m.x, m.label]), lastStep: charts.lastStep,
+            records: killed.length + resumed.length,
+        };
+    }""")
+    steps = [1, 2, 3, 4, 5, 6, 7]
+    assert result["loss"]["x"] == steps
+    assert result["loss"]["y"] == [1, 1 / 2, 1 / 3, 2 / 4, 2 / 5, 2 / 6, 2 / 7]
+    assert result["smooth"] == pytest.approx(result["wantSmooth"], rel=1e-12)
+    assert result["grad"] == result["phases"] == result["host"] == steps
+    assert result["loads"] == {"x": steps, "y": [10, 20, 30, 41, 51, 61, 71]}
+    assert result["csvRows"] == 7
+    assert result["markers"] == [[3, "resumed after step 3"]]
+    assert result["lastStep"] == 7 and result["records"] == 20

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,7 +198,8 @@ def wide_clips(tmp_path_factory) -> Path:
 
 def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe", **over) -> Path:
     """tiny-ci's memory section (weight streaming, activation spill, Conductor) on a pipeline
-    folder: 4 steps of batch 2 on 64x128 images, validation and a sample every 2 steps."""
+    folder: 4 steps of batch 2 on 64x128 images, validation, a sample and a checkpoint every 2
+    steps."""
     base = json.loads((PRESETS_DIR / "tiny-ci.json").read_text())
     # The tiny transformer's activations are a few KB: spill above 20 KB so spill happens.
     base["memory"]["stagehand"]["activation_stagehand"].update(
@@ -219,6 +221,7 @@ def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe",
         "seed": 0,
         "validation_every": 2,
         "validation_samples": 1,
+        "checkpoint_every": 2,
         "samples": {"prompts": ["a photo of the digit seven"], "steps": 2, "every": 2},
         "data": data_section,
     }
@@ -255,9 +258,73 @@ def assert_cache_reused(second: Path, steps: list[dict]) -> None:
     assert again == [s["loss"] for s in steps]
 
 
+def resume_after(first: Path, step: int) -> tuple[Path, int]:
+    """``first`` resumed from its ``checkpoints/step-<step>`` as ``POST /api/runs/{id}/resume``
+    resumes a run killed after step ``step + 1``: a new folder holds the ``config.json`` the
+    worker wrote, that checkpoint and the stream up to step ``step + 1``'s ``trainer/step``
+    record, and ``workbench train DIR/config.json --resume`` runs on the asset cache ``first``
+    was trained on (``train_twice``). Returns the resumed run's folder and the last ``seq``
+    the killed worker wrote."""
+    from worker.cli import main
+
+    resumed = first.parent / f"{first.name}-resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(first / "config.json", resumed / "config.json")
+    shutil.copytree(
+        first / "checkpoints" / f"step-{step}", resumed / "checkpoints" / f"step-{step}"
+    )
+    recs = records(first)
+    killed = next(r for r in of(recs, "trainer", "step") if r["step"] == step + 1)
+    head = recs[: recs.index(killed) + 1]
+    (resumed / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in head))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, str(first.parent / "cache"))
+        assert main([str(resumed / "config.json"), "--run-dir", str(resumed), "--resume"]) == 0
+    return resumed, killed["seq"]
+
+
+def trainable_params(recs: list[dict]) -> int:
+    """The trainable parameter count the last ``train`` stage of the stream reported."""
+    messages = [r["message"] for r in of(recs, "trainer", "stage")]
+    counts = [m.split()[0] for m in messages if m.endswith(" trainable parameters")]
+    return int(counts[-1].replace(",", ""))
+
+
+def assert_resumes_as_uninterrupted(first: Path, step: int = 2) -> None:
+    """``first`` resumed after ``step`` (``resume_after``) trains the checkpoint's adapter (as
+    many trainable parameters) and repeats ``first``'s losses, validation losses and LoRA
+    exactly (each step's batch, noise and sigmas are a function of the seed and the step)."""
+    import torch
+    from safetensors.torch import load_file
+
+    resumed, killed_seq = resume_after(first, step)
+    want, got = records(first), records(resumed)
+    assert got[-1]["kind"] == "run_finished" and got[-1]["status"] == "succeeded", got[-1]
+    assert trainable_params(got) == trainable_params(want) > 0
+    assert len([r for r in of(got, "trainer", "run_started") if r["resume"]]) == 1
+    again = {r["step"]: r for r in of(got, "trainer", "step") if r["seq"] > killed_seq}
+    expect = {r["step"]: r for r in of(want, "trainer", "step") if r["step"] > step}
+    assert sorted(again) == sorted(expect)
+    for n, rec in again.items():
+        assert rec["loss"] == expect[n]["loss"], n
+        if "val_loss" in expect[n]:
+            assert rec["val_loss"] == expect[n]["val_loss"], n
+    lora = "lora/pytorch_lora_weights.safetensors"
+    a, b = load_file(str(first / lora)), load_file(str(resumed / lora))
+    assert sorted(a) == sorted(b)
+    for name, tensor in a.items():
+        assert torch.equal(b[name], tensor), name
+
+
 @pytest.fixture(scope="session")
 def pipe_io():
     """Helpers of the pipeline tests, for module-scoped fixtures too."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(records=records, of=of, preset=pipeline_preset, train_twice=train_twice)
+    return SimpleNamespace(
+        records=records,
+        of=of,
+        preset=pipeline_preset,
+        train_twice=train_twice,
+        assert_resumes=assert_resumes_as_uninterrupted,
+    )

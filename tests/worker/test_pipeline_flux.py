@@ -233,3 +233,8 @@ def test_flux1_comfyui_copy_round_trips_and_patches_bfl_weights_at_strength():
             assert torch.equal(rows[at : at + module.out_features], delta(part)), part
             at += module.out_features
     assert kohya_flux_state_dict(state, width=16) is None  # not readable back: no copy
+
+
+def test_flux_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(flux_run, pipe_io):
+    """Flux killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(flux_run[0])

@@ -181,3 +181,8 @@ def test_flux2_folders_that_do_not_fit_are_named(flux2_pipeline_dir, tmp_path):
     ):
         adapter.check_caption_tokens(16)
     adapter.check_caption_tokens(26)
+
+
+def test_flux2_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(flux2_run, pipe_io):
+    """FLUX.2 [klein] killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(flux2_run[0])

@@ -190,3 +190,8 @@ def test_bad_ltx2_input_is_named(ltx2_pipeline_dir, wide_clips, tmp_path, monkey
         last = pipe_io.records(tmp_path / name)[-1]
         assert last["kind"] == "error" and expected in last["message"], last["message"]
         assert not (tmp_path / name / "lora").exists()
+
+
+def test_ltx2_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(ltx2_run, pipe_io):
+    """LTX-2 killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(ltx2_run[0])

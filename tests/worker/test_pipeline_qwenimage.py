@@ -139,3 +139,8 @@ def test_qwenimage_parts_match_the_pipeline(qwenimage_pipeline_dir, tmp_path):
     (broken / "transformer" / "config.json").write_text(json.dumps({**config, "out_channels": 5}))
     with pytest.raises(PipelineFolderError, match=r"out_channels is 5; expected vae z_dim \(4\)"):
         adapter_for(inspect_pipeline(broken), tmp_path, torch.float32)
+
+
+def test_qwenimage_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(qwen_run, pipe_io):
+    """Qwen-Image killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(qwen_run[0])

@@ -153,3 +153,8 @@ def test_sd3_transformer_that_does_not_fit_is_named(
     with pytest.raises(PipelineFolderError, match=message) as err:
         adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
     assert f"{folder}/transformer/config.json: does not fit the sd3 pipeline" in str(err.value)
+
+
+def test_sd3_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(sd3_run, pipe_io):
+    """SD 3.5 killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(sd3_run[0])

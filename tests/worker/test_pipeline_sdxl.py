@@ -198,3 +198,8 @@ def test_sdxl_unet_that_does_not_fit_is_named(sdxl_pipeline_dir, tmp_path, field
     with pytest.raises(PipelineFolderError, match=message) as err:
         adapter_for(inspect_pipeline(folder), tmp_path, torch.float32)
     assert f"{folder}/unet/config.json: does not fit the sdxl pipeline" in str(err.value)
+
+
+def test_sdxl_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(sdxl_run, pipe_io):
+    """SDXL killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(sdxl_run[0])

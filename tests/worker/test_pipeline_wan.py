@@ -159,6 +159,7 @@ def test_wan22_trains_one_expert_in_its_sigma_range(
         "path": str(wan22_pipeline_dir), "dtype": "float32", "expert": "low_noise"
     })  # fmt: skip
     assert main([str(path), "--run-dir", str(tmp_path / "low")]) == 0
+    pipe_io.assert_resumes(tmp_path / "low")  # the expert, not transformer/, resumes
     lora = tmp_path / "low" / "lora"
     with safe_open(str(lora / "pytorch_lora_weights.safetensors"), "pt") as f:
         assert f.metadata()["stagehand.expert"] == "low_noise"
@@ -192,3 +193,8 @@ def test_clip_that_cannot_be_decoded_or_wrong_frames_is_named(
         assert last["kind"] == "error" and message in last["message"], last["message"]
         assert not (tmp_path / name / "lora").exists()
     assert json.loads((tmp_path / "bad" / "config.json").read_text())["data"]["frames"] == 5
+
+
+def test_wan_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(wan_run, pipe_io):
+    """Wan 2.1 killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(wan_run[0])

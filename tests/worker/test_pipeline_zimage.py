@@ -107,3 +107,8 @@ def test_zimage_predict_is_one_euler_step_of_the_pipeline(zimage_pipeline_dir, t
     assert torch.allclose(out, x - v, atol=1e-5) and (v.abs() > 0).any()
     u = torch.tensor([0.2, 0.5, 0.8])
     assert torch.allclose(adapter.shift_sigmas(u, x.shape), 3 * u / (1 + 2 * u))
+
+
+def test_zimage_resumes_from_its_checkpoint_with_the_same_adapter_and_losses(zimage_run, pipe_io):
+    """Z-Image killed after step 3 resumes from its own config.json and step-2 checkpoint."""
+    pipe_io.assert_resumes(zimage_run[0])

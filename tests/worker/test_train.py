@@ -94,14 +94,20 @@ def test_samples_during_training_leave_the_losses_unchanged(
 
 
 def test_resume_continues_with_the_same_losses(tiny_run, cache_env, tmp_path, run_io):
+    """Killed after step 6, resumed from its own config.json (as ``POST /api/runs/{id}/resume``
+    starts it) and its step-4 checkpoint: steps 5-8 repeat the uninterrupted run's losses, and
+    a ``trainer/resumed`` record before them says steps 5 and 6 are trained again."""
     full = _losses(run_io.records(tiny_run), run_io.of)
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(tiny_run / "config.json", resumed / "config.json")
     shutil.copytree(tiny_run / "checkpoints" / "step-4", resumed / "checkpoints" / "step-4")
-    # The first half of the stream, as an interrupted run would have left it.
-    head = [r for r in run_io.records(tiny_run) if r["step"] is None or r["step"] <= 4]
+    # The stream as a worker killed after step 6 left it.
+    recs = run_io.records(tiny_run)
+    killed = next(r for r in run_io.of(recs, "trainer", "step") if r["step"] == 6)
+    head = recs[: recs.index(killed) + 1]
     (resumed / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in head))
-    assert main(["tiny-ci", "--run-dir", str(resumed), "--resume"]) == 0
+    assert main([str(resumed / "config.json"), "--run-dir", str(resumed), "--resume"]) == 0
     recs = run_io.records(resumed)
     assert [r["seq"] for r in recs] == list(range(len(recs)))  # seq continues
     after = {k: v for k, v in _losses(recs[len(head) :], run_io.of).items()}
@@ -109,6 +115,15 @@ def test_resume_continues_with_the_same_losses(tiny_run, cache_env, tmp_path, ru
     for step in after:
         assert after[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7)
     assert recs[-1]["status"] == "succeeded" and recs[-1]["steps_done"] == 8
+    (mark,) = run_io.of(recs, "trainer", "resumed")
+    assert (mark["step"], mark["checkpoint"]) == (4, "checkpoints/step-4")
+    # Before it: every record of steps 5-6 the killed worker wrote; after it: the new ones.
+    replayed = [r for r in recs if r["kind"] == "step" and r["step"] in (5, 6)]
+    assert {r["source"] for r in replayed} >= {"trainer", "stagehand", "conductor"}
+    assert all((r["seq"] < mark["seq"]) == (r["seq"] <= killed["seq"]) for r in replayed)
+    assert [r["step"] for r in run_io.of(recs, "trainer", "step") if r["seq"] > mark["seq"]] == [
+        5, 6, 7, 8
+    ]  # fmt: skip
 
 
 def test_saved_lora_loads_back_with_diffusers_and_changes_the_output(tiny_run, tiny_flux):
