@@ -34,6 +34,7 @@ quantization holds one weight in memory at a time, never the model.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -41,7 +42,9 @@ import shutil
 import struct
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,32 +344,59 @@ def _write(
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     errors: list[LayerError] = []
     digest = checksum.TreeHash()
-    with open(path, "wb") as f:
+    threads = quantize_threads(len(entries))
+    with open(path, "wb") as f, ThreadPoolExecutor(threads, "squareq-quantize") as pool:
 
-        def put(data: bytes) -> None:
+        def put(data: Any) -> None:
             f.write(data)
             digest.update(data)
 
         put(struct.pack("<Q", len(blob)))
         put(blob)
-        for done, entry in enumerate(entries):
-            if entry.prequantized:  # the file's codes and scale as stored: no upcast
-                value = pack(*load_packed_parts(source, entry.key))
-            else:
-                value = source.load(entry.key, entry.dtype)
-            if entry.quantized and not entry.prequantized:
-                codes, scales = quantize(value, fmt)
-                restored = dequantize(codes, scales, entry.dtype)
-                errors.append(
-                    LayerError(entry.key, tuple(value.shape), relative_rms(value, restored))
-                )
-                value = pack(codes, scales)
-            put(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        # Entries are prepared on ``threads`` threads (torch's kernels and the reads release the
+        # GIL) and written in order; at most ``threads + 1`` are held at once (memory).
+        pending: deque[Future] = deque()
+        todo = iter(entries)
+        for entry in itertools.islice(todo, threads + 1):
+            pending.append(pool.submit(_prepare, source, entry, fmt))
+        done = 0
+        while pending:
+            data, error = pending.popleft().result()
+            following = next(todo, None)
+            if following is not None:
+                pending.append(pool.submit(_prepare, source, following, fmt))
+            put(data)
+            if error is not None:
+                errors.append(error)
+            done += 1
             if progress is not None:
-                progress(done + 1, len(entries))
+                progress(done, len(entries))
         f.flush()
         os.fsync(f.fileno())
     return errors, digest.hexdigest()
+
+
+def quantize_threads(entries: int) -> int:
+    """Threads ``_write`` prepares entries on: this machine's cores over torch's intra-op
+    threads (each kernel may use those), at least 1, at most ``entries``."""
+    cores = os.cpu_count() or 1
+    return max(1, min(entries, cores // max(1, torch.get_num_threads())))
+
+
+def _prepare(source: Any, entry: Entry, fmt: str) -> tuple[memoryview, LayerError | None]:
+    """``entry``'s bytes as the cache stores them and, for a weight quantized here, its error
+    (on a quantization thread)."""
+    error = None
+    if entry.prequantized:  # the file's codes and scale as stored: no upcast
+        value = pack(*load_packed_parts(source, entry.key))
+    else:
+        value = source.load(entry.key, entry.dtype)
+    if entry.quantized and not entry.prequantized:
+        codes, scales = quantize(value, fmt)
+        restored = dequantize(codes, scales, entry.dtype)
+        error = LayerError(entry.key, tuple(value.shape), relative_rms(value, restored))
+        value = pack(codes, scales)
+    return memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy()), error
 
 
 def progress_bar(fmt: str, stream: Any = None) -> Callable[[int, int], None]:

@@ -170,3 +170,37 @@ def test_block_image_fills_mixed_dtype_layouts_bit_exactly(fmt):
             codes, scales = quantize(param, fmt)
             param = (codes.float() * scales[:, None]).to(slot.dtype)
         assert got.dtype == param.dtype and torch.equal(bits(got), bits(param)), slot.name
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_is_its_rule_computed_plainly_in_fp32(fmt, dtype):
+    """The row maximum taken without a |w| temporary and the division promoted from the
+    weight's dtype give the codes and scales of the rule written out in fp32, over rows of
+    nine decades, a zero row and an all-negative one."""
+    w = weight(257, 301, dtype=torch.float32) * torch.logspace(-6, 3, 257)[:, None]
+    w[3], w[5] = 0, -w[5].abs()
+    w = w.to(dtype)
+    qmax = {"int8": 127.0, "fp8_e4m3": 448.0}[fmt]
+    wf = w.float()
+    scale = wf.abs().amax(dim=1) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    x = (wf / scale[:, None]).clamp(-qmax, qmax)
+    expected = x.round().to(torch.int8) if fmt == "int8" else x.to(torch.float8_e4m3fn)
+    codes, scales = quantize(w, fmt)
+    assert torch.equal(scales, scale)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_relative_rms_in_chunks_is_the_whole_weight_figure(monkeypatch):
+    """Chunked, with the difference in fp32, it is the one-pass fp64 figure up to summation order."""
+    import stagehand.squareq.formats as formats
+
+    w = weight(64, 96, dtype=torch.float32)
+    restored = dequantize(*quantize(w, "int8"), torch.float32)
+    whole = float(
+        torch.linalg.vector_norm(w.double() - restored.double())
+        / torch.linalg.vector_norm(w.double())
+    )
+    monkeypatch.setattr(formats, "RMS_CHUNK_ELEMENTS", 1000)  # 7 chunks, the last one short
+    assert relative_rms(w, restored) == pytest.approx(whole, rel=1e-9) and whole > 0
