@@ -100,7 +100,11 @@ Overrides = Annotated[
         {
             "type": "object",
             "description": "Preset fields to change (a partial Preset: see the Preset schema), "
-            "merged deep into the preset's config and validated as a whole",
+            "merged deep into the preset's config and validated as a whole, every problem "
+            "listed. null removes the preset's key (the field's default applies). A model.path "
+            "or data.path where the preset names no folder drops the preset's fields bound to "
+            "it (GET /api/overrides/folders: its factory, data limit, caption length, sample "
+            "prompts) unless the overrides set them too",
         }
     ),
 ]
@@ -339,6 +343,13 @@ class LimitFields(BaseModel):
 
     paths: dict[str, str]
     pairs: list[tuple[str, str]]
+
+
+class FolderFields(BaseModel):
+    """``GET /api/overrides/folders``: folder field (``data.path``) -> the preset fields a run
+    naming its own folder there drops (``contract.preset.bound_fields``)."""
+
+    bound: dict[str, list[str]]
 
 
 class LimitsPublic(LimitFields):

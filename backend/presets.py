@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from backend.errors import Invalid, NotFound, from_validation
 from backend.models import NAME_RE
 from backend.store import Store
-from contract.preset.merge import merge_overrides
+from contract.preset.overrides import apply_overrides
 
 log = logging.getLogger("backend.presets")
 
@@ -71,7 +71,8 @@ def validate_config(config: Any, prefix: str) -> dict[str, Any]:
 
 
 def run_config(store: Store, preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The config a run of ``preset`` with ``overrides`` would get, validated (``validate_config``).
+    """The config a run of ``preset`` with ``overrides`` would get (``apply_overrides``: a folder
+    drops the preset's fields bound to it, null removes a key), validated (``validate_config``).
 
     Raises:
         NotFound: no preset of that name (``field: "preset"``).
@@ -81,7 +82,7 @@ def run_config(store: Store, preset: str, overrides: dict[str, Any]) -> dict[str
     stored = store.get_preset(preset)
     if stored is None:
         raise NotFound(f"no preset named {preset!r}", field="preset")
-    merged = merge_overrides(stored["config"], overrides)
+    merged = apply_overrides(stored["config"], overrides)
     return validate_config(merged, "overrides" if overrides else "preset")
 
 

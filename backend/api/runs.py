@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import PurePosixPath
 from typing import Annotated
 
 from fastapi import APIRouter, Query, status
@@ -67,12 +68,29 @@ def create_run(
     check_run_assets(assets, config)
     run_id = store.create_run(body.name or body.preset, body.preset, config, body.device)
     if body.name is None:
-        store.update_run(run_id, name=f"{body.preset}-{run_id}")
+        store.update_run(run_id, name=default_name(body.preset, config, run_id))
     run_dir = settings.runs_dir / str(run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     supervisor.wake()
     return public_run(store, run_row(store, run_id))
+
+
+def default_name(preset: str, config: dict, run_id: int) -> str:
+    """The name of a run created without one: the model folder's name (else the preset's), the
+    data folder's, then the id (``FLUX.1-dev on photos-7``, ``default-3``). A run of the demo
+    preset on a user's folders named ``default-7`` read as the demo in the runs list."""
+
+    def folder(section: object) -> str | None:
+        path = section.get("path") if isinstance(section, dict) else None
+        if not isinstance(path, str) or not path.strip("/"):
+            return None
+        name = PurePosixPath(path.rstrip("/")).name
+        return "".join(c for c in name if c.isprintable()).replace("..", ".")[:40] or None
+
+    model = folder(config.get("model")) or preset
+    data = folder(config.get("data"))
+    return f"{model} on {data}-{run_id}" if data else f"{model}-{run_id}"
 
 
 @router.get("/{run_id}", response_model=RunPublic, responses=errors(404))

@@ -1,5 +1,6 @@
 """``GET /api/system``: device, VRAM and RAM totals, torch and CUDA versions;
-``GET /api/limits/fields``: the live-limit fields' config paths and watermark pairs."""
+``GET /api/limits/fields``: the live-limit fields' config paths and watermark pairs;
+``GET /api/overrides/folders``: the preset fields a run's own folder drops."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from fastapi import APIRouter
 
 from backend.api.deps import ProbeDep
 from backend.limits import limit_fields
-from backend.models import LimitFields, SystemInfo
+from backend.models import FolderFields, LimitFields, SystemInfo
+from contract.preset.overrides import bound_fields
 
 router = APIRouter(prefix="/api", tags=["system"])
 
@@ -22,3 +24,11 @@ def live_limit_fields() -> dict:
     """Every live-limit field's config path and the (high, low) watermark pairs, so that the
     dashboard binds its inputs without a table of its own."""
     return limit_fields()
+
+
+@router.get("/overrides/folders", response_model=FolderFields)
+def folder_fields() -> dict:
+    """The preset fields a run that names its own folder (``model.path``, ``data.path``) drops
+    where the preset names none, as ``POST /api/runs`` does: the New run page drops the same
+    from the config it shows, from this list rather than a table of its own."""
+    return {"bound": {folder: list(paths) for folder, paths in bound_fields().items()}}

@@ -1,5 +1,5 @@
 """Preset errors: ``PresetError`` (every problem as ``JSON.path: found <value>, expected
-<what>``) and ``field_error`` for a rule between fields, located at the field."""
+<what>``) and ``field_error`` / ``field_errors`` for rules between fields, located at the field."""
 
 from __future__ import annotations
 
@@ -29,10 +29,21 @@ def field_error(model: str, field: str, value: Any, sentence: str) -> Validation
     as its message (a plain ``ValueError`` there is reported at the model; see
     NOTE [ Cross-field errors ]).
     """
-    error = PydanticCustomError("cross_field", "{sentence}", {"sentence": sentence})
-    return ValidationError.from_exception_data(
-        model, [InitErrorDetails(type=error, loc=(field,), input=value)]
-    )
+    return field_errors(model, [(field, value, sentence)])
+
+
+def field_errors(model: str, problems: list[tuple[str, Any, str]]) -> ValidationError:
+    """``field_error`` for several rules at once: one line per ``(field, value, sentence)``, so
+    that a model validator reports every rule broken, not only the first it checks."""
+    lines = [
+        InitErrorDetails(
+            type=PydanticCustomError("cross_field", "{sentence}", {"sentence": sentence}),
+            loc=(field,),
+            input=value,
+        )
+        for field, value, sentence in problems
+    ]
+    return ValidationError.from_exception_data(model, lines)
 
 
 def found_text(value: Any) -> str:

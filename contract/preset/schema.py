@@ -17,10 +17,11 @@ from pydantic import (
 )
 
 from contract.config import MemoryConfig
-from contract.preset.errors import PresetError, field_error, found_text
+from contract.preset.errors import PresetError, field_error, field_errors, found_text
 
 __all__ = [
     "AdapterSection",
+    "BOUND_TO",
     "CAPTION_SUFFIX",
     "DEFAULT_TARGET_MODULES",
     "DataSection",
@@ -85,6 +86,15 @@ CAPTION_SUFFIX = re.compile(r"^\.?[A-Za-z0-9][A-Za-z0-9_-]{0,15}$")
 """``data.captions``: a file extension (``txt``, ``.caption``), never a path."""
 
 
+BOUND_TO = "bound_to"
+"""``json_schema_extra`` key naming the folder field (``model.path``, ``data.path``) a field is
+bound to: the field describes the preset's own model or data (its factory, the factory's size, a
+caption length chosen for its captions, the prompts its samples are drawn from), so a run that
+names its own folder where the preset named none drops it (``contract.preset.overrides``)."""
+_MODEL_BOUND = {BOUND_TO: "model.path"}
+_DATA_BOUND = {BOUND_TO: "data.path"}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -95,10 +105,12 @@ class ModelSection(_Strict):
     path: FolderPath | None = None
     """Diffusers model folder (sharded safetensors), or a pipeline folder with ``transformer/``
     (and ``vae/``) inside. Checked to exist by ``Preset.check_paths`` when training starts."""
-    factory: Literal["flux", "sd3", "ltx", "unet"] | None = None
+    factory: Literal["flux", "sd3", "ltx", "unet"] | None = Field(
+        None, json_schema_extra=_MODEL_BOUND
+    )
     """Build the model with ``workbench.assets.build_model(factory, size)`` instead of ``path``."""
-    size: Literal["tiny", "small", "large"] = "small"
-    pretrained: Literal["digits"] | None = None
+    size: Literal["tiny", "small", "large"] = Field("small", json_schema_extra=_MODEL_BOUND)
+    pretrained: Literal["digits"] | None = Field(None, json_schema_extra=_MODEL_BOUND)
     """``digits``: the factory ``flux`` model and its VAE trained on the digits when the assets
     are built (``worker.demo``: the demo's samples are digits, not noise); None: the
     random-initialised factory model and VAE."""
@@ -125,13 +137,18 @@ class ModelSection(_Strict):
     def _one_source(self) -> ModelSection:
         if self.path is None and self.factory is None:
             raise ValueError('one of "path" (a model folder) or "factory" (flux|sd3|ltx|unet)')
+        problems = []
         if self.path is not None and self.factory is not None:
-            raise ValueError('only one of "path" and "factory", not both')
+            sentence = 'only one of "path" and "factory", not both: null removes "factory"'
+            problems.append(("factory", self.factory, sentence))
         if self.pretrained is not None and self.factory != "flux":
-            raise ValueError(
-                f'pretrained "{self.pretrained}" is built for model.factory "flux", '
-                f"got factory {self.factory!r}"
+            sentence = (
+                f'pretrained "{self.pretrained}" is built for model.factory "flux", got factory '
+                f'{self.factory!r}: null removes "pretrained"'
             )
+            problems.append(("pretrained", self.pretrained, sentence))
+        if problems:
+            raise field_errors("ModelSection", problems)
         return self
 
 
@@ -175,7 +192,7 @@ class DataSection(_Strict):
 
     path: FolderPath | None = None
     """Folder of images + captions; for video, sub-folders of frames."""
-    factory: Literal["digits"] | None = None
+    factory: Literal["digits"] | None = Field(None, json_schema_extra=_DATA_BOUND)
     """``digits``: the factory's digits folder (``workbench.assets.build_digits``)."""
     captions: str = "txt"
     """Extension of the caption file beside each image (``00001.png`` -> ``00001.txt``)."""
@@ -187,14 +204,18 @@ class DataSection(_Strict):
     leaves it out (listed in the scan), ``fail`` fails the run before any model loads."""
     background: str = "white"
     """Colour transparent pixels are composited onto (a CSS name or ``#rrggbb``)."""
-    limit: Annotated[int, Field(gt=0, le=MAX_STEPS)] | None = None
+    limit: Annotated[int, Field(gt=0, le=MAX_STEPS)] | None = Field(
+        None, json_schema_extra=_DATA_BOUND
+    )
     """Use only the first ``limit`` samples (sorted by name)."""
     bucketing: bool = False
     """Group images by aspect ratio into buckets of about ``resolution**2`` pixels instead of
     resizing + center-cropping to a square."""
-    frames: Annotated[int, Field(gt=0, le=1024)] | None = None
+    frames: Annotated[int, Field(gt=0, le=1024)] | None = Field(None, json_schema_extra=_DATA_BOUND)
     """Video models: frames per sample (frame stacks)."""
-    max_caption_tokens: Annotated[int, Field(gt=0, le=4096)] = 32
+    max_caption_tokens: Annotated[int, Field(gt=0, le=4096)] = Field(
+        32, json_schema_extra=_DATA_BOUND
+    )
     """Captions are padded / truncated to this many tokens."""
 
     @field_validator("captions")
@@ -216,7 +237,10 @@ class DataSection(_Strict):
     def _one_source(self) -> DataSection:
         if self.path is not None and self.factory is not None:
             raise field_error(
-                "DataSection", "factory", self.factory, 'only one of "path" and "factory", not both'
+                "DataSection",
+                "factory",
+                self.factory,
+                'only one of "path" and "factory", not both: null removes "factory"',
             )
         return self
 
@@ -240,7 +264,9 @@ def background_rgb(colour: str) -> tuple[int, int, int]:
 class SamplesSection(_Strict):
     """Images drawn from fixed prompts at the end of the run (none when ``prompts`` is empty)."""
 
-    prompts: Annotated[list[Text], Field(max_length=64)] = Field(default_factory=list)
+    prompts: Annotated[list[Text], Field(max_length=64)] = Field(
+        default_factory=list, json_schema_extra=_DATA_BOUND
+    )
     steps: Annotated[int, Field(gt=0, le=1000)] = 8
     """Euler steps of the flow sampler (DDIM steps for the unet family)."""
     seed: Seed = 0
@@ -303,25 +329,25 @@ class Preset(_Strict):
 
     @model_validator(mode="after")
     def _resolve(self) -> Preset:
+        problems = []  # every rule broken, not the first: a form shows each beside its field
         for field, top, nested in (
             ("rank", self.lora_rank, self.adapter.rank if self.adapter else None),
             ("alpha", self.lora_alpha, self.adapter.alpha if self.adapter else None),
         ):
             if top is not None and nested is not None and float(top) != float(nested):
-                raise field_error(
-                    "Preset",
-                    f"lora_{field}",
-                    top,
-                    f"lora_{field} ({top}) and adapter.{field} ({nested}) disagree: set one",
+                sentence = (
+                    f"lora_{field} ({top}) and adapter.{field} ({nested}) disagree: set one "
+                    "(null removes the other)"
                 )
+                problems.append((f"lora_{field}", top, sentence))
         if self.prediction_type != "epsilon" and self.family != "unet":
-            raise field_error(
-                "Preset",
-                "prediction_type",
-                self.prediction_type,
+            sentence = (
                 f"prediction_type {self.prediction_type!r} applies to the unet family only "
-                f"({self.family} trains with flow matching): leave it out or use epsilon",
+                f"({self.family} trains with flow matching): leave it out or use epsilon"
             )
+            problems.append(("prediction_type", self.prediction_type, sentence))
+        if problems:
+            raise field_errors("Preset", problems)
         return self
 
     # -- resolved values --------------------------------------------------------------------

@@ -136,7 +136,9 @@ export const api = {
 
   presets: () => request("GET", "/api/presets"),
   preset: (name) => request("GET", `/api/presets/${enc(name)}`),
-  createPreset: (name, config) => request("POST", "/api/presets", { name, config }),
+  createPreset: (name, config, description = "") => request("POST", "/api/presets", { name, config, description }),
+  /** A user preset (403 read_only for a built-in one). */
+  deletePreset: (name) => request("DELETE", `/api/presets/${enc(name)}`),
 
   /** @param {{status?: string, preset?: string, tag?: string}} filters */
   runs: (filters) => request("GET", `/api/runs${query(filters)}`),
@@ -164,6 +166,8 @@ export const api = {
   limits: (id) => request("GET", `/api/runs/${enc(id)}/limits`),
   /** Every LiveLimits field's config path and the watermark pairs: `{paths, pairs}`. */
   limitFields: () => request("GET", "/api/limits/fields"),
+  /** The preset fields a run's own folder drops: `{bound: {"data.path": ["data.factory", …]}}`. */
+  folderFields: () => request("GET", "/api/overrides/folders"),
 
   compare: (ids, metrics) =>
     request("GET", `/api/compare${query({ ids: ids.join(","), metrics: (metrics || []).join(",") })}`),

@@ -118,7 +118,9 @@ function curve(el, plan) {
  * @param {{getConfig: () => object|null, getRequest?: () => ({preset: string, overrides: object}|null)}} opts
  *   the config being edited (null when invalid), and the run request it makes (for Tune; null
  *   when it cannot make one, the page having said why)
- * @returns {HTMLElement}
+ * @returns {{el: HTMLElement, setBlocked: (reason: string|null) => void}} the panel, and what
+ *   holds Plan and Tune back while the page holds a value it marked invalid (the config would
+ *   be planned without it)
  */
 export function planPanel({ getConfig, getRequest }) {
   const device = h("select", { id: "plan-device" }, DEVICES.map((d) => h("option", { value: d }, d)));
@@ -129,13 +131,25 @@ export function planPanel({ getConfig, getRequest }) {
   const result = h("div", { id: "plan-result" });
   const chart = h("div", { class: "chart", id: "plan-chart", hidden: true });
   const btn = h("button", { id: "plan-run", onclick: run }, "Plan");
+  let blocked = null;
+
+  function setBlocked(reason) {
+    blocked = reason;
+    for (const b of [btn, tuneBtn]) {
+      if (b.dataset.busy !== "1") b.disabled = Boolean(reason);
+      b.title = reason || b.dataset.title || "";
+    }
+  }
+  tuneBtn.dataset.title = tuneBtn.title;
 
   async function run() {
+    if (blocked) return;
     fill(errors);
     fill(result);
     const preset = getConfig();
     if (!preset) return;
     btn.disabled = true;
+    btn.dataset.busy = "1";
     try {
       const plan = await api.plan({ preset, device: device.value });
       fill(result, summary(plan));
@@ -144,18 +158,21 @@ export function planPanel({ getConfig, getRequest }) {
     } catch (err) {
       showError(errors, err, "plan");
     } finally {
-      btn.disabled = false;
+      delete btn.dataset.busy;
+      btn.disabled = Boolean(blocked);
     }
   }
 
   /** Queues the plan's candidates within the budget as trial runs and opens the tune's page. */
   async function tune() {
+    if (blocked) return;
     fill(errors);
     if (!getConfig() || !getRequest) return;
     const request = getRequest(); // null: the page said why
     if (!request) return;
     const { preset, overrides } = request;
     tuneBtn.disabled = true;
+    tuneBtn.dataset.busy = "1";
     try {
       // Numbers as typed: the API says which field is wrong and why (a budget below the
       // smallest feasible plan gives that minimum).
@@ -168,15 +185,17 @@ export function planPanel({ getConfig, getRequest }) {
     } catch (err) {
       showError(errors, err, "tune");
     } finally {
-      tuneBtn.disabled = false;
+      delete tuneBtn.dataset.busy;
+      tuneBtn.disabled = Boolean(blocked);
     }
   }
 
-  return h("div", { class: "plan-panel" },
+  const el = h("div", { class: "plan-panel" },
     h("h2", {}, "Plan (predicted VRAM and step time, no weights loaded)"),
     h("div", { class: "toolbar" }, h("label", { class: "inline" }, "Device ", device), btn,
       getRequest ? h("label", { class: "inline" }, "VRAM budget (MB) ", budget) : null,
       getRequest ? h("label", { class: "inline" }, "trial steps ", trialSteps) : null,
       getRequest ? tuneBtn : null),
     errors, result, chart);
+  return { el, setBlocked };
 }

@@ -348,8 +348,9 @@ def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page
     page.click("#start-run")
     box = page.wait_for_selector(".page-errors .error-box")
     text = box.inner_text().removeprefix("×").strip()
+    # Labelled with what the user asked for: Start (its data scan is part of it).
     assert re.search(
-        r"^check data: overrides\.max_steps is 0; expected greater than 0\. \(HTTP 422, \w+\)$",
+        r"^start run: overrides\.max_steps is 0; expected greater than 0\. \(HTTP 422, \w+\)$",
         text,
     ), text
     assert box.get_attribute("data-fields") == "max_steps"

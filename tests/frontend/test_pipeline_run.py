@@ -1,6 +1,7 @@
 """A run started from a pipeline folder on the New run page: the folder is inspected (family,
 components, streamed blocks) through ``POST /api/pipelines/inspect``, used as ``model.path``, and
-the real ``workbench train`` worker trains the tiny FluxPipeline to the end."""
+the real ``workbench train`` worker trains the tiny FluxPipeline to the end; from the empty page
+with the form alone, on a folder of captioned images with the user's sample prompts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 
 import pytest
 
+from tests.fixtures.images import captioned_images
 from tests.frontend.conftest import Api, picture
 
 pytestmark = [pytest.mark.browser]
@@ -60,8 +62,8 @@ def test_start_a_run_from_a_pipeline_folder(backend_server, flux_folder, page):
     picture(page, "new-run-pipeline", full_page=True)
     page.click("#use-pipeline")
     config = json.loads(page.input_value("#config-json"))
-    assert config["model"]["path"] == str(flux_folder) and config["model"]["factory"] is None
-    assert config["model"]["expert"] is None and page.is_hidden("#pipeline-expert")
+    assert config["model"]["path"] == str(flux_folder) and "factory" not in config["model"]
+    assert "expert" not in config["model"] and page.is_hidden("#pipeline-expert")
     assert page.input_value("#field-model") == str(flux_folder)
     picture(page, "new-run-pipeline-used", full_page=True)
     page.fill("#field-max_steps", "3")
@@ -73,3 +75,46 @@ def test_start_a_run_from_a_pipeline_folder(backend_server, flux_folder, page):
     assert run["status"] == "succeeded", run.get("error")
     assert run["config"]["model"]["path"] == str(flux_folder)
     assert run["summary"]["steps_done"] == 3
+
+
+def test_my_pipeline_my_images_my_prompts_from_the_empty_page_without_json(
+    backend_server, flux_folder, page, tmp_path
+):
+    """The whole way a user trains on their own data, by the form alone: before, the data folder
+    and the prompts were JSON edits refused three times, and the digit prompts captioned the
+    samples."""
+    api = Api(backend_server)
+    images = captioned_images(tmp_path / "my photos")
+    prompts = ["a watercolour fox", "a red boat at dawn"]
+    page.goto(backend_server + "/#/new")
+    page.wait_for_function(
+        "document.getElementById('preset-select').value === 'default'"
+        " && document.getElementById('field-max_steps').value !== ''"
+    )
+    page.fill("#pipeline-path", str(flux_folder))
+    page.click("#inspect-pipeline")
+    page.click("#use-pipeline")  # enabled once the inspection says the folder is trainable
+    page.fill("#field-data", str(images))
+    page.fill("#field-prompts", "\n".join(prompts))
+    page.fill("#field-max_steps", "2")  # seconds, not the demo's 160 steps
+    page.fill("#run-name", "fox on my photos")
+    picture(page, "new-run-my-data", full_page=True)
+    page.click("#start-run")
+    page.wait_for_url(re.compile(r"#/runs/\d+$"))
+    run_id = int(page.url.rsplit("/", 1)[1])
+
+    page.wait_for_function(
+        "(document.getElementById('loss')?.data?.[0]?.x ?? []).length >= 1", timeout=180_000
+    )
+    run = api.wait_run(run_id, {"succeeded", "failed", "crashed"}, timeout=240)
+    assert run["status"] == "succeeded", run.get("error")
+    assert run["config"]["data"] == {"path": str(images)}
+    scans = api.call("GET", f"/api/runs/{run_id}/telemetry?source=trainer&kind=dataset_scan")
+    assert [(s["folder"], s["usable"]) for s in scans["data"]] == [(str(images), 6)]
+    page.wait_for_function(
+        "document.querySelectorAll('#samples figcaption').length === 2", timeout=60_000
+    )
+    assert page.eval_on_selector_all("#samples figcaption", "fs => fs.map(f => f.textContent)") == (
+        prompts
+    )
+    picture(page, "run-my-data", full_page=True)

@@ -150,16 +150,9 @@ def flux2_pipeline_dir(asset_cache) -> Path:
 def wide_images(tmp_path_factory) -> Path:
     """Six 120x60 random images with captions: with ``resolution`` 96 and bucketing they land
     in the 64x128 bucket (non-square latents)."""
-    import numpy as np
-    from PIL import Image
+    from tests.fixtures.images import captioned_images
 
-    folder = tmp_path_factory.mktemp("wide-images")
-    rng = np.random.default_rng(0)
-    for i, word in enumerate(["zero", "one", "two", "three", "four", "five"]):
-        arr = (rng.random((60, 120, 3)) * 255).astype("uint8")
-        Image.fromarray(arr).save(folder / f"{i:02d}.png")
-        (folder / f"{i:02d}.txt").write_text(f"a photo of the digit {word}")
-    return folder
+    return captioned_images(tmp_path_factory.mktemp("wide-images"))
 
 
 def write_clip(path: Path, frames: int, size_hw=(60, 120), seed=0) -> None:

@@ -92,9 +92,12 @@ def problems_of(exc: ValidationError) -> list[dict[str, Any]]:
     """``[{path, found, expected, message}]`` for each error of a pydantic ``ValidationError``.
 
     A rule between fields is reported at the field at fault, with its sentence as ``message``
-    (NOTE [ Cross-field errors ]).
+    (NOTE [ Cross-field errors ]). A value no branch of a union takes is one problem whose
+    ``expected`` lists the branches (``greater than or equal to 0, or 'auto'``): pydantic reports
+    a line per branch, and a line alone reads as the only thing the field takes.
     """
     seen, out = set(), []
+    branches: dict[tuple[str, str], dict[str, Any]] = {}
     for err in exc.errors():
         loc, value, sentence = tuple(err["loc"]), err.get("input"), None
         located = _cross_field(err)
@@ -105,10 +108,17 @@ def problems_of(exc: ValidationError) -> list[dict[str, Any]]:
         path = _json_path(loc)
         found = "nothing" if err["type"] == "missing" else found_text(value)
         item = (path, found, _expected(err))
-        if item not in seen:
-            seen.add(item)
-            problem = {"path": path, "found": found, "expected": item[2]}
-            out.append({**problem, "message": sentence} if sentence else problem)
+        if item in seen:
+            continue
+        seen.add(item)
+        union = branches.get((path, found))
+        if union is not None and sentence is None:
+            union["expected"] += f", or {item[2]}"
+            continue
+        problem = {"path": path, "found": found, "expected": item[2]}
+        out.append({**problem, "message": sentence} if sentence else problem)
+        if sentence is None:
+            branches[(path, found)] = out[-1]
     return out
 
 

@@ -1,6 +1,9 @@
-// New run page: pick a preset, edit its key fields as a form (components/newrun/form.js) or the
-// whole JSON (components/newrun/json.js), then Start (POST /api/runs with the changes as
-// `overrides`, after a data scan: components/newrun/request.js) or save as a new preset.
+// New run page: pick a preset, edit its key fields as a form (components/newrun/form.js: the
+// model and data folders, the sample prompts, the knobs) or the whole JSON
+// (components/newrun/json.js), then Start (POST /api/runs with the changes as `overrides`, after
+// a data scan: components/newrun/request.js) or save it as a new preset
+// (components/newrun/presets.js). While a field holds text the page marked invalid, nothing is
+// sent: Start, Check data, Plan, Tune and Save wait, and a note says which fields.
 // `#/new?from=ID` opens it prefilled from a past run ("Re-run with changes", with the live
 // limits the run ended with, not those it started with); `#/new?preset=NAME` selects one.
 // "Plan" (plan.js) predicts VRAM and step time of the config on a device profile before Start.
@@ -13,6 +16,7 @@ import { pipelinePanel } from "../components/panels/pipeline.js";
 import { KeyFieldsForm } from "../components/newrun/form.js";
 import { JsonEditor } from "../components/newrun/json.js";
 import { RunRequest } from "../components/newrun/request.js";
+import { PresetActions } from "../components/newrun/presets.js";
 
 export function mount(root, { params }) {
   let presets = [];
@@ -23,9 +27,9 @@ export function mount(root, { params }) {
   // The worker's device (POST /api/runs "device"); runs on one device share its --max-parallel slots.
   const deviceSel = h("select", { id: "run-device", title: "the device the run's worker trains on" },
     h("option", { value: "auto" }, "auto (CUDA if present)"), h("option", { value: "cpu" }, "cpu"));
-  const presetName = h("input", { id: "new-preset-name", type: "text", placeholder: "new preset name" });
   // A preset waiting for the demo-asset build (its model unchanged) cannot start yet: say why.
   const assetNote = h("p", { class: "asset-note", id: "asset-note", role: "status", hidden: true });
+  const blockedNote = h("p", { class: "asset-note", id: "blocked-note", role: "status", hidden: true });
   let assets = null;
   const from = params.get("from");
   const title = h("h1", {}, from ? `Re-run ${from} with changes` : "New run");
@@ -36,7 +40,13 @@ export function mount(root, { params }) {
     json.show();
   });
   const json = new JsonEditor(doc, () => form.show());
-  const request = new RunRequest({ doc, form, json, errors, presetSel, nameInput, deviceSel, presetName, gate, loadPresets });
+  const request = new RunRequest({ doc, form, json, errors, presetSel, nameInput, deviceSel, gate });
+  const presetActions = new PresetActions({
+    doc, json, errors, presetSel, loadPresets,
+    selected: () => presets.find((p) => p.name === presetSel.value),
+    showApiError: (err, label) => request.showApiError(err, label),
+  });
+  const plan = planPanel({ getConfig: () => (json.parse() ? doc.config : null), getRequest: () => request.forTune() });
 
   root.append(
     h("section", { class: "card" },
@@ -49,16 +59,29 @@ export function mount(root, { params }) {
         h("div", {}, h("h2", {}, "Key fields"), form.el),
         h("div", {}, h("h2", {}, "Full config (JSON)"), json.area, json.error)),
       request.scanBox,
-      planPanel({ getConfig: () => (json.parse() ? doc.config : null), getRequest: () => request.forTune() }),
+      plan.el,
       assetNote,
-      h("div", { class: "toolbar actions-row" }, request.startBtn, request.scanBtn, h("div", { class: "spacer" }), presetName, request.saveBtn)),
+      blockedNote,
+      h("div", { class: "toolbar actions-row" }, request.startBtn, request.scanBtn, h("div", { class: "spacer" }), presetActions.el),
+      presetActions.note),
   );
   root.addEventListener("input", gate);
+  root.addEventListener("change", gate);
 
-  /** Says why the selected preset cannot start while its demo assets build (GET /api/assets
-   * blocked_presets; Start is refused by the server with the same reason, 409
-   * assets_not_ready); a pipeline folder (another model) lifts it. */
+  /** Holds back every button that sends the config while a field holds text the page marked
+   * invalid (its last good value is still in the config: Start would run that one), naming the
+   * fields; and says why the selected preset cannot start while its demo assets build (GET
+   * /api/assets blocked_presets; Start is refused by the server with the same reason, 409
+   * assets_not_ready); a pipeline folder (another model) lifts that. */
   function gate() {
+    const bad = form.invalidLabels();
+    if (!json.valid) bad.push("Full config (JSON)");
+    const reason = bad.length ? `Fix ${bad.join("; ")} first: a run would not get what is typed there.` : null;
+    request.setBlocked(reason);
+    plan.setBlocked(reason);
+    presetActions.setBlocked(reason);
+    blockedNote.hidden = !reason;
+    blockedNote.textContent = reason ? `Start, Check data, Plan, Tune and Save wait. ${reason}` : "";
     const why = assets?.blocked_presets?.[presetSel.value];
     const blocked = Boolean(why) && !("model" in deepDiff(doc.base, doc.config));
     request.startBtn.classList.toggle("waiting", blocked);
@@ -85,14 +108,16 @@ export function mount(root, { params }) {
     showConfig();
   }
 
-  /** A pipeline folder replaces the preset's model: model.path set, model.factory and
-   *  model.pretrained null, model.expert the chosen one (null for a pipeline with one transformer). */
+  /** A pipeline folder replaces the preset's model: model.path set (the preset's factory model
+   *  fields dropped, as the Model folder field does), model.expert the chosen one (left out for
+   *  a pipeline with one transformer). Fields marked invalid keep what was typed. */
   function usePipeline(path, expert) {
-    setPath(doc.config, "model.path", path);
-    setPath(doc.config, "model.factory", null);
-    setPath(doc.config, "model.pretrained", null);
-    setPath(doc.config, "model.expert", expert);
-    showConfig();
+    form.useFolder("model.path", path);
+    if (expert) setPath(doc.config, "model.expert", expert);
+    else if (doc.config.model) delete doc.config.model.expert;
+    form.show({ keepInvalid: true });
+    json.show();
+    gate();
   }
 
   function selectPreset(name) {
@@ -137,7 +162,9 @@ export function mount(root, { params }) {
 
   (async () => {
     try {
-      form.limitPaths = (await api.limitFields()).paths;
+      const [limitFields, folderFields] = await Promise.all([api.limitFields(), api.folderFields()]);
+      form.limitPaths = limitFields.paths;
+      form.folderFields = folderFields.bound;
       if (from) {
         const [run, limits] = await Promise.all([api.run(from), api.limits(from)]);
         await loadPresets(run.preset);
@@ -146,7 +173,7 @@ export function mount(root, { params }) {
           // Its config is loaded as it ran; another preset's would add to it: save it under a name first.
           presetSel.prepend(h("option", { value: "" }, `(${run.preset}: deleted)`));
           presetSel.value = "";
-          presetName.value = run.preset;
+          presetActions.nameInput.value = run.preset;
           showError(errors, new Error(`preset "${run.preset}" no longer exists; the run's config is loaded: save it as a new preset to start it`), "re-run");
         }
         load(preset ? preset.config : run.config, withLimits(run.config, limits));

@@ -49,6 +49,17 @@ export function matches(run, text) {
   return [run.name || "", ...(run.tags || [])].some((s) => s.toLowerCase().includes(needle));
 }
 
+/** The run's own model and data folders under its preset's name ("model FLUX.1-dev · data
+ * photos", the full paths in the title): a run of the demo preset on a user's pipeline and
+ * images is not the demo. Null when the run names no folder. */
+function folders(run) {
+  const named = ["model", "data"].map((k) => [k, run.config?.[k]?.path]).filter(([, p]) => typeof p === "string" && p);
+  if (!named.length) return null;
+  const base = (p) => p.replace(/\/+$/, "").split("/").pop() || p;
+  return h("div", { class: "muted run-folders", title: named.map(([k, p]) => `${k}: ${p}`).join("\n") },
+    named.map(([k, p]) => `${k} ${base(p)}`).join(" · "));
+}
+
 export function mount(root, { params }) {
   const selected = new Set();
   const rows = new Map(); // id -> {tr, editor}
@@ -160,7 +171,7 @@ export function mount(root, { params }) {
       h("td", { class: "name" }, h("a", { href: `#/runs/${run.id}` }, run.name || `run ${run.id}`),
         run.group_id ? h("a", { class: "tag tune-link", href: `#/tunes/${run.group_id}`, title: "a trial of this tune" }, `tune #${run.group_id}`) : null,
         run.notes ? h("div", { class: "notes muted", title: run.notes }, run.notes) : null),
-      h("td", { "data-label": "preset" }, run.preset || "–"),
+      h("td", { "data-label": "preset" }, run.preset || "–", folders(run)),
       h("td", { "data-label": "status" }, statusBadge(run.status)),
       h("td", { "data-label": "started" }, fmtTime(run.started_at || run.created_at)),
       h("td", { "data-label": "duration" }, fmtDuration(runDuration(run))),

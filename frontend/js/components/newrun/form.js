@@ -1,5 +1,8 @@
 // The New run page's key fields: a form over the most used values of the config being edited
-// (`doc.config`), each input bound to one JSON path; a change goes into the config at once.
+// (`doc.config`), each input bound to one JSON path; a change goes into the config at once, a
+// value that does not parse stays out of it and marks the field invalid (`invalid()`), which
+// holds Start back. A folder field is the run's own model or data: naming one where the preset
+// names none drops the preset's fields bound to it (`useFolder`), as the server does.
 
 import { getPath, h, setPath, splitPath } from "../../ui.js";
 
@@ -10,7 +13,9 @@ const AS = `${SH}.activation_stagehand`;
 // LoRA rank two ways; a model is a folder or a factory). A `limit` field is a LiveLimits field:
 // its path comes from the API (GET /api/limits/fields, contract/limits.py).
 const FIELDS = [
-  { id: "model", label: "Model (folder or factory)", paths: ["model.path", "model.factory"], type: "text" },
+  { id: "model", label: "Model folder (a diffusers pipeline; empty: the preset's model)", paths: ["model.path"], type: "folder", wide: true },
+  { id: "data", label: "Data folder (images with .txt captions; empty: the preset's data)", paths: ["data.path"], type: "folder", wide: true },
+  { id: "prompts", label: "Sample prompts (one a line; empty: no samples)", paths: ["samples.prompts"], type: "lines", wide: true },
   { id: "max_steps", label: "Steps", paths: ["max_steps"], type: "int" },
   { id: "learning_rate", label: "Learning rate", paths: ["learning_rate"], type: "float" },
   { id: "resolution", label: "Resolution (px)", paths: ["resolution"], type: "int" },
@@ -30,6 +35,8 @@ const FIELDS = [
   { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
 ];
 
+const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
+
 function deletePath(obj, path) {
   const keys = splitPath(path);
   const parent = getPath(obj, keys.slice(0, -1).join("."));
@@ -41,6 +48,7 @@ function parseField(field, el) {
   const raw = field.type === "bool" ? el.checked : el.value.trim();
   if (field.type === "bool") return raw;
   if (raw === "") return undefined;
+  if (field.type === "lines") return raw.split("\n").map((line) => line.trim()).filter(Boolean);
   if (field.type === "int") {
     if (!/^-?\d+$/.test(raw)) throw new Error(`expected a whole number, got "${raw}"`);
     return Number(raw);
@@ -72,18 +80,22 @@ export class KeyFieldsForm {
     this.onChange = onChange;
     this.bound = new Map(); // field id -> JSON path
     this.limitPaths = {}; // LiveLimits field -> config path (GET /api/limits/fields)
+    this.folderFields = {}; // folder path -> the preset fields it drops (GET /api/overrides/folders)
     this.inputs = new Map();
+    this.invalid = new Map(); // field id -> label, for the fields whose text did not parse
     this.el = h("div", { class: "form-grid", id: "run-form" });
     for (const field of FIELDS) {
       let input;
       if (field.type === "select") input = h("select", {}, field.options.map((o) => h("option", { value: o }, o || "off")));
       else if (field.type === "bool") input = h("input", { type: "checkbox" });
+      else if (field.type === "lines") input = h("textarea", { rows: 3, placeholder: "a photo of sks dog on a beach" });
+      else if (field.type === "folder") input = h("input", { type: "text", placeholder: "/path/to/folder", spellcheck: "false" });
       else input = h("input", { type: "text", placeholder: "default", inputmode: ["text", "list", "watermark"].includes(field.type) ? "text" : "decimal" });
       input.id = `field-${field.id}`;
       input.addEventListener(field.type === "bool" || field.type === "select" ? "change" : "input", () => this.read(field));
       const err = h("div", { class: "field-error", id: `error-${field.id}` });
       this.inputs.set(field.id, { input, err });
-      this.el.append(h("label", { class: "field", for: input.id, "data-field": field.id },
+      this.el.append(h("label", { class: field.wide ? "field wide" : "field", for: input.id, "data-field": field.id },
         h("span", { class: "label" }, field.label), input, h("code", { class: "path" }), err));
     }
   }
@@ -104,14 +116,44 @@ export class KeyFieldsForm {
     }
   }
 
-  /** Puts the config's values into the inputs. */
-  show() {
+  /** Puts the config's values into the inputs, and takes the invalid marks away: the config is
+   * the truth again. `except`: a field left as typed (the one being typed in); `keepInvalid`:
+   * fields whose text did not parse keep it (a folder changed other fields, not those). */
+  show({ except = null, keepInvalid = false } = {}) {
     for (const field of FIELDS) {
-      const { input } = this.inputs.get(field.id);
+      if (field.id === except || (keepInvalid && this.invalid.has(field.id))) continue;
+      const { input, err } = this.inputs.get(field.id);
       const value = getPath(this.doc.config, this.bound.get(field.id));
       if (field.type === "bool") input.checked = value === true;
       else if (field.type === "list") input.value = Array.isArray(value) ? value.join(", ") : "";
+      else if (field.type === "lines") input.value = Array.isArray(value) ? value.join("\n") : "";
       else input.value = value === undefined || value === null ? "" : String(value);
+      if (this.invalid.delete(field.id)) {
+        err.textContent = "";
+        input.classList.remove("invalid");
+      }
+    }
+  }
+
+  /** The labels of the fields whose text did not parse (their last good value is still in the
+   * config: a run must not start with it). */
+  invalidLabels() {
+    return [...this.invalid.values()];
+  }
+
+  /** `value` (a folder, or "" for none) into the config at `path` (model.path, data.path). Where
+   * the preset names no folder there, the fields it binds to its own model or data (a factory,
+   * its size, the data limit and caption length, the digit prompts) leave the config while they
+   * hold the preset's value, and come back when the folder is cleared. */
+  useFolder(path, value) {
+    const { base, config } = this.doc;
+    if (value) setPath(config, path, value);
+    else deletePath(config, path);
+    if (getPath(base, path) != null) return;
+    for (const key of this.folderFields[path] || []) {
+      const ours = getPath(base, key);
+      if (value && ours !== undefined && same(getPath(config, key), ours)) deletePath(config, key);
+      else if (!value && ours !== undefined && getPath(config, key) === undefined) setPath(config, key, structuredClone(ours));
     }
   }
 
@@ -121,19 +163,27 @@ export class KeyFieldsForm {
     const path = this.bound.get(field.id);
     try {
       const value = parseField(field, input);
-      if (value === undefined) deletePath(this.doc.config, field.section || path);
+      if (field.type === "folder") {
+        this.useFolder(path, value || "");
+        this.show({ except: field.id, keepInvalid: true }); // the fields it dropped or put back
+      } else if (value === undefined) deletePath(this.doc.config, field.section || path);
       else setPath(this.doc.config, path, value);
       err.textContent = "";
       input.classList.remove("invalid");
+      this.invalid.delete(field.id);
       this.onChange(path);
     } catch (exc) {
       err.textContent = exc.message;
       input.classList.add("invalid");
+      this.invalid.set(field.id, field.label);
     }
   }
 
+  /** Takes away the API's errors shown beside the fields; a field whose text did not parse
+   * keeps its own. */
   clear() {
-    for (const { err, input } of this.inputs.values()) {
+    for (const [id, { err, input }] of this.inputs) {
+      if (this.invalid.has(id)) continue;
       err.textContent = "";
       input.classList.remove("invalid");
     }

@@ -1,43 +1,59 @@
 // The New run page's run request: what the edited config becomes (the preset and the changes
-// as `overrides`), why it cannot (a value of the preset removed), the data scan before Start
+// as `overrides`, a value of the preset removed as null), the data scan before Start
 // (POST /api/data/scan: a run that would fail on it does not start; files left out or caption
-// warnings are shown once before "Start anyway"), Start and "Save as new preset". API
-// validation errors are shown beside the form field their `field` JSON path names.
+// warnings are shown once before "Start anyway") and Start. Nothing is sent while the page
+// holds a value it marked invalid (`setBlocked`). API validation errors are shown beside the
+// form field their `field` JSON path names, every one of them.
 
 import { api } from "../../api.js";
 import { noteworthy, scanView } from "../../scan.js";
 import { clearErrors, deepDiff, fill, h, showError } from "../../ui.js";
 
-/** Paths of values `base` holds that `config` no longer has: overrides only add or replace
- * (the server merges them into the preset), so a run would still get these. */
-function removedPaths(base, config, prefix = "") {
-  return Object.entries(base || {}).flatMap(([key, value]) => {
-    const path = prefix ? `${prefix}.${key}` : key;
+const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+
+/** The changes from `base` to `config` as overrides: what `config` adds or replaces, and null
+ * for what it removed (the server removes a key given as null: the field's default applies). */
+export function overridesOf(base, config) {
+  const out = deepDiff(base, config);
+  for (const [key, value] of Object.entries(base || {})) {
     const now = config ? config[key] : undefined;
-    if (now === undefined) return value === null ? [] : [path]; // null: as if not set
-    const nested = value && typeof value === "object" && !Array.isArray(value) && now && typeof now === "object" && !Array.isArray(now);
-    return nested ? removedPaths(value, now, path) : [];
-  });
+    if (now === undefined) {
+      if (value !== null) out[key] = null;
+    } else if (isObject(value) && isObject(now)) {
+      const inner = overridesOf(value, now);
+      if (Object.keys(inner).length) out[key] = { ...(out[key] || {}), ...inner };
+    }
+  }
+  return out;
 }
 
 export class RunRequest {
   /**
    * @param {object} page the page's parts: `doc` (`{base, config}`), `form` (KeyFieldsForm),
-   *   `json` (JsonEditor), `errors`, `presetSel`, `nameInput`, `deviceSel`, `presetName`,
-   *   `gate()` (the asset note) and `loadPresets(name)`
+   *   `json` (JsonEditor), `errors`, `presetSel`, `nameInput`, `deviceSel` and `gate()` (what
+   *   holds Start back: fields marked invalid, the demo assets)
    */
   constructor(page) {
     this.page = page;
     this.startBtn = h("button", { id: "start-run", class: "primary", onclick: () => this.start() }, "Start run");
     this.scanBtn = h("button", { id: "scan-data", onclick: () => this.scanData() }, "Check data");
-    this.saveBtn = h("button", { id: "save-preset", onclick: () => this.savePreset() }, "Save as new preset");
     this.scanBox = h("div", { class: "scan-box", id: "data-scan", hidden: true });
     this.shownScan = null; // the request (JSON) whose scan the user has seen
+    this.blocked = null; // why nothing may be sent (fields the page marked invalid), or null
+    this.busy = false;
+  }
+
+  /** Holds Start and Check data back while `reason` (a sentence) holds; null lets them go. */
+  setBlocked(reason) {
+    this.blocked = reason;
+    this.startBtn.disabled = this.busy || Boolean(reason);
+    this.scanBtn.disabled = Boolean(reason);
+    for (const btn of [this.startBtn, this.scanBtn]) btn.title = reason || "";
   }
 
   clearFieldErrors() {
     const { doc, presetSel, form, json } = this.page;
-    if (this.shownScan !== JSON.stringify([presetSel.value, deepDiff(doc.base, doc.config)])) {
+    if (this.shownScan !== JSON.stringify([presetSel.value, overridesOf(doc.base, doc.config)])) {
       // The scan on show was of another run request: take it away with its "Start anyway".
       this.startBtn.textContent = "Start run";
       delete this.startBtn.dataset.confirm;
@@ -63,28 +79,24 @@ export class RunRequest {
 
   body() {
     const { doc, presetSel, nameInput, deviceSel } = this.page;
-    const body = { preset: presetSel.value, overrides: deepDiff(doc.base, doc.config) };
+    const body = { preset: presetSel.value, overrides: overridesOf(doc.base, doc.config) };
     if (nameInput.value.trim()) body.name = nameInput.value.trim();
     if (deviceSel.value !== "auto") body.device = deviceSel.value;
     return body;
   }
 
-  /** Why the form cannot become a run request (no preset, or a value of the preset removed,
-   * which overrides cannot do) as an error naming the field, shown beside it; null when it can. */
+  /** Why the form cannot become a run request (a field marked invalid, or no preset) as an
+   * error; null when it can. */
   problem() {
-    const { doc, presetSel } = this.page;
-    if (!presetSel.value) {
-      return { field: null, message: "pick a preset, or save this config as a new preset and start that", details: [], describe() { return this.message; } };
-    }
-    const [path] = removedPaths(doc.base, doc.config);
-    if (!path) return null;
-    const message = `${path}: preset "${presetSel.value}" sets it and a run's changes cannot remove it; give it a value, or save this config as a new preset and start that`;
-    return { field: `overrides.${path}`, message, details: [], describe: () => message };
+    const { presetSel } = this.page;
+    const message = this.blocked || (presetSel.value ? null : "pick a preset, or save this config as a new preset and start that");
+    return message ? { field: null, message, details: [], describe: () => message } : null;
   }
 
   /** The run request Tune's trials start from, or null (the problem shown beside its field)
    * when the form cannot become one (`problem`). */
   forTune() {
+    if (this.blocked) return null;
     this.clearFieldErrors();
     const problem = this.problem();
     if (problem) {
@@ -94,15 +106,17 @@ export class RunRequest {
     return this.body();
   }
 
-  /** Scans the data of `body`'s run and shows it; the scan, or null on an API error. */
-  async scanData(body = null) {
+  /** Scans the data of `body`'s run and shows it; the scan, or null on an API error (shown
+   * under `label`: what the user asked for, Check data or Start). */
+  async scanData(body = null, label = "check data") {
+    if (this.blocked) return null;
     this.clearFieldErrors();
     if (!body) {
       clearErrors(this.page.errors);
       if (!this.page.json.parse()) return null;
       const problem = this.problem();
       if (problem) {
-        this.showApiError(problem, "check data");
+        this.showApiError(problem, label);
         return null;
       }
       body = this.body();
@@ -110,7 +124,7 @@ export class RunRequest {
     const { startBtn, scanBox } = this;
     try {
       const scan = await api.scanData({ preset: body.preset, overrides: body.overrides });
-      clearErrors(this.page.errors, "check data");
+      clearErrors(this.page.errors, label);
       // Files left out or warned about: the next Start goes ahead, now that they were shown.
       const confirm = !scan.problem && noteworthy(scan);
       fill(scanBox, h("h2", {}, "Data"), scanView(scan, { open: confirm }),
@@ -122,12 +136,13 @@ export class RunRequest {
       else delete startBtn.dataset.confirm;
       return scan;
     } catch (err) {
-      this.showApiError(err, "check data");
+      this.showApiError(err, label);
       return null;
     }
   }
 
   async start() {
+    if (this.blocked) return;
     this.clearFieldErrors();
     clearErrors(this.page.errors); // a new attempt: the last one's errors come back if they still hold
     if (!this.page.json.parse()) return;
@@ -139,10 +154,11 @@ export class RunRequest {
     const body = this.body();
     const seen = this.shownScan === JSON.stringify([body.preset, body.overrides]);
     const startBtn = this.startBtn;
+    this.busy = true;
     startBtn.disabled = true;
     try {
       if (!seen || startBtn.dataset.confirm !== "1") {
-        const scan = await this.scanData(body);
+        const scan = await this.scanData(body, "start run");
         // Stop when the run would fail on its data, or to show what it leaves out.
         if (!scan || scan.problem || noteworthy(scan)) return;
       }
@@ -151,26 +167,8 @@ export class RunRequest {
     } catch (err) {
       this.showApiError(err, "start run");
     } finally {
-      startBtn.disabled = false;
+      this.busy = false;
       this.page.gate();
-    }
-  }
-
-  async savePreset() {
-    const { errors, presetName, doc } = this.page;
-    this.clearFieldErrors();
-    clearErrors(errors); // a new attempt: the last one's errors come back if they still hold
-    if (!this.page.json.parse()) return;
-    const name = presetName.value.trim();
-    if (!name) {
-      showError(errors, new Error("give the new preset a name"), "save preset");
-      return;
-    }
-    try {
-      const saved = await api.createPreset(name, doc.config);
-      await this.page.loadPresets(saved.name || name);
-    } catch (err) {
-      this.showApiError(err, "save preset");
     }
   }
 }
