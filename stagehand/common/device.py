@@ -79,7 +79,18 @@ def on_device(tensor: torch.Tensor, device: torch.device | str) -> bool:
     double = TransferStream.double
     if double is not None and not uses_cuda(device):
         return double.owns(tensor)
-    return tensor.device == torch.device(device)
+    return same_device(tensor.device, torch.device(device))
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device: a CUDA device without an index is the current
+    one (``torch.device("cuda")`` and ``cuda:0`` compare unequal, yet name the same card)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def on_host(tensor: torch.Tensor) -> bool:
