@@ -5,11 +5,12 @@ the app runs in-process (``inprocess.in_process``): no worker is started."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 from backend_helpers import assert_error_body
-from inprocess import IdleExecutor, in_process
+from inprocess import IdleExecutor, append_records, in_process
 
 from backend.security import MAX_JSON_DEPTH
 from contract.config import MAX_MB
@@ -166,3 +167,52 @@ def test_the_schema_states_names_and_ids_formats(client):
     assert params["ids"]["schema"]["pattern"].startswith("^ *[0-9]{1,19}")
     preset = doc["paths"]["/api/presets/{name}"]["get"]["parameters"][0]["schema"]
     assert preset["pattern"] == NAME_RE.pattern
+
+
+def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_never_breaks_the_runs_list(
+    api_factory, tmp_path
+):
+    """``c_\\xff.png`` made the scan a 500; a run failed on it made ``/api/runs``, one run and
+    ``/api/compare`` 500 (``surrogates not allowed``) until the run was deleted."""
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    with open(os.path.join(os.fsencode(folder), b"c_\xff.png"), "wb") as f:
+        f.write(b"not a png")
+    executor = IdleExecutor(slots=2)
+    client = api_factory(executor=executor)
+    data = {"factory": None, "path": str(folder), "on_bad_file": "fail"}
+    resp = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": {"data": data}})
+    assert resp.status_code == 200, resp.text
+    found = resp.json()
+    assert found["skipped"] == [
+        {"file": "c_\\xff.png", "reason": "not an image Pillow can read", "bad": True}
+    ]
+    assert found["usable"] == 1 and found["problem"].endswith(
+        "\n  c_\\xff.png: not an image Pillow can read"
+    )
+
+    # A worker's error record that names the file as Python read it (a lone surrogate).
+    failed, other = (
+        client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"] for _ in "ab"
+    )
+    _wait_status(client, failed, "running")
+    message = "data.on_bad_file is fail and 1 file(s) cannot be used:\n  c_\udcff.png: bad"
+    error = {"source": "trainer", "kind": "error", "step": None, "phase": None}
+    error.update(seq=0, time=1.0, message=message, error_type="DataError", traceback="c_\udcff")
+    append_records(client.app.state.settings.data_dir, failed, [error])
+    time.sleep(0.3)  # the tailer's poll: the record is stored before the exit is seen
+    executor.end(failed, 1)
+    _wait_status(client, failed, "failed")
+    shown = "data.on_bad_file is fail and 1 file(s) cannot be used:\n  c_\\xff.png: bad"
+    for url in ("/api/runs", "/api/runs?status=failed", f"/api/runs/{failed}"):
+        resp = client.get(url)
+        assert resp.status_code == 200, (url, resp.text)
+        run = resp.json()["data"][-1] if "data" in resp.json() else resp.json()
+        assert run["id"] == failed and run["error"]["message"] == shown, url
+        assert run["error"]["traceback"] == "c_\\xff"
+    resp = client.get(f"/api/compare?ids={failed},{other}")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["runs"][0]["error"]["message"] == shown
