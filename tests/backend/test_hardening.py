@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -216,3 +217,26 @@ def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_never_breaks_the_runs
     resp = client.get(f"/api/compare?ids={failed},{other}")
     assert resp.status_code == 200, resp.text
     assert resp.json()["runs"][0]["error"]["message"] == shown
+
+
+def test_the_log_route_reads_only_the_run_folders_own_worker_log(client, tmp_path):
+    """``worker.log`` replaced by a symlink (or a second name) of a file outside the data
+    folder, or a run folder that is a symlink, was served: the artifact routes' rule now."""
+    runs_dir = client.app.state.settings.runs_dir
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:SECRET\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "worker.log").write_text("SECRET from elsewhere\n")
+    ids = [client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"] for _ in range(4)]
+    own, link, hard, linked_dir = ids
+    (runs_dir / str(own) / "worker.log").write_text("step 1/3\n")
+    (runs_dir / str(link) / "worker.log").symlink_to(secret)
+    (runs_dir / str(hard) / "worker.log").hardlink_to(secret)
+    shutil.rmtree(runs_dir / str(linked_dir))  # its config.json, written when it was queued
+    (runs_dir / str(linked_dir)).symlink_to(elsewhere)
+
+    assert client.get(f"/api/runs/{own}/log").json() == {"text": "step 1/3\n"}
+    for run_id in (link, hard, linked_dir):
+        resp = client.get(f"/api/runs/{run_id}/log")
+        assert resp.status_code == 200 and resp.json() == {"text": None}, (run_id, resp.text)
