@@ -240,3 +240,26 @@ def test_the_log_route_reads_only_the_run_folders_own_worker_log(client, tmp_pat
     for run_id in (link, hard, linked_dir):
         resp = client.get(f"/api/runs/{run_id}/log")
         assert resp.status_code == 200 and resp.json() == {"text": None}, (run_id, resp.text)
+
+
+def test_a_path_the_file_system_refuses_is_a_422_naming_the_field(client, tmp_path):
+    """A 300-character name (over the file system's 255 bytes) was ``OSError: File name too
+    long``, a 500."""
+    long = "a" * 300
+    for path in (f"/tmp/{long}", f"{tmp_path}/{long}/pipe"):
+        err = assert_error_body(client.post("/api/pipelines/inspect", json={"path": path}), 422)
+        assert err["field"] == "path", err
+        assert err["message"].startswith("path: cannot read '") and err["message"].endswith(
+            "'... (File name too long)"
+        )
+    # The single-file transformer is checked after the folder: a pipeline folder's layout.
+    components = ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2")
+    components += ("tokenizer_2", "transformer")
+    folder = tmp_path / "flux"
+    for name in components:
+        (folder / name).mkdir(parents=True)
+    index = {name: ["diffusers", "X"] for name in components}
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **index}))
+    body = {"path": str(folder), "transformer_path": f"{tmp_path}/{long}.safetensors"}
+    err = assert_error_body(client.post("/api/pipelines/inspect", json=body), 422)
+    assert err["field"] == "transformer_path" and "(File name too long)" in err["message"], err
