@@ -263,3 +263,50 @@ def test_a_path_the_file_system_refuses_is_a_422_naming_the_field(client, tmp_pa
     body = {"path": str(folder), "transformer_path": f"{tmp_path}/{long}.safetensors"}
     err = assert_error_body(client.post("/api/pipelines/inspect", json=body), 422)
     assert err["field"] == "transformer_path" and "(File name too long)" in err["message"], err
+
+
+LIVE_INTS = {
+    "prefetch_window_blocks": ("memory.stagehand", 128),
+    "max_inflight_transfers": ("memory.stagehand", 64),
+    "max_inflight_d2h": ("memory.stagehand.activation_stagehand", 64),
+    "max_inflight_h2d": ("memory.stagehand.activation_stagehand", 64),
+}
+"""The integer live limits -> (their config section, their bound)."""
+
+
+def _nested(path: str, value) -> dict:
+    out = value
+    for key in reversed(path.split(".")):
+        out = {key: out}
+    return out
+
+
+def test_integer_live_limits_have_an_upper_bound_everywhere_they_are_set(client):
+    """``{"max_inflight_d2h": 10**400}`` was accepted and applied, in a PATCH, a new run's
+    config and ``/api/plan``."""
+    import copy
+
+    from workbench.preset import load_preset
+
+    _, preset = load_preset("tiny-ci")
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    for field, (section, bound) in LIVE_INTS.items():
+        for value in (10**400, bound + 1):
+            resp = client.patch("/api/runs/1/limits", json={field: value})
+            err = assert_error_body(resp, 422)
+            assert err["field"] == field and f"less than or equal to {bound}" in err["message"]
+            overrides = _nested(f"{section}.{field}", value)
+            resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": overrides})
+            err = assert_error_body(resp, 422)
+            assert err["field"] == f"overrides.{section}.{field}", err
+            planned = copy.deepcopy(preset)
+            where = planned.setdefault("memory", {}).setdefault("stagehand", {})
+            if section.endswith("activation_stagehand"):
+                where = where.setdefault("activation_stagehand", {})
+            where[field] = value
+            body = {"preset": planned, "device": "rtx4090"}  # no CPU profile measured
+            err = assert_error_body(client.post("/api/plan", json=body), 422)
+            assert err["field"] == f"preset.{section}.{field}", err
+        alternatives = schemas["LimitsUpdate"]["properties"][field]["anyOf"]
+        assert alternatives[0]["maximum"] == bound and "at most" in alternatives[0]["description"]
+    assert client.get("/api/runs").json()["count"] == 0
