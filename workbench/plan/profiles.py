@@ -28,6 +28,7 @@ Sources of the table (figures not measured here; the project's machines have no 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -176,7 +177,8 @@ def profile(name: str, **overrides: float) -> DeviceProfile:
     (``vram_bytes``, ``tflops``, ``h2d_gbps``, ``disk_gbps``, ``read_gbps``).
 
     Raises:
-        PlanInputError: unknown name (field ``device``), or an override <= 0 (naming it).
+        PlanInputError: unknown name (field ``device``), or an override that is not a finite
+            number > 0 (naming it).
     """
     from workbench.plan.inventory import PlanInputError
 
@@ -189,6 +191,6 @@ def profile(name: str, **overrides: float) -> DeviceProfile:
         raise PlanInputError(f"device: unknown profile {name!r}; known: {known}")
     given = {k: v for k, v in overrides.items() if v is not None}
     for key, value in given.items():
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise PlanInputError(f"{key} must be a number > 0, got {value!r}")
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise PlanInputError(f"{key} must be a finite number > 0, got {value!r}")
     return replace(base, **given) if given else base
