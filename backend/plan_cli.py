@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="workbench plan", description=__doc__.split("\n\n")[1])
     p.add_argument("preset", help="a built-in preset name or a preset JSON file")
-    p.add_argument("--device", default="cpu", help=f"cpu (measured now), {', '.join(PROFILES)}")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help=f"cpu (this machine's stored profile), {', '.join(PROFILES)}",
+    )
     p.add_argument("--vram-gb", type=bounded("vram_gb"), help="override the profile's VRAM (GiB)")
     p.add_argument("--tflops", type=bounded("tflops"), help="override the profile's TFLOPs")
     p.add_argument(

@@ -35,8 +35,8 @@ class PlanRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     preset: dict[str, Any]
     device: str = Field(default="cpu", max_length=32)
-    """``cpu`` (this machine, measured once per server) or a named profile: ``rtx3090``,
-    ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
+    """``cpu`` (this machine: its stored profile, ``workbench.plan.profiles.stored_cpu_profile``)
+    or a named profile: ``rtx3090``, ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
     vram_gb: float | None = _override("vram_gb")
     """Override of the profile's VRAM (GiB)."""
     h2d_gbps: float | None = _override("h2d_gbps")

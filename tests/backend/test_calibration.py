@@ -227,6 +227,7 @@ def test_a_lone_ratio_is_damped_toward_one_until_three_runs(store, client, capsy
         applied.append(cal["ratios"]["step_ms"])
         assert plan_main(["tiny-ci", "--device", "rtx4090", "--data-dir", str(data_dir)]) == 0
         line = capsys.readouterr().out
+        assert "\n  profile      165.2 TFLOPs, H2D 25 GB/s, memory 1008 GB/s\n" in line
         lone = f"step x{expected:.3f} (median x4.900 of {n} run{'s' if n > 1 else ''}, damped"
         assert (lone in line) == (n < 3), line
     assert applied == sorted(applied)  # each run moves the factor toward the median
