@@ -23,6 +23,7 @@ from contract.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from contract.limits import PAIRS, low_above_high
 from contract.preset import field_error
 from contract.status import RunStatus
+from contract.text import shown_json
 
 MAX_ID = 2**62
 """Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
@@ -408,7 +409,9 @@ RUN_FIELDS = tuple(RunPublic.model_fields)
 
 
 def run_public(row: dict[str, Any], summary: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A store row as the API's ``Run`` (plain JSON-able dict)."""
+    """A store row as the API's ``Run`` (plain JSON-able dict), every string shown
+    (``contract.text.shown``): a worker's error naming a file that is not UTF-8, or a config
+    sent with a lone ``\\udcff`` escape, must not make the runs list unanswerable."""
     out = {k: row.get(k) for k in RUN_FIELDS if k in row}
     out["notes"] = row.get("notes") or ""
     out["summary"] = summary if summary is not None else (row.get("summary") or {})
@@ -417,7 +420,7 @@ def run_public(row: dict[str, Any], summary: dict[str, Any] | None = None) -> di
     ).model_dump()
     if out.get("last_seq") is None:
         out["last_seq"] = -1
-    return out
+    return shown_json(out)
 
 
 class TuneCreate(_In):

@@ -43,6 +43,40 @@ def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | No
     return apply(plan, found) if found else plan
 
 
+def bounded(name: str):
+    """An argparse ``type`` for the override ``name`` of ``contract.plan_inputs.OVERRIDES``:
+    a finite number within its bounds, else argparse's error naming the flag (exit 2)."""
+    from contract.plan_inputs import override_problem
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        problem = override_problem(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem}; got {text!r}")
+        return value
+
+    return parse
+
+
+def text_tokens(text: str) -> int:
+    """An argparse ``type`` for ``--text-len``: whole tokens within ``TEXT_LEN``."""
+    from contract.plan_inputs import TEXT_LEN
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    low, high = TEXT_LEN
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"expected {low} to {high} tokens (data.max_caption_tokens' bounds); got {text!r}"
+        )
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     from workbench.plan.inventory import PlanInputError
     from workbench.plan.plan import plan_preset
@@ -52,18 +86,28 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="workbench plan", description=__doc__.split("\n\n")[1])
     p.add_argument("preset", help="a built-in preset name or a preset JSON file")
-    p.add_argument("--device", default="cpu", help=f"cpu (measured now), {', '.join(PROFILES)}")
-    p.add_argument("--vram-gb", type=float, help="override the profile's VRAM (GiB)")
-    p.add_argument("--tflops", type=float, help="override the profile's TFLOPs")
-    p.add_argument("--h2d-gbps", type=float, help="override the profile's pinned H2D GB/s")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help=f"cpu (this machine's stored profile), {', '.join(PROFILES)}",
+    )
+    p.add_argument("--vram-gb", type=bounded("vram_gb"), help="override the profile's VRAM (GiB)")
+    p.add_argument("--tflops", type=bounded("tflops"), help="override the profile's TFLOPs")
+    p.add_argument(
+        "--h2d-gbps", type=bounded("h2d_gbps"), help="override the profile's pinned H2D GB/s"
+    )
     p.add_argument(
         "--disk-gbps",
-        type=float,
+        type=bounded("disk_gbps"),
         help="file reads come from storage at this GB/s (default: the page cache, read at the "
         "profile's read_gbps; blocks with a host-cache image copy from it)",
     )
-    p.add_argument("--efficiency", type=float, help="share of peak TFLOPs reached")
-    p.add_argument("--text-len", type=int, help="text tokens (default data.max_caption_tokens)")
+    p.add_argument(
+        "--efficiency", type=bounded("efficiency"), help="share of peak TFLOPs reached (0.01-1)"
+    )
+    p.add_argument(
+        "--text-len", type=text_tokens, help="text tokens (default data.max_caption_tokens)"
+    )
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument(
         "--data-dir",

@@ -4,7 +4,7 @@ With a token configured, every HTTP request and websocket needs it, as
 ``Authorization: Bearer TOKEN`` or the ``workbench_token`` cookie (browsers send cookies on
 websockets, not headers). Opening ``/?token=TOKEN`` once sets the cookie (HttpOnly,
 SameSite=Strict) and redirects to ``/``, so the dashboard works from a link and the token does
-not stay in the address bar; ``RedactToken`` keeps it out of the access log.
+not stay in the address bar; ``backend.redaction.RedactToken`` keeps it out of every log.
 Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length, and a
 JSON body nested deeper than ``MAX_JSON_DEPTH`` gets one 422 before anything parses it
 (``json.loads``, ``copy.deepcopy`` and pydantic recurse once per level: ~1000 levels are a
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 import re
 from http.cookies import SimpleCookie
-from urllib.parse import parse_qs, unquote_plus, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -250,41 +249,3 @@ def json_depth_over(body: bytes, limit: int) -> bool:
         elif token in (b"}", b"]"):
             depth -= 1
     return False
-
-
-QUERY_PARAMETER = re.compile(r"([?&])([^=&\s?#\"']*)=([^&\s#\"']*)")
-"""One ``name=value`` of a query string inside a log line (a path, a URL)."""
-
-
-def _decoded(name: str) -> str:
-    for _ in range(3):  # %2574oken decodes to %74oken, then to token
-        name, before = unquote_plus(name), name
-        if name == before:
-            break
-    return name.strip().lower()
-
-
-def redact_query(text: str) -> str:
-    """``text`` with the value of every query parameter whose name, percent-decoded, is
-    ``token`` (``token``, ``%74oken``, ``TOKEN``) replaced by ``[redacted]``."""
-    return QUERY_PARAMETER.sub(
-        lambda m: f"{m[1]}{m[2]}=[redacted]" if _decoded(m[2]) == "token" else m[0], text
-    )
-
-
-class RedactToken(logging.Filter):
-    """Redacts the token from the query strings of a log record (``redact_query`` on its
-    message and its string arguments). ``/?token=`` is how a link hands the token over, and a
-    refused websocket's URL may carry one: uvicorn logs both (the access log, and its error
-    log for websockets), so every handler of the server's logging has this filter."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = redact_query(record.msg)
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact_query(a) if isinstance(a, str) else a for a in record.args)
-        elif isinstance(record.args, dict):
-            record.args = {
-                k: redact_query(v) if isinstance(v, str) else v for k, v in record.args.items()
-            }
-        return True

@@ -74,12 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def log_config(base: dict) -> dict:
-    """uvicorn's logging config with ``RedactToken`` on every handler (the access log and the
-    error log, where uvicorn writes websocket handshakes) and ``QuietAssetPolls`` on the
-    access log."""
+def log_config(base: dict, token: str | None = None) -> dict:
+    """uvicorn's logging config with ``RedactToken`` (``token``: the server's) on every handler
+    (the access log, and the error log, where uvicorn writes websocket handshakes and, at
+    debug, the ``websockets`` library their headers) and ``QuietAssetPolls`` on the access
+    log."""
     config = copy.deepcopy(base)
-    config.setdefault("filters", {})["redact_token"] = {"()": "backend.security.RedactToken"}
+    redact = {"()": "backend.redaction.RedactToken", "token": token}
+    config.setdefault("filters", {})["redact_token"] = redact
     config["filters"]["quiet_asset_polls"] = {"()": "backend.assets.QuietAssetPolls"}
     for handler in config["handlers"].values():
         handler.setdefault("filters", []).append("redact_token")
@@ -124,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     from uvicorn.config import LOGGING_CONFIG
 
     from backend.app import create_app
-    from backend.security import RedactToken
+    from backend.redaction import RedactToken
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     for handler in logging.getLogger().handlers:  # the backend's own loggers
-        handler.addFilter(RedactToken())
+        handler.addFilter(RedactToken(settings.token))
     url = f"http://{args.host}:{args.port}/"
     # The URL first: the demo-asset build's progress bars follow it on this terminal.
     print(f"Stagehand Workbench: {url}", flush=True)
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        log_config=log_config(LOGGING_CONFIG),
+        log_config=log_config(LOGGING_CONFIG, settings.token),
         timeout_graceful_shutdown=5,
         # Telemetry frames are small and mostly local: deflating ~30 MB/s for 20 clients at
         # 10k records/s costs more CPU than it saves.

@@ -57,6 +57,33 @@ WholeMB = Annotated[int, Field(gt=0, le=MAX_MB), _at_most(MAX_MB, "MB")]
 NonNegBytes = Annotated[int, Field(ge=0, le=MAX_MB * MB), _at_most(MAX_MB * MB, "bytes")]
 PosInt = Annotated[int, Field(gt=0)]
 
+MAX_WINDOW_BLOCKS = 128
+"""The largest prefetch window (blocks): twice the deepest transformer trained here
+(Qwen-Image's 60 blocks; FLUX.1 has 57). A window past the block count already prefetches
+every block, so a larger one means nothing more; ``10**400`` is a typo or an attack."""
+MAX_INFLIGHT = 64
+"""The most copies in flight per direction: four times the largest derived default (16, twice
+a window of 8: NOTE [ Pipeline depth ] in ``stagehand/weights/defaults.py``). A GPU's copy
+engine runs one direction's copies one after another, so more slots only hold more pinned
+buffers while they wait."""
+WindowBlocks = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=MAX_WINDOW_BLOCKS,
+        description=f"blocks, at most {MAX_WINDOW_BLOCKS}: twice the deepest transformer trained "
+        "here (Qwen-Image, 60 blocks); a window past the block count prefetches every block",
+    ),
+]
+_INFLIGHT_WHY = (
+    f"copies, at most {MAX_INFLIGHT}: four times the largest derived default (16); a copy "
+    "engine runs one direction's copies one after another, so more only hold pinned buffers"
+)
+InflightCopies = Annotated[int, Field(gt=0, le=MAX_INFLIGHT, description=_INFLIGHT_WHY)]
+"""Copies in flight, at least 1 (a direction that must make progress)."""
+InflightOrOff = Annotated[int, Field(ge=0, le=MAX_INFLIGHT, description=_INFLIGHT_WHY)]
+"""Copies in flight, 0 turning the direction off (no new activation spills)."""
+
 MBOrAuto = NonNegMB | Literal["auto"]
 """A watermark field: MB >= 0, or ``"auto"`` (``contract.limits.AUTO``)."""
 
@@ -140,11 +167,11 @@ class StagehandConfig(_Strict):
     vram_low_watermark_mb: MBOrAuto = 16000.0
     """Blocks stay on the device after their use while usage is under this; above it they are
     evicted, needed furthest ahead first, until usage is under it (NOTE [ Eviction policy ])."""
-    prefetch_window_blocks: Annotated[int, Field(ge=0)] | None = None
+    prefetch_window_blocks: WindowBlocks | None = None
     """Blocks loaded ahead of use along the traced order (0 disables prefetch). None: derived
     from the largest block and the card (about 1 GiB ahead, 2 to 8 blocks) on CUDA, 2 on CPU
     (NOTE [ Pipeline depth ] in ``stagehand/weights/defaults.py``)."""
-    max_inflight_transfers: PosInt | None = None
+    max_inflight_transfers: InflightCopies | None = None
     """H2D block copies in flight at once. None: twice the window on CUDA, 2 on CPU."""
     reader_threads: Annotated[int, Field(ge=0, le=16)] | None = None
     """Threads that read prefetched blocks from their safetensors files into slabs and issue
@@ -205,8 +232,8 @@ class ActivationStagehandConfig(_Strict):
     """Size-class bucket sizes, ascending."""
     slabs_per_class: PosInt | tuple[Annotated[int, Field(ge=0)], ...] = (512, 2, 2, 2, 2)
     """Slabs per class: one int for every class, or one count per class."""
-    max_inflight_d2h: Annotated[int, Field(ge=0)] = 1
-    max_inflight_h2d: PosInt = 1
+    max_inflight_d2h: InflightOrOff = 1
+    max_inflight_h2d: InflightCopies = 1
     debug_checksums: bool = False
     """CRC32 on spill and restore; a mismatch raises with the record id."""
     telemetry_enabled: bool = True
@@ -361,10 +388,10 @@ class LiveLimits(_Strict):
     vram_low_watermark_mb: NonNegMB | None = None
     activation_vram_high_watermark_mb: NonNegMB | None = None
     activation_vram_low_watermark_mb: NonNegMB | None = None
-    prefetch_window_blocks: Annotated[int, Field(ge=0)] | None = None
-    max_inflight_transfers: PosInt | None = None
-    max_inflight_d2h: Annotated[int, Field(ge=0)] | None = None
-    max_inflight_h2d: PosInt | None = None
+    prefetch_window_blocks: WindowBlocks | None = None
+    max_inflight_transfers: InflightCopies | None = None
+    max_inflight_d2h: InflightOrOff | None = None
+    max_inflight_h2d: InflightCopies | None = None
 
     @model_validator(mode="after")
     def _pairs(self) -> LiveLimits:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contract.text import shown
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")
 """Clips the video families (Wan, LTX-2) take, scanned with ``videos=True``."""
@@ -50,6 +52,7 @@ class Skipped:
     """A file (or folder, named with a trailing ``/``) left out, relative to the data folder."""
 
     file: str
+    """Its name as shown: bytes that are not UTF-8 escaped (``c_\\xff.png``, ``contract.text``)."""
     reason: str
     bad: bool
     """An unreadable image or clip, or a caption without an image: what ``on_bad_file`` is
@@ -103,7 +106,7 @@ class Scan:
     def record(self) -> dict[str, Any]:
         """The scan as JSON (the ``trainer/dataset_scan`` record and the API's answer)."""
         return {
-            "folder": str(self.folder),
+            "folder": shown(str(self.folder)),
             "usable": len(self.samples),
             "skipped": [{"file": s.file, "reason": s.reason, "bad": s.bad} for s in self.skipped],
             "warnings": [{"file": w.file, "message": w.message} for w in self.warnings],
@@ -221,7 +224,7 @@ def scan_folder(
     for entry in entries:
         if limit is not None and len(scan.samples) >= limit:
             break
-        name = entry.name + ("/" if entry.is_dir() else "")
+        name = shown(entry.name) + ("/" if entry.is_dir() else "")
         if entry.name.startswith("."):
             scan.skipped.append(Skipped(name, "hidden file", bad=False))
         elif entry.name.lower().endswith(suffix.lower()) and not entry.is_dir():
@@ -251,7 +254,7 @@ def _add_sample(
     scan: Scan, entry: Path, cap: Path, default_caption: str | None, frames: int | None
 ) -> None:
     """Checks one image or clip and its caption ``cap``; appends a ``Sample`` or a ``Skipped``."""
-    rel = entry.name
+    rel = shown(entry.name)
     if entry.is_dir():
         stack = sorted(
             p
@@ -269,29 +272,27 @@ def _add_sample(
         video = frame.suffix.lower() in VIDEO_SUFFIXES
         problem = clip_problem(frame) if video else image_problem(frame)
         if problem is not None:
-            name = str(frame.relative_to(scan.folder))
-            scan.skipped.append(Skipped(name, problem, bad=True))
+            name = shown(str(frame.relative_to(scan.folder)))
+            scan.skipped.append(Skipped(name, shown(problem), bad=True))
             return
     if cap.is_file():
         try:
             caption, warning = read_caption(cap)
         except OSError as exc:
-            why = f"its caption {cap.name} cannot be read ({exc.strerror or exc})"
+            why = f"its caption {shown(cap.name)} cannot be read ({exc.strerror or exc})"
             scan.skipped.append(Skipped(rel, why, bad=True))
             return
         if warning is not None:
-            scan.warnings.append(ScanWarning(cap.name, warning))
+            scan.warnings.append(ScanWarning(shown(cap.name), warning))
         if not caption:
             scan.warnings.append(
-                ScanWarning(cap.name, "empty caption: trains with an empty caption")
+                ScanWarning(shown(cap.name), "empty caption: trains with an empty caption")
             )
     elif default_caption is not None:
         caption = default_caption
         scan.captions_defaulted += 1
     else:
         caption = ""
-        why = (
-            f"no caption file ({cap.name}): trains with an empty caption (set data.default_caption)"
-        )
+        why = f"no caption file ({shown(cap.name)}): trains with an empty caption (set data.default_caption)"
         scan.warnings.append(ScanWarning(rel, why))
     scan.samples.append(Sample(files, caption))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from contract.preset import Preset
+from contract.text import shown
 from stagehand.common.telemetry import Telemetry
 from worker import encode, loop
 from worker.clips import default_frames
@@ -56,7 +57,7 @@ def scan_data(
     )
     telemetry.emit("trainer", "dataset_scan", **found.record())
     progress.line(
-        f"data: {len(found.samples)} samples from {found.folder}, {len(found.skipped)} files "
+        f"data: {len(found.samples)} samples from {shown(str(found.folder))}, {len(found.skipped)} files "
         f"left out ({len(found.bad)} bad), {len(found.warnings)} warnings"
     )
     for item in found.skipped:

@@ -4,6 +4,8 @@ stream and their size). Reads JSON and safetensors headers only; no weights are 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,8 +31,18 @@ def _field(message: str) -> str:
     return "path"
 
 
+def _expanded(path: str) -> str:
+    return str(Path(path).expanduser())
+
+
 @router.post("/inspect")
 def inspect(body: PipelineInspect) -> dict:
+    """What the pipeline folder ``path`` holds (``worker.pipelines.inspect_pipeline``).
+
+    Raises:
+        Invalid (422): not a pipeline folder, or a path the file system refuses (a name over
+            its 255-byte limit, no permission), naming ``path`` or ``transformer_path``.
+    """
     from contract.preset import MODEL_TYPES
     from worker.pipelines import PipelineFolderError, inspect_pipeline, trainable
 
@@ -43,4 +55,12 @@ def inspect(body: PipelineInspect) -> dict:
         )
     except PipelineFolderError as exc:
         raise Invalid(str(exc), field=_field(str(exc))) from None
+    except OSError as exc:  # a name the file system refuses (ENAMETOOLONG, EACCES, ELOOP...)
+        name = str(exc.filename or body.path)
+        single = body.transformer_path
+        field = "transformer_path" if single and name.startswith(_expanded(single)) else "path"
+        shown = repr(name[:80]) + ("..." if len(name) > 80 else "")
+        raise Invalid(
+            f"{field}: cannot read {shown} ({exc.strerror or exc})", field=field
+        ) from None
     return {**info.as_dict(), "trainable": trainable(info)}

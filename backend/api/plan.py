@@ -15,10 +15,18 @@ from backend.calibration import calibration_for
 from backend.errors import Invalid, NotFound
 from backend.models import RunId
 from backend.openapi import errors
+from contract.plan_inputs import OVERRIDES
 
 router = APIRouter(prefix="/api", tags=["plan"])
 
 _FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
+
+
+def _override(name: str) -> Any:
+    """The field of the profile override ``name``, bounded as ``contract.plan_inputs.OVERRIDES``
+    says (finite: ``NaN``, which Python's JSON reads, is refused)."""
+    low, high, why = OVERRIDES[name]
+    return Field(default=None, ge=low, le=high, allow_inf_nan=False, description=why)
 
 
 class PlanRequest(BaseModel):
@@ -27,13 +35,13 @@ class PlanRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     preset: dict[str, Any]
     device: str = Field(default="cpu", max_length=32)
-    """``cpu`` (this machine, measured once per server) or a named profile: ``rtx3090``,
-    ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
-    vram_gb: float | None = Field(default=None, gt=0, le=4096)
+    """``cpu`` (this machine: its stored profile, ``workbench.plan.profiles.stored_cpu_profile``)
+    or a named profile: ``rtx3090``, ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
+    vram_gb: float | None = _override("vram_gb")
     """Override of the profile's VRAM (GiB)."""
-    h2d_gbps: float | None = Field(default=None, gt=0, le=4096)
-    tflops: float | None = Field(default=None, gt=0, le=100000)
-    disk_gbps: float | None = Field(default=None, gt=0, le=4096)
+    h2d_gbps: float | None = _override("h2d_gbps")
+    tflops: float | None = _override("tflops")
+    disk_gbps: float | None = _override("disk_gbps")
     """The storage rate of file reads (GB/s): blocks without a host-cache image are read from
     disk at it (the plan's ``transfers.source_mode`` says ``disk``), not from the page cache."""
 

@@ -82,17 +82,42 @@ function summary(plan) {
       h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
       h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}, of it host cache ${mb(plan.host.host_cache_bytes ?? 0)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
       h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
+      h("li", { id: "plan-profile", title: plan.device.source }, profileText(plan.device)),
       ...transfers(plan),
       quantError(plan),
       plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
 }
 
+/** "profile 0.037 TFLOPs, H2D 2.18 GB/s, memory 3.3 GB/s, 46.2 µs/op, 3813 µs/load; median of 3
+ * of 3 measurements on this machine (µs/op measured: 44.1, 46.2, 61.9)": the device profile's
+ * figures, and for this machine's stored CPU profile how far apart the measurements its median
+ * is of were (NOTE [ One CPU profile per machine ] in workbench/plan/profiles.py). */
+function profileText(dev) {
+  let text = `profile ${dev.tflops} TFLOPs, H2D ${dev.h2d_gbps} GB/s, memory ${dev.mem_gbps} GB/s`;
+  if (dev.tracked) text += `, ${dev.op_us} µs/op, ${dev.load_us} µs/load`;
+  const m = dev.measured;
+  if (m) {
+    const ops = m.values.op_us.filter((v) => v !== null).join(", ");
+    text += `; ${m.count > 1 ? "median of " : ""}${m.count} of ${m.wanted} measurements on this machine (µs/op measured: ${ops})`;
+  }
+  return text;
+}
+
 const RATIO_NAMES = { peak_vram_mb: "VRAM", step_ms: "step", host_ram_mb: "host RAM", pinned_mb: "pinned" };
 
-/** "calibrated by runs #7, #5 on cpu/flux (median): VRAM ×1.004, step ×0.910; refused: run #6
- * step ×0.047 (outside 0.2–5)" (workbench/plan/feedback.py describe). */
+/** "calibrated by runs #7, #5 on cpu/flux (median): VRAM ×1.004, step ×1.698 (median ×4.900 of
+ * 1 run, damped toward 1); refused: run #6 step ×0.047 (outside 0.2–5)" (workbench/plan/feedback.py
+ * describe; a median of too few runs is applied damped: NOTE [ A lone ratio ]). */
 function calibrationText(cal) {
-  const ratios = Object.entries(cal.ratios).map(([k, v]) => `${RATIO_NAMES[k] || k} ×${v.toFixed(3)}`).join(", ");
+  const medians = cal.medians || {};
+  const ratio = ([k, v]) => {
+    const m = medians[k];
+    const n = (cal.runs || {})[k];
+    const damped = m !== undefined && Math.abs(m - v) > 1e-9
+      ? ` (median ×${m.toFixed(3)} of ${n} run${n > 1 ? "s" : ""}, damped toward 1)` : "";
+    return `${RATIO_NAMES[k] || k} ×${v.toFixed(3)}${damped}`;
+  };
+  const ratios = Object.entries(cal.ratios).map(ratio).join(", ");
   const runs = cal.run_ids.flatMap((id, i) => [i ? ", " : "", h("a", { href: `#/runs/${id}` }, `#${id}`)]);
   const refused = (cal.refused || []).map((r) => `run #${r.run_id} ${RATIO_NAMES[r.figure] || r.figure} ×${r.ratio.toPrecision(3)} (outside ${r.bounds[0]}–${r.bounds[1]})`);
   return h("span", {}, `calibrated by run${cal.run_ids.length > 1 ? "s" : ""} `, ...runs,

@@ -14,6 +14,7 @@ import pytest
 from backend.calibration import Calibrator
 from backend.plan_cli import main as plan_main
 from backend.store import Store
+from workbench.plan import feedback
 from workbench.plan.feedback import predicted_figures
 from workbench.preset import load_preset
 
@@ -91,7 +92,11 @@ def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_
     assert client.get(f"/api/runs/{run_id}/calibration").json() == cal
 
     out = client.post("/api/plan", json=body).json()
-    r = cal["ratios"]
+    # One run: its ratios damped toward 1 (NOTE [ A lone ratio ] in workbench/plan/feedback.py).
+    r = {k: v ** (1 / 3) for k, v in cal["ratios"].items()}
+    assert out["calibration"]["ratios"] == pytest.approx(r)
+    assert out["calibration"]["medians"] == cal["ratios"]
+    assert out["calibration"]["runs"] == {k: 1 for k in cal["ratios"]}
     assert out["calibration"]["run_ids"] == [run_id] and out["calibration"]["refused"] == []
     assert out["calibration"]["uncalibrated"]["peak_bytes"] == raw["peak_bytes"]
     assert out["peak_bytes"] == {
@@ -139,6 +144,7 @@ def test_plans_take_the_median_of_recent_runs_and_refuse_what_no_model_error_exp
     assert cal["run_ids"] == ids[:1:-1]  # the newest five, newest first
     # The median of the four step ratios in bounds (2.4, 2.1, 2.0, 1.7), of five VRAM ones.
     assert cal["ratios"] == {"peak_vram_mb": 0.88, "step_ms": pytest.approx(2.05)}
+    assert cal["runs"] == {"peak_vram_mb": 5, "step_ms": 4}  # from 3 runs on: not damped
     assert cal["refused"] == [
         {"run_id": ids[4], "figure": "step_ms", "ratio": 0.047, "bounds": [0.2, 5.0]}
     ]
@@ -202,3 +208,29 @@ def test_a_database_from_before_calibration_and_tunes_migrates(tmp_path, monkeyp
     store.delete_run(1)  # its calibration goes with it
     assert store.calibrations_of("cpu", "flux", 5) == []
     store.close()
+
+
+def test_a_lone_ratio_is_damped_toward_one_until_three_runs(store, client, capsys):
+    """One run at x4.9 (inside the 5x bound) scaled every later plan by x4.9: now by
+    4.9 ** (n / 3) for n < 3 runs, shown beside its median."""
+    _, config = load_preset("tiny-ci")
+    body = {"preset": config, "device": "rtx4090"}
+    raw = client.post("/api/plan", json=body).json()["step_ms"]["total"]
+    data_dir = client.app.state.settings.data_dir
+    applied = []
+    for n, expected in ((1, 1.6985), (2, 2.8849), (3, 4.9), (4, 4.9)):
+        run_id = _record_run(store, config, GPU)
+        store.insert_calibration(run_id, "rtx4090", "flux", {}, {}, {"step_ms": 4.9}, {})
+        cal = client.post("/api/plan", json=body).json()["calibration"]
+        assert cal["ratios"]["step_ms"] == pytest.approx(expected, abs=1e-4)
+        assert (cal["medians"], cal["runs"]) == ({"step_ms": 4.9}, {"step_ms": n})
+        applied.append(cal["ratios"]["step_ms"])
+        assert plan_main(["tiny-ci", "--device", "rtx4090", "--data-dir", str(data_dir)]) == 0
+        line = capsys.readouterr().out
+        assert "\n  profile      165.2 TFLOPs, H2D 25 GB/s, memory 1008 GB/s\n" in line
+        lone = f"step x{expected:.3f} (median x4.900 of {n} run{'s' if n > 1 else ''}, damped"
+        assert (lone in line) == (n < 3), line
+    assert applied == sorted(applied)  # each run moves the factor toward the median
+    # Below 1 alike: x1/4.9 from one run is x0.589 (1 / 1.6985).
+    assert feedback.damped(1 / 4.9, 1) == pytest.approx(1 / 1.6985, abs=1e-4)
+    assert round(raw * applied[0], 3) == round(raw * 4.9 ** (1 / 3), 3)

@@ -5,11 +5,13 @@ the app runs in-process (``inprocess.in_process``): no worker is started."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 
 import pytest
 from backend_helpers import assert_error_body
-from inprocess import IdleExecutor, in_process
+from inprocess import IdleExecutor, append_records, in_process
 
 from backend.security import MAX_JSON_DEPTH
 from contract.config import MAX_MB
@@ -166,3 +168,145 @@ def test_the_schema_states_names_and_ids_formats(client):
     assert params["ids"]["schema"]["pattern"].startswith("^ *[0-9]{1,19}")
     preset = doc["paths"]["/api/presets/{name}"]["get"]["parameters"][0]["schema"]
     assert preset["pattern"] == NAME_RE.pattern
+
+
+def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_never_breaks_the_runs_list(
+    api_factory, tmp_path
+):
+    """``c_\\xff.png`` made the scan a 500; a run failed on it made ``/api/runs``, one run and
+    ``/api/compare`` 500 (``surrogates not allowed``) until the run was deleted."""
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    with open(os.path.join(os.fsencode(folder), b"c_\xff.png"), "wb") as f:
+        f.write(b"not a png")
+    executor = IdleExecutor(slots=2)
+    client = api_factory(executor=executor)
+    data = {"factory": None, "path": str(folder), "on_bad_file": "fail"}
+    resp = client.post("/api/data/scan", json={"preset": "tiny-ci", "overrides": {"data": data}})
+    assert resp.status_code == 200, resp.text
+    found = resp.json()
+    assert found["skipped"] == [
+        {"file": "c_\\xff.png", "reason": "not an image Pillow can read", "bad": True}
+    ]
+    assert found["usable"] == 1 and found["problem"].endswith(
+        "\n  c_\\xff.png: not an image Pillow can read"
+    )
+
+    # A worker's error record that names the file as Python read it (a lone surrogate).
+    failed, other = (
+        client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"] for _ in "ab"
+    )
+    _wait_status(client, failed, "running")
+    message = "data.on_bad_file is fail and 1 file(s) cannot be used:\n  c_\udcff.png: bad"
+    error = {"source": "trainer", "kind": "error", "step": None, "phase": None}
+    error.update(seq=0, time=1.0, message=message, error_type="DataError", traceback="c_\udcff")
+    append_records(client.app.state.settings.data_dir, failed, [error])
+    time.sleep(0.3)  # the tailer's poll: the record is stored before the exit is seen
+    executor.end(failed, 1)
+    _wait_status(client, failed, "failed")
+    shown = "data.on_bad_file is fail and 1 file(s) cannot be used:\n  c_\\xff.png: bad"
+    for url in ("/api/runs", "/api/runs?status=failed", f"/api/runs/{failed}"):
+        resp = client.get(url)
+        assert resp.status_code == 200, (url, resp.text)
+        run = resp.json()["data"][-1] if "data" in resp.json() else resp.json()
+        assert run["id"] == failed and run["error"]["message"] == shown, url
+        assert run["error"]["traceback"] == "c_\\xff"
+    resp = client.get(f"/api/compare?ids={failed},{other}")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["runs"][0]["error"]["message"] == shown
+
+
+def test_the_log_route_reads_only_the_run_folders_own_worker_log(client, tmp_path):
+    """``worker.log`` replaced by a symlink (or a second name) of a file outside the data
+    folder, or a run folder that is a symlink, was served: the artifact routes' rule now."""
+    runs_dir = client.app.state.settings.runs_dir
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:SECRET\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "worker.log").write_text("SECRET from elsewhere\n")
+    ids = [client.post("/api/runs", json={"preset": "tiny-ci"}).json()["id"] for _ in range(4)]
+    own, link, hard, linked_dir = ids
+    (runs_dir / str(own) / "worker.log").write_text("step 1/3\n")
+    (runs_dir / str(link) / "worker.log").symlink_to(secret)
+    (runs_dir / str(hard) / "worker.log").hardlink_to(secret)
+    shutil.rmtree(runs_dir / str(linked_dir))  # its config.json, written when it was queued
+    (runs_dir / str(linked_dir)).symlink_to(elsewhere)
+
+    assert client.get(f"/api/runs/{own}/log").json() == {"text": "step 1/3\n"}
+    for run_id in (link, hard, linked_dir):
+        resp = client.get(f"/api/runs/{run_id}/log")
+        assert resp.status_code == 200 and resp.json() == {"text": None}, (run_id, resp.text)
+
+
+def test_a_path_the_file_system_refuses_is_a_422_naming_the_field(client, tmp_path):
+    """A 300-character name (over the file system's 255 bytes) was ``OSError: File name too
+    long``, a 500."""
+    long = "a" * 300
+    for path in (f"/tmp/{long}", f"{tmp_path}/{long}/pipe"):
+        err = assert_error_body(client.post("/api/pipelines/inspect", json={"path": path}), 422)
+        assert err["field"] == "path", err
+        assert err["message"].startswith("path: cannot read '") and err["message"].endswith(
+            "'... (File name too long)"
+        )
+    # The single-file transformer is checked after the folder: a pipeline folder's layout.
+    components = ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2")
+    components += ("tokenizer_2", "transformer")
+    folder = tmp_path / "flux"
+    for name in components:
+        (folder / name).mkdir(parents=True)
+    index = {name: ["diffusers", "X"] for name in components}
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **index}))
+    body = {"path": str(folder), "transformer_path": f"{tmp_path}/{long}.safetensors"}
+    err = assert_error_body(client.post("/api/pipelines/inspect", json=body), 422)
+    assert err["field"] == "transformer_path" and "(File name too long)" in err["message"], err
+
+
+LIVE_INTS = {
+    "prefetch_window_blocks": ("memory.stagehand", 128),
+    "max_inflight_transfers": ("memory.stagehand", 64),
+    "max_inflight_d2h": ("memory.stagehand.activation_stagehand", 64),
+    "max_inflight_h2d": ("memory.stagehand.activation_stagehand", 64),
+}
+"""The integer live limits -> (their config section, their bound)."""
+
+
+def _nested(path: str, value) -> dict:
+    out = value
+    for key in reversed(path.split(".")):
+        out = {key: out}
+    return out
+
+
+def test_integer_live_limits_have_an_upper_bound_everywhere_they_are_set(client):
+    """``{"max_inflight_d2h": 10**400}`` was accepted and applied, in a PATCH, a new run's
+    config and ``/api/plan``."""
+    import copy
+
+    from workbench.preset import load_preset
+
+    _, preset = load_preset("tiny-ci")
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    for field, (section, bound) in LIVE_INTS.items():
+        for value in (10**400, bound + 1):
+            resp = client.patch("/api/runs/1/limits", json={field: value})
+            err = assert_error_body(resp, 422)
+            assert err["field"] == field and f"less than or equal to {bound}" in err["message"]
+            overrides = _nested(f"{section}.{field}", value)
+            resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": overrides})
+            err = assert_error_body(resp, 422)
+            assert err["field"] == f"overrides.{section}.{field}", err
+            planned = copy.deepcopy(preset)
+            where = planned.setdefault("memory", {}).setdefault("stagehand", {})
+            if section.endswith("activation_stagehand"):
+                where = where.setdefault("activation_stagehand", {})
+            where[field] = value
+            body = {"preset": planned, "device": "rtx4090"}  # no CPU profile measured
+            err = assert_error_body(client.post("/api/plan", json=body), 422)
+            assert err["field"] == f"preset.{section}.{field}", err
+        alternatives = schemas["LimitsUpdate"]["properties"][field]["anyOf"]
+        assert alternatives[0]["maximum"] == bound and "at most" in alternatives[0]["description"]
+    assert client.get("/api/runs").json()["count"] == 0

@@ -84,3 +84,66 @@ def test_a_pipeline_header_length_past_its_file_is_a_422_naming_it(client, asset
     res = client.post("/api/plan", json={"preset": preset, "device": "rtx4090"})
     assert res.status_code == 422, res.text
     assert named in res.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "raw"),
+    [
+        ("--vram-gb", "inf"),
+        ("--vram-gb", "1e308"),
+        ("--vram-gb", "1e-300"),
+        ("--text-len", "-1"),
+        ("--text-len", "4097"),
+        ("--tflops", "nan"),
+        ("--h2d-gbps", "nan"),
+        ("--disk-gbps", "nan"),
+        ("--efficiency", "nan"),
+        ("--efficiency", "0"),
+        ("--efficiency", "-1"),
+        ("--efficiency", "1.5"),
+        ("--tflops", "1e-300"),
+    ],
+)
+def test_plan_cli_refuses_absurd_inputs_naming_the_flag(flag, raw, capsys):
+    """Tracebacks (``inf``, ``1e308``, ``--text-len -1``) and "nan ms ... fits: yes" with exit 0
+    before; now argparse's usage error, naming the flag, before anything is planned."""
+    from backend.plan_cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["tiny-ci", "--device", "rtx4090", "--no-calibration", flag, raw])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected " in err and err.endswith(f"got {raw!r}\n"), err
+    assert "Traceback" not in err
+
+
+def test_plan_cli_takes_inputs_at_their_bounds(capsys):
+    from backend.plan_cli import main
+
+    args = ["tiny-ci", "--device", "rtx4090", "--no-calibration", "--efficiency", "1"]
+    assert main([*args, "--text-len", "1", "--vram-gb", "4096", "--tflops", "1e5"]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field", ["vram_gb", "tflops", "h2d_gbps", "disk_gbps"])
+def test_plan_api_profile_overrides_are_bounded_and_finite(client, field):
+    """``1e-300`` overrides planned a 0.0 ms step beside a 1.7e300 ms trace step."""
+    from contract.plan_inputs import OVERRIDES
+
+    low, high, _ = OVERRIDES[field]
+    for value in ("1e-300", "NaN", "Infinity", str(high * 2)):
+        body = f'{{"preset": {{}}, "device": "rtx4090", "{field}": {value}}}'
+        res = client.post("/api/plan", content=body, headers={"content-type": "application/json"})
+        assert res.status_code == 422, (value, res.text)
+        assert res.json()["error"]["field"] == field
+    res = client.post("/api/plan", json={"preset": TINY, "device": "rtx4090", field: low})
+    assert res.status_code == 200, res.text
+    assert all(v < 1e12 for v in res.json()["step_ms"].values())
+
+
+def test_profile_refuses_overrides_that_are_not_finite():
+    from workbench.plan import PlanInputError, profile
+
+    for value in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(PlanInputError, match=r"^tflops must be a finite number > 0"):
+            profile("rtx4090", tflops=value)

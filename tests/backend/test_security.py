@@ -201,3 +201,76 @@ def test_writes_from_opaque_or_cross_site_origins_need_the_bearer_token(api, gua
     wrong = {**null, "Authorization": "Bearer nope"}
     resp = g.post("/api/presets/tiny-ci/duplicate", json={"name": "d"}, headers=wrong)
     assert_error_body(resp, 403)
+
+
+REFUSED_FORMS = (
+    "/?token[]={}",
+    "/?token%5B%5D={}",
+    "/api/runs?x=1;token={}",
+    "/?token%00={}",
+    "/?%2574oken={}",
+    "/?TOKEN%20={}",
+    "/?x_token={}",
+    "/?a=1&&token={}",
+)
+"""Query spellings of the token the server does not take (only ``?token=`` on ``/``): still a
+secret in the log line uvicorn writes for them."""
+
+
+def test_every_form_of_the_token_is_redacted_from_a_log_record():
+    import logging
+
+    from backend.redaction import RedactToken
+
+    def shown(msg, args, token=TOKEN):
+        record = logging.LogRecord("uvicorn.error", logging.DEBUG, __file__, 1, msg, args, None)
+        RedactToken(token).filter(record)
+        return record.getMessage(), record.args
+
+    # The websockets library at debug: one record per handshake header.
+    assert shown("< %s: %s", ("authorization", f"Bearer {TOKEN}"))[0] == (
+        "< authorization: [redacted]"
+    )
+    assert shown("< %s: %s", ("Cookie", f"a=1; workbench_token={TOKEN}"), None)[0] == (
+        "< Cookie: [redacted]"
+    )
+    assert shown("< %s: %s", ("host", "127.0.0.2:8000"))[0] == "< host: 127.0.0.2:8000"
+    # An ASGI message's headers, and a header dump in one text.
+    msg, _ = shown("%s", ({"headers": [(b"cookie", b"workbench_token=T1x"), (b"a", b"b")]},))
+    assert "T1x" not in msg and "(b'a', b'b')" in msg
+    assert shown(f"set-cookie: workbench_token={TOKEN}; HttpOnly", ())[0] == (
+        "set-cookie: [redacted]"
+    )
+    # uvicorn's access log: the arguments keep their places and types (its formatter unpacks
+    # them), each refused query form redacted, with or without the server's token known.
+    for form in REFUSED_FORMS:
+        path = form.format("typo-4242")
+        for token in (TOKEN, None):
+            line = ("1.2.3.4:5", "GET", path, "1.1", 401)
+            msg, args = shown('%s - "%s %s HTTP/%s" %d', line, token)
+            assert "typo-4242" not in msg and "[redacted]" in msg, (form, msg)
+            assert args[0] == "1.2.3.4:5" and args[4] == 401
+    assert shown("GET /?x=1&y=2", ())[0] == "GET /?x=1&y=2"  # nothing else is touched
+    # The server's own token, wherever it stands.
+    assert shown("got %r", (f"weird:{TOKEN}",))[0] == "got 'weird:[redacted]'"
+
+
+def test_token_stays_out_of_the_debug_log(server_factory):
+    """At ``--log-level debug`` the websockets library logged the handshake's headers
+    (``< authorization: Bearer T``, ``< cookie: workbench_token=T``)."""
+    srv = server_factory(
+        host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN}, args=("--log-level", "debug")
+    ).start()
+    stream = f"ws://{srv.host}:{srv.port}/api/runs/1/stream?since=-1"
+    for headers in ({"Authorization": f"Bearer {TOKEN}"}, {"Cookie": f"workbench_token={TOKEN}"}):
+        with connect(stream, additional_headers=headers, open_timeout=10) as conn:
+            assert json.loads(conn.recv(timeout=10))["error"]["code"] == "not_found"
+    for form in REFUSED_FORMS:
+        for token in (TOKEN, "typo-4242"):
+            httpx.get(srv.url + form.format(token))
+    srv.stop()  # flushes the log
+    log = srv.log.read_text()
+    assert TOKEN not in log and "typo-4242" not in log
+    assert "< authorization: [redacted]" in log.lower()  # the headers were logged, redacted
+    assert "< cookie: [redacted]" in log.lower()
+    assert "x_token=[redacted]" in log  # and the access log is on

@@ -33,6 +33,9 @@ def test_plan_panel_before_start(backend_server, page):
     moved = page.inner_text("#plan-moved")
     assert "iB H2D per step in " in moved and "block loads, from " in moved
     assert page.inner_text("#plan-bound").startswith("bound max(compute ")
+    assert page.inner_text("#plan-profile") == (
+        "profile 165.2 TFLOPs, H2D 25 GB/s, memory 1008 GB/s"
+    )
     assert "MiB" in page.inner_text("#plan-peak")
     if TAKE_SHOTS:
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -47,3 +50,48 @@ def test_plan_panel_before_start(backend_server, page):
     page.click("#plan-run")
     page.wait_for_selector("#plan-errors :text('prefetch_window_blocks')")
     assert page.is_hidden("#plan-verdict") or not page.query_selector("#plan-verdict")
+
+
+def test_plan_panel_shows_a_damped_calibration_and_the_stored_cpu_profile(backend_server, page):
+    """The plan's answer as a server with one calibrating run (x4.9) and this machine's stored
+    CPU profile would give it: the answer of ``rtx4090`` with those two parts put in (a real
+    CPU profile is minutes of measuring; feedback.combine and stored_profile are tested on
+    their own)."""
+    measured = {"count": 3, "wanted": 3, "path": "/x/cpu-profile.json"}
+    measured["values"] = {"op_us": [257.6, 668.5, 300.0]}
+    device = {"tracked": True, "op_us": 300.0, "load_us": 3000.0, "measured": measured}
+    calibration = {
+        "run_ids": [7],
+        "device": "rtx4090",
+        "family": "flux",
+        "ratios": {"step_ms": 4.9 ** (1 / 3), "peak_vram_mb": 0.9},
+        "medians": {"step_ms": 4.9, "peak_vram_mb": 0.9},
+        "runs": {"step_ms": 1, "peak_vram_mb": 3},
+        "refused": [],
+    }
+
+    def with_calibration(route):
+        response = route.fetch()
+        plan = response.json()
+        plan["device"].update(device)
+        plan["calibration"] = calibration
+        route.fulfill(response=response, json=plan)
+
+    page.route("**/api/plan", with_calibration)
+    page.goto(backend_server + "/#/new")
+    page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
+    page.select_option("#preset-select", "tiny-ci")
+    page.select_option("#plan-device", "rtx4090")
+    page.click("#plan-run")
+    page.wait_for_selector("#plan-calibration", timeout=120_000)
+    assert page.inner_text("#plan-calibration") == (
+        "calibrated by run #7 on rtx4090/flux: step ×1.698 (median ×4.900 of 1 run, damped "
+        "toward 1), VRAM ×0.900"
+    )
+    assert page.inner_text("#plan-profile") == (
+        "profile 165.2 TFLOPs, H2D 25 GB/s, memory 1008 GB/s, 300 µs/op, 3000 µs/load; median "
+        "of 3 of 3 measurements on this machine (µs/op measured: 257.6, 668.5, 300)"
+    )
+    if TAKE_SHOTS:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#plan-summary").screenshot(path=str(SHOTS / "new-run-plan-calibrated.png"))

@@ -17,7 +17,8 @@ on the device profile it ran on. The figures compared, per run:
 A ratio is ``measured / predicted``. A later plan multiplies its figures by the median of the
 ratios of the newest runs of its device and family (``combine``: ``RUNS`` at most), each figure
 by its own, and says which runs the ratios came from (``apply``). A ratio outside
-``RATIO_BOUNDS`` is refused, not averaged in: see NOTE [ Ratios the model can be off by ].
+``RATIO_BOUNDS`` is refused, not averaged in: see NOTE [ Ratios the model can be off by ]. A
+median of fewer than ``FULL_RUNS`` runs is damped toward 1: see NOTE [ A lone ratio ].
 
 NOTE [ Ratios the model can be off by ]
 The model is off by a bounded factor for the figures it models; a ratio far outside that bound
@@ -30,6 +31,15 @@ leave room for that and refuse what no model error explains: VRAM and pinned wit
 time within 5x. Host RAM has no bound: its ratio carries the Python process (RSS of ~700 MB
 against a tiny model's few MB), which the model does not count. The median of several runs then
 damps the noise that stays inside the bounds (one run's step ratio is as noisy as its steps).
+
+NOTE [ A lone ratio ]
+The median damps a disturbance only once there are runs to outvote it: with one or two runs a
+disturbance under the bounds was applied in full (one run at x4.9 scaled every later plan by
+x4.9). So the median of ``n`` runs is shrunk toward 1, the model's own figure, geometrically:
+``median ** min(1, n / FULL_RUNS)``. Geometric because a ratio is a factor: x4.9 and x1/4.9 are
+equally far from 1 and are damped alike (one run: x1.70 and x0.59; two runs: x2.88 and x0.35);
+from ``FULL_RUNS`` runs on, where a median outvotes one disturbed run, it applies in full. The
+plan shows both, the median and the factor applied (``describe``, ``calibration.medians``).
 """
 
 from __future__ import annotations
@@ -51,6 +61,15 @@ RATIO_BOUNDS: dict[str, tuple[float, float] | None] = {
 [ Ratios the model can be off by ]."""
 RUNS = 5
 """Newest runs of a device and family whose ratios a plan takes the median of."""
+FULL_RUNS = 3
+"""Runs from which a figure's median applies in full; fewer are damped toward 1 (NOTE [ A lone
+ratio ]): the fewest whose median one disturbed run cannot move outside the others' range."""
+
+
+def damped(median: float, runs: int) -> float:
+    """The factor a plan applies for the ``median`` ratio of ``runs`` runs: ``median`` shrunk
+    toward 1 in log space by ``runs / FULL_RUNS`` (NOTE [ A lone ratio ])."""
+    return median ** min(1.0, runs / FULL_RUNS)
 
 
 def predicted_figures(plan: dict[str, Any], steps_done: int | None) -> dict[str, float]:
@@ -97,9 +116,12 @@ def out_of_bounds(figure: str, ratio: float) -> bool:
 def combine(calibrations: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The calibration a plan applies, from stored rows of one device and family, newest first
     (``run_id``, ``device``, ``family``, ``ratios``; the first ``RUNS`` are used): per figure,
-    the median of the runs' ratios within ``RATIO_BOUNDS``. Returns ``{run_ids, device,
-    family, ratios, refused: [{run_id, figure, ratio, bounds}]}`` (``run_ids``: the runs a
-    ratio was taken from, newest first), or None when no ratio is left."""
+    the median of the runs' ratios within ``RATIO_BOUNDS``, damped toward 1 when fewer than
+    ``FULL_RUNS`` runs gave it (``damped``). Returns ``{run_ids, device, family, ratios,
+    medians, runs, refused: [{run_id, figure, ratio, bounds}]}`` (``ratios``: the factors
+    applied; ``medians`` and ``runs``: each figure's median and how many runs it is of;
+    ``run_ids``: the runs a ratio was taken from, newest first), or None when no ratio is
+    left."""
     rows = calibrations[:RUNS]
     if not rows:
         return None
@@ -121,11 +143,14 @@ def combine(calibrations: list[dict[str, Any]]) -> dict[str, Any] | None:
                 used.append(row["run_id"])
     if not taken:
         return None
+    medians = {f: statistics.median(taken[f]) for f in FIGURES if f in taken}
     return {
         "run_ids": used,
         "device": rows[0]["device"],
         "family": rows[0]["family"],
-        "ratios": {f: statistics.median(taken[f]) for f in FIGURES if f in taken},
+        "ratios": {f: damped(medians[f], len(taken[f])) for f in medians},
+        "medians": medians,
+        "runs": {f: len(taken[f]) for f in medians},
         "refused": refused,
     }
 
@@ -163,8 +188,9 @@ def apply(plan: dict[str, Any], calibration: dict[str, Any]) -> dict[str, Any]:
     for key, figure in (("ram_peak_bytes", "host_ram_mb"), ("pinned_bytes", "pinned_mb")):
         if r.get(figure):
             out["host"][key] = round(plan["host"][key] * r[figure])
-    keys = ("run_ids", "device", "family", "refused")
-    out["calibration"] = {**{k: calibration[k] for k in keys}, "ratios": r, "uncalibrated": before}
+    keys = ("run_ids", "device", "family", "medians", "runs", "refused")
+    out["calibration"] = {**{k: calibration.get(k) for k in keys}, "ratios": r}
+    out["calibration"]["uncalibrated"] = before
     return out
 
 
@@ -177,11 +203,18 @@ NAMES = {
 
 
 def describe(calibration: dict[str, Any] | None) -> str | None:
-    """One line: ``calibrated by runs #7, #5 on cpu/flux (median): VRAM x1.004, step x0.910;
-    refused: run #6 step x0.047 (outside 0.2-5)``."""
+    """One line: ``calibrated by runs #7, #5 on cpu/flux (median): VRAM x1.004, step x1.698
+    (median x4.900 of 1 run, damped toward 1 until 3); refused: run #6 step x0.047 (outside
+    0.2-5)``."""
     if not calibration:
         return None
-    parts = [f"{NAMES[k]} x{v:.3f}" for k, v in calibration["ratios"].items()]
+    medians, counts = calibration.get("medians") or {}, calibration.get("runs") or {}
+    parts = []
+    for k, v in calibration["ratios"].items():
+        n = counts.get(k, FULL_RUNS)
+        lone = f" (median x{medians.get(k, v):.3f} of {n} run{'s' if n > 1 else ''}, damped"
+        lone += f" toward 1 until {FULL_RUNS})"
+        parts.append(f"{NAMES[k]} x{v:.3f}" + (lone if n < FULL_RUNS else ""))
     ids = calibration["run_ids"]
     runs = ", ".join(f"#{i}" for i in ids)
     where = f"{calibration['device']}/{calibration['family']}"

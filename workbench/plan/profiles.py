@@ -1,7 +1,9 @@
 """Device profiles: what a plan's cost model needs to know about a device.
 
 ``PROFILES`` holds named GPUs with their vendor figures; ``cpu_profile()`` measures this
-machine with a micro-benchmark (a plan on CPU predicts ``tracked`` bytes and host-side copies).
+machine with a micro-benchmark (a plan on CPU predicts ``tracked`` bytes and host-side copies),
+and a plan's ``cpu`` profile is the median of a few of those measurements, stored per machine
+(``stored_cpu_profile``, NOTE [ One CPU profile per machine ]).
 Efficiency (the share of peak TFLOPs a transformer block reaches) is the plan's parameter, not
 the profile's.
 
@@ -28,8 +30,15 @@ Sources of the table (figures not measured here; the project's machines have no 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import os
+import platform
+import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,10 @@ class DeviceProfile:
     """A CPU "device": figures are the runtimes' tracked bytes."""
     synchronous_copies: bool = False
     """Copies run on the host in line with compute (no copy engine)."""
+    measured: dict | None = field(default=None, hash=False)
+    """A stored CPU profile's measurements (``stored_cpu_profile``): ``{path, count, wanted,
+    values: {figure: [each measurement's value]}}``; None for a vendor profile or one
+    measurement."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,17 +184,114 @@ def cpu_profile(dtype: str = "float32") -> DeviceProfile:
     )
 
 
+# NOTE [ One CPU profile per machine ]
+# A CPU profile measured once per process moved with the load of the moment: two servers on
+# one machine measured 257.6 and 668.5 us per operation, and planned the same preset at 1,358
+# and 437 ms; the calibration ratios stored by one were applied to plans of the other. So a
+# plan's ``cpu`` profile is stored per machine (the workbench cache's ``cpu-profile.json``,
+# keyed by the CPU, its cores, torch's threads and version, and the dtype): the first
+# ``MEASUREMENTS`` processes that plan on ``cpu`` each add one measurement, and every figure is
+# the median of those stored, so one disturbed measurement cannot move it once three are in
+# and every later process plans with the same profile, measuring nothing. A new CPU, thread
+# count or torch version starts again; deleting the file measures afresh. ``workbench bench``
+# still measures at its own moment (``cpu_profile``), next to the rows it compares.
+MEASUREMENTS = 3
+"""Measurements of a machine whose per-figure median is its stored CPU profile."""
+MEASURED_FIGURES = ("tflops", "h2d_gbps", "mem_gbps", "op_us", "load_us", "disk_gbps")
+PROFILE_FILE = "cpu-profile.json"
+
+
+def machine_key(dtype: str) -> dict:
+    """What a stored CPU profile is of: the CPU model, logical cores, torch's threads and
+    version, and ``dtype``."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": dtype,
+    }
+
+
+def _usable(measurement: object) -> bool:
+    """Whether a stored measurement is a CPU profile's dict with its figures (a file edited by
+    hand, or of an older layout, is measured again, not trusted)."""
+    if not isinstance(measurement, dict) or measurement.get("name") != "cpu":
+        return False
+    needed = ("vram_bytes", "tflops", "h2d_gbps", "mem_gbps", "op_us", "load_us")
+    return all(isinstance(measurement.get(f), (int, float)) for f in needed)
+
+
+def stored_profile(path: Path, key: dict, measure: Callable[[], DeviceProfile]) -> DeviceProfile:
+    """The CPU profile stored at ``path`` for the machine ``key``, with one more measurement
+    (``measure()``, a ``DeviceProfile``) added and stored while fewer than ``MEASUREMENTS`` are
+    in: each of ``MEASURED_FIGURES`` the median of the stored values (NOTE [ One CPU profile
+    per machine ]). A file of another machine, or unreadable, starts again; one that cannot be
+    written leaves the profile of what was measured."""
+    try:
+        stored = json.loads(path.read_text())
+        kept = stored["measurements"] if stored.get("machine") == key else []
+        kept = [m for m in kept if _usable(m)][:MEASUREMENTS]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        kept = []
+    if len(kept) < MEASUREMENTS:
+        fresh = measure()
+        kept.append({**fresh.to_dict(), "measured_at": time.time()})
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"machine": key, "measurements": kept}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    values = {f: [m.get(f) for m in kept] for f in MEASURED_FIGURES}
+    figures = {}
+    for f, got in values.items():
+        numbers = [v for v in got if isinstance(v, (int, float))]
+        figures[f] = round(statistics.median(numbers), 4) if numbers else None
+    base = {k: v for k, v in kept[0].items() if k in DeviceProfile.__dataclass_fields__}
+    n = len(kept)
+    what = "one measurement" if n == 1 else f"median of {n} measurements"
+    source = f"{what} of {MEASUREMENTS} on this machine ({key['threads']} threads, "
+    source += f"{key['dtype']}), stored in {path}"
+    measured = {"path": str(path), "count": n, "wanted": MEASUREMENTS, "values": values}
+    return DeviceProfile(**{**base, **figures, "source": source, "measured": measured})
+
+
+@functools.cache
+def stored_cpu_profile(dtype: str = "float32") -> DeviceProfile:
+    """This machine's stored CPU profile (``stored_profile`` in the workbench cache), read
+    once per process; the first processes on a machine measure (``cpu_profile``: seconds)."""
+    from contract.cache import cache_dir
+
+    return stored_profile(
+        cache_dir() / PROFILE_FILE, machine_key(dtype), lambda: cpu_profile(dtype)
+    )
+
+
 def profile(name: str, **overrides: float) -> DeviceProfile:
-    """The profile ``name`` (a key of ``PROFILES`` or ``cpu``) with ``overrides`` applied
-    (``vram_bytes``, ``tflops``, ``h2d_gbps``, ``disk_gbps``, ``read_gbps``).
+    """The profile ``name`` (a key of ``PROFILES``, or ``cpu``: ``stored_cpu_profile``) with
+    ``overrides`` applied (``vram_bytes``, ``tflops``, ``h2d_gbps``, ``disk_gbps``,
+    ``read_gbps``).
 
     Raises:
-        PlanInputError: unknown name (field ``device``), or an override <= 0 (naming it).
+        PlanInputError: unknown name (field ``device``), or an override that is not a finite
+            number > 0 (naming it).
     """
     from workbench.plan.inventory import PlanInputError
 
     if name == "cpu":
-        base = cpu_profile()
+        base = stored_cpu_profile()
     elif name in PROFILES:
         base = PROFILES[name]
     else:
@@ -189,6 +299,6 @@ def profile(name: str, **overrides: float) -> DeviceProfile:
         raise PlanInputError(f"device: unknown profile {name!r}; known: {known}")
     given = {k: v for k, v in overrides.items() if v is not None}
     for key, value in given.items():
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise PlanInputError(f"{key} must be a number > 0, got {value!r}")
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise PlanInputError(f"{key} must be a finite number > 0, got {value!r}")
     return replace(base, **given) if given else base

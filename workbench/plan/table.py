@@ -26,6 +26,7 @@ def table(plan: dict[str, Any]) -> str:
         f"{model['optimizer_bytes'] / MB:.1f} MiB, saved activations "
         f"{model['saved_activation_bytes'] / MB:.1f} MiB",
     ]
+    lines.insert(1, profile_line(dev))
     shapes = plan.get("inputs") or {}
     if shapes:
         lines.append(
@@ -93,6 +94,23 @@ def table(plan: dict[str, Any]) -> str:
     else:
         lines.append("  fits: NO; no knob tried makes it fit")
     return "\n".join(lines)
+
+
+def profile_line(dev: dict[str, Any]) -> str:
+    """The device profile's figures (``DeviceProfile.to_dict``), and for a stored CPU profile
+    each measurement's cost per operation: how far apart the measurements its median is of
+    were (NOTE [ One CPU profile per machine ] in ``profiles.py``)."""
+    line = (
+        f"  profile      {dev['tflops']:g} TFLOPs, H2D {dev['h2d_gbps']:g} GB/s, memory "
+        f"{dev.get('mem_gbps') or 0:g} GB/s"
+    )
+    if dev.get("tracked"):
+        line += f", {dev['op_us']:g} us/op, {dev['load_us']:g} us/load"
+    measured = dev.get("measured")
+    if measured:
+        ops = ", ".join(f"{v:g}" for v in measured["values"]["op_us"] if v is not None)
+        line += f" (us/op measured: {ops}; {measured['count']} of {measured['wanted']} stored)"
+    return line
 
 
 SOURCES = {

@@ -240,7 +240,7 @@ def test_bad_input_names_the_field(change, field):
 def test_bad_device_names_the_field():
     with pytest.raises(PlanInputError, match="device: unknown profile 'gtx480'"):
         profile("gtx480")
-    with pytest.raises(PlanInputError, match="h2d_gbps must be a number > 0"):
+    with pytest.raises(PlanInputError, match="h2d_gbps must be a finite number > 0"):
         profile("rtx4090", h2d_gbps=-3)
 
 

@@ -144,8 +144,10 @@ def test_table_labels_units_and_cli_takes_disk_gbps(tiny_flux, tmp_path, capsys)
     saved = json.loads(out.read_text())
     assert saved["transfers"]["source_mode"] == "disk"
     assert "disk through the readers" in capsys.readouterr().out
-    assert main([*args, "--disk-gbps", "-1"]) == 2
-    assert "disk_gbps must be a number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error, naming the flag
+        main([*args, "--disk-gbps", "-1"])
+    assert refused.value.code == 2
+    assert "argument --disk-gbps: expected a finite number: GB/s, 0.01" in capsys.readouterr().err
 
 
 def test_auto_watermarks_keep_what_fits_and_move_twice_the_rest(tiny_flux):
