@@ -188,7 +188,7 @@ def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -
     """
     from stagehand.strategy.auto import device_budget, has_auto
     from stagehand.weights.auto import margin_bytes
-    from workbench.plan.sections import block_sizes, planned_activations
+    from workbench.plan.sections import block_sizes, plan_trainable_bytes, planned_activations
 
     sh = config.stagehand
     if config.strategy != "stagehand" or not has_auto(sh):
@@ -201,7 +201,7 @@ def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -
     return {
         "device_bytes": budget,
         "activation_peak_bytes": planned_activations(inv, config.gradient_checkpointing),
-        "trainable_bytes": 2 * inv.lora_bytes + inv.optimizer_bytes,
+        "trainable_bytes": plan_trainable_bytes(inv),
         "window_bytes": sum(sizes[: section.prefetch_window_blocks]),
         "margin_bytes": margin_bytes(budget, card is not None) if budget else 0,
         "high_mb": round(section.vram_high_watermark_mb, 1),
