@@ -57,8 +57,10 @@ def _notes(row: dict[str, Any]) -> str:
         notes.append(f"plan: {p['error']}")
     elif p is not None:
         notes.append(
-            f"plan: resident {p['resident_blocks']} (ran {c['resident_blocks']}), "
+            # At the step's end, as the runtime's resident_blocks counter counts them.
+            f"plan: on device {p['on_device_blocks']} (ran {c['resident_blocks']}), "
             f"loads {p['block_loads_per_step']}, misses {p['misses_per_step']}, "
+            f"waits {p['waits_per_step']}, "
             f"H2D {p['h2d_bytes_per_step'] / GB:.3f} GB, {p['step_ms']:.1f} ms"
         )
     if row["name"].startswith("layer_offload"):
