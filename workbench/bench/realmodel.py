@@ -18,6 +18,7 @@ sized for the real blocks) are scaled by the ratio of the largest block's bytes
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import time
@@ -129,31 +130,59 @@ CARD_BYTES = 24 * 2**30
 """The card a tiny row's ``"auto"`` figures are resolved for (then scaled): a 24 GiB card."""
 
 
+@functools.cache
+def model_inventory(
+    name: str, size: str, block_pattern: str | None = None, resident_fraction: float = 0.1
+) -> Any:
+    """The planner's ``Inventory`` of ``REAL_MODELS[name]`` at ``size`` with its LoRA and its
+    training inputs, measured on ``meta`` (``workbench.plan.inventory.inventory``). A meta
+    forward and backward of 57 blocks takes 10 to 40 s of one core, so it is measured once
+    per process.
+
+    Raises:
+        ValueError: unknown model or size.
+    """
+    from workbench.assets import example_inputs
+    from workbench.plan.inventory import add_lora, inventory, meta_model
+
+    spec = real_model(name)
+    model = meta_model(spec.class_name, spec.model_config(size), torch.bfloat16)
+    add_lora(model, spec.lora_rank, spec.lora_targets)
+    latent_hw, text_len = spec.inputs_shape(size)
+    inputs = example_inputs(model, latent_hw=latent_hw, text_len=text_len, device="meta")
+    return inventory(
+        model,
+        inputs,
+        block_pattern=block_pattern,
+        resident_trainable_max_fraction=resident_fraction,
+    )
+
+
 def card_section(
     spec: RealModel, memory: dict[str, Any], card_bytes: int = CARD_BYTES
 ) -> dict[str, Any]:
-    """``memory`` with its ``"auto"`` stagehand fields as a real-size run of ``spec`` (LoRA
-    attached) resolves them at build on a ``card_bytes`` card (``stagehand.strategy.auto``), in
-    MB: what a tiny row scales, since a tiny model on the CPU has no card of its own, and what a
-    real-size row on an emulated smaller card (``--card-gb``) runs with."""
-    from contract.config import MemoryConfig
-    from stagehand.strategy.auto import has_auto, resolve_auto, trainable_bytes
-    from stagehand.weights.defaults import block_bytes
-    from stagehand.weights.registry import find_blocks
-    from workbench.plan.inventory import add_lora, meta_model
+    """``memory`` with its ``"auto"`` stagehand fields in MB as the planner resolves them for a
+    real-size run of ``spec`` (LoRA attached, training inputs) on a ``card_bytes`` card
+    (``workbench.plan.sections.auto_section``: the strategy's rule with the planner's activation
+    peak, trainable bytes and window): what a tiny row scales, since a tiny model on the CPU
+    has no card of its own, and what a real-size row on an emulated smaller card
+    (``--card-gb``) runs with, so the row keeps the blocks the plan keeps.
 
-    section = MemoryConfig.model_validate(copy.deepcopy(memory)).stagehand
+    Raises:
+        ValueError: the card is too small for the window (the rule names the figures).
+    """
+    from contract.config import MemoryConfig
+    from stagehand.strategy.auto import has_auto
+    from workbench.plan.sections import auto_section
+
+    config = MemoryConfig.model_validate(copy.deepcopy(memory))
+    section = config.stagehand
     if not has_auto(section):
         return copy.deepcopy(memory)
-    model = meta_model(spec.class_name, spec.model_config("real"), torch.bfloat16)
-    add_lora(model, spec.lora_rank, spec.lora_targets)
-    sizes = block_bytes(find_blocks(model, section.block_pattern))
-    resolved = resolve_auto(
-        section,
-        block_sizes=sizes,
-        trainable=trainable_bytes(model),
-        activation_peak=0,
-        card_bytes=card_bytes,
+    fraction = section.resident_trainable_max_fraction
+    inv = model_inventory(spec.name, "real", section.block_pattern, fraction)
+    resolved = auto_section(
+        inv, section, checkpointing=config.gradient_checkpointing, card_bytes=card_bytes
     ).model_dump()
 
     def numbers(given: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:

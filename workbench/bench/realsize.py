@@ -31,6 +31,12 @@ bytes moved its H2D bytes per step (block loads and activation restores), so a r
 hides every copy behind compute on the copy engine. On CPU there is no H2D link: the bound uses
 the memcpy rate and is a smoke figure only.
 
+Every ok row carries ``plan``: the planner's prediction of its section (``prediction.py``:
+blocks resident and on the device at the step's end, loads, H2D bytes, misses, waits, step
+ms, peak) beside what it measured. Sections with ``"auto"`` on a card the bench sizes for
+(tiny rows, ``--card-gb``) are resolved by the driver with the planner's own rule and
+activation estimate (``realmodel.card_section``), so both sides run one section.
+
 ``--size tiny`` (a CPU smoke run; ``tests/workbench/bench/test_realsize.py`` runs it) builds the
 same config scaled to tiny widths, every block kept, its preset sections scaled by the ratio of
 the largest blocks: the same code path.
@@ -221,7 +227,8 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     # The emulated card bounds the streamed rows; ``resident`` (the baseline) keeps the card.
     if card is not None and device.type == "cuda" and job["row"] != "resident":
         emulate_card(device, card)
-    memory = row_memory(job["row"], job["model"], size, card)
+    # The driver resolves the section once (``card_section`` measures the model on meta).
+    memory = job.get("memory") or row_memory(job["row"], job["model"], size, card)
     if job["row"] in SQUAREQ_ROWS:  # the quantized copy beside the weights, built once
         memory["stagehand"]["squareq"]["cache_dir"] = str(job["folder"]).rstrip("/") + "-squareq"
     t0 = time.perf_counter()

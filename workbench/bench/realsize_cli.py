@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from workbench.bench.configs import LAYER_OFFLOAD_RSS_NOTE
-from workbench.bench.realsize import GB, ROWS
+from workbench.bench.prediction import bench_profile, row_prediction
+from workbench.bench.realsize import GB, ROWS, row_memory
 from workbench.bench.runner import Runner
 
 
@@ -50,6 +51,17 @@ def _notes(row: dict[str, Any]) -> str:
     if "h2d_expected_bytes" in row:
         notes.append(
             f"H2D / 2 x over budget {row['h2d_bytes_per_step'] / row['h2d_expected_bytes']:.3f}"
+        )
+    p = row.get("plan")  # the planner's prediction of the same section
+    if p is not None and "error" in p:
+        notes.append(f"plan: {p['error']}")
+    elif p is not None:
+        notes.append(
+            # At the step's end, as the runtime's resident_blocks counter counts them.
+            f"plan: on device {p['on_device_blocks']} (ran {c['resident_blocks']}), "
+            f"loads {p['block_loads_per_step']}, misses {p['misses_per_step']}, "
+            f"waits {p['waits_per_step']}, "
+            f"H2D {p['h2d_bytes_per_step'] / GB:.3f} GB, {p['step_ms']:.1f} ms"
         )
     if row["name"].startswith("layer_offload"):
         notes.append(LAYER_OFFLOAD_RSS_NOTE)
@@ -102,11 +114,21 @@ def run(args: Any, log: Any) -> int:
     warmup = args.warmup if args.warmup is not None else 2
     only = [n for n in args.only.split(",") if n] or list(ROWS)
     rows = []
+    card = base.get("card_bytes")
+    planning = bench_profile(device, probe, card) if probe.get("status") == "ok" else None
     for name in [n for n in ROWS if n in only or n == "resident"]:
         started = time.perf_counter()
-        job = {**base, "row": name, "steps": steps, "warmup": warmup}
+        # Resolved here, once, with the planner's inventory (``card_section``): the child runs
+        # this section and the plan below simulates the same one.
+        memory = row_memory(name, args.model, size, card)
+        job = {**base, "row": name, "steps": steps, "warmup": warmup, "memory": memory}
         row = runner.run("realsize_row", job)
         row.setdefault("name", name)
+        if row["status"] == "ok" and planning is not None:
+            try:
+                row["plan"] = row_prediction(args.model, size, memory, planning, warmup + steps)
+            except ValueError as exc:  # a section the planner refuses: the row still stands
+                row["plan"] = {"error": str(exc)}
         log(f"  {name:<18} {row['status']:<5} {time.perf_counter() - started:6.1f} s")
         rows.append(row)
     add_bounds(rows, probe)

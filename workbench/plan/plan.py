@@ -66,9 +66,7 @@ class Plan:
         return self.steps[-1]
 
     def to_dict(self) -> dict[str, Any]:
-        s = self.steady
-        first = self.steps[0]
-        inv = self.inventory
+        s, first, inv = self.steady, self.steps[0], self.inventory
         pinned = 0
         sh = self.memory.get("stagehand") or {}
         if self.memory.get("strategy") in ("stagehand", "layer_offload"):
@@ -142,9 +140,9 @@ class Plan:
         }
 
     def transfers(self) -> dict[str, Any]:
-        """What a steady step moves (bytes, counts): H2D bytes and block loads, the blocks that
-        stay on the device through it (resident) and those loaded in it (streamed), the loads
-        per source and the mode they make (NOTE [ Where a load's bytes come from ])."""
+        """What a steady step moves (bytes, counts): H2D bytes, block loads, misses and waits
+        (``StepResult``), the blocks on the device through it (resident) and those loaded in it
+        (streamed), loads per source and their mode (NOTE [ Where a load's bytes come from ])."""
         s, blocks = self.steady, self.inventory.blocks
         streaming = s.blocks_loaded > 0 or s.streamed_blocks > 0
         resident = len(blocks) - s.streamed_blocks if streaming else len(blocks)
@@ -153,6 +151,8 @@ class Plan:
         return {
             "h2d_bytes_per_step": s.h2d_bytes,
             "block_loads_per_step": s.blocks_loaded,
+            "misses_per_step": s.misses,
+            "waits_per_step": s.waits,
             "trace_step_h2d_bytes": self.steps[0].h2d_bytes,
             "resident_blocks": resident,
             "resident_block_bytes": resident_bytes,
@@ -188,7 +188,7 @@ def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -
     """
     from stagehand.strategy.auto import device_budget, has_auto
     from stagehand.weights.auto import margin_bytes
-    from workbench.plan.sections import block_sizes, planned_activations
+    from workbench.plan.sections import block_sizes, plan_trainable_bytes, planned_activations
 
     sh = config.stagehand
     if config.strategy != "stagehand" or not has_auto(sh):
@@ -201,7 +201,7 @@ def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -
     return {
         "device_bytes": budget,
         "activation_peak_bytes": planned_activations(inv, config.gradient_checkpointing),
-        "trainable_bytes": 2 * inv.lora_bytes + inv.optimizer_bytes,
+        "trainable_bytes": plan_trainable_bytes(inv),
         "window_bytes": sum(sizes[: section.prefetch_window_blocks]),
         "margin_bytes": margin_bytes(budget, card is not None) if budget else 0,
         "high_mb": round(section.vram_high_watermark_mb, 1),

@@ -28,11 +28,10 @@ def weight_section(
         sizes = block_sizes(inv)
         cuda = not profile.tracked
         try:
-            sh = resolve_auto(  # "auto" fields as the strategy resolves them at build
+            sh = auto_section(
+                inv,
                 sh,
-                block_sizes=sizes,
-                trainable=2 * inv.lora_bytes + inv.optimizer_bytes,  # weights, grads, AdamW
-                activation_peak=planned_activations(inv, memory.gradient_checkpointing),
+                checkpointing=memory.gradient_checkpointing,
                 card_bytes=profile.vram_bytes if cuda else None,
             )
         except ValueError as exc:  # a budget too small for the window: the rule names it
@@ -49,6 +48,36 @@ def weight_section(
         ceiling_mb=ceiling_mb(weights, None if profile.tracked else profile.vram_bytes),
         cuda=not profile.tracked,
     )
+
+
+def auto_section(
+    inv: Inventory, section: StagehandSection, *, checkpointing: bool, card_bytes: int | None
+) -> StagehandSection:
+    """``section`` with its ``"auto"`` fields in MB: the strategy's own ``resolve_auto`` with
+    the plan's figures (``block_sizes``, ``plan_trainable_bytes``, ``planned_activations``).
+    The one resolution the planner and the bench's rows on a card they size for share, so
+    both keep the same blocks resident; a run resolves at build without an estimate (the
+    worker cannot build an inventory) and with its measured peak after the trace step.
+
+    Args:
+        card_bytes: the card's memory in bytes; None on a CPU device (no budget).
+
+    Raises:
+        ValueError: the budget is too small for the window (the rule names the figures).
+    """
+    return resolve_auto(
+        section,
+        block_sizes=block_sizes(inv),
+        trainable=plan_trainable_bytes(inv),
+        activation_peak=planned_activations(inv, checkpointing),
+        card_bytes=card_bytes,
+    )
+
+
+def plan_trainable_bytes(inv: Inventory) -> int:
+    """Device bytes of the adapter, its gradients and AdamW's two moments (``"auto"``'s
+    trainable figure; ``stagehand.strategy.auto.trainable_bytes`` counts the same on a model)."""
+    return 2 * inv.lora_bytes + inv.optimizer_bytes
 
 
 def block_sizes(inv: Inventory) -> list[int]:

@@ -102,6 +102,10 @@ class StepResult:
     low_bytes: int = 1 << 62
     """Lowest usage between the step's first and last block use (the band's floor)."""
     blocks_loaded: int = 0
+    misses: int = 0
+    """Uses that found their block not loaded: a demand load (the runtime's prefetch misses)."""
+    waits: int = 0
+    """Uses whose block was still in flight: the host waited on its copy (``stall_ms``)."""
     h2d_bytes: int = 0
     spilled_bytes: int = 0
     loads_by_source: dict[str, int] = field(default_factory=dict)
@@ -263,12 +267,14 @@ class Simulation:
         self.scheduler.record_use(block.index)
         self.active.add(block.index)
         if not block.on_device:
+            self.result.misses += 1
             usage = self.mem.usage_bytes
             room_for_use(
                 self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
             )
             self._load(block, speculative=False)
         if block.ready_at > self.now:
+            self.result.waits += 1
             self.result.stall_ms += block.ready_at - self.now
             self.result.exposed_h2d_ms += block.ready_at - self.now
             self.now = block.ready_at

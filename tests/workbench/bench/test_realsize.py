@@ -117,6 +117,7 @@ def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
         assert row["bound_ms"] >= resident["step_ms_median"]
         assert row["x_bound"] == pytest.approx(row["step_ms_median"] / row["bound_ms"])
         assert row["attention"]["device"] == "cpu"
+        assert row["plan"]["step_ms"] > 0  # the planner's prediction beside the measurement
     printed = capsys.readouterr().out
     assert "layer_offload_0.9" in printed and "x bound" in printed
     # A second run reuses the weights.

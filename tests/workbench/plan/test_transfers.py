@@ -234,3 +234,20 @@ def test_tiny_real_size_row_h2d_predicted_within_5_percent(tmp_path):
     assert abs(counters["h2d_bytes"] / expected - 1) <= 0.05
     assert t["block_loads_per_step"] == counters["blocks_loaded"] > len(meta.transformer_blocks)
     assert abs(t["h2d_bytes_per_step"] / counters["h2d_bytes"] - 1) <= 0.05
+
+
+def test_waits_follow_the_compute_to_copy_ratio(tiny_flux):
+    """On a GPU profile copies overlap compute: with a link far faster than compute no use
+    waits on its block; with one far slower the prefetched blocks are still in flight when
+    used (waits, a stall that lengthens the step), yet were issued ahead: no more misses."""
+    memory = _stream(tiny_flux, 2.5)
+    fast = plan_model(*_meta(tiny_flux), memory, profile("h100", h2d_gbps=1e6)).to_dict()
+    slow = plan_model(*_meta(tiny_flux), memory, profile("h100", h2d_gbps=1e-3)).to_dict()
+    tf, ts = fast["transfers"], slow["transfers"]
+    assert tf["block_loads_per_step"] == ts["block_loads_per_step"] > 0
+    assert tf["waits_per_step"] == 0 and fast["step_ms"]["stall"] == 0
+    assert 0 < ts["waits_per_step"] <= ts["block_loads_per_step"]
+    assert slow["step_ms"]["stall"] > 0
+    ms = slow["step_ms"]  # rounded to 1 us each
+    assert ms["total"] >= ms["compute"] + ms["stall"] - 2e-3
+    assert ts["misses_per_step"] == tf["misses_per_step"]
