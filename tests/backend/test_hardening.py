@@ -274,7 +274,7 @@ LIVE_INTS = {
 """The integer live limits -> (their config section, their bound)."""
 
 
-def _nested(path: str, value) -> dict:
+def _under(path: str, value) -> dict:
     out = value
     for key in reversed(path.split(".")):
         out = {key: out}
@@ -295,7 +295,7 @@ def test_integer_live_limits_have_an_upper_bound_everywhere_they_are_set(client)
             resp = client.patch("/api/runs/1/limits", json={field: value})
             err = assert_error_body(resp, 422)
             assert err["field"] == field and f"less than or equal to {bound}" in err["message"]
-            overrides = _nested(f"{section}.{field}", value)
+            overrides = _under(f"{section}.{field}", value)
             resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": overrides})
             err = assert_error_body(resp, 422)
             assert err["field"] == f"overrides.{section}.{field}", err
