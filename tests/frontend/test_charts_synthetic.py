@@ -57,9 +57,15 @@ def test_min_max_downsample_and_point_cap_keep_peaks(synthetic_server, page):
     assert (result["liveLast"], result["livePeakAt"]) == (19999, 12345)
 
 
+STEPS = 45
+"""The live run's steps."""
+
+
 def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     api = Api(synthetic_server)
-    make_preset(api, "synth-live", steps=30, step_s=0.4)
+    # Long enough that a live limit applied after the charts follow 9 points still finds the run
+    # running on a loaded 2-core machine (30 steps ended first there).
+    make_preset(api, "synth-live", steps=STEPS, step_s=0.4)
     run = api.call("POST", "/api/runs", {"preset": "synth-live", "name": "synthetic-live"})
     page.goto(synthetic_server + f"/#/runs/{run['id']}")
     vram_len = "(document.getElementById('vram')?.data?.[0]?.x?.length ?? 0)"
@@ -85,20 +91,22 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     page.wait_for_selector("#samples img")
     # The last step's records may still sit in the charts' batch (drawn once per flush period).
     page.wait_for_function(
-        "(window.__runView.charts.flush(), document.getElementById('loss').data[0].x.length >= 30)",
+        "(window.__runView.charts.flush(), document.getElementById('loss').data[0].x.length >= "
+        + str(STEPS)
+        + ")",
         timeout=10_000,
     )
     charts = page.evaluate("""() => Object.fromEntries(
         ['vram', 'transfers', 'host', 'spill', 'spill-pool', 'phases', 'loss', 'conductor']
         .map((id) => [id,
             document.getElementById(id).data.map((t) => t.x.length)]))""")
-    assert charts["phases"] == [30] * 4 and charts["loss"] == [30] * 3
-    assert charts["spill"] == [30] * 4 and charts["conductor"] == [30] * 5
+    assert charts["phases"] == [STEPS] * 4 and charts["loss"] == [STEPS] * 3
+    assert charts["spill"] == [STEPS] * 4 and charts["conductor"] == [STEPS] * 5
     # Weights moved per step, live from stagehand/step: H2D GB, block loads, resident blocks.
-    assert charts["transfers"] == [30] * 3
+    assert charts["transfers"] == [STEPS] * 3
     h2d = page.evaluate("Array.from(document.getElementById('transfers').data[0].y)")
     assert all(v > 0 for v in h2d)
-    assert all(n > 0 for n in charts["vram"]) and all(n == 30 for n in charts["host"])
+    assert all(n > 0 for n in charts["vram"]) and all(n == STEPS for n in charts["host"])
     high = page.evaluate("Array.from(document.getElementById('vram').data[2].y)")
     assert high[0] == 12000 and high[-1] == 10000
     residency = page.evaluate("document.getElementById('residency').data")
