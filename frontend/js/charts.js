@@ -8,12 +8,12 @@
 // drawn after 100k blocks.
 // What a user sets on a chart lives here too: the x range shown (a user's zoom, else a "last N
 // steps" window, else everything), two charts whose x axes move together, a log y axis, and
-// the chart's data as a CSV download.
+// the chart's data as a CSV download (the controls and the file: chartcontrols.js).
 
 /* global Plotly */
 
+import { csvRow } from "./chartcontrols.js";
 import { capSeries, minMaxDownsample } from "./downsample.js";
-import { h } from "./ui.js";
 
 export { minMaxDownsample };
 
@@ -110,28 +110,6 @@ export function markerShapes(markers, xRange = null) {
       font: { size: 10, color: m.color },
     },
   }));
-}
-
-/**
- * One CSV line: numbers as JavaScript writes them (every digit the API sent), text quoted
- * when it holds a comma, a quote or a line break.
- */
-export function csvRow(cells) {
-  return cells.map((v) => {
-    if (v === null || v === undefined || (typeof v === "number" && Number.isNaN(v))) return "";
-    const text = String(v);
-    return /[",\n\r]/.test(text) ? `"${text.replace(/"/g, '""')}"` : text;
-  }).join(",");
-}
-
-/** Saves `text` as the file `filename` through the browser's download. */
-export function download(filename, text, type = "text/csv") {
-  const url = URL.createObjectURL(new Blob([text], { type }));
-  const a = h("a", { href: url, download: filename, hidden: true });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 0);
 }
 
 /**
@@ -305,22 +283,6 @@ export class ChartPanel {
     this.unschedule();
     Plotly.purge(this.el);
   }
-}
-
-/**
- * The controls above a chart: "log y" and "CSV" (the chart's data, downloaded as
- * `filename`), then `extra` elements (e.g. the loss chart's smoothing).
- */
-export function chartTools(chart, filename, ...extra) {
-  const id = chart.el.id;
-  const log = h("input", { type: "checkbox", class: "log-y", id: `${id}-log`, onchange: () => chart.setLogY(log.checked) });
-  return h("div", { class: "chart-tools" },
-    ...extra,
-    h("label", { class: "inline", for: `${id}-log` }, log, "log y"),
-    h("button", { class: "small csv", id: `${id}-csv`, title: "download this chart's data as CSV", onclick: () => {
-      chart.flush();
-      download(filename, chart.csv());
-    } }, "CSV"));
 }
 
 /** A line/bar chart fed point by point (`push`) or whole series at a time (`setSeries`). */

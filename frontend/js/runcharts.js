@@ -11,7 +11,8 @@
 // two time charts (VRAM, residency) zoom and pan together. What each chart draws (traces,
 // colours, axes) is runchartspecs.js's.
 
-import { WAITING, afterPaint, chartTools, plotText } from "./charts.js";
+import { chartTools } from "./chartcontrols.js";
+import { WAITING, afterPaint, plotText } from "./charts.js";
 import { CHART_IDS, EMA, buildRunCharts } from "./runchartspecs.js";
 import { h } from "./ui.js";
 
