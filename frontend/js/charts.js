@@ -75,6 +75,18 @@ function denseTrace(trace) {
 }
 
 /**
+ * `trace` carried on at its last value to `x`, when that is further right: a limit (a step line)
+ * stays in force after its last record, up to the chart's newest point.
+ */
+function holdTo(trace, x) {
+  const n = trace.x.length;
+  const y = n ? trace.y[n - 1] : null;
+  if (y === null || y === undefined || !(x > trace.x[n - 1])) return trace;
+  const text = Array.isArray(trace.text) ? { text: [...trace.text, ""] } : {};
+  return { ...trace, x: [...trace.x, x], y: [...trace.y, y], ...text };
+}
+
+/**
  * Legend at the bottom of the figure, below the x-axis title, with room for as many rows as
  * a chart `width` px wide needs (a phone wraps 4 traces onto 2-4 rows).
  */
@@ -291,7 +303,8 @@ export class LiveChart extends ChartPanel {
    * @param {HTMLElement} el
    * @param {object} opts as ChartPanel's, plus:
    * @param {Array<object>} opts.traces Plotly trace specs without x/y; `text: []` keeps a hover
-   *   text per point (`push`'s `text`)
+   *   text per point (`push`'s `text`); `holdToEnd: true` draws the trace's last value on to the
+   *   newest x of the chart (a limit in force), a point that is drawn only, not kept
    * @param {number} [opts.cap] most points per trace before compression
    * @param {string} [opts.xName] the x column's name in the CSV (the x axis title otherwise)
    */
@@ -302,7 +315,8 @@ export class LiveChart extends ChartPanel {
     this.hasPoints = false;
     this.xName = xName || opts.layout?.xaxis?.title?.text || "x";
     this.names = traces.map((t) => t.name);
-    this.data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, name: plotText(t.name), x: [], y: [] }));
+    this.held = new Set(traces.flatMap((t, i) => (t.holdToEnd ? [i] : [])));
+    this.data = traces.map(({ holdToEnd, ...t }) => ({ type: "scatter", mode: "lines", ...t, name: plotText(t.name), x: [], y: [] }));
   }
 
   get empty() {
@@ -311,7 +325,9 @@ export class LiveChart extends ChartPanel {
 
   _traces() {
     if (this.data.some((t) => t.x.length > DENSE_POINTS)) this.data = this.data.map(denseTrace);
-    return this.data;
+    if (!this.held.size) return this.data;
+    const end = this._xRange()?.[1];
+    return this.data.map((t, i) => (this.held.has(i) && end !== undefined ? holdTo(t, end) : t));
   }
 
   _xRange() {

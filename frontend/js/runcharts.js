@@ -51,6 +51,19 @@ export function ema(ys, w) {
   return ys.map((y) => (s = s === null ? y : w * s + (1 - w) * y));
 }
 
+/**
+ * [high, low] MB of the run's config when the weight runtime streams with numbers for them:
+ * in force from the first VRAM record, before the first step's record gives them. Null
+ * otherwise ("auto" is drawn from the worker's figures, its strategy/limits_applied record).
+ */
+function startWatermarks(config) {
+  const memory = config.memory || {};
+  const sh = memory.stagehand || {};
+  if ((memory.strategy ?? "stagehand") !== "stagehand" || sh.weight_streaming === false) return null;
+  const marks = [sh.vram_high_watermark_mb, sh.vram_low_watermark_mb];
+  return marks.every((v) => typeof v === "number") ? marks : null;
+}
+
 export class RunCharts {
   /**
    * @param {HTMLElement} container grid the chart panels are appended to
@@ -75,6 +88,8 @@ export class RunCharts {
     this.lastStep = null;
     this.windowSteps = null;
     this.charts = buildRunCharts(divs, width);
+    this.startMarks = startWatermarks(config || {});
+    this.marksDrawn = false; // a watermark point is on the VRAM chart
     this.charts.vram.link(this.charts.residency);
     this._explainSilence(config || {});
     this._tools(panels, filePrefix);
@@ -203,8 +218,7 @@ export class RunCharts {
       case "stagehand/step":
         this.stagehandSteps += 1;
         this._setSource(rec.vram_source);
-        if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, drawnWatermark(rec.vram_high_watermark_mb));
-        if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, drawnWatermark(rec.vram_low_watermark_mb));
+        this._watermarks(t, rec.vram_high_watermark_mb, rec.vram_low_watermark_mb);
         if (this.blockRecords === 0) this._vramPoint(t, rec, `<br>step ${step}`);
         if (rec.h2d_bytes !== undefined) c.transfers.push(0, step, rec.h2d_bytes / 1e9);
         c.transfers.push(1, step, rec.blocks_loaded);
@@ -285,6 +299,7 @@ export class RunCharts {
     const alloc = [];
     const reserved = [];
     const text = [];
+    if (!this.marksDrawn && this.startMarks) this._watermarks(this._t(buckets[0]), ...this.startMarks);
     buckets.forEach((b, i) => {
       const t = this._t(b);
       const next = buckets[i + 1] ? this._t(buckets[i + 1]) : t;
@@ -304,6 +319,7 @@ export class RunCharts {
    * its reserved figure is the allocated one, and drawing it would only hide that line.
    */
   _vramPoint(t, rec, text) {
+    if (!this.marksDrawn && this.startMarks) this._watermarks(t, ...this.startMarks);
     if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb, text);
     if (rec.vram_reserved_mb !== undefined && rec.vram_source !== "tracked") {
       this.charts.vram.push(1, t, rec.vram_reserved_mb, text);
@@ -335,8 +351,14 @@ export class RunCharts {
       .join(", ");
     this._mark(t, step, `limits: ${changed || "no change"}`, APPLIED);
     const wm = rec.changed || {};
-    if (wm.vram_high_watermark_mb) this.charts.vram.push(2, t, drawnWatermark(wm.vram_high_watermark_mb[1]));
-    if (wm.vram_low_watermark_mb) this.charts.vram.push(3, t, drawnWatermark(wm.vram_low_watermark_mb[1]));
+    this._watermarks(t, wm.vram_high_watermark_mb?.[1], wm.vram_low_watermark_mb?.[1]);
+  }
+
+  /** Watermark points (MB; undefined: not given) on the VRAM chart at `t`. */
+  _watermarks(t, high, low) {
+    if (high !== undefined) this.charts.vram.push(2, t, drawnWatermark(high));
+    if (low !== undefined) this.charts.vram.push(3, t, drawnWatermark(low));
+    if (high !== undefined || low !== undefined) this.marksDrawn = true;
   }
 
   /** Marker where the worker refused a request (before any step: on the time charts only). */

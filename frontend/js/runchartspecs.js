@@ -35,8 +35,9 @@ export function buildRunCharts(divs, width) {
       traces: [
         { name: "allocated", line: { color: COLORS.allocated, width: 1.5 }, text: [], hovertemplate: VRAM_HOVER },
         { name: "reserved (CUDA)", line: { color: COLORS.reserved, width: 1.5 }, text: [], hovertemplate: VRAM_HOVER },
-        { name: "high watermark", line: { color: COLORS.high, dash: "dot", width: 1, shape: "hv" }, hovertemplate: "%{y} MB" },
-        { name: "low watermark", line: { color: COLORS.low, dash: "dot", width: 1, shape: "hv" }, hovertemplate: "%{y} MB" },
+        // A watermark is in force until the next record changes it: drawn to the newest point.
+        { name: "high watermark", line: { color: COLORS.high, dash: "dot", width: 1, shape: "hv" }, hovertemplate: "%{y} MB", holdToEnd: true },
+        { name: "low watermark", line: { color: COLORS.low, dash: "dot", width: 1, shape: "hv" }, hovertemplate: "%{y} MB", holdToEnd: true },
       ],
       layout: { xaxis: { title: { text: "time since start (s)" } }, yaxis: { title: { text: "MB" } } },
     }),

@@ -1,0 +1,92 @@
+"""What the run page's charts say beside their data: the VRAM chart's watermark lines from the
+run's start to its newest record, "auto" watermarks as the figures they resolved to, units and
+digits in the hover labels, whole steps on step axes, and Plotly's toolbar clear of the titles.
+The charts are fed records in the page (``RunCharts.ingest``, as the stream does), with no run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.frontend.conftest import picture
+
+pytestmark = [pytest.mark.browser]
+
+# Builds RunCharts for `config` in a 2-column grid as wide as the run page's, and gives `rec`
+# (a record at `time` s after 100) and `feedStep` (one training step's records: block records
+# spread over [t, t + 1), then stagehand/step and trainer/step at t + 1).
+SETUP = """
+    const { RunCharts } = await import('/static/js/runcharts.js');
+    document.body.innerHTML = '';
+    const box = document.createElement('div');
+    box.className = 'chart-grid';
+    box.style.width = '1300px';
+    document.body.append(box);
+    const charts = new RunCharts(box, config);
+    let seq = 0;
+    const rec = (source, kind, time, step, fields) =>
+        ({seq: seq++, time: 100 + time, source, kind, step, phase: null, ...fields});
+    const block = (t, step, i, mb) => rec('stagehand', 'block', t, step, {event: 'enter',
+        block: i, block_name: `transformer_blocks.${i}`, vram_allocated_mb: mb,
+        vram_reserved_mb: mb + 400, vram_source: 'cuda'});
+    const feedStep = (step, t, marks) => {
+        for (let i = 0; i < 5; i++) charts.ingest(block(t + i / 5, step, i, 5000 + 900 * i));
+        charts.ingest(rec('stagehand', 'step', t + 1, step, {vram_allocated_mb: 6000,
+            vram_source: 'cuda', h2d_bytes: 2e9, blocks_loaded: 5, resident_blocks: 2,
+            pool_used_mb: 600, pool_total_mb: 800, stall_time_ms: 12.5, ...marks}));
+        charts.ingest(rec('trainer', 'step', t + 1, step, {loss: 0.123456789 * step,
+            grad_norm: 0.98765, step_time_ms: 11542.66 + step, rss_mb: 12345.678,
+            pinned_mb: 8192, vram_source: 'cuda', phase_ms: {forward: 3461.234,
+            backward: 6923.1, optimizer: 129.4998}}));
+    };
+"""
+
+STREAMING = {
+    "memory": {
+        "strategy": "stagehand",
+        "stagehand": {"vram_high_watermark_mb": 12000, "vram_low_watermark_mb": 8000},
+    }
+}
+
+
+def _drawn(page, chart: str, trace: int) -> dict:
+    return page.evaluate(
+        f"(() => {{ const t = document.getElementById('{chart}').data[{trace}];"
+        " return {x: Array.from(t.x), y: Array.from(t.y)}; })()"
+    )
+
+
+def test_watermarks_are_drawn_from_the_first_block_record_to_the_newest(synthetic_server, page):
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    # Before its first step a run has block records but no stagehand/step record: the config's
+    # watermarks are in force from the first of them.
+    page.evaluate(
+        f"""async (config) => {{ {SETUP}
+        window.__t = {{charts, rec, feedStep, block}};
+        charts.ingest(rec('trainer', 'run_started', 0, null, {{vram_source: 'cuda'}}));
+        for (let i = 0; i < 3; i++) charts.ingest(block(0.5 + i / 10, 1, i, 5000 + 900 * i));
+        charts.flush();
+    }}""",
+        STREAMING,
+    )
+    high, low = _drawn(page, "vram", 2), _drawn(page, "vram", 3)
+    assert high == {"x": [0.5, 0.7], "y": [12000, 12000]}
+    assert low == {"x": [0.5, 0.7], "y": [8000, 8000]}
+    # Live: the lines reach the newest block record, past the last step's end.
+    page.evaluate(
+        """() => { const {charts, feedStep, block} = window.__t;
+        feedStep(1, 1, {vram_high_watermark_mb: 12000, vram_low_watermark_mb: 8000});
+        for (let i = 0; i < 4; i++) charts.ingest(block(2.1 + i / 10, 2, i, 5000 + 900 * i));
+        charts.flush(); }"""
+    )
+    alloc = _drawn(page, "vram", 0)
+    high = _drawn(page, "vram", 2)
+    assert alloc["x"][-1] == pytest.approx(2.4)
+    assert high["x"][-1] == alloc["x"][-1] and high["y"][-1] == 12000
+    # The point that carries a line to the newest record is drawn only: the data and its CSV
+    # hold the figures the records gave.
+    kept = page.evaluate("Array.from(window.__t.charts.charts.vram.data[2].x)")
+    assert kept == [0.5, 2]
+    csv = page.evaluate("window.__t.charts.charts.vram.csv()").splitlines()
+    assert [row.split(",")[3] for row in csv[1:]].count("12000") == 2
+    picture(page.locator("#vram"), "chart-vram-watermarks")
