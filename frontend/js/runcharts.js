@@ -2,43 +2,23 @@
 //
 // Time-based charts (VRAM at block resolution, block residency) use seconds since the run's
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
-// becomes a marker on every chart, at its time or its step; a limits request the worker
-// refused (`trainer/event` `control_rejected`) one of another colour. A resumed run's
+// becomes a marker on every chart, at its time or its step (the resolution of "auto" limits at
+// build is none: runwatermarks.js names their figures); a limits request the worker refused
+// (`trainer/event` `control_rejected`) one of another colour. A resumed run's
 // `trainer/resumed` record drops from the step charts what the discarded run drew past the
 // checkpoint's step: the resumed worker trains those steps again, and each is drawn once.
 // A "last N steps" window shows the same steps on every chart: the step charts from step
 // last-N+1, the time charts from the time step last-N ended (its `trainer/step` record); the
 // two time charts (VRAM, residency) zoom and pan together. What each chart draws (traces,
-// colours, axes) is runchartspecs.js's.
+// colours, axes) is runchartspecs.js's; the watermark lines runwatermarks.js's.
 
 import { chartTools } from "./chartcontrols.js";
 import { WAITING, afterPaint, plotText } from "./charts.js";
 import { CHART_IDS, EMA, buildRunCharts } from "./runchartspecs.js";
+import { SHORT, WatermarkLines, drawnWatermark } from "./runwatermarks.js";
 import { h } from "./ui.js";
 
-export { CHART_IDS };
-
-// Short names of LiveLimits fields for chart markers (the limits panel logs the full ones).
-const SHORT = {
-  vram_high_watermark_mb: "high",
-  vram_low_watermark_mb: "low",
-  activation_vram_high_watermark_mb: "spill high",
-  activation_vram_low_watermark_mb: "spill low",
-  prefetch_window_blocks: "window",
-  max_inflight_transfers: "in-flight",
-  max_inflight_d2h: "D2H",
-  max_inflight_h2d: "H2D",
-};
-
-// Markers: limits the worker applied, and requests it refused.
-// "auto" watermarks on a tracked (CPU) device without a cap: no limit, written as this many MB
-// (stagehand/strategy/auto.py, NO_BUDGET_MB). Not drawn: it would scale the VRAM chart to 1e9 MB.
-const NO_LIMIT_MB = 1e9;
-
-/** A watermark as the VRAM chart draws it: null (a gap) for "no limit". */
-export function drawnWatermark(mb) {
-  return mb >= NO_LIMIT_MB ? null : mb;
-}
+export { CHART_IDS, drawnWatermark };
 
 const APPLIED = { color: "#b4235a", dash: "dash" };
 const REFUSED = { color: "#d9480f", dash: "dot" };
@@ -49,19 +29,6 @@ const REFUSED_LABEL_CHARS = 70;
 export function ema(ys, w) {
   let s = null;
   return ys.map((y) => (s = s === null ? y : w * s + (1 - w) * y));
-}
-
-/**
- * [high, low] MB of the run's config when the weight runtime streams with numbers for them:
- * in force from the first VRAM record, before the first step's record gives them. Null
- * otherwise ("auto" is drawn from the worker's figures, its strategy/limits_applied record).
- */
-function startWatermarks(config) {
-  const memory = config.memory || {};
-  const sh = memory.stagehand || {};
-  if ((memory.strategy ?? "stagehand") !== "stagehand" || sh.weight_streaming === false) return null;
-  const marks = [sh.vram_high_watermark_mb, sh.vram_low_watermark_mb];
-  return marks.every((v) => typeof v === "number") ? marks : null;
 }
 
 export class RunCharts {
@@ -88,8 +55,7 @@ export class RunCharts {
     this.lastStep = null;
     this.windowSteps = null;
     this.charts = buildRunCharts(divs, width);
-    this.startMarks = startWatermarks(config || {});
-    this.marksDrawn = false; // a watermark point is on the VRAM chart
+    this.watermarks = new WatermarkLines(this.charts, config || {});
     this.charts.vram.link(this.charts.residency);
     this._explainSilence(config || {});
     this._tools(panels, filePrefix);
@@ -218,7 +184,7 @@ export class RunCharts {
       case "stagehand/step":
         this.stagehandSteps += 1;
         this._setSource(rec.vram_source);
-        this._watermarks(t, rec.vram_high_watermark_mb, rec.vram_low_watermark_mb);
+        this.watermarks.step(t, rec);
         if (this.blockRecords === 0) this._vramPoint(t, rec, `<br>step ${step}`);
         if (rec.h2d_bytes !== undefined) c.transfers.push(0, step, rec.h2d_bytes / 1e9);
         c.transfers.push(1, step, rec.blocks_loaded);
@@ -299,7 +265,7 @@ export class RunCharts {
     const alloc = [];
     const reserved = [];
     const text = [];
-    if (!this.marksDrawn && this.startMarks) this._watermarks(this._t(buckets[0]), ...this.startMarks);
+    this.watermarks.start(this._t(buckets[0]));
     buckets.forEach((b, i) => {
       const t = this._t(b);
       const next = buckets[i + 1] ? this._t(buckets[i + 1]) : t;
@@ -319,7 +285,7 @@ export class RunCharts {
    * its reserved figure is the allocated one, and drawing it would only hide that line.
    */
   _vramPoint(t, rec, text) {
-    if (!this.marksDrawn && this.startMarks) this._watermarks(t, ...this.startMarks);
+    this.watermarks.start(t);
     if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb, text);
     if (rec.vram_reserved_mb !== undefined && rec.vram_source !== "tracked") {
       this.charts.vram.push(1, t, rec.vram_reserved_mb, text);
@@ -346,19 +312,17 @@ export class RunCharts {
 
   /** Vertical marker on every chart where limits took effect. */
   markLimits(t, step, rec) {
+    if (rec.request_id === "auto") {
+      const label = this.watermarks.resolved(t, rec);
+      if (label) this._mark(t, step, label, APPLIED);
+      return;
+    }
     const changed = Object.entries(rec.changed || {})
       .map(([field, [, now]]) => `${SHORT[field] || field}=${drawnWatermark(now) ?? "no limit"}`)
       .join(", ");
     this._mark(t, step, `limits: ${changed || "no change"}`, APPLIED);
     const wm = rec.changed || {};
-    this._watermarks(t, wm.vram_high_watermark_mb?.[1], wm.vram_low_watermark_mb?.[1]);
-  }
-
-  /** Watermark points (MB; undefined: not given) on the VRAM chart at `t`. */
-  _watermarks(t, high, low) {
-    if (high !== undefined) this.charts.vram.push(2, t, drawnWatermark(high));
-    if (low !== undefined) this.charts.vram.push(3, t, drawnWatermark(low));
-    if (high !== undefined || low !== undefined) this.marksDrawn = true;
+    this.watermarks.draw(t, wm.vram_high_watermark_mb?.[1], wm.vram_low_watermark_mb?.[1]);
   }
 
   /** Marker where the worker refused a request (before any step: on the time charts only). */

@@ -19,6 +19,7 @@ SETUP = """
     document.body.innerHTML = '';
     const box = document.createElement('div');
     box.className = 'chart-grid';
+    box.id = 'charts-box';
     box.style.width = '1300px';
     document.body.append(box);
     const charts = new RunCharts(box, config);
@@ -90,3 +91,82 @@ def test_watermarks_are_drawn_from_the_first_block_record_to_the_newest(syntheti
     csv = page.evaluate("window.__t.charts.charts.vram.csv()").splitlines()
     assert [row.split(",")[3] for row in csv[1:]].count("12000") == 2
     picture(page.locator("#vram"), "chart-vram-watermarks")
+
+
+AUTO = {
+    "memory": {
+        "strategy": "stagehand",
+        "stagehand": {
+            "vram_high_watermark_mb": "auto",
+            "vram_low_watermark_mb": "auto",
+            "activation_stagehand": {
+                "enabled": True,
+                "vram_high_watermark_mb": "auto",
+                "vram_low_watermark_mb": "auto",
+            },
+        },
+    }
+}
+
+# The strategy's record of what "auto" became at build (request_id "auto"): `high`, `low` MB
+# for the weights, `act` [high, low] MB for the activations.
+AUTO_RECORD = """
+    const resolved = (time, step, high, low, act, old = 'auto') => rec('strategy',
+        'limits_applied', time, step, {request_id: 'auto', changed: {
+            vram_high_watermark_mb: [old, high], vram_low_watermark_mb: [old, low],
+            ...(act ? {activation_vram_high_watermark_mb: [old, act[0]],
+                       activation_vram_low_watermark_mb: [old, act[1]]} : {})}});
+"""
+
+
+def _auto_run(page, script: str) -> dict:
+    return page.evaluate(
+        f"""async (config) => {{ {SETUP} {AUTO_RECORD} {script}
+        charts.flush();
+        const c = charts.charts;
+        return {{
+            markers: Object.fromEntries(Object.entries(c).map(([id, ch]) =>
+                [id, ch.markers.map((m) => m.label)])),
+            legend: c.vram.names.slice(2), spill: c.spill.title,
+            high: Array.from(document.getElementById('vram').data[2].y),
+        }};
+    }}""",
+        AUTO,
+    )
+
+
+def test_auto_watermarks_show_the_figures_they_resolved_to(synthetic_server, page):
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    # A CPU run: "auto" without a budget is no limit (1e9 MB). The resolution at build is the
+    # run's starting limits, not a change: no "limits:" marker on every chart.
+    cpu = _auto_run(
+        page,
+        """charts.ingest(rec('trainer', 'run_started', 0, null, {vram_source: 'tracked'}));
+        charts.ingest(resolved(0.1, 0, 1e9, 1e9, [1e9, 1e9]));
+        feedStep(1, 1, {vram_high_watermark_mb: 1e9, vram_low_watermark_mb: 1e9});""",
+    )
+    assert all(labels == [] for labels in cpu["markers"].values()), cpu["markers"]
+    assert cpu["legend"] == ["high watermark (auto): no limit", "low watermark (auto): no limit"]
+    assert cpu["spill"] == "Activation spill per step (auto watermarks: no limit)"
+    assert all(y is None for y in cpu["high"])  # no 1e9 MB line
+    picture(page.locator("#charts-box"), "chart-auto-watermarks-cpu")
+    # A GPU run: the figures at build, then the weight watermarks again after the trace step
+    # (measured activations), a change at step 1 marked with its figures; the legend follows
+    # the stagehand/step records.
+    gpu = _auto_run(
+        page,
+        """charts.ingest(rec('trainer', 'run_started', 0, null, {vram_source: 'cuda'}));
+        charts.ingest(resolved(0.1, 0, 20480.4, 16384.7, [21504.25, 20480.5]));
+        feedStep(1, 1, {vram_high_watermark_mb: 20480.4, vram_low_watermark_mb: 16384.7});
+        charts.ingest(resolved(2.05, 1, 19000.25, 15000.6, null, 20480.4));
+        feedStep(2, 2.1, {vram_high_watermark_mb: 19000.25, vram_low_watermark_mb: 15000.6});""",
+    )
+    label = "auto: high=19,000, low=15,001 MB"
+    assert gpu["markers"]["loss"] == [label] and gpu["markers"]["vram"] == [label]
+    assert gpu["legend"] == [
+        "high watermark (auto): 19,000 MB",
+        "low watermark (auto): 15,001 MB",
+    ]
+    assert gpu["spill"] == "Activation spill per step (auto watermarks: 21,504 / 20,481 MB)"
+    picture(page.locator("#vram"), "chart-vram-auto-watermarks")
