@@ -87,6 +87,17 @@ function holdTo(trace, x) {
 }
 
 /**
+ * Tick spacing of an axis of whole numbers (steps) `span` wide on `px` pixels: 1, 2 or 5 x 10^k,
+ * never under 1 (Plotly's own spacing puts ticks at half steps on a short run), at most one
+ * tick per 80 px as Plotly does.
+ */
+export function wholeTicks(span, px) {
+  const want = span / Math.max(3, Math.min(10, Math.floor(px / 80)));
+  const base = 10 ** Math.floor(Math.log10(Math.max(want, 1)));
+  return [1, 2, 5, 10].map((m) => m * base).find((d) => d >= want) ?? 1;
+}
+
+/**
  * Legend at the bottom of the figure, below the x-axis title, with room for as many rows as
  * a chart `width` px wide needs (a phone wraps 4 traces onto 2-4 rows).
  */
@@ -144,9 +155,11 @@ export class ChartPanel {
    * @param {number} [opts.width] px; read from `el` when not given (a forced layout per chart)
    * @param {string} [opts.emptyText] note shown while the chart has no data
    * @param {number} [opts.flushMs] delay between a change and its redraw
+   * @param {boolean} [opts.wholeX] x values are whole numbers (steps): ticks on them only
    */
-  constructor(el, { title, legendItems, layout = {}, width, emptyText = WAITING, flushMs = FLUSH_MS }) {
+  constructor(el, { title, legendItems, layout = {}, width, emptyText = WAITING, flushMs = FLUSH_MS, wholeX = false }) {
     this.el = el;
+    this.wholeX = wholeX;
     this.title = title;
     this.emptyText = emptyText;
     this.flushMs = flushMs;
@@ -226,6 +239,8 @@ export class ChartPanel {
     const shown = this.shownRange();
     xaxis.autorange = !shown;
     if (shown) xaxis.range = [...shown];
+    const [lo, hi] = shown || this._xRange() || [0, 0];
+    if (this.wholeX) Object.assign(xaxis, { tick0: 0, dtick: wholeTicks(hi - lo, this.el.clientWidth || 600) });
     this.layout = { ...this.layout, xaxis, shapes, annotations: notes, datarevision: this.revision };
     Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
     if (!this.listening && this.el.on) {

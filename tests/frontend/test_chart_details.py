@@ -170,3 +170,41 @@ def test_auto_watermarks_show_the_figures_they_resolved_to(synthetic_server, pag
     ]
     assert gpu["spill"] == "Activation spill per step (auto watermarks: 21,504 / 20,481 MB)"
     picture(page.locator("#vram"), "chart-vram-auto-watermarks")
+
+
+def _hover_text(page, chart: str, step: int) -> list[str]:
+    """The lines of the hover label Plotly draws at x = `step` of `chart` (unified hover)."""
+    return page.evaluate(
+        f"""() => {{ const el = document.getElementById('{chart}');
+        Plotly.Fx.hover(el, {{xval: {step}}}, 'xy');
+        return Array.from(el.querySelectorAll('.hoverlayer .legend text.legendtext, '
+            + '.hoverlayer .legend text')).map((t) => t.textContent); }}"""
+    )
+
+
+def test_hover_labels_have_units_and_step_axes_whole_steps(synthetic_server, page):
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    page.evaluate(
+        f"""async (config) => {{ {SETUP}
+        charts.ingest(rec('trainer', 'run_started', 0, null, {{vram_source: 'cuda'}}));
+        for (let step = 1; step <= 5; step++) feedStep(step, step, {{}});
+        charts.flush();
+    }}""",
+        STREAMING,
+    )
+    phases = _hover_text(page, "phases", 3)
+    assert "optimizer : 129.5 ms" in phases
+    assert "step time : 11,545.7 ms" in phases
+    host = _hover_text(page, "host", 3)
+    assert "process RSS : 12,346 MB" in host and "pinned (trainer) : 8,192 MB" in host
+    loss = _hover_text(page, "loss", 3)
+    assert "loss : 0.3704" in loss and "grad norm : 0.988" in loss
+    ticks = page.evaluate(
+        """() => Object.fromEntries(['transfers', 'host', 'phases', 'loss'].map(
+            (id) => [id, Array.from(document.querySelectorAll(`#${id} .xtick text`))
+                .map((t) => t.textContent)]))"""
+    )
+    for chart, labels in ticks.items():
+        assert labels and all(label.isdigit() for label in labels), (chart, labels)
+    picture(page.locator("#charts-box"), "charts-units-ticks")
