@@ -100,8 +100,9 @@ export class WatermarkLines {
   _legend(high, low) {
     const vram = this.charts.vram;
     const name = (i, what, mb) => {
+      if (mb === undefined) return; // a record without the figure
       const text = `${what} watermark (auto): ${watermarkText(mb)}`;
-      if (mb !== undefined && vram.names[i] !== text) vram.setName(i, text);
+      if (vram.names[i] !== text) vram.setName(i, text);
     };
     if (this.autoFields.has("vram_high_watermark_mb")) name(2, "high", high);
     if (this.autoFields.has("vram_low_watermark_mb")) name(3, "low", low);

@@ -160,7 +160,8 @@ def test_auto_watermarks_show_the_figures_they_resolved_to(synthetic_server, pag
         charts.ingest(resolved(0.1, 0, 20480.4, 16384.7, [21504.25, 20480.5]));
         feedStep(1, 1, {vram_high_watermark_mb: 20480.4, vram_low_watermark_mb: 16384.7});
         charts.ingest(resolved(2.05, 1, 19000.25, 15000.6, null, 20480.4));
-        feedStep(2, 2.1, {vram_high_watermark_mb: 19000.25, vram_low_watermark_mb: 15000.6});""",
+        feedStep(2, 2.1, {vram_high_watermark_mb: 19000.25, vram_low_watermark_mb: 15000.6});
+        feedStep(3, 3.1, {});  // a step record without the figures keeps them""",
     )
     label = "auto: high=19,000, low=15,001 MB"
     assert gpu["markers"]["loss"] == [label] and gpu["markers"]["vram"] == [label]
