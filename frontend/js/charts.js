@@ -8,44 +8,25 @@
 // drawn after 100k blocks.
 // What a user sets on a chart lives here too: the x range shown (a user's zoom, else a "last N
 // steps" window, else everything), two charts whose x axes move together, a log y axis, and
-// the chart's data as a CSV download (the controls and the file: chartcontrols.js).
+// the chart's data as a CSV download (the controls and the file: chartcontrols.js). The layout and
+// config every figure shares (title band, legend, toolbar) are chartlayout.js's.
 
 /* global Plotly */
 
 import { csvRow } from "./chartcontrols.js";
+import {
+  BASE_LAYOUT, MARGIN_TOP, PLOT_CONFIG, emptyNote, legendFit, markerShapes, plotText, titleFit, wholeTicks,
+} from "./chartlayout.js";
 import { capSeries, minMaxDownsample } from "./downsample.js";
 
-export { minMaxDownsample };
-
-/**
- * `text` as Plotly shows it literally. Plotly reads titles, legend names, hover text and
- * shape labels as pseudo-HTML (`<a href>` becomes a link, `<b>` bold) and decodes entities
- * after the tags: escaping &, < and > keeps run names, block names and record fields as text.
- * Every string given to Plotly goes through here (ChartPanel does it for titles, trace names
- * and marker labels).
- */
-export function plotText(text) {
-  return String(text ?? "").replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
-}
+// Figures elsewhere (plan, tune, calibration) take their layout from here too.
+export { BASE_LAYOUT, PLOT_CONFIG, legendFit, minMaxDownsample, plotText };
 
 export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
 // ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
 const DENSE_POINTS = 300;
-
-export const BASE_LAYOUT = {
-  margin: { l: 58, r: 58, t: 36, b: 78 },
-  height: 310,
-  legend: { orientation: "h", x: 0, y: -0.3, yanchor: "top", traceorder: "normal", font: { size: 11 } },
-  font: { family: "system-ui, -apple-system, Segoe UI, sans-serif", size: 12, color: "#1d2733" },
-  paper_bgcolor: "#ffffff",
-  plot_bgcolor: "#ffffff",
-  xaxis: { gridcolor: "#e8ecf1", zeroline: false, automargin: true },
-  yaxis: { gridcolor: "#e8ecf1", zeroline: false, automargin: true, rangemode: "tozero" },
-  hovermode: "x unified",
-  uirevision: "keep", // user zoom survives updates
-};
 
 /** Calls `fn` once the frame holding what was just drawn has been painted. */
 export function afterPaint(fn) {
@@ -54,12 +35,6 @@ export function afterPaint(fn) {
 
 /** The note of an empty chart until something says why it is empty. */
 export const WAITING = "waiting for records…";
-
-// A double-click asks for autorange (ChartPanel then draws its window, or everything), never
-// Plotly's "reset" to whatever range the chart was first drawn with.
-export const PLOT_CONFIG = {
-  responsive: true, displaylogo: false, doubleClick: "autosize", modeBarButtonsToRemove: ["lasso2d", "select2d"],
-};
 
 /** The cheap-to-draw form of a trace once it holds many points. */
 function denseTrace(trace) {
@@ -84,55 +59,6 @@ function holdTo(trace, x) {
   if (y === null || y === undefined || !(x > trace.x[n - 1])) return trace;
   const text = Array.isArray(trace.text) ? { text: [...trace.text, ""] } : {};
   return { ...trace, x: [...trace.x, x], y: [...trace.y, y], ...text };
-}
-
-/**
- * Tick spacing of an axis of whole numbers (steps) `span` wide on `px` pixels: 1, 2 or 5 x 10^k,
- * never under 1 (Plotly's own spacing puts ticks at half steps on a short run), at most one
- * tick per 80 px as Plotly does.
- */
-export function wholeTicks(span, px) {
-  const want = span / Math.max(3, Math.min(10, Math.floor(px / 80)));
-  const base = 10 ** Math.floor(Math.log10(Math.max(want, 1)));
-  return [1, 2, 5, 10].map((m) => m * base).find((d) => d >= want) ?? 1;
-}
-
-/**
- * Legend at the bottom of the figure, below the x-axis title, with room for as many rows as
- * a chart `width` px wide needs (a phone wraps 4 traces onto 2-4 rows).
- */
-export function legendFit(width, count) {
-  width = width || 600;
-  const perRow = Math.max(1, Math.floor((width - 30) / 135));
-  const rows = Math.ceil(count / perRow);
-  return {
-    legend: { ...BASE_LAYOUT.legend, yref: "container", y: 0, yanchor: "bottom" },
-    margin: { ...BASE_LAYOUT.margin, b: 56 + rows * 20 },
-    height: 250 + rows * 20,
-  };
-}
-
-export function emptyNote(text) {
-  return {
-    text, xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
-    font: { size: 13, color: "#8592a3" }, name: "empty-note",
-  };
-}
-
-// Markers are shapes with their own label: an annotation in data coordinates would widen the
-// autorange by the width of its text. A marker in the right third of `xRange` ([lo, hi], the
-// data's x extent) puts its label on its left, where it is not cut by the plot's edge.
-export function markerShapes(markers, xRange = null) {
-  const [lo, hi] = xRange || [0, 0];
-  return markers.map((m) => ({
-    type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
-    line: { color: m.color, width: 1.5, dash: m.dash || "dash" },
-    label: {
-      text: plotText(m.label), textangle: 0, textposition: "end",
-      xanchor: hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left",
-      font: { size: 10, color: m.color },
-    },
-  }));
 }
 
 /**
@@ -171,14 +97,18 @@ export class ChartPanel {
     this.xWindow = null; // () => [lo, hi] | null: the "last N steps" window
     this.linked = []; // charts whose x axis follows this one's
     this.listening = false;
+    this.width = width ?? el.clientWidth;
+    const fit = legendFit(this.width, legendItems);
+    // As tall a plot as with the base margin: the title's band is added above it.
+    this.titledHeight = fit.height + MARGIN_TOP - BASE_LAYOUT.margin.t;
     this.layout = {
       ...BASE_LAYOUT,
-      ...legendFit(width ?? el.clientWidth, legendItems),
+      ...fit,
       ...layout,
-      title: { text: plotText(title), font: { size: 14 }, x: 0.01, xanchor: "left" },
       xaxis: { ...BASE_LAYOUT.xaxis, ...(layout.xaxis || {}) },
       yaxis: { ...BASE_LAYOUT.yaxis, ...(layout.yaxis || {}) },
     };
+    this._titled(title);
     if (layout.yaxis2) {
       this.layout.yaxis2 = {
         gridcolor: "#f3f5f8", zeroline: false, overlaying: "y", side: "right", automargin: true, rangemode: "tozero",
@@ -290,8 +220,15 @@ export class ChartPanel {
   setTitle(title) {
     if (title === this.title) return;
     this.title = title;
-    this.layout = { ...this.layout, title: { ...this.layout.title, text: plotText(title) } };
+    this._titled(title);
     this.invalidate();
+  }
+
+  /** The layout's title, top margin and height for `title` (chartlayout.js titleFit). */
+  _titled(title) {
+    const { title: text, extra } = titleFit(title, this.width);
+    const margin = { ...this.layout.margin, t: MARGIN_TOP + extra };
+    this.layout = { ...this.layout, title: text, margin, height: this.titledHeight + extra };
   }
 
   /** Changes the note shown while the chart has no points (e.g. why a source is silent). */

@@ -209,3 +209,57 @@ def test_hover_labels_have_units_and_step_axes_whole_steps(synthetic_server, pag
     for chart, labels in ticks.items():
         assert labels and all(label.isdigit() for label in labels), (chart, labels)
     picture(page.locator("#charts-box"), "charts-units-ticks")
+
+
+# Every chart's title and toolbar boxes, and whether the toolbar shows only on hover.
+BOXES = """() => Array.from(document.querySelectorAll('.chart')).filter((el) => el.data).map((el) => {
+    const box = (sel) => { const n = el.querySelector(sel); if (!n) return null;
+        const r = n.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+    const bar = el.querySelector('.modebar');
+    const r = el.getBoundingClientRect();
+    return {id: el.id, title: box('.gtitle'), bar: box('.modebar'), right: r.right,
+            hover: !!bar && bar.classList.contains('modebar--hover')};
+})"""
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+FEED_AUTO = f"""async (config) => {{ {SETUP} {AUTO_RECORD}
+    charts.ingest(rec('trainer', 'run_started', 0, null, {{vram_source: 'cuda'}}));
+    charts.ingest(resolved(0.1, 0, 20480.4, 16384.7, [21504.25, 20480.5]));
+    for (let step = 1; step <= 3; step++) feedStep(step, step, {{}});
+    charts.ingest(rec('activation_stagehand', 'step', 4, 3, {{activations_kept: 150,
+        activations_spilled: 50, spill_bytes: 2 ** 30, restore_bytes: 2 ** 30}}));
+    charts.flush();
+}}"""
+
+
+def test_the_toolbar_shows_on_hover_clear_of_the_titles_and_not_on_phones(
+    synthetic_server, page, browser
+):
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    page.evaluate(FEED_AUTO, AUTO)
+    boxes = page.evaluate(BOXES)
+    assert len(boxes) == 9
+    for chart in boxes:
+        assert chart["hover"] and chart["bar"] and chart["title"], chart
+        assert not _overlap(chart["bar"], chart["title"]), chart
+    page.hover("#spill")
+    picture(page.locator("#spill"), "chart-toolbar-desktop")
+    # A phone has no hover: Plotly would show the toolbar all the time, over the title.
+    context = browser.new_context(
+        viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True
+    )
+    phone = context.new_page()
+    phone.goto(synthetic_server + "/#/compare")
+    phone.wait_for_selector(".picker", state="attached")
+    phone.evaluate(FEED_AUTO.replace("'1300px'", "'370px'"), AUTO)
+    boxes = phone.evaluate(BOXES)
+    assert len(boxes) == 9 and all(chart["bar"] is None for chart in boxes), boxes
+    # A title too long for the phone's width goes on two lines, not past the chart's edge.
+    assert all(chart["title"][2] <= chart["right"] for chart in boxes), boxes
+    picture(phone.locator("#spill"), "chart-toolbar-phone")
+    context.close()
