@@ -307,6 +307,12 @@ export class LiveChart extends ChartPanel {
     this.invalidate();
   }
 
+  /** Merges `props` (Plotly trace attributes: line, marker...) into trace `index`. */
+  restyle(index, props) {
+    this.data[index] = { ...this.data[index], ...props };
+    this.invalidate();
+  }
+
   /** Queues points for trace `index`; drawn at the next flush. */
   push(index, x, y, text) {
     let entry = this.pending.get(index);

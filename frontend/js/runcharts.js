@@ -141,6 +141,19 @@ export class RunCharts {
     return Math.round((rec.time - this.t0) * 1000) / 1000;
   }
 
+  /**
+   * A run without CUDA: nothing is page-locked and the weight pool fills only as blocks use it,
+   * so the worker's "pinned" figure (the pools' and host cache's sizes) and the pool's total are
+   * budgets, drawn dotted as limits are, beside the measured RSS and pool use.
+   */
+  _hostBudgets() {
+    const host = this.charts.host;
+    host.setName(1, "pools (budget)");
+    host.restyle(1, { line: { ...host.data[1].line, dash: "dot", width: 1.5 } });
+    host.setName(3, "pool size (budget)");
+    host.setTitle("Host memory (MB; on CPU the pools are budgets, not pinned)");
+  }
+
   _setSource(source) {
     if (!source || source === this.vramSource) return;
     this.vramSource = source;
@@ -167,6 +180,7 @@ export class RunCharts {
     switch (key) {
       case "trainer/run_started":
         this._setSource(rec.vram_source);
+        if (rec.device === "cpu" || rec.vram_source === "tracked") this._hostBudgets();
         break;
       case "stagehand/block":
         if (rec.residencyOnly) {
