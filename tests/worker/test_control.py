@@ -9,7 +9,7 @@ import time
 import pytest
 
 from contract.control import ControlDir
-from worker.control import StopFlag
+from worker.control import Interrupted, StopFlag
 
 LONG = {"max_steps": 100000, "checkpoint_every": None}
 
@@ -74,6 +74,62 @@ def test_sigterm_saves_the_lora_and_exits_cancelled(cache_env, make_preset, tmp_
     assert last["stop_reason"] == "sigterm"
     steps = run_io.of(recs, "trainer", "step")
     assert steps[-1]["step"] == last["steps_done"]  # the step in flight finished
+
+
+SAMPLES = {"samples": {"prompts": ["a handwritten digit three"], "steps": 2}}
+
+
+def test_a_stopped_run_draws_its_final_samples_after_saving_its_lora(
+    cache_env, make_preset, tmp_path, run_io
+):
+    run_dir = tmp_path / "stopped-samples"
+    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
+    _wait_for(run_dir, proc, run_io, "trainer", "step")
+    _request(run_dir, 1, "stop1", {"command": "stop"})
+    recs, last = _finish(proc, run_dir, run_io)
+    assert last["stop_reason"] == "stop"
+    # Before: only the step-0 samples; the model it trained was never drawn.
+    paths = [r["path"] for r in run_io.of(recs, "trainer", "sample")]
+    assert paths == ["samples/step-000000-00.png", "samples/sample-00.png"]
+    assert (run_dir / "samples" / "sample-00.png").stat().st_size > 0
+    # The LoRA was on disk before the samples were drawn: a kill during them loses no step.
+    lora = run_dir / last["lora_path"]
+    assert lora.stat().st_mtime <= (run_dir / "samples" / "sample-00.png").stat().st_mtime
+    skipped = [r for r in run_io.of(recs, "trainer", "event") if r["event"].startswith("final")]
+    assert skipped == []
+
+
+def test_a_run_stopped_by_sigterm_draws_no_final_samples(cache_env, make_preset, tmp_path, run_io):
+    run_dir = tmp_path / "terminated-samples"
+    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
+    _wait_for(run_dir, proc, run_io, "trainer", "step")
+    proc.send_signal(signal.SIGTERM)
+    recs, last = _finish(proc, run_dir, run_io)
+    assert [r["path"] for r in run_io.of(recs, "trainer", "sample")] == [
+        "samples/step-000000-00.png"
+    ]
+    events = [r for r in run_io.of(recs, "trainer", "event") if r["event"].startswith("final")]
+    assert [(e["event"], e["message"]) for e in events] == [
+        ("final_samples_skipped", "the run was stopped by SIGTERM")
+    ]
+
+
+def test_sigterm_ends_interruptible_work_and_only_sets_the_flag_elsewhere():
+    flag = StopFlag()
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # outside: the loop sees the flag between steps
+        assert flag() and flag.terminated and flag.reason == "sigterm"
+        reached = False
+        with pytest.raises(Interrupted), flag.interruptible():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecode
+                time.sleep(0.001)
+            reached = True
+        assert not reached
+        os.kill(os.getpid(), signal.SIGTERM)  # the block is over: a flag again, no exception
+    finally:
+        flag.uninstall()
 
 
 def test_control_dir_reads_in_name_order_and_skips_temp_names(tmp_path):
