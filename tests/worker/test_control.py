@@ -1,5 +1,6 @@
 """Stop through the control folder and through SIGTERM: the step finishes, the LoRA is saved,
-the worker exits 0 with status cancelled. Limits requests reach the strategy."""
+the worker exits 0 with status cancelled; a stop request then draws the final samples, a SIGTERM
+does not (and ends them while they are drawn). Limits requests reach the strategy."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from contract.control import ControlDir
 from worker.control import Interrupted, StopFlag
 
 LONG = {"max_steps": 100000, "checkpoint_every": None}
+SAMPLES = {"samples": {"prompts": ["a handwritten digit three"], "steps": 2}}
 
 
 def _wait_for(run_dir, proc, run_io, source, kind, timeout=120.0):
@@ -47,7 +49,7 @@ def _finish(proc, run_dir, run_io):
 
 def test_stop_request_saves_the_lora_and_exits_cancelled(cache_env, make_preset, tmp_path, run_io):
     run_dir = tmp_path / "stopped"
-    proc = run_io.start_worker(make_preset(**LONG), run_dir, cache_env)
+    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
     _wait_for(run_dir, proc, run_io, "trainer", "step")
     _request(run_dir, 1, "lim1", {"command": "limits", "limits": {"prefetch_window_blocks": 2}})
     _request(run_dir, 2, "bad", {"command": "limits", "limits": {"no_such_limit": 1}})
@@ -63,52 +65,28 @@ def test_stop_request_saves_the_lora_and_exits_cancelled(cache_env, make_preset,
     assert applied[0]["changed"] == {"prefetch_window_blocks": [1, 2]}  # tiny-ci has 1
     assert [r["request_id"] for r in rejected] == ["bad"]
     assert "no_such_limit" in rejected[0]["message"]
+    # The model it trained is drawn (before: the step-0 samples only), after the LoRA is saved:
+    # a kill during the samples loses no step.
+    paths = [r["path"] for r in run_io.of(recs, "trainer", "sample")]
+    assert paths == ["samples/step-000000-00.png", "samples/sample-00.png"]
+    final = run_dir / "samples" / "sample-00.png"
+    assert (run_dir / last["lora_path"]).stat().st_mtime <= final.stat().st_mtime
+    assert all(r["event"] != "final_samples_skipped" for r in run_io.of(recs, "trainer", "event"))
 
 
 def test_sigterm_saves_the_lora_and_exits_cancelled(cache_env, make_preset, tmp_path, run_io):
     run_dir = tmp_path / "terminated"
-    proc = run_io.start_worker(make_preset(**LONG), run_dir, cache_env)
+    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
     _wait_for(run_dir, proc, run_io, "trainer", "step")
     proc.send_signal(signal.SIGTERM)
     recs, last = _finish(proc, run_dir, run_io)
     assert last["stop_reason"] == "sigterm"
     steps = run_io.of(recs, "trainer", "step")
     assert steps[-1]["step"] == last["steps_done"]  # the step in flight finished
-
-
-SAMPLES = {"samples": {"prompts": ["a handwritten digit three"], "steps": 2}}
-
-
-def test_a_stopped_run_draws_its_final_samples_after_saving_its_lora(
-    cache_env, make_preset, tmp_path, run_io
-):
-    run_dir = tmp_path / "stopped-samples"
-    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
-    _wait_for(run_dir, proc, run_io, "trainer", "step")
-    _request(run_dir, 1, "stop1", {"command": "stop"})
-    recs, last = _finish(proc, run_dir, run_io)
-    assert last["stop_reason"] == "stop"
-    # Before: only the step-0 samples; the model it trained was never drawn.
+    # SIGTERM means now (the server's escalation, the machine going down): no final samples.
     paths = [r["path"] for r in run_io.of(recs, "trainer", "sample")]
-    assert paths == ["samples/step-000000-00.png", "samples/sample-00.png"]
-    assert (run_dir / "samples" / "sample-00.png").stat().st_size > 0
-    # The LoRA was on disk before the samples were drawn: a kill during them loses no step.
-    lora = run_dir / last["lora_path"]
-    assert lora.stat().st_mtime <= (run_dir / "samples" / "sample-00.png").stat().st_mtime
-    skipped = [r for r in run_io.of(recs, "trainer", "event") if r["event"].startswith("final")]
-    assert skipped == []
-
-
-def test_a_run_stopped_by_sigterm_draws_no_final_samples(cache_env, make_preset, tmp_path, run_io):
-    run_dir = tmp_path / "terminated-samples"
-    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
-    _wait_for(run_dir, proc, run_io, "trainer", "step")
-    proc.send_signal(signal.SIGTERM)
-    recs, last = _finish(proc, run_dir, run_io)
-    assert [r["path"] for r in run_io.of(recs, "trainer", "sample")] == [
-        "samples/step-000000-00.png"
-    ]
-    events = [r for r in run_io.of(recs, "trainer", "event") if r["event"].startswith("final")]
+    assert paths == ["samples/step-000000-00.png"]
+    events = [r for r in run_io.of(recs, "trainer", "event") if r["event"] != "control_rejected"]
     assert [(e["event"], e["message"]) for e in events] == [
         ("final_samples_skipped", "the run was stopped by SIGTERM")
     ]
