@@ -65,7 +65,7 @@ async def lifespan(app: FastAPI):
 
     executor = app.state.executor or make_executor(settings)
     pending = settings.data_dir / "calibration-queue.json" if settings.calibrate else None
-    calibrator = Calibrator(store, pending=pending)
+    calibrator = Calibrator(store, pending=pending, enabled=settings.calibrate)
     finished = calibrator.submit if settings.calibrate else None
     probe = app.state.probe or SystemProbe(executor)
     probe.start()
@@ -80,6 +80,7 @@ async def lifespan(app: FastAPI):
     )
     app.state.store, app.state.hub, app.state.tailer = store, hub, tailer
     app.state.supervisor, app.state.probe = supervisor, probe
+    app.state.calibrator = calibrator
     app.state.assets = assets = AssetBuild(settings.asset_cache)
     if settings.demo_assets:
         assets.start()

@@ -6,7 +6,10 @@ The plan is made when the run has finished, on the ``Calibrator``'s own thread, 
 starts: a plan is a function of the config and the profile only, so the start config planned at
 the end is the same prediction, and no launch waits for a plan (the first plan on ``cpu``
 measures this machine for seconds) nor does a run that fails cost one. A run whose limits were
-changed while it ran is not calibrated: its peak and step time mix two configs. Plans take the
+changed while it ran is not calibrated: its peak and step time mix two configs (the worker's
+resolution of ``"auto"`` limits is no such change: it is the config, as the planner resolves it
+too). Why a run has no calibration is answered (``Calibrator.why_not``), never left a bare 404.
+Plans take the
 median of the newest runs' ratios within bounds (``calibration_for``; NOTE [ Ratios the model
 can be off by ] in workbench/plan/feedback.py), so one disturbed run does not scale them all.
 """
@@ -36,6 +39,37 @@ def calibration_for(store: Store, device: str, family: str) -> dict | None:
     return combine(store.calibrations_of(device, family, RUNS))
 
 
+AUTO_REQUEST = "auto"
+"""The ``request_id`` of the ``strategy/limits_applied`` records in which the worker resolves
+``"auto"`` limits (at build, and again after the trace step: ``stagehand/strategy/composed.py``)."""
+
+PENDING, NOT_CALIBRATED = "calibration_pending", "not_calibrated"
+"""Codes of the 404 of a run without a calibration: one is being computed (ask again), or
+there will be none (the message says why)."""
+
+
+def skip_reason(store: Store, run: dict) -> str | None:
+    """Why ``run`` (a store row) gets no calibration, from its row and records alone (no plan):
+    it did not succeed, its device has no profile, or a user changed its limits while it ran.
+    None: it can be calibrated."""
+    from workbench.plan.feedback import profile_name
+
+    if run["status"] != "succeeded":
+        return f"only succeeded runs are calibrated; this one {run['status']}"
+    started = store.last_record(run["id"], *RUN_STARTED) or {}
+    if profile_name(started.get("device"), started.get("device_name")) is None:
+        device = started.get("device_name") or started.get("device") or "unknown"
+        return f"its device ({device}) has no plan profile to calibrate"
+    for _, line in store.telemetry_lines(run["id"], -1, 10_000, *LIMITS_APPLIED):
+        rec = json.loads(line)
+        if rec.get("changed") and rec.get("request_id") != AUTO_REQUEST:
+            return (
+                f"its limits were changed while it ran (step {rec.get('step')}): its peak and "
+                "step time mix two configs"
+            )
+    return None
+
+
 ProfileOf = Callable[[str], Any]
 """Device profile name -> ``workbench.plan.DeviceProfile`` (tests give a fixed one for cpu)."""
 
@@ -54,15 +88,23 @@ class Calibrator:
     server stops (or is killed) is done by the next one (``start`` submits them again)."""
 
     def __init__(
-        self, store: Store, profile_of: ProfileOf = _profile, pending: Path | None = None
+        self,
+        store: Store,
+        profile_of: ProfileOf = _profile,
+        pending: Path | None = None,
+        enabled: bool = True,
     ) -> None:
         self.store = store
+        self.enabled = enabled
+        """Whether the server submits its finished runs (``Settings.calibrate``)."""
         self.profile_of = profile_of
         self.pending_path = pending
         self._pending: list[int] = self._read_pending()
         self._lock = threading.Lock()
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self.skipped: dict[int, str] = {}
+        """Run id -> why its calibration was not stored, for the runs this server tried."""
 
     def _read_pending(self) -> list[int]:
         if self.pending_path is None or not self.pending_path.is_file():
@@ -104,12 +146,29 @@ class Calibrator:
         while (run_id := self._queue.get()) is not None:
             try:
                 self.calibrate(run_id)
-            except Exception:
+            except Exception as exc:
                 log.exception("run %d: calibration failed", run_id)
+                self.skipped[run_id] = f"its calibration failed: {type(exc).__name__}: {exc}"
             with self._lock:  # done, stored or not: a failure is not retried forever
                 if run_id in self._pending:
                     self._pending.remove(run_id)
                     self._write_pending()
+
+    def why_not(self, run_id: int) -> tuple[str, str] | None:
+        """``(code, message)`` of a run without a calibration: ``PENDING`` while it is queued or
+        being computed, else ``NOT_CALIBRATED`` and why; None when the run is gone."""
+        run = self.store.get_run(run_id)
+        if run is None:
+            return None
+        reason = skip_reason(self.store, run)
+        if reason is None:
+            with self._lock:
+                if run_id in self._pending:
+                    return PENDING, f"run {run_id} is being calibrated: ask again"
+            reason = self.skipped.get(run_id)
+        if reason is None and not self.enabled:
+            reason = "calibration is off on this server (STAGEHAND_WORKBENCH_CALIBRATE=0)"
+        return NOT_CALIBRATED, f"run {run_id} has no calibration: {reason or 'none was stored'}"
 
     def calibrate(self, run_id: int) -> dict | None:
         """Plan the run's config on its device, store the calibration and return it; None
@@ -126,22 +185,21 @@ class Calibrator:
 
         store = self.store
         run = store.get_run(run_id)
-        if run is None or run["status"] != "succeeded":
+        if run is None:
+            return None
+        reason = skip_reason(store, run)
+        if reason is not None:
+            log.info("run %d: not calibrated: %s", run_id, reason)
+            self.skipped[run_id] = reason
             return None
         started = store.last_record(run_id, *RUN_STARTED) or {}
         device = profile_name(started.get("device"), started.get("device_name"))
-        if device is None:
-            log.info("run %d: no device profile for %r: not calibrated", run_id, started)
-            return None
-        for _, line in store.telemetry_lines(run_id, -1, 10_000, *LIMITS_APPLIED):
-            if json.loads(line).get("changed"):
-                log.info("run %d: limits changed while it ran: not calibrated", run_id)
-                return None
         summary = run["summary"] or store.summary(run_id)
         try:
             plan = plan_preset(run["config"], self.profile_of(device), name=run["name"]).to_dict()
         except (PlanInputError, ValueError, TypeError, KeyError) as exc:
             log.info("run %d: its config cannot be planned (%s): not calibrated", run_id, exc)
+            self.skipped[run_id] = f"its config cannot be planned: {exc}"
             return None
         predicted = predicted_figures(plan, summary.get("steps_done"))
         measured = measured_figures(

@@ -27,7 +27,7 @@ from stagehand.common.attention import apply_attention_backend
 from stagehand.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
 from workbench.preset import load_preset, validate_preset
 from worker import loop, records
-from worker.control import StopFlag
+from worker.control import Interrupted, StopFlag
 from worker.families import family
 from worker.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
 from worker.pipelines import PipelineFamily
@@ -39,6 +39,11 @@ from worker.stage1 import build_cache, resolve_frames, scan_data
 
 FLUSH_INTERVAL_S = 0.25
 """The worker's telemetry reaches its JSONL file at most this long after a record (seconds)."""
+
+STOP_SAMPLES_S = 20.0
+"""A run stopped mid-training draws its final samples when its last samples took at most this
+long (seconds): the server sends SIGTERM ``stop_grace_s`` (30 s by default) after a stop request,
+and a SIGTERM during the samples ends them (``StopFlag.interruptible``; the LoRA is saved first)."""
 
 
 class Run:
@@ -62,6 +67,8 @@ class Run:
         self.steps_done = 0
         self.start_step = 0
         self.lora_path: Path | None = None
+        self.saved_step: int | None = None  # the step the LoRA at lora_path was saved after
+        self.sample_s: float | None = None  # seconds the last samples took to draw
 
     # -- control ------------------------------------------------------------------------------
     def poll_control(self) -> str | None:
@@ -130,6 +137,7 @@ class Run:
         state = self.stage2(preset, model_dir, cached)
         timings = {"cache_s": cache_s, "train_s": time.perf_counter() - t1}
         if state.stopped:
+            self.stopped_samples(preset, vae_dir, cached)
             return self.finish(RunStatus.CANCELLED, timings)
         if preset.samples.prompts:
             self.samples(preset, vae_dir, cached)
@@ -198,7 +206,9 @@ class Run:
         self.stage("train", self.start_step, preset.max_steps, message)
 
         def draw_samples(step: int) -> None:
+            t0 = time.perf_counter()
             self.sampler().during_training(model, self.strategy, preset, data, self.vae_dir, step)
+            self.sample_s = time.perf_counter() - t0
 
         def on_step(step: int, loss: float, step_s: float) -> None:
             self.steps_done = step
@@ -238,6 +248,30 @@ class Run:
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
         self.sampler().final(self.model, preset, data, vae_dir)
 
+    def stopped_samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
+        """The final samples of a run stopped mid-training, its LoRA saved first. Drawn for a
+        stop request when the last samples took at most ``STOP_SAMPLES_S``; none after a SIGTERM
+        (the server's escalation, or the machine going down), and a SIGTERM while they are drawn
+        ends them. What was not drawn is said in a ``trainer/event`` record
+        (``final_samples_skipped``)."""
+        if not preset.samples.prompts or self.steps_done <= self.start_step:
+            return  # nothing to draw, or nothing trained since the last samples
+        self.save()
+        why = None
+        if self.stop.terminated:
+            why = "the run was stopped by SIGTERM"
+        elif self.sample_s is not None and self.sample_s > STOP_SAMPLES_S:
+            why = f"the last samples took {self.sample_s:.0f} s, over {STOP_SAMPLES_S:.0f} s"
+        if why is None:
+            try:
+                with self.stop.interruptible():
+                    self.samples(preset, vae_dir, data)
+                return
+            except Interrupted:
+                why = "SIGTERM while they were drawn"
+        self.progress.line(f"final samples not drawn: {why}")
+        self.telemetry.emit("trainer", "event", event="final_samples_skipped", message=why)
+
     # -- endings --------------------------------------------------------------------------------
     def close_strategy(self) -> None:
         if self.strategy is not None:
@@ -246,9 +280,11 @@ class Run:
             gc.collect()
 
     def save(self) -> None:
-        """Save the LoRA when at least one step ran (the user's work is never lost)."""
-        if self.model is not None and self.steps_done > 0:
+        """Save the LoRA when at least one step ran (the user's work is never lost), once per
+        step count (a stopped run saves it before its final samples)."""
+        if self.model is not None and self.steps_done > 0 and self.saved_step != self.steps_done:
             self.lora_path = save_lora(self.model, self.family, self.run_dir, self.steps_done)
+            self.saved_step = self.steps_done
 
     def finish(self, status: str, timings: dict[str, float]) -> str:
         self.close_strategy()

@@ -12,6 +12,7 @@ from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 from backend.assets import AssetBuild
+from backend.calibration import Calibrator
 from backend.errors import NotFound
 from backend.hub import Hub
 from backend.limits import effective_limits
@@ -48,12 +49,17 @@ def get_assets(conn: HTTPConnection) -> AssetBuild:
     return conn.app.state.assets
 
 
+def get_calibrator(conn: HTTPConnection) -> Calibrator:
+    return conn.app.state.calibrator
+
+
 StoreDep = Annotated[Store, Depends(get_store)]
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 HubDep = Annotated[Hub, Depends(get_hub)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProbeDep = Annotated[SystemProbe, Depends(get_probe)]
 AssetsDep = Annotated[AssetBuild, Depends(get_assets)]
+CalibratorDep = Annotated[Calibrator, Depends(get_calibrator)]
 
 
 def run_row(store: Store, run_id: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import StoreDep, run_row
+from backend.api.deps import CalibratorDep, StoreDep, run_row
 from backend.calibration import calibration_for
 from backend.errors import Invalid, NotFound
 from backend.models import RunId
@@ -99,14 +99,17 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
 
 
 @router.get("/runs/{run_id}/calibration", responses=errors(404))
-def run_calibration(run_id: RunId, store: StoreDep) -> dict:
+def run_calibration(run_id: RunId, store: StoreDep, calibrator: CalibratorDep) -> dict:
     """A finished run's calibration: ``predicted`` and ``measured`` figures (MB, ms),
     ``ratios`` (measured / predicted), ``plan`` (its peaks, band, step times and VRAM curve of
     one steady step) and ``measured.curve`` (the weight runtime's allocated MB at each block
-    record of the run's last step, ms from the first). 404 while the run has none (running,
-    not succeeded, or limits changed while it ran)."""
+    record of the run's last step, ms from the first). A run without one is a 404 whose code
+    says whether to ask again: ``calibration_pending`` while it is being computed,
+    ``not_calibrated`` when there will be none, the message saying why (not succeeded, no plan
+    profile for its device, limits changed while it ran, its plan failed, calibration off)."""
     run_row(store, run_id)
     found = store.get_calibration(run_id)
-    if found is None:
-        raise NotFound(f"run {run_id} has no calibration (yet)", field="id")
-    return found
+    if found is not None:
+        return found
+    code, message = calibrator.why_not(run_id) or ("not_found", f"no run with id {run_id}")
+    raise NotFound(message, field="id", code=code)

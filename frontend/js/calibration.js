@@ -14,12 +14,19 @@ const ROWS = [
   ["host_ram_mb", "host RAM peak", fmtMB],
   ["pinned_mb", "pinned", fmtMB],
 ];
+// On CPU nothing is pinned: the worker's "pinned" is the pools' sizes, and the plan's host RAM
+// counts them at their full size, while the run's RSS is what it used.
+const CPU_LABELS = {
+  host_ram_mb: "host RAM peak (predicted: a budget, the pools at their full size; measured: RSS)",
+  pinned_mb: "pinned (the pools' sizes: budgets on CPU, nothing is pinned)",
+};
 
 function table(cal) {
+  const label = (key, text) => (cal.device === "cpu" && CPU_LABELS[key]) || text;
   return h("table", { class: "scan-table", id: "calibration-table" },
     h("thead", {}, h("tr", {}, h("th", {}, "figure"), h("th", {}, "predicted"), h("th", {}, "measured"), h("th", {}, "measured / predicted"))),
-    h("tbody", {}, ROWS.map(([key, label, fmt]) => h("tr", { dataset: { figure: key } },
-      h("td", {}, label), h("td", {}, fmt(cal.predicted[key])), h("td", {}, fmt(cal.measured[key])),
+    h("tbody", {}, ROWS.map(([key, text, fmt]) => h("tr", { dataset: { figure: key } },
+      h("td", {}, label(key, text)), h("td", {}, fmt(cal.predicted[key])), h("td", {}, fmt(cal.measured[key])),
       h("td", {}, cal.ratios[key] != null ? `×${cal.ratios[key].toFixed(3)}` : "–")))));
 }
 

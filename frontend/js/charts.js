@@ -8,44 +8,25 @@
 // drawn after 100k blocks.
 // What a user sets on a chart lives here too: the x range shown (a user's zoom, else a "last N
 // steps" window, else everything), two charts whose x axes move together, a log y axis, and
-// the chart's data as a CSV download.
+// the chart's data as a CSV download (the controls and the file: chartcontrols.js). The layout and
+// config every figure shares (title band, legend, toolbar) are chartlayout.js's.
 
 /* global Plotly */
 
+import { csvRow } from "./chartcontrols.js";
+import {
+  BASE_LAYOUT, MARGIN_TOP, PLOT_CONFIG, emptyNote, legendFit, markerShapes, plotText, titleFit, wholeTicks,
+} from "./chartlayout.js";
 import { capSeries, minMaxDownsample } from "./downsample.js";
-import { h } from "./ui.js";
 
-export { minMaxDownsample };
-
-/**
- * `text` as Plotly shows it literally. Plotly reads titles, legend names, hover text and
- * shape labels as pseudo-HTML (`<a href>` becomes a link, `<b>` bold) and decodes entities
- * after the tags: escaping &, < and > keeps run names, block names and record fields as text.
- * Every string given to Plotly goes through here (ChartPanel does it for titles, trace names
- * and marker labels).
- */
-export function plotText(text) {
-  return String(text ?? "").replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
-}
+// Figures elsewhere (plan, tune, calibration) take their layout from here too.
+export { BASE_LAYOUT, PLOT_CONFIG, legendFit, minMaxDownsample, plotText };
 
 export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
 // ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
 const DENSE_POINTS = 300;
-
-export const BASE_LAYOUT = {
-  margin: { l: 58, r: 58, t: 36, b: 78 },
-  height: 310,
-  legend: { orientation: "h", x: 0, y: -0.3, yanchor: "top", traceorder: "normal", font: { size: 11 } },
-  font: { family: "system-ui, -apple-system, Segoe UI, sans-serif", size: 12, color: "#1d2733" },
-  paper_bgcolor: "#ffffff",
-  plot_bgcolor: "#ffffff",
-  xaxis: { gridcolor: "#e8ecf1", zeroline: false, automargin: true },
-  yaxis: { gridcolor: "#e8ecf1", zeroline: false, automargin: true, rangemode: "tozero" },
-  hovermode: "x unified",
-  uirevision: "keep", // user zoom survives updates
-};
 
 /** Calls `fn` once the frame holding what was just drawn has been painted. */
 export function afterPaint(fn) {
@@ -54,12 +35,6 @@ export function afterPaint(fn) {
 
 /** The note of an empty chart until something says why it is empty. */
 export const WAITING = "waiting for records…";
-
-// A double-click asks for autorange (ChartPanel then draws its window, or everything), never
-// Plotly's "reset" to whatever range the chart was first drawn with.
-export const PLOT_CONFIG = {
-  responsive: true, displaylogo: false, doubleClick: "autosize", modeBarButtonsToRemove: ["lasso2d", "select2d"],
-};
 
 /** The cheap-to-draw form of a trace once it holds many points. */
 function denseTrace(trace) {
@@ -75,63 +50,15 @@ function denseTrace(trace) {
 }
 
 /**
- * Legend at the bottom of the figure, below the x-axis title, with room for as many rows as
- * a chart `width` px wide needs (a phone wraps 4 traces onto 2-4 rows).
+ * `trace` carried on at its last value to `x`, when that is further right: a limit (a step line)
+ * stays in force after its last record, up to the chart's newest point.
  */
-export function legendFit(width, count) {
-  width = width || 600;
-  const perRow = Math.max(1, Math.floor((width - 30) / 135));
-  const rows = Math.ceil(count / perRow);
-  return {
-    legend: { ...BASE_LAYOUT.legend, yref: "container", y: 0, yanchor: "bottom" },
-    margin: { ...BASE_LAYOUT.margin, b: 56 + rows * 20 },
-    height: 250 + rows * 20,
-  };
-}
-
-export function emptyNote(text) {
-  return {
-    text, xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
-    font: { size: 13, color: "#8592a3" }, name: "empty-note",
-  };
-}
-
-// Markers are shapes with their own label: an annotation in data coordinates would widen the
-// autorange by the width of its text. A marker in the right third of `xRange` ([lo, hi], the
-// data's x extent) puts its label on its left, where it is not cut by the plot's edge.
-export function markerShapes(markers, xRange = null) {
-  const [lo, hi] = xRange || [0, 0];
-  return markers.map((m) => ({
-    type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
-    line: { color: m.color, width: 1.5, dash: m.dash || "dash" },
-    label: {
-      text: plotText(m.label), textangle: 0, textposition: "end",
-      xanchor: hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left",
-      font: { size: 10, color: m.color },
-    },
-  }));
-}
-
-/**
- * One CSV line: numbers as JavaScript writes them (every digit the API sent), text quoted
- * when it holds a comma, a quote or a line break.
- */
-export function csvRow(cells) {
-  return cells.map((v) => {
-    if (v === null || v === undefined || (typeof v === "number" && Number.isNaN(v))) return "";
-    const text = String(v);
-    return /[",\n\r]/.test(text) ? `"${text.replace(/"/g, '""')}"` : text;
-  }).join(",");
-}
-
-/** Saves `text` as the file `filename` through the browser's download. */
-export function download(filename, text, type = "text/csv") {
-  const url = URL.createObjectURL(new Blob([text], { type }));
-  const a = h("a", { href: url, download: filename, hidden: true });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 0);
+function holdTo(trace, x) {
+  const n = trace.x.length;
+  const y = n ? trace.y[n - 1] : null;
+  if (y === null || y === undefined || !(x > trace.x[n - 1])) return trace;
+  const text = Array.isArray(trace.text) ? { text: [...trace.text, ""] } : {};
+  return { ...trace, x: [...trace.x, x], y: [...trace.y, y], ...text };
 }
 
 /**
@@ -154,9 +81,11 @@ export class ChartPanel {
    * @param {number} [opts.width] px; read from `el` when not given (a forced layout per chart)
    * @param {string} [opts.emptyText] note shown while the chart has no data
    * @param {number} [opts.flushMs] delay between a change and its redraw
+   * @param {boolean} [opts.wholeX] x values are whole numbers (steps): ticks on them only
    */
-  constructor(el, { title, legendItems, layout = {}, width, emptyText = WAITING, flushMs = FLUSH_MS }) {
+  constructor(el, { title, legendItems, layout = {}, width, emptyText = WAITING, flushMs = FLUSH_MS, wholeX = false }) {
     this.el = el;
+    this.wholeX = wholeX;
     this.title = title;
     this.emptyText = emptyText;
     this.flushMs = flushMs;
@@ -168,14 +97,18 @@ export class ChartPanel {
     this.xWindow = null; // () => [lo, hi] | null: the "last N steps" window
     this.linked = []; // charts whose x axis follows this one's
     this.listening = false;
+    this.width = width ?? el.clientWidth;
+    const fit = legendFit(this.width, legendItems);
+    // As tall a plot as with the base margin: the title's band is added above it.
+    this.titledHeight = fit.height + MARGIN_TOP - BASE_LAYOUT.margin.t;
     this.layout = {
       ...BASE_LAYOUT,
-      ...legendFit(width ?? el.clientWidth, legendItems),
+      ...fit,
       ...layout,
-      title: { text: plotText(title), font: { size: 14 }, x: 0.01, xanchor: "left" },
       xaxis: { ...BASE_LAYOUT.xaxis, ...(layout.xaxis || {}) },
       yaxis: { ...BASE_LAYOUT.yaxis, ...(layout.yaxis || {}) },
     };
+    this._titled(title);
     if (layout.yaxis2) {
       this.layout.yaxis2 = {
         gridcolor: "#f3f5f8", zeroline: false, overlaying: "y", side: "right", automargin: true, rangemode: "tozero",
@@ -236,6 +169,8 @@ export class ChartPanel {
     const shown = this.shownRange();
     xaxis.autorange = !shown;
     if (shown) xaxis.range = [...shown];
+    const [lo, hi] = shown || this._xRange() || [0, 0];
+    if (this.wholeX) Object.assign(xaxis, { tick0: 0, dtick: wholeTicks(hi - lo, this.el.clientWidth || 600) });
     this.layout = { ...this.layout, xaxis, shapes, annotations: notes, datarevision: this.revision };
     Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
     if (!this.listening && this.el.on) {
@@ -285,8 +220,15 @@ export class ChartPanel {
   setTitle(title) {
     if (title === this.title) return;
     this.title = title;
-    this.layout = { ...this.layout, title: { ...this.layout.title, text: plotText(title) } };
+    this._titled(title);
     this.invalidate();
+  }
+
+  /** The layout's title, top margin and height for `title` (chartlayout.js titleFit). */
+  _titled(title) {
+    const { title: text, extra } = titleFit(title, this.width);
+    const margin = { ...this.layout.margin, t: MARGIN_TOP + extra };
+    this.layout = { ...this.layout, title: text, margin, height: this.titledHeight + extra };
   }
 
   /** Changes the note shown while the chart has no points (e.g. why a source is silent). */
@@ -307,29 +249,14 @@ export class ChartPanel {
   }
 }
 
-/**
- * The controls above a chart: "log y" and "CSV" (the chart's data, downloaded as
- * `filename`), then `extra` elements (e.g. the loss chart's smoothing).
- */
-export function chartTools(chart, filename, ...extra) {
-  const id = chart.el.id;
-  const log = h("input", { type: "checkbox", class: "log-y", id: `${id}-log`, onchange: () => chart.setLogY(log.checked) });
-  return h("div", { class: "chart-tools" },
-    ...extra,
-    h("label", { class: "inline", for: `${id}-log` }, log, "log y"),
-    h("button", { class: "small csv", id: `${id}-csv`, title: "download this chart's data as CSV", onclick: () => {
-      chart.flush();
-      download(filename, chart.csv());
-    } }, "CSV"));
-}
-
 /** A line/bar chart fed point by point (`push`) or whole series at a time (`setSeries`). */
 export class LiveChart extends ChartPanel {
   /**
    * @param {HTMLElement} el
    * @param {object} opts as ChartPanel's, plus:
    * @param {Array<object>} opts.traces Plotly trace specs without x/y; `text: []` keeps a hover
-   *   text per point (`push`'s `text`)
+   *   text per point (`push`'s `text`); `holdToEnd: true` draws the trace's last value on to the
+   *   newest x of the chart (a limit in force), a point that is drawn only, not kept
    * @param {number} [opts.cap] most points per trace before compression
    * @param {string} [opts.xName] the x column's name in the CSV (the x axis title otherwise)
    */
@@ -340,7 +267,8 @@ export class LiveChart extends ChartPanel {
     this.hasPoints = false;
     this.xName = xName || opts.layout?.xaxis?.title?.text || "x";
     this.names = traces.map((t) => t.name);
-    this.data = traces.map((t) => ({ type: "scatter", mode: "lines", ...t, name: plotText(t.name), x: [], y: [] }));
+    this.held = new Set(traces.flatMap((t, i) => (t.holdToEnd ? [i] : [])));
+    this.data = traces.map(({ holdToEnd, ...t }) => ({ type: "scatter", mode: "lines", ...t, name: plotText(t.name), x: [], y: [] }));
   }
 
   get empty() {
@@ -349,7 +277,9 @@ export class LiveChart extends ChartPanel {
 
   _traces() {
     if (this.data.some((t) => t.x.length > DENSE_POINTS)) this.data = this.data.map(denseTrace);
-    return this.data;
+    if (!this.held.size) return this.data;
+    const end = this._xRange()?.[1];
+    return this.data.map((t, i) => (this.held.has(i) && end !== undefined ? holdTo(t, end) : t));
   }
 
   _xRange() {
@@ -374,6 +304,12 @@ export class LiveChart extends ChartPanel {
   setName(index, name) {
     this.names[index] = name;
     this.data[index] = { ...this.data[index], name: plotText(name) };
+    this.invalidate();
+  }
+
+  /** Merges `props` (Plotly trace attributes: line, marker...) into trace `index`. */
+  restyle(index, props) {
+    this.data[index] = { ...this.data[index], ...props };
     this.invalidate();
   }
 

@@ -65,6 +65,19 @@ function quantError(plan) {
     `: ${q.quantized_layers} layers, relative RMS error mean ${pct(q.rel_rms_mean)}, worst ${pct(q.rel_rms_max)} (${q.worst_layer})${stored}`);
 }
 
+/**
+ * The plan's host memory. On a tracked (CPU) device it is a budget: the plan counts the pools and
+ * the host cache at their full size, while a CPU run pins nothing and fills its weight pool only
+ * as blocks use it (a run's RSS is far below).
+ */
+function hostText(host, tracked) {
+  const spilled = `spilled ${mb(host.spilled_activation_bytes)} per step`;
+  const cache = mb(host.host_cache_bytes ?? 0);
+  if (!tracked) return `host RAM peak ${mb(host.ram_peak_bytes)} (pinned ${mb(host.pinned_bytes)}, of it host cache ${cache}), ${spilled}`;
+  return `host RAM budget ${mb(host.ram_peak_bytes)} (the worker with its pools and host cache at their full size:`
+    + ` ${mb(host.pinned_bytes)}, of it host cache ${cache}); on CPU nothing is pinned and the pools fill as blocks use them; ${spilled}`;
+}
+
 /** The plan's numbers as a few lines. */
 function summary(plan) {
   const ms = plan.step_ms;
@@ -80,7 +93,7 @@ function summary(plan) {
     h("ul", {},
       h("li", { id: "plan-peak" }, `peak VRAM ${mb(plan.peak_bytes.steady)} steady, ${mb(plan.peak_bytes.trace_step)} trace step${cap}`),
       h("li", {}, `steady band ${mb(low)} – ${mb(high)}`),
-      h("li", { id: "plan-host" }, `host RAM peak ${mb(plan.host.ram_peak_bytes)} (pinned ${mb(plan.host.pinned_bytes)}, of it host cache ${mb(plan.host.host_cache_bytes ?? 0)}), spilled ${mb(plan.host.spilled_activation_bytes)} per step`),
+      h("li", { id: "plan-host" }, hostText(plan.host, plan.vram_source === "tracked")),
       h("li", { id: "plan-step" }, `step ${ms.total.toFixed(1)} ms = compute ${ms.compute.toFixed(1)} + exposed H2D ${ms.exposed_h2d.toFixed(1)} (stalls ${ms.stall.toFixed(1)})`),
       h("li", { id: "plan-profile", title: plan.device.source }, profileText(plan.device)),
       ...transfers(plan),

@@ -1,6 +1,7 @@
 // Block residency chart: which blocks are on the device over time (stagehand/block records).
 
-import { ChartPanel, FLUSH_MS, csvRow, plotText } from "./charts.js";
+import { csvRow } from "./chartcontrols.js";
+import { ChartPanel, FLUSH_MS, plotText } from "./charts.js";
 
 /**
  * Block residency over time: a heatmap of blocks (rows) x time (columns), 0 = off the device,

@@ -2,42 +2,23 @@
 //
 // Time-based charts (VRAM at block resolution, block residency) use seconds since the run's
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
-// becomes a marker on every chart, at its time or its step; a limits request the worker
-// refused (`trainer/event` `control_rejected`) one of another colour. A resumed run's
+// becomes a marker on every chart, at its time or its step (the resolution of "auto" limits at
+// build is none: runwatermarks.js names their figures); a limits request the worker refused
+// (`trainer/event` `control_rejected`) one of another colour. A resumed run's
 // `trainer/resumed` record drops from the step charts what the discarded run drew past the
 // checkpoint's step: the resumed worker trains those steps again, and each is drawn once.
 // A "last N steps" window shows the same steps on every chart: the step charts from step
 // last-N+1, the time charts from the time step last-N ended (its `trainer/step` record); the
 // two time charts (VRAM, residency) zoom and pan together. What each chart draws (traces,
-// colours, axes) is runchartspecs.js's.
+// colours, axes) is runchartspecs.js's; the watermark lines runwatermarks.js's.
 
-import { WAITING, afterPaint, chartTools, plotText } from "./charts.js";
+import { chartTools } from "./chartcontrols.js";
+import { WAITING, afterPaint, plotText } from "./charts.js";
 import { CHART_IDS, EMA, buildRunCharts } from "./runchartspecs.js";
+import { SHORT, WatermarkLines, drawnWatermark } from "./runwatermarks.js";
 import { h } from "./ui.js";
 
-export { CHART_IDS };
-
-// Short names of LiveLimits fields for chart markers (the limits panel logs the full ones).
-const SHORT = {
-  vram_high_watermark_mb: "high",
-  vram_low_watermark_mb: "low",
-  activation_vram_high_watermark_mb: "spill high",
-  activation_vram_low_watermark_mb: "spill low",
-  prefetch_window_blocks: "window",
-  max_inflight_transfers: "in-flight",
-  max_inflight_d2h: "D2H",
-  max_inflight_h2d: "H2D",
-};
-
-// Markers: limits the worker applied, and requests it refused.
-// "auto" watermarks on a tracked (CPU) device without a cap: no limit, written as this many MB
-// (stagehand/strategy/auto.py, NO_BUDGET_MB). Not drawn: it would scale the VRAM chart to 1e9 MB.
-const NO_LIMIT_MB = 1e9;
-
-/** A watermark as the VRAM chart draws it: null (a gap) for "no limit". */
-export function drawnWatermark(mb) {
-  return mb >= NO_LIMIT_MB ? null : mb;
-}
+export { CHART_IDS, drawnWatermark };
 
 const APPLIED = { color: "#b4235a", dash: "dash" };
 const REFUSED = { color: "#d9480f", dash: "dot" };
@@ -74,6 +55,7 @@ export class RunCharts {
     this.lastStep = null;
     this.windowSteps = null;
     this.charts = buildRunCharts(divs, width);
+    this.watermarks = new WatermarkLines(this.charts, config || {});
     this.charts.vram.link(this.charts.residency);
     this._explainSilence(config || {});
     this._tools(panels, filePrefix);
@@ -159,6 +141,19 @@ export class RunCharts {
     return Math.round((rec.time - this.t0) * 1000) / 1000;
   }
 
+  /**
+   * A run without CUDA: nothing is page-locked and the weight pool fills only as blocks use it,
+   * so the worker's "pinned" figure (the pools' and host cache's sizes) and the pool's total are
+   * budgets, drawn dotted as limits are, beside the measured RSS and pool use.
+   */
+  _hostBudgets() {
+    const host = this.charts.host;
+    host.setName(1, "pools (budget)");
+    host.restyle(1, { line: { ...host.data[1].line, dash: "dot", width: 1.5 } });
+    host.setName(3, "pool size (budget)");
+    host.setTitle("Host memory (MB; on CPU the pools are budgets, not pinned)");
+  }
+
   _setSource(source) {
     if (!source || source === this.vramSource) return;
     this.vramSource = source;
@@ -185,6 +180,7 @@ export class RunCharts {
     switch (key) {
       case "trainer/run_started":
         this._setSource(rec.vram_source);
+        if (rec.device === "cpu" || rec.vram_source === "tracked") this._hostBudgets();
         break;
       case "stagehand/block":
         if (rec.residencyOnly) {
@@ -202,8 +198,7 @@ export class RunCharts {
       case "stagehand/step":
         this.stagehandSteps += 1;
         this._setSource(rec.vram_source);
-        if (rec.vram_high_watermark_mb !== undefined) c.vram.push(2, t, drawnWatermark(rec.vram_high_watermark_mb));
-        if (rec.vram_low_watermark_mb !== undefined) c.vram.push(3, t, drawnWatermark(rec.vram_low_watermark_mb));
+        this.watermarks.step(t, rec);
         if (this.blockRecords === 0) this._vramPoint(t, rec, `<br>step ${step}`);
         if (rec.h2d_bytes !== undefined) c.transfers.push(0, step, rec.h2d_bytes / 1e9);
         c.transfers.push(1, step, rec.blocks_loaded);
@@ -284,6 +279,7 @@ export class RunCharts {
     const alloc = [];
     const reserved = [];
     const text = [];
+    this.watermarks.start(this._t(buckets[0]));
     buckets.forEach((b, i) => {
       const t = this._t(b);
       const next = buckets[i + 1] ? this._t(buckets[i + 1]) : t;
@@ -303,6 +299,7 @@ export class RunCharts {
    * its reserved figure is the allocated one, and drawing it would only hide that line.
    */
   _vramPoint(t, rec, text) {
+    this.watermarks.start(t);
     if (rec.vram_allocated_mb !== undefined) this.charts.vram.push(0, t, rec.vram_allocated_mb, text);
     if (rec.vram_reserved_mb !== undefined && rec.vram_source !== "tracked") {
       this.charts.vram.push(1, t, rec.vram_reserved_mb, text);
@@ -329,13 +326,17 @@ export class RunCharts {
 
   /** Vertical marker on every chart where limits took effect. */
   markLimits(t, step, rec) {
+    if (rec.request_id === "auto") {
+      const label = this.watermarks.resolved(t, rec);
+      if (label) this._mark(t, step, label, APPLIED);
+      return;
+    }
     const changed = Object.entries(rec.changed || {})
       .map(([field, [, now]]) => `${SHORT[field] || field}=${drawnWatermark(now) ?? "no limit"}`)
       .join(", ");
     this._mark(t, step, `limits: ${changed || "no change"}`, APPLIED);
     const wm = rec.changed || {};
-    if (wm.vram_high_watermark_mb) this.charts.vram.push(2, t, drawnWatermark(wm.vram_high_watermark_mb[1]));
-    if (wm.vram_low_watermark_mb) this.charts.vram.push(3, t, drawnWatermark(wm.vram_low_watermark_mb[1]));
+    this.watermarks.draw(t, wm.vram_high_watermark_mb?.[1], wm.vram_low_watermark_mb?.[1]);
   }
 
   /** Marker where the worker refused a request (before any step: on the time charts only). */

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from backend.api.deps import get_calibrator
 from backend.calibration import Calibrator
 from backend.plan_cli import main as plan_main
 from backend.store import Store
@@ -28,12 +29,30 @@ STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
 step, 41.6 MB pinned (ratios within workbench.plan.feedback.RATIO_BOUNDS)."""
 
 
-def _record_run(store: Store, config: dict, started: dict, limits_changed: bool = False) -> int:
+AUTO = {  # what the strategy writes when it resolves "auto" watermarks at build
+    "request_id": "auto",
+    "changed": {
+        "vram_high_watermark_mb": ["auto", 20480.0],
+        "vram_low_watermark_mb": ["auto", 16384.0],
+    },
+}
+
+
+def _record_run(
+    store: Store,
+    config: dict,
+    started: dict,
+    limits_changed: bool = False,
+    status: str = "succeeded",
+    auto: bool = False,
+) -> int:
     run_id = store.create_run("r", "tiny-ci", config, "default")
     records = [
         ("trainer", "run_started", None, {"max_steps": len(STEPS), **started}),
         ("trainer", "stage", None, {"stage": "train", "done": 0, "total": len(STEPS)}),
     ]
+    if auto:
+        records.append(("strategy", "limits_applied", 0, AUTO))
     for step, (peak, ms, rss, pinned) in enumerate(STEPS, 1):
         for i, (event, mb) in enumerate([("load", 1.0), ("enter", 1.0), ("evict", 0.5)]):
             mb += step
@@ -45,14 +64,14 @@ def _record_run(store: Store, config: dict, started: dict, limits_changed: bool 
         if limits_changed and step == 2:
             change = {"changed": {"prefetch_window_blocks": [1, 2]}}
             records.append(("strategy", "limits_applied", step, change))
-    records.append(("trainer", "run_finished", len(STEPS), {"status": "succeeded"}))
+    records.append(("trainer", "run_finished", len(STEPS), {"status": status}))
     rows = []
     for seq, (source, kind, step, fields) in enumerate(records):
         rec = {"seq": seq, "time": 100.0 + seq * 0.01, "source": source, "kind": kind}
         rec.update(step=step, phase=None, **fields)
         rows.append((seq, rec["time"], source, kind, step, None, json.dumps(rec)))
     store.ingest(run_id, rows, 1000)
-    store.update_run(run_id, status="succeeded", summary=store.summary(run_id))
+    store.update_run(run_id, status=status, summary=store.summary(run_id))
     return run_id
 
 
@@ -124,6 +143,66 @@ def test_no_calibration_when_limits_changed_or_no_profile(store, client):
         res = client.get(f"/api/runs/{run_id}/calibration")
         assert res.status_code == 404 and res.json()["error"]["field"] == "id"
     assert store.calibrations_of("rtx4090", "flux", 5) == []
+
+
+def test_the_resolution_of_auto_limits_is_not_a_change_of_limits(store, client):
+    # Every run of a preset with "auto" watermarks (the Qwen-Image and Wan ones) wrote this
+    # record at build and was refused as "limits changed while it ran": its page got 404s.
+    _, config = load_preset("tiny-ci")
+    run_id = _record_run(store, config, GPU, auto=True)
+    cal = Calibrator(store).calibrate(run_id)
+    assert cal is not None and cal["device"] == "rtx4090"
+    assert client.get(f"/api/runs/{run_id}/calibration").json() == cal
+
+
+def test_a_run_without_calibration_says_why_and_whether_to_ask_again(store, client):
+    _, config = load_preset("tiny-ci")
+    calibrator = client.app.state.calibrator  # this server's: calibration is off in the tests
+
+    def answer(run_id: int) -> tuple[int, str, str]:
+        res = client.get(f"/api/runs/{run_id}/calibration")
+        error = res.json()["error"]
+        assert error["field"] == "id"
+        return res.status_code, error["code"], error["message"]
+
+    changed = _record_run(store, config, GPU, limits_changed=True)
+    assert answer(changed) == (
+        404,
+        "not_calibrated",
+        f"run {changed} has no calibration: its limits were changed while it ran (step 2): "
+        "its peak and step time mix two configs",
+    )
+    t4 = _record_run(store, config, {"device": "cuda:0", "device_name": "Tesla T4"})
+    assert answer(t4)[2] == (
+        f"run {t4} has no calibration: its device (Tesla T4) has no plan profile to calibrate"
+    )
+    cancelled = _record_run(store, config, GPU, status="cancelled")
+    assert answer(cancelled)[2] == (
+        f"run {cancelled} has no calibration: only succeeded runs are calibrated; this one "
+        "cancelled"
+    )
+    pending = _record_run(store, config, GPU)
+    assert answer(pending)[2] == (
+        f"run {pending} has no calibration: calibration is off on this server "
+        "(STAGEHAND_WORKBENCH_CALIBRATE=0)"
+    )
+    # Queued on a calibrator whose thread has not taken it yet: being computed.
+    idle = Calibrator(store)
+    client.app.dependency_overrides[get_calibrator] = lambda: idle
+    idle.submit(pending)
+    assert answer(pending) == (
+        404,
+        "calibration_pending",
+        f"run {pending} is being calibrated: ask again",
+    )
+    client.app.dependency_overrides.clear()
+    bad = _record_run(store, {**config, "max_steps": 0}, GPU)
+    assert Calibrator(store).calibrate(bad) is None
+    calibrator.calibrate(bad)
+    code, message = answer(bad)[1:]
+    assert code == "not_calibrated"
+    assert message.startswith(f"run {bad} has no calibration: its config cannot be planned: ")
+    assert "max_steps" in message
 
 
 def test_plans_take_the_median_of_recent_runs_and_refuse_what_no_model_error_explains(

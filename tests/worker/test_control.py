@@ -1,5 +1,6 @@
 """Stop through the control folder and through SIGTERM: the step finishes, the LoRA is saved,
-the worker exits 0 with status cancelled. Limits requests reach the strategy."""
+the worker exits 0 with status cancelled; a stop request then draws the final samples, a SIGTERM
+does not (and ends them while they are drawn). Limits requests reach the strategy."""
 
 import json
 import os
@@ -9,9 +10,10 @@ import time
 import pytest
 
 from contract.control import ControlDir
-from worker.control import StopFlag
+from worker.control import Interrupted, StopFlag
 
 LONG = {"max_steps": 100000, "checkpoint_every": None}
+SAMPLES = {"samples": {"prompts": ["a handwritten digit three"], "steps": 2}}
 
 
 def _wait_for(run_dir, proc, run_io, source, kind, timeout=120.0):
@@ -47,7 +49,7 @@ def _finish(proc, run_dir, run_io):
 
 def test_stop_request_saves_the_lora_and_exits_cancelled(cache_env, make_preset, tmp_path, run_io):
     run_dir = tmp_path / "stopped"
-    proc = run_io.start_worker(make_preset(**LONG), run_dir, cache_env)
+    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
     _wait_for(run_dir, proc, run_io, "trainer", "step")
     _request(run_dir, 1, "lim1", {"command": "limits", "limits": {"prefetch_window_blocks": 2}})
     _request(run_dir, 2, "bad", {"command": "limits", "limits": {"no_such_limit": 1}})
@@ -63,17 +65,49 @@ def test_stop_request_saves_the_lora_and_exits_cancelled(cache_env, make_preset,
     assert applied[0]["changed"] == {"prefetch_window_blocks": [1, 2]}  # tiny-ci has 1
     assert [r["request_id"] for r in rejected] == ["bad"]
     assert "no_such_limit" in rejected[0]["message"]
+    # The model it trained is drawn (before: the step-0 samples only), after the LoRA is saved:
+    # a kill during the samples loses no step.
+    paths = [r["path"] for r in run_io.of(recs, "trainer", "sample")]
+    assert paths == ["samples/step-000000-00.png", "samples/sample-00.png"]
+    final = run_dir / "samples" / "sample-00.png"
+    assert (run_dir / last["lora_path"]).stat().st_mtime <= final.stat().st_mtime
+    assert all(r["event"] != "final_samples_skipped" for r in run_io.of(recs, "trainer", "event"))
 
 
 def test_sigterm_saves_the_lora_and_exits_cancelled(cache_env, make_preset, tmp_path, run_io):
     run_dir = tmp_path / "terminated"
-    proc = run_io.start_worker(make_preset(**LONG), run_dir, cache_env)
+    proc = run_io.start_worker(make_preset(**LONG, **SAMPLES), run_dir, cache_env)
     _wait_for(run_dir, proc, run_io, "trainer", "step")
     proc.send_signal(signal.SIGTERM)
     recs, last = _finish(proc, run_dir, run_io)
     assert last["stop_reason"] == "sigterm"
     steps = run_io.of(recs, "trainer", "step")
     assert steps[-1]["step"] == last["steps_done"]  # the step in flight finished
+    # SIGTERM means now (the server's escalation, the machine going down): no final samples.
+    paths = [r["path"] for r in run_io.of(recs, "trainer", "sample")]
+    assert paths == ["samples/step-000000-00.png"]
+    events = [r for r in run_io.of(recs, "trainer", "event") if r["event"] != "control_rejected"]
+    assert [(e["event"], e["message"]) for e in events] == [
+        ("final_samples_skipped", "the run was stopped by SIGTERM")
+    ]
+
+
+def test_sigterm_ends_interruptible_work_and_only_sets_the_flag_elsewhere():
+    flag = StopFlag()
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # outside: the loop sees the flag between steps
+        assert flag() and flag.terminated and flag.reason == "sigterm"
+        reached = False
+        with pytest.raises(Interrupted), flag.interruptible():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecode
+                time.sleep(0.001)
+            reached = True
+        assert not reached
+        os.kill(os.getpid(), signal.SIGTERM)  # the block is over: a flag again, no exception
+    finally:
+        flag.uninstall()
 
 
 def test_control_dir_reads_in_name_order_and_skips_temp_names(tmp_path):

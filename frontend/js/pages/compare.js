@@ -13,11 +13,12 @@ import { fill, fmtBytes, fmtMB, fmtMs, fmtNum, h, showError, statusBadge } from 
 
 const MAX_RUNS = 6;
 
+// `hover`: each figure with its unit and the digits that tell.
 const METRICS = [
-  { id: "vram_peak_mb", chart: "cmp-vram", title: "Peak VRAM per step (MB)", y: "MB", scale: 1 },
-  { id: "step_time_ms", chart: "cmp-step", title: "Step time (ms)", y: "ms", scale: 1 },
-  { id: "loss", chart: "cmp-loss", title: "Loss", y: "loss", scale: 1 },
-  { id: "spill_bytes", chart: "cmp-spill", title: "Activation spill per step (MB)", y: "MB", scale: 1 / 2 ** 20 },
+  { id: "vram_peak_mb", chart: "cmp-vram", title: "Peak VRAM per step (MB)", y: "MB", scale: 1, hover: "%{y:,.1f} MB" },
+  { id: "step_time_ms", chart: "cmp-step", title: "Step time (ms)", y: "ms", scale: 1, hover: "%{y:,.1f} ms" },
+  { id: "loss", chart: "cmp-loss", title: "Loss", y: "loss", scale: 1, hover: "%{y:.4f}" },
+  { id: "spill_bytes", chart: "cmp-spill", title: "Activation spill per step (MB)", y: "MB", scale: 1 / 2 ** 20, hover: "%{y:,.1f} MB" },
 ];
 const PALETTE = ["#1f5fa8", "#e08a1e", "#2e9e5b", "#b4235a", "#6b4fbb", "#17a2b8"];
 
@@ -106,12 +107,10 @@ export function mount(root, { params }) {
       const series = (result.series || {})[metric.id] || {};
       const chart = new LiveChart(div, {
         title: metric.title,
-        traces: runIds.map((id, i) => ({ name: nameOf.get(id), line: { color: PALETTE[i % PALETTE.length], width: 1.5 } })),
+        traces: runIds.map((id, i) => ({ name: nameOf.get(id), line: { color: PALETTE[i % PALETTE.length], width: 1.5 }, hovertemplate: metric.hover })),
         layout: { xaxis: { title: { text: "step" } }, yaxis: { title: { text: metric.y } } },
+        wholeX: true,
       });
-      // Whole steps only: a short run would otherwise get ticks at 1.5, 2.5.
-      const lastStep = Math.max(1, ...runIds.flatMap((id) => (series[id] || []).map((p) => p[0])));
-      if (lastStep < 20) chart.layout.xaxis = { ...chart.layout.xaxis, tick0: 0, dtick: Math.ceil(lastStep / 8) };
       runIds.forEach((id, i) => {
         const points = series[id] || [];
         chart.setSeries(i, points.map((p) => p[0]), points.map((p) => p[1] * metric.scale));

@@ -6,6 +6,14 @@ import { figuresOf, weightsFact } from "../../runfigures.js";
 import { StreamState } from "../../stream.js";
 import { clearErrors, fill, fmtDuration, fmtMB, fmtMs, fmtNum, h, runDuration, showError, statusBadge } from "../../ui.js";
 
+/** What Stop asks before it stops `run` (the API's Run), as Delete asks: what stopping does. */
+function stopQuestion(run) {
+  const name = run.name ? ` "${run.name}"` : "";
+  if (run.status === "queued") return `Cancel run ${run.id}${name}? It has not started: it leaves the queue.`;
+  const samples = run.config?.samples?.prompts?.length ? ", saves its LoRA and draws its final samples" : " and saves its LoRA";
+  return `Stop run ${run.id}${name}? It finishes its current step${samples}.`;
+}
+
 export class RunHeader {
   /**
    * @param {object} view the page's `{run, live}`: the API's Run and what the records told
@@ -66,6 +74,7 @@ export class RunHeader {
     const step = live.step ?? s.steps_done ?? 0;
     const cancelBtn = running || run.status === "queued"
       ? h("button", { class: "danger", id: "cancel-run", onclick: async () => {
+        if (!window.confirm(stopQuestion(run))) return;
         try {
           await api.cancelRun(run.id);
         } catch (err) {

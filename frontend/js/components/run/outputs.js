@@ -1,6 +1,6 @@
 // The run page's outputs: the LoRA files (download links) and checkpoints with "Resume" for a
-// run that stopped early, the plan of a succeeded run beside what it measured (calibration),
-// and the worker's own log.
+// run that stopped early, the plan of a succeeded run beside what it measured (calibration, or
+// why it has none), and the worker's own log.
 
 import { api } from "../../api.js";
 import { calibrationView, drawOverlay } from "../../calibration.js";
@@ -71,17 +71,30 @@ export class RunOutputs {
     this.outputsCard.hidden = false;
   }
 
-  /** The plan of a succeeded run next to what it measured; the backend plans it once the run
-   * has ended, on its own thread: asked again a few times until it is there. */
+  /**
+   * The plan of a succeeded run next to what it measured, asked for once. The backend plans it
+   * after the run has ended, on its own thread: while it answers "calibration_pending" it is
+   * asked again a few times; a run that has none gets the card with the backend's reason.
+   */
   async loadCalibration(tries = 10) {
     const { run } = this.view;
-    if (this.view.stopped || !run || run.status !== "succeeded" || !this.calibrationCard.hidden) return;
+    if (this.view.stopped || !run || run.status !== "succeeded" || this.calibrationAsked) return;
+    this.calibrationAsked = true; // one request per load: loadEnded runs on load and at the end
     let cal;
     try {
       cal = await api.calibration(run.id);
     } catch (err) {
-      if (err.status === 404 && tries > 1) setTimeout(() => this.loadCalibration(tries - 1), 1500);
-      else if (err.status !== 404) showError(this.errors, err, "calibration");
+      if (err.status === 404 && err.code === "calibration_pending" && tries > 1) {
+        setTimeout(() => {
+          this.calibrationAsked = false;
+          this.loadCalibration(tries - 1);
+        }, 1500);
+      } else if (err.status === 404 && !this.view.stopped) {
+        fill(this.calibrationCard, h("h2", {}, "Plan vs measured"), h("p", { class: "muted", id: "calibration-none" }, err.message));
+        this.calibrationCard.hidden = false;
+      } else if (err.status !== 404) {
+        showError(this.errors, err, "calibration");
+      }
       return;
     }
     if (this.view.stopped) return;
