@@ -98,7 +98,7 @@ def test_plan_on_cpu_gives_host_ram_as_a_budget(synthetic_server, page):
             """async (config) => {
             const { planPanel } = await import('/static/js/plan.js');
             document.body.innerHTML = '';
-            document.body.append(planPanel({getConfig: () => config}));
+            document.body.append(planPanel({getConfig: () => config}).el);
             document.getElementById('plan-run').click();
             for (let i = 0; i < 500 && !document.querySelector('#plan-host, .error-box'); i++) {
                 await new Promise((r) => setTimeout(r, 20));
