@@ -163,6 +163,36 @@ def synthetic_server(tmp_path_factory):
     _stop_server(proc)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _cancel_runs_after_a_failure(request):
+    """A failed test's runs are cancelled: the backend trains one run at a time, so a run the
+    test would have stopped otherwise keeps every later test's runs queued behind it."""
+    yield
+    if not request.node.stash.get(_FAILED, False):
+        return
+    for name in ("backend_server", "synthetic_server"):
+        if name not in request.fixturenames:
+            continue
+        api = Api(request.getfixturevalue(name))
+        for status in ("queued", "running", "stalled"):
+            for run in api.call("GET", f"/api/runs?status={status}")["data"]:
+                try:
+                    api.call("POST", f"/api/runs/{run['id']}/cancel")
+                except AssertionError:  # it ended meanwhile (409)
+                    pass
+
+
 @pytest.fixture(scope="session")
 def browser():
     from playwright.sync_api import sync_playwright

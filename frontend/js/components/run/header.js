@@ -14,6 +14,11 @@ function stopQuestion(run) {
   return `Stop run ${run.id}${name}? It finishes its current step${samples}.`;
 }
 
+/** One figure of the header: its label and value (ids are the tests' and the CSS's handles). */
+function fact(label, value, id) {
+  return h("div", { class: "fact", id }, h("span", { class: "fact-label" }, label), h("span", { class: "fact-value" }, value));
+}
+
 export class RunHeader {
   /**
    * @param {object} view the page's `{run, live}`: the API's Run and what the records told
@@ -72,37 +77,52 @@ export class RunHeader {
     const s = running ? { ...run.summary, ...figuresOf(live.figures) } : run.summary || {};
     const maxSteps = live.maxSteps ?? s.max_steps;
     const step = live.step ?? s.steps_done ?? 0;
-    const cancelBtn = running || run.status === "queued"
+    const doing = this.doingText();
+    fill(this.facts(),
+      fact("step", `${step}/${maxSteps ?? "?"}`, "fact-step"),
+      fact("ETA", running ? fmtDuration(this.eta()) : "–", "fact-eta"),
+      doing ? fact("now", doing, "fact-stage") : null,
+      fact("elapsed", fmtDuration(runDuration(run)), "fact-elapsed"),
+      fact("preset", run.preset, "fact-preset"),
+      run.executor ? fact("node", `${run.node || "waiting for a node"} (${run.executor})`, "fact-node") : null,
+      fact(FINISHED.has(run.status) ? "final loss" : "loss", fmtNum(s.final_loss), "fact-loss"),
+      fact("peak VRAM (training)", fmtMB(s.peak_vram_mb), "fact-peak"),
+      s.encode_peak_vram_mb != null ? fact("peak VRAM (encoding)", fmtMB(s.encode_peak_vram_mb), "fact-encode-peak") : null,
+      fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
+      fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
+      weightsFact(s),
+      run.exit_code != null ? fact("exit code", String(run.exit_code), "fact-exit") : null);
+  }
+
+  /** The facts' container under the toolbar. The toolbar (title, status, Stop, Re-run) is built
+   * again only when the run's status or name changes: rebuilt on every record, a button under
+   * the pointer is replaced between mousedown and mouseup, and the click is lost. */
+  facts() {
+    const { run } = this.view;
+    const key = `${run.id}|${run.status}|${run.name}`;
+    if (this.toolbarKey !== key) {
+      this.toolbarKey = key;
+      this.factsEl = h("div", { class: "facts" });
+      fill(this.header, this.toolbar(run), this.factsEl);
+    }
+    return this.factsEl;
+  }
+
+  toolbar(run) {
+    const cancelBtn = run.status === "running" || run.status === "queued"
       ? h("button", { class: "danger", id: "cancel-run", onclick: async () => {
-        if (!window.confirm(stopQuestion(run))) return;
+        if (!window.confirm(stopQuestion(this.view.run))) return;
         try {
-          await api.cancelRun(run.id);
+          await api.cancelRun(this.view.run.id);
         } catch (err) {
           showError(this.errors, err, "cancel");
         }
       } }, "Stop run")
       : null;
-    const fact = (label, value, id) => h("div", { class: "fact", id }, h("span", { class: "fact-label" }, label), h("span", { class: "fact-value" }, value));
-    const stageText = this.doingText();
-    fill(this.header,
-      h("div", { class: "toolbar" },
-        h("h1", {}, run.name || `run ${run.id}`), statusBadge(run.status), h("div", { class: "spacer" }),
-        cancelBtn,
-        h("a", { class: "button", id: "rerun", href: `#/new?from=${run.id}` }, "Re-run with changes")),
-      h("div", { class: "facts" },
-        fact("step", `${step}/${maxSteps ?? "?"}`, "fact-step"),
-        fact("ETA", running ? fmtDuration(this.eta()) : "–", "fact-eta"),
-        stageText ? fact("now", stageText, "fact-stage") : null,
-        fact("elapsed", fmtDuration(runDuration(run)), "fact-elapsed"),
-        fact("preset", run.preset, "fact-preset"),
-        run.executor ? fact("node", `${run.node || "waiting for a node"} (${run.executor})`, "fact-node") : null,
-        fact(FINISHED.has(run.status) ? "final loss" : "loss", fmtNum(s.final_loss), "fact-loss"),
-        fact("peak VRAM (training)", fmtMB(s.peak_vram_mb), "fact-peak"),
-        s.encode_peak_vram_mb != null ? fact("peak VRAM (encoding)", fmtMB(s.encode_peak_vram_mb), "fact-encode-peak") : null,
-        fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
-        fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
-        weightsFact(s),
-        run.exit_code != null ? fact("exit code", String(run.exit_code), "fact-exit") : null));
+    return h("div", { class: "toolbar" },
+      h("h1", {}, run.name || `run ${run.id}`), statusBadge(run.status), h("div", { class: "spacer" }),
+      cancelBtn,
+      h("a", { class: "button", id: "rerun", href: `#/new?from=${run.id}` }, "Re-run with changes"));
   }
 
   renderFailure() {
