@@ -9,9 +9,10 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY backend ./backend
 COPY contract ./contract
-COPY stagehand ./stagehand
+COPY runtime ./runtime
 COPY worker ./worker
-COPY workbench ./workbench
+COPY plan ./plan
+COPY bench ./bench
 COPY presets ./presets
 COPY frontend ./frontend
 # torch comes from the base image; pyproject's range keeps it.

@@ -1,6 +1,6 @@
 """The demo-asset build beside the server: ONE background ``workbench demo-assets`` process,
 started when the server starts (``Settings.demo_assets``) and again by ``POST
-/api/assets/build`` (retry / resume), read through its status file (``workbench/asset_status.py``).
+/api/assets/build`` (retry / resume), read through its status file (``worker/asset_status.py``).
 
 The build process holds the cache's build lock, so a second starter (another server, a user's
 ``workbench demo-assets``) never builds at once with it. Its output goes to the server's
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workbench.asset_status import current, lock_holder, run_refusal
+from worker.asset_status import current, lock_holder, run_refusal
 
 log = logging.getLogger("backend.assets")
 

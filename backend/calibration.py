@@ -1,6 +1,6 @@
 """Calibration of plans by finished runs: a succeeded run's measured figures stored next to
 the plan of the config it started with, under its device profile and family
-(``workbench/plan/feedback.py`` says which figures and how they compare).
+(``plan/feedback.py`` says which figures and how they compare).
 
 The plan is made when the run has finished, on the ``Calibrator``'s own thread, not when it
 starts: a plan is a function of the config and the profile only, so the start config planned at
@@ -11,7 +11,7 @@ resolution of ``"auto"`` limits is no such change: it is the config, as the plan
 too). Why a run has no calibration is answered (``Calibrator.why_not``), never left a bare 404.
 Plans take the
 median of the newest runs' ratios within bounds (``calibration_for``; NOTE [ Ratios the model
-can be off by ] in workbench/plan/feedback.py), so one disturbed run does not scale them all.
+can be off by ] in plan/feedback.py), so one disturbed run does not scale them all.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ log = logging.getLogger("backend.calibration")
 
 def calibration_for(store: Store, device: str, family: str) -> dict | None:
     """What a plan of ``device`` and ``family`` is scaled by: the median ratios of the newest
-    runs within the bounds (``workbench.plan.feedback.combine``), or None."""
-    from workbench.plan.feedback import RUNS, combine  # workbench.plan imports torch: not at start
+    runs within the bounds (``plan.feedback.combine``), or None."""
+    from plan.feedback import RUNS, combine  # plan imports torch: not at start
 
     return combine(store.calibrations_of(device, family, RUNS))
 
 
 AUTO_REQUEST = "auto"
 """The ``request_id`` of the ``strategy/limits_applied`` records in which the worker resolves
-``"auto"`` limits (at build, and again after the trace step: ``stagehand/strategy/composed.py``)."""
+``"auto"`` limits (at build, and again after the trace step: ``runtime/strategy/composed.py``)."""
 
 PENDING, NOT_CALIBRATED = "calibration_pending", "not_calibrated"
 """Codes of the 404 of a run without a calibration: one is being computed (ask again), or
@@ -52,7 +52,7 @@ def skip_reason(store: Store, run: dict) -> str | None:
     """Why ``run`` (a store row) gets no calibration, from its row and records alone (no plan):
     it did not succeed, its device has no profile, or a user changed its limits while it ran.
     None: it can be calibrated."""
-    from workbench.plan.feedback import profile_name
+    from plan.feedback import profile_name
 
     if run["status"] != "succeeded":
         return f"only succeeded runs are calibrated; this one {run['status']}"
@@ -71,11 +71,11 @@ def skip_reason(store: Store, run: dict) -> str | None:
 
 
 ProfileOf = Callable[[str], Any]
-"""Device profile name -> ``workbench.plan.DeviceProfile`` (tests give a fixed one for cpu)."""
+"""Device profile name -> ``plan.DeviceProfile`` (tests give a fixed one for cpu)."""
 
 
 def _profile(name: str):
-    from workbench.plan import profile
+    from plan import profile
 
     return profile(name)
 
@@ -174,8 +174,8 @@ class Calibrator:
         """Plan the run's config on its device, store the calibration and return it; None
         (logged, nothing stored) when the run did not succeed, changed limits while it ran, ran
         on a device without a profile, or its config cannot be planned."""
-        from workbench.plan import PlanInputError, plan_preset
-        from workbench.plan.feedback import (
+        from plan import PlanInputError, plan_preset
+        from plan.feedback import (
             family_of,
             measured_figures,
             predicted_figures,

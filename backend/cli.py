@@ -5,11 +5,11 @@ server never imports torch):
 
 - ``serve``        the dashboard and API on http://127.0.0.1:8000   (backend.server)
 - ``train``        one training run, the worker the backend launches  (worker.cli)
-- ``bench``        the benchmark suite                                (workbench.bench.cli)
+- ``bench``        the benchmark suite                                (bench.cli)
                    ``bench --telemetry``: telemetry latency            (backend.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (worker.demo_cli)
 - ``plan``         predicted VRAM and step time of a preset (backend.plan_cli)
-- ``tune``         trials of limits that fit a VRAM budget          (workbench.plan.tune_cli)
+- ``tune``         trials of limits that fit a VRAM budget          (plan.tune_cli)
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("backend.server", "serve the dashboard and API (default http://127.0.0.1:8000)"),
     "train": ("worker.cli", "run one training job: workbench train PRESET --run-dir DIR"),
-    "bench": ("workbench.bench.cli", "run the benchmark suite and print its table"),
+    "bench": ("bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("worker.demo_cli", "build the local demo models, digits and encoder"),
     "plan": ("backend.plan_cli", "predict a preset's VRAM and step time on a device profile"),
-    "tune": ("workbench.plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
+    "tune": ("plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
 }
 
 

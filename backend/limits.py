@@ -3,7 +3,7 @@
 A run starts with the limits of its config's ``memory`` section (the runtime's defaults where
 the config says nothing: ``contract.config.MemoryConfig``, which imports no torch; None for the
 prefetch window and copies in flight, which the runtime derives at the run's start from the
-blocks and the device, ``stagehand/weights/defaults.py``). Each ``strategy/limits_applied``
+blocks and the device, ``runtime/weights/defaults.py``). Each ``strategy/limits_applied``
 record's ``changed`` (``{field: [old, new]}``) then moves the limits in force, in seq order.
 The fields, their config paths and the watermark rule are ``contract.limits``'. Only the
 runtimes that are on have limits: a field of a runtime that is off is absent, and the worker refuses it (a ``trainer/event`` ``control_rejected``).

@@ -93,7 +93,7 @@ PresetConfig = Annotated[
     dict[str, Any],
     WithJsonSchema({"allOf": [{"$ref": "#/components/schemas/Preset"}], "description": "a Preset"}),
 ]
-"""A preset's config: validated as ``workbench.preset.Preset`` (its schema, with its bounds, is
+"""A preset's config: validated as ``worker.preset.Preset`` (its schema, with its bounds, is
 published in the OpenAPI document)."""
 Overrides = Annotated[
     dict[str, Any],
@@ -309,7 +309,7 @@ class RunsPublic(BaseModel):
 class LimitsUpdate(LiveLimits):
     """The ``PATCH /api/runs/{id}/limits`` body: ``LiveLimits`` with strict, finite numbers
     (``true``, ``"5"`` and ``NaN`` are refused), and a low watermark above its high one reported
-    at the low field with a sentence (NOTE [ Cross-field errors ] in workbench/preset/load.py)."""
+    at the low field with a sentence (NOTE [ Cross-field errors ] in worker/preset/load.py)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 

@@ -5,12 +5,12 @@ Prints the plan's table (fits or not and the knob that makes it fit, peak VRAM o
 step and the steady state, the steady band, host bytes, step time with its breakdown, H2D bytes
 and block loads per steady step with where they come from, resident and streamed blocks, the
 bound ``max(compute, bytes / H2D)``, and with SquareQ on the quantization error of the model's
-weights, ``workbench.plan.quant_error``) and writes
+weights, ``plan.quant_error``) and writes
 the whole plan, VRAM curve included, as JSON with ``--json``. Exit status 0 when it fits, 1 when
 it does not, 2 for a bad input (the message names the field).
 
 The command lives in the backend because it reads the server's calibrations (``backend.store``);
-the plan and its table are the runtime's (``workbench.plan``, ``workbench.plan.table``).
+the plan and its table are the runtime's (``plan``, ``plan.table``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 
 def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
     """``plan`` with the calibration of ``device`` and the preset's family in the server's
-    database under ``data_dir`` (``backend.calibration.calibration_for``) applied (``workbench.plan.feedback``), if there is one."""
+    database under ``data_dir`` (``backend.calibration.calibration_for``) applied (``plan.feedback``), if there is one."""
     from pathlib import Path
 
-    from workbench.plan.feedback import apply, family_of
+    from plan.feedback import apply, family_of
 
     folder = Path(data_dir or os.environ.get("STAGEHAND_WORKBENCH_DATA") or "./data")
     if not (folder / "workbench.db").is_file():
@@ -78,11 +78,11 @@ def text_tokens(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.plan.inventory import PlanInputError
-    from workbench.plan.plan import plan_preset
-    from workbench.plan.profiles import PROFILES, profile
-    from workbench.plan.table import table
-    from workbench.preset import load_preset
+    from plan.inventory import PlanInputError
+    from plan.plan import plan_preset
+    from plan.profiles import PROFILES, profile
+    from plan.table import table
+    from worker.preset import load_preset
 
     p = argparse.ArgumentParser(prog="workbench plan", description=__doc__.split("\n\n")[1])
     p.add_argument("preset", help="a built-in preset name or a preset JSON file")

@@ -1,6 +1,6 @@
 """Preset configs: the built-in ones from the repo's ``presets/*.json``, validation, overrides.
 
-Validation is ``workbench.preset.validate_preset`` (torch-free) when that module is present;
+Validation is ``worker.preset.validate_preset`` (torch-free) when that module is present;
 without it only the JSON shape is checked (an object). Its errors become 422s whose ``field``
 is the JSON path into the request (``config.memory...`` or ``overrides.memory...``).
 """
@@ -26,7 +26,7 @@ log = logging.getLogger("backend.presets")
 
 def _preset_module():
     try:
-        module = importlib.import_module("workbench.preset")
+        module = importlib.import_module("worker.preset")
     except ImportError:  # the trainer's module is optional for the backend
         return None
     return module if hasattr(module, "validate_preset") else None

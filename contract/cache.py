@@ -1,6 +1,6 @@
 """The workbench's cache folder: the demo assets, the stage-1 caches and SquareQ's 8-bit images
 live there. The server (``backend.settings``, the demo build's status file) and the worker (the
-model factory, ``stagehand.squareq.store``) must find the same folder, so its rule is written
+model factory, ``runtime.squareq.store``) must find the same folder, so its rule is written
 once, here: ``$STAGEHAND_WORKBENCH_CACHE``, else ``~/.cache/stagehand-workbench``.
 """
 

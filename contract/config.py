@@ -63,7 +63,7 @@ MAX_WINDOW_BLOCKS = 128
 every block, so a larger one means nothing more; ``10**400`` is a typo or an attack."""
 MAX_INFLIGHT = 64
 """The most copies in flight per direction: four times the largest derived default (16, twice
-a window of 8: NOTE [ Pipeline depth ] in ``stagehand/weights/defaults.py``). A GPU's copy
+a window of 8: NOTE [ Pipeline depth ] in ``runtime/weights/defaults.py``). A GPU's copy
 engine runs one direction's copies one after another, so more slots only hold more pinned
 buffers while they wait."""
 WindowBlocks = Annotated[
@@ -142,7 +142,7 @@ class Watermarks:
 
 class SquareQConfig(_Strict):
     """``memory.stagehand.squareq``: frozen block weights kept and streamed in 8 bits
-    (``stagehand/squareq``; issue 35). Absent: off."""
+    (``runtime/squareq``; issue 35). Absent: off."""
 
     format: Literal["int8", "fp8_e4m3"]
     """``int8``: symmetric, one fp32 scale per output row (SquareQ's layout); ``fp8_e4m3``:
@@ -157,7 +157,7 @@ class StagehandConfig(_Strict):
 
     pinned_pool_mb: WholeMB | None = None
     """Host pool of uniform slabs, allocated once (pinned when CUDA is present). None: one slab
-    per copy in flight plus one on CUDA, 8192 on CPU (``stagehand/weights/defaults.py``)."""
+    per copy in flight plus one on CUDA, 8192 on CPU (``runtime/weights/defaults.py``)."""
     pinned_slab_mb: WholeMB | None = None
     """Size of one slab; a block larger than a slab takes the direct path. None: the largest
     block (whole MB) on CUDA, 1024 on CPU."""
@@ -170,7 +170,7 @@ class StagehandConfig(_Strict):
     prefetch_window_blocks: WindowBlocks | None = None
     """Blocks loaded ahead of use along the traced order (0 disables prefetch). None: derived
     from the largest block and the card (about 1 GiB ahead, 2 to 8 blocks) on CUDA, 2 on CPU
-    (NOTE [ Pipeline depth ] in ``stagehand/weights/defaults.py``)."""
+    (NOTE [ Pipeline depth ] in ``runtime/weights/defaults.py``)."""
     max_inflight_transfers: InflightCopies | None = None
     """H2D block copies in flight at once. None: twice the window on CUDA, 2 on CPU."""
     reader_threads: Annotated[int, Field(ge=0, le=16)] | None = None
@@ -185,7 +185,7 @@ class StagehandConfig(_Strict):
     bench, flux-small's 13 MB blocks: 116 ms per step with 2 readers for all, 103 ms without)."""
     host_cache_mb: NonNegMB | None = None
     """Host RAM (MB) for frozen blocks kept after their first read (page-locked on CUDA), so
-    later loads copy straight from it: no file read, no slab (``stagehand/weights/host_cache.py``).
+    later loads copy straight from it: no file read, no slab (``runtime/weights/host_cache.py``).
     None: on CUDA the RAM available at set-up minus a margin (25% of RAM, at least 8 GiB), off
     on CPU; 0: off (module-backed blocks' page-locked images too). Blocks that do not fit keep
     streaming from their files (file-backed)."""
@@ -225,7 +225,7 @@ class ActivationStagehandConfig(_Strict):
 
     enabled: bool = True
     vram_high_watermark_mb: MBOrAuto = 20000.0
-    """Start spilling above this (``"auto"``: NOTE [ Who gives way ] in stagehand/conductor)."""
+    """Start spilling above this (``"auto"``: NOTE [ Who gives way ] in runtime/conductor)."""
     vram_low_watermark_mb: MBOrAuto = 16000.0
     """Stop spilling below this (hysteresis)."""
     pinned_pool_classes_mb: tuple[Annotated[NonNegMB, Field(gt=0)], ...] = (1, 4, 16, 64, 256)
@@ -306,6 +306,13 @@ class ConductorConfig(_Strict):
         return self
 
 
+RETIRED_STAGEHAND_FIELDS = ("two_stage", "encoder_family", "family")
+"""``memory.stagehand`` fields of the seed's presets that no part of a run reads: a run always
+caches its embeddings first (``two_stage``), and the model's family and text encoder come from
+``model_type`` and ``model``. A preset's loader drops them, so presets and run configs saved with
+them still load; the section itself refuses them."""
+
+
 class StagehandSection(StagehandConfig):
     """The preset's ``memory.stagehand`` block: the weight runtime's fields plus what nests in it."""
 
@@ -313,15 +320,11 @@ class StagehandSection(StagehandConfig):
     """Stream the blocks' weights; false keeps every weight resident on the device (activation
     spill and/or the Conductor alone)."""
 
-    two_stage: bool = True
-    """Stage 1 caches text embeddings (and latents), stage 2 trains: the seed's two-stage run."""
     text_encoder_block_swap: bool = True
     """Run the stage-1 text encoder under the weight runtime in inference mode."""
     text_encoder_squareq: bool = False
     """With ``squareq`` and ``text_encoder_block_swap``: stage 1's text encoders stream in 8 bits
     too (``MemoryConfig.for_text_encoder``); off, they stream in their own dtype."""
-    encoder_family: str | None = None
-    family: str | None = None
     activation_stagehand: ActivationStagehandConfig | None = None
     conductor_config: ConductorConfig | None = None
 
@@ -362,7 +365,7 @@ class MemoryConfig(_Strict):
     def squareq_format(self) -> str | None:
         """The format a run of this section streams its frozen blocks in (``"int8"``,
         ``"fp8_e4m3"``), or None when SquareQ is off: it needs the weight runtime (``strategy:
-        stagehand`` with ``weight_streaming``) and ``stagehand.squareq``."""
+        stagehand`` with ``weight_streaming``) and ``squareq``."""
         sh = self.stagehand
         if self.strategy != "stagehand" or sh is None or not sh.weight_streaming:
             return None

@@ -48,7 +48,7 @@ PAIRS = (WEIGHT_PAIR, ACTIVATION_PAIR)
 
 AUTO = "auto"
 """A watermark or cap derived from the card and the step's needs at build
-(NOTE [ Auto watermarks ] in ``stagehand/weights/auto.py``)."""
+(NOTE [ Auto watermarks ] in ``runtime/weights/auto.py``)."""
 
 
 def low_above_high(high: float, low: float, names: tuple[str, str] = WEIGHT_PAIR) -> str | None:

@@ -1,7 +1,7 @@
 """The telemetry stream between the worker and the server: where it is, how a record is written
 and read, and how it travels on stdout (``docs/contracts.md``, "Telemetry").
 
-The worker appends one JSON object per line to ``DIR/TELEMETRY_FILE`` (``stagehand.common.telemetry``
+The worker appends one JSON object per line to ``DIR/TELEMETRY_FILE`` (``runtime.common.telemetry``
 writes with ``encode``); the server tails that file (``backend.tailer`` reads with ``decode``).
 With ``STDOUT_ENV=1`` in its environment (the Ray executor sets it) the worker also prints every
 line after ``STDOUT_MARKER``, so a job log carries the stream when the server cannot read the run

@@ -1,18 +1,18 @@
-"""One way down: every import of the ``contract``, ``stagehand``, ``worker``, ``workbench`` and
+"""One way down: every import of the ``contract``, ``runtime``, ``worker``, ``plan``, ``bench`` and
 ``backend`` packages runs down the layer order, no import closes a circle, and no source module
-is over 450 lines (issue 29).
+is over 450 lines.
 
-The packages (issue 38): ``contract`` (what the worker, the server, the planner and the browser
-agree on), ``stagehand`` (the memory runtimes: a library that reads without the application),
-``worker`` (the training worker process, ``workbench train``), ``workbench`` (the application's
-tools: model factory, presets, planner, bench) and ``backend`` (the server).
+The packages, one floor each, bottom first: ``contract`` (what the worker, the server, the
+planner and the browser agree on), ``runtime`` (the memory runtimes: a library that reads without
+the application), ``worker`` (the training worker process, ``workbench train``, with the model and
+data factory and the presets it loads by name), ``plan`` (VRAM and step time before launch,
+tune), ``bench`` (the benchmark suite, which measures what the planner predicts) and ``backend``
+(the server); the dashboard (``frontend/``) is JavaScript over the backend's API.
 
-The order, bottom first (``ORDER``): contract -> stagehand (common -> the runtimes -> strategy)
--> the tools (asset status, assets, presets) -> worker -> plan -> bench -> backend -> frontend.
-A *room* is a package directly under ``stagehand/`` or ``workbench/`` (``stagehand.weights``), a
-loose module there (``workbench.asset_status``), the package's own ``__init__`` (``stagehand``),
-or a whole other top-level package (``contract``, ``worker``, ``backend``); ``ORDER`` gives each
-room a rank. The rules, checked by walking the source with ``ast`` (nothing is imported):
+A *room* is a package directly under ``runtime/`` (``runtime.weights``), the library's own
+``__init__`` (``runtime``), or a whole other top-level package (``contract``, ``worker``,
+``plan``, ``backend``); ``ORDER`` gives each room a rank. The rules, checked by walking the
+source with ``ast`` (nothing is imported):
 
 - An arrow is an ``import`` or ``from ... import`` of a project module, absolute or relative,
   wherever it stands: at module level, inside a function (a lazy import is the same dependency,
@@ -28,9 +28,9 @@ room a rank. The rules, checked by walking the source with ``ast`` (nothing is i
   runtime's hooks naming its runtime class in annotations).
 - Size: no module of the packages or of ``frontend/js/`` over ``MAX_LINES`` lines.
 - Floors: ``contract`` imports the standard library, pydantic (the config and preset schemas)
-  and itself only, and loads without torch; ``stagehand`` imports no part of the application
-  (``worker``, ``workbench``, ``backend``): the library reads alone, on the contract and third
-  party packages (torch, safetensors, psutil, ...).
+  and itself only, and loads without torch; ``runtime`` imports no part of the application
+  (``worker``, ``plan``, ``bench``, ``backend``): the library reads alone, on the contract and
+  third party packages (torch, safetensors, psutil, ...).
 
 ``python tests/test_layers.py`` prints the rooms, the arrows between them, the five largest
 modules and every violation.
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("contract", "stagehand", "worker", "workbench", "backend")
+PACKAGES = ("contract", "runtime", "worker", "plan", "bench", "backend")
 MAX_LINES = 450
 
 #: Rooms by rank, bottom first; each tuple holds peers. A new room fails the test until it is
@@ -58,25 +58,23 @@ ORDER: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("contract",)),
     # The library's front page (the call order, NOTE [ Exact numbers ]) and the mechanisms every
     # runtime shares: device, memory, telemetry, the saved-tensor router.
-    ("common", ("stagehand", "stagehand.common")),
+    ("common", ("runtime", "runtime.common")),
     # SquareQ's formats, block images and cache (torch only): the weight runtime stages them.
-    ("runtimes", ("stagehand.squareq",)),
+    ("runtimes", ("runtime.squareq",)),
     # The runtimes beside each other.
-    ("runtimes", ("stagehand.weights", "stagehand.activations", "stagehand.conductor")),
+    ("runtimes", ("runtime.weights", "runtime.activations", "runtime.conductor")),
     # Layer offload: a runtime built on the weight runtime's blocks and scheduler.
-    ("runtimes", ("stagehand.layer_offload",)),
+    ("runtimes", ("runtime.layer_offload",)),
     # The strategy composes the runtimes into the one object a training loop drives.
-    ("strategy", ("stagehand.strategy",)),
-    # The application's tools, bottom first: the demo build's status file (read torch-free by the
-    # server), then the model and data factory and the presets loaded by name.
-    ("tools", ("workbench", "workbench.asset_status")),
-    ("tools", ("workbench.assets", "workbench.preset")),
+    ("strategy", ("runtime.strategy",)),
+    # The training worker, with the model and data factory, the demo build's status file (read
+    # torch-free by the server) and the presets loaded by name.
     ("worker", ("worker",)),
     # The planner reads the worker's pipeline families; it defines the workload it calibrates on.
-    ("plan", ("workbench.plan",)),
+    ("plan", ("plan",)),
     # The bench measures strategies on the planner's workload, and records the planner's CPU
     # profile of the machine its rows ran on.
-    ("bench", ("workbench.bench",)),
+    ("bench", ("bench",)),
     ("backend", ("backend",)),
 ]
 RANK = {room: rank for rank, (_, rooms) in enumerate(ORDER) for room in rooms}
@@ -108,7 +106,7 @@ def modules() -> dict[str, tuple[Path, bool]]:
 
 
 #: Packages whose rooms are their sub-packages and loose modules (two components).
-SPLIT = ("stagehand", "workbench")
+SPLIT = ("runtime",)
 
 
 def room(module: str) -> str:
@@ -230,9 +228,9 @@ def test_every_room_is_placed_and_the_walk_sees_the_known_arrows():
     assert rooms == set(RANK)
     pairs = {(a.source, a.target) for a in found}
     # Not vacuous: a top-level, a lazy and a TYPE_CHECKING import, absolute and relative.
-    assert ("stagehand.strategy.layer_offload", "stagehand.layer_offload.manager") in pairs
+    assert ("runtime.strategy.layer_offload", "runtime.layer_offload.manager") in pairs
     assert ("backend.server", "backend.executors") in pairs  # inside main()
-    assert ("workbench.assets", "workbench.assets.cache") in pairs  # from .cache import ...
+    assert ("worker.assets", "worker.assets.cache") in pairs  # from .cache import ...
     assert any(not a.runs for a in found)
     assert len(found) > 500
 
@@ -298,12 +296,12 @@ def contract_imports() -> list[str]:
 
 
 def library_imports() -> list[str]:
-    """``path:line module`` for each import in ``stagehand/`` of a project package other than
-    ``stagehand`` and ``contract``: the library never reaches into the application."""
-    project = {*PACKAGES, "tests", "frontend"} - {"stagehand", "contract"}
+    """``path:line module`` for each import in ``runtime/`` of a project package other than
+    ``runtime`` and ``contract``: the library never reaches into the application."""
+    project = {*PACKAGES, "tests", "frontend"} - {"runtime", "contract"}
     return [
         f"{rel}:{line} {name}"
-        for rel, line, name in absolute_imports("stagehand")
+        for rel, line, name in absolute_imports("runtime")
         if name.split(".")[0] in project
     ]
 
@@ -314,8 +312,8 @@ def test_the_contract_imports_the_standard_library_and_pydantic_only():
     # Not vacuous: the server, the worker, the planner and the runtimes import it.
     assert ("backend.supervisor", "contract.control") in found
     assert ("worker.run", "contract.control") in found
-    assert ("workbench.plan.tune", "contract.preset.merge") in found
-    assert ("stagehand.weights.runtime", "contract.config") in found
+    assert ("plan.tune", "contract.preset.merge") in found
+    assert ("runtime.weights.runtime", "contract.config") in found
 
 
 def test_the_contract_loads_without_torch():
@@ -323,7 +321,7 @@ def test_the_contract_loads_without_torch():
     code = (
         f"import importlib, sys\nfor name in {names!r}: importlib.import_module(name)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'torch', 'numpy', 'PIL', 'stagehand', 'worker', 'workbench', 'backend'}))"
+        "{'torch', 'numpy', 'PIL', 'runtime', 'worker', 'plan', 'bench', 'backend'}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
@@ -334,8 +332,8 @@ def test_the_contract_loads_without_torch():
 def test_the_library_imports_nothing_of_the_application():
     assert library_imports() == []
     # Not vacuous: the walk sees the library's imports of itself and of the contract.
-    names = {name for _, _, name in absolute_imports("stagehand")}
-    assert {"stagehand.weights.runtime", "contract.config", "torch"} <= names
+    names = {name for _, _, name in absolute_imports("runtime")}
+    assert {"runtime.weights.runtime", "contract.config", "torch"} <= names
 
 
 def test_no_source_module_over_the_line_limit():
@@ -368,7 +366,7 @@ if __name__ == "__main__":
     print(f"{len(floor)} imports of contract/ beyond the standard library and pydantic:")
     print("\n".join(f"  {s}" for s in floor))
     library = library_imports()
-    print(f"{len(library)} imports of the application by stagehand/:")
+    print(f"{len(library)} imports of the application by runtime/:")
     print("\n".join(f"  {s}" for s in library))
     sizes = long_modules()
     print(f"{len(sizes)} modules over {MAX_LINES} lines:")

@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from contract.config import AUTO_DEVICE, check_device  # noqa: E402
-from stagehand.common.memory import cache_host_allocations  # noqa: E402
+from runtime.common.memory import cache_host_allocations  # noqa: E402
 from worker.outputs import folder_problem  # noqa: E402
 from worker.run import Run  # noqa: E402
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         args.run_dir.mkdir(parents=True, exist_ok=True)
         device = pick_device(args.device)
         if device.type == "cpu":
-            cache_host_allocations()  # block loads reuse freed buffers (stagehand.common.memory)
+            cache_host_allocations()  # block loads reuse freed buffers (runtime.common.memory)
         run = Run(args.preset, args.run_dir, device, args.resume)
     except OSError as exc:
         print(

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from workbench.asset_status import demo_folder
-from workbench.assets.cache import cache_root
-from workbench.assets.digits import caption_for
-from workbench.assets.models import MODEL_SPECS, check_spec, instantiate
+from worker.asset_status import demo_folder
+from worker.assets.cache import cache_root
+from worker.assets.digits import caption_for
+from worker.assets.models import MODEL_SPECS, check_spec, instantiate
 
 #: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels).
 #: The digits are 8x8 images upscaled; with the demo's 200 steps it reconstructs held-out ones to a
@@ -204,7 +204,7 @@ def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
 def caption_text(max_tokens: int):
     """``families.Text`` with one row per digit 0..9 (its caption), as stage 1 caches captions:
     all-MiniLM-L6-v2's last hidden state padded to ``max_tokens``, the mask, the masked mean."""
-    from workbench.assets.text_encoder import load_text_encoder
+    from worker.assets.text_encoder import load_text_encoder
     from worker.families import Text
 
     tokenizer, encoder = load_text_encoder()

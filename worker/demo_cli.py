@@ -13,11 +13,11 @@ import argparse
 import sys
 import time
 
-from workbench.asset_status import STATUS_FILE
-from workbench.assets.cache import AssetError, cache_root
-from workbench.assets.models import ARCHS, SIZES, build_model
-from workbench.assets.stages import BuildBusy, Interrupted, run_stages
-from workbench.assets.text_encoder import minilm_path
+from worker.asset_status import STATUS_FILE
+from worker.assets.cache import AssetError, cache_root
+from worker.assets.models import ARCHS, SIZES, build_model
+from worker.assets.stages import BuildBusy, Interrupted, run_stages
+from worker.assets.text_encoder import minilm_path
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_INTERRUPTED = 1, 2, 3, 130
 

@@ -1,4 +1,4 @@
-"""The demo assets as build stages (``workbench/assets/stages.py``), in the order the ``default``
+"""The demo assets as build stages (``worker/assets/stages.py``), in the order the ``default``
 preset needs them::
 
     digits         1,797 PNG + caption pairs       <cache>/data/digits-64px/
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from workbench.asset_status import demo_folder, digits_folder
-from workbench.assets.cache import build_once, cache_root, is_complete, spec_hash
-from workbench.assets.digits import NUM_DIGITS, build_digits, digit_pixels, digits_spec
-from workbench.assets.models import (
+from worker.asset_status import demo_folder, digits_folder
+from worker.assets.cache import build_once, cache_root, is_complete, spec_hash
+from worker.assets.digits import NUM_DIGITS, build_digits, digit_pixels, digits_spec
+from worker.assets.models import (
     ARCHS,
     DEFAULT_SIZES,
     TARGET_SHARDS,
@@ -39,7 +39,7 @@ from workbench.assets.models import (
     model_dir,
     model_spec,
 )
-from workbench.assets.stages import Stage, build_lock
+from worker.assets.stages import Stage, build_lock
 from worker.demo import DEMO, DemoSpec, demo_dir, demo_key, deterministic, train_vae
 
 # A-priori seconds per unit (one core of a 2-core cloud VM, torch 2.13 CPU), shown as the

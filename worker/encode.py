@@ -85,7 +85,7 @@ def encode_texts(
 
     from transformers import AutoModel, AutoTokenizer
 
-    from stagehand.strategy import build_strategy
+    from runtime.strategy import build_strategy
 
     tokenizer = AutoTokenizer.from_pretrained(encoder_path)
     encoder = AutoModel.from_pretrained(encoder_path, dtype=torch.float32).eval()

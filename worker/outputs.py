@@ -219,7 +219,7 @@ def sample_pipeline(
     transformer, its blocks streamed: by ``strategy`` (the training one, mid-run) as an
     inference step ``step`` (STEP_BEGIN -> FORWARD -> STEP_END, ``torch.no_grad``), or, without
     one, by an inference-mode strategy built here and closed after (step ``max_steps + 1``)."""
-    from stagehand.strategy import build_strategy
+    from runtime.strategy import build_strategy
 
     own = strategy is None
     if own:

@@ -15,7 +15,7 @@ import torch
 from contract.config import MB
 from contract.preset import Preset
 from contract.records import RESUMED, RUN_STARTED
-from stagehand.common.telemetry import Telemetry
+from runtime.common.telemetry import Telemetry
 from worker.progress import Progress
 
 
@@ -32,7 +32,7 @@ def run_started(
     **fields: Any,
 ) -> None:
     """The ``trainer/run_started`` record: who runs what, where, on which device, the
-    attention backend choice (``stagehand.common.attention.AttentionChoice.as_record``) and
+    attention backend choice (``runtime.common.attention.AttentionChoice.as_record``) and
     ``fields`` (a video run's ``frames`` and ``frames_from``, ``stage1.resolve_frames``)."""
     telemetry.emit(
         *RUN_STARTED,

@@ -23,14 +23,14 @@ from contract.control import LIMITS, STOP, ControlDir
 from contract.preset import Preset
 from contract.records import RUN_FINISHED
 from contract.status import RunStatus
-from stagehand.common.attention import apply_attention_backend
-from stagehand.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
-from workbench.preset import load_preset, validate_preset
+from runtime.common.attention import apply_attention_backend
+from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
 from worker import loop, records
 from worker.control import Interrupted, StopFlag
 from worker.families import family
 from worker.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
 from worker.pipelines import PipelineFamily
+from worker.preset import load_preset, validate_preset
 from worker.progress import Progress
 from worker.sampling import Sampler
 from worker.scan import Sample
@@ -174,7 +174,7 @@ class Run:
         )
 
     def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
-        from stagehand.strategy import build_strategy
+        from runtime.strategy import build_strategy
 
         dtype = loop.DTYPES[preset.train_dtype]
         self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")

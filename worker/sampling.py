@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from contract.preset import Preset
-from stagehand.common.telemetry import Telemetry
+from runtime.common.telemetry import Telemetry
 from worker import loop
 from worker.families import Family
 from worker.outputs import sample_images, sample_pipeline

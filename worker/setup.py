@@ -21,7 +21,7 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
         PipelineFolderError: the folder, a component or ``model_type`` is wrong (named).
         ValueError: ``model.dtype`` cannot run on ``device``.
     """
-    from workbench.assets import cache_root
+    from worker.assets import cache_root
 
     if not pipelines.is_pipeline_folder(preset.model.path):
         return None
@@ -90,7 +90,7 @@ def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path
     Raises:
         FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
     """
-    from workbench import assets
+    from worker import assets
 
     m = preset.model
     if isinstance(fam, PipelineFamily):
@@ -127,7 +127,7 @@ def denoiser_folder(root: Path) -> Path:
 
 def data_folder(preset: Preset) -> Path:
     """``data.path``, or the digits folder built for ``resolution``."""
-    from workbench import assets
+    from worker import assets
 
     if preset.data.factory == "digits":
         return assets.build_digits(size=preset.resolution)

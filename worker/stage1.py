@@ -17,7 +17,7 @@ import torch
 
 from contract.preset import Preset
 from contract.text import shown
-from stagehand.common.telemetry import Telemetry
+from runtime.common.telemetry import Telemetry
 from worker import encode, loop
 from worker.clips import default_frames
 from worker.data import group_by_shape
@@ -99,7 +99,7 @@ def build_cache(
 ) -> loop.Batchable | None:
     """Text rows (each distinct caption and sample prompt once) and one latent per sample,
     grouped by latent shape for batching; None when ``should_stop`` said so while encoding."""
-    from workbench.assets import cache_root
+    from worker.assets import cache_root
 
     data = preset.data
     texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))

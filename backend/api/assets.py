@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from backend.api.deps import AssetsDep, StoreDep
 from backend.errors import Conflict
 from backend.openapi import errors
-from workbench.asset_status import current
+from worker.asset_status import current
 
 router = APIRouter(prefix="/api/assets", tags=["assets"])
 
@@ -84,7 +84,7 @@ def build_assets(assets: AssetsDep, store: StoreDep) -> dict:
 
 def check_run_assets(assets, config: dict[str, Any], field: str = "preset") -> None:
     """Raise ``Conflict`` (409, code ``assets_not_ready``) when ``config`` needs demo assets
-    that are not built yet (``workbench.asset_status.run_refusal`` names them and the build)."""
+    that are not built yet (``worker.asset_status.run_refusal`` names them and the build)."""
     why = assets.refusal(config)
     if why is not None:
         raise Conflict(f"this run cannot start yet: {why}", field=field, code="assets_not_ready")

@@ -12,7 +12,7 @@ from backend.errors import Invalid
 from backend.models import DatasetScan, ScanRequest
 from backend.openapi import errors
 from backend.presets import run_config
-from workbench.preset import validate_preset
+from worker.preset import validate_preset
 from worker.scan import DataError, scan_folder
 
 router = APIRouter(prefix="/api/data", tags=["data"])

@@ -1,5 +1,5 @@
 """``POST /api/plan``: predicted VRAM and step time of a preset on a device profile, before a
-run starts (``workbench.plan``). Reads configs and safetensors headers only; no weights load
+run starts (``plan``). Reads configs and safetensors headers only; no weights load
 (SquareQ's quantization error comes from its cache when there, else "not measured")."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class PlanRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     preset: dict[str, Any]
     device: str = Field(default="cpu", max_length=32)
-    """``cpu`` (this machine: its stored profile, ``workbench.plan.profiles.stored_cpu_profile``)
+    """``cpu`` (this machine: its stored profile, ``plan.profiles.stored_cpu_profile``)
     or a named profile: ``rtx3090``, ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
     vram_gb: float | None = _override("vram_gb")
     """Override of the profile's VRAM (GiB)."""
@@ -48,23 +48,23 @@ class PlanRequest(BaseModel):
 
 @router.post("/plan")
 def plan(body: PlanRequest, store: StoreDep) -> dict:
-    """The plan (``workbench.plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
+    """The plan (``plan.Plan.to_dict``): ``fits``, ``knob``, ``peak_bytes``,
     ``steady_band_bytes``, ``host``, ``step_ms``, ``transfers`` (H2D bytes and block loads per
     steady step, resident and streamed blocks, where the loads come from), ``bound_ms``, the
     VRAM ``curve`` of one steady step and ``quant_error`` (with SquareQ on: the error table
     read from SquareQ's cache, or ``measured`` false and a ``reason``; never quantized inside
-    a request, ``workbench.plan.quant_error``).
+    a request, ``plan.quant_error``).
     With calibrations of the device and the preset's family (finished runs' measured figures),
     the median of their ratios within bounds is applied and ``calibration`` says from which
     runs and which ratios were refused (``backend.calibration.calibration_for``,
-    ``workbench.plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
+    ``plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
 
     Raises:
         Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
             (``preset.memory.stagehand.vram_high_watermark_mb``, ``device``).
     """
-    from workbench.plan import PlanInputError, plan_preset, profile
-    from workbench.plan.feedback import apply, family_of
+    from plan import PlanInputError, plan_preset, profile
+    from plan.feedback import apply, family_of
 
     try:
         vram = int(body.vram_gb * 2**30) if body.vram_gb else None

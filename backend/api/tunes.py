@@ -1,5 +1,5 @@
 """Tunes: the planner's candidates of limits within a VRAM budget, each run as a short trial
-through the ordinary run queue (``workbench/plan/tune.py``). One tune is one group: its trials are
+through the ordinary run queue (``plan/tune.py``). One tune is one group: its trials are
 runs with ``group_id`` = the tune's id (the runs list, Compare and the executors handle them as
 any run), cancelled together, and a chosen trial's limits are saved as a new preset."""
 
@@ -32,9 +32,9 @@ _FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
 
 def _propose(body: TuneCreate, config: dict[str, Any], store: Store) -> dict[str, Any]:
     """The planner's trials; its input errors as 422 naming the field."""
-    from workbench.plan import PlanInputError, profile
-    from workbench.plan.feedback import family_of
-    from workbench.plan.tune import propose
+    from plan import PlanInputError, profile
+    from plan.feedback import family_of
+    from plan.tune import propose
 
     try:
         dev = profile(body.device)
@@ -68,7 +68,7 @@ def _trial_figures(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
 def tune_public(store: Store, tune: dict[str, Any]) -> dict[str, Any]:
     """The tune with its trials (run, status, limits, predicted and measured figures) and the
     measured Pareto front (step time against peak, both lower is better) marked."""
-    from workbench.plan.tune import limits_text, pareto
+    from plan.tune import limits_text, pareto
 
     runs = {r["id"]: r for r in store.list_runs(group_id=tune["id"])}
     trials = []
@@ -150,7 +150,7 @@ def create_tune(
             message giving that minimum), an unknown device (``device``), a preset the planner
             cannot model (``preset.<path>``).
     """
-    from workbench.plan.tune import trial_overrides
+    from plan.tune import trial_overrides
 
     base = run_config(store, body.preset, body.overrides)
     check_run_assets(assets, base)
@@ -220,7 +220,7 @@ def save_preset(tune_id: TuneId, body: TunePreset, store: StoreDep) -> dict:
     base = tune["candidates"]["base_config"]
     config = validate_config(merge_overrides(base, {"memory": trial["memory"]}), "config")
     config["name"] = body.name
-    from workbench.plan.tune import limits_text
+    from plan.tune import limits_text
 
     description = (
         f"{tune['preset']} tuned by tune #{tune_id} within {tune['budget_mb']:g} MB on "

@@ -107,7 +107,7 @@ def _m006_run_ids(db: sqlite_utils.Database) -> None:
 
 
 def _m007_calibrations(db: sqlite_utils.Database) -> None:
-    # A finished run's measured figures next to its plan's (workbench/plan/feedback.py), kept
+    # A finished run's measured figures next to its plan's (plan/feedback.py), kept
     # under the device profile and family that later plans look them up by.
     db.execute(
         "CREATE TABLE calibrations (run_id INTEGER PRIMARY KEY, device TEXT NOT NULL,"

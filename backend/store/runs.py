@@ -158,7 +158,7 @@ class RunTables:
         ratios: dict,
         plan: dict,
     ) -> None:
-        """Store (or replace) the calibration of ``run_id`` (workbench/plan/feedback.py)."""
+        """Store (or replace) the calibration of ``run_id`` (plan/feedback.py)."""
         self.db.execute(
             "INSERT OR REPLACE INTO calibrations (run_id, device, family, created_at, predicted,"
             " measured, ratios, plan) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -174,7 +174,7 @@ class RunTables:
 
     def calibrations_of(self, device: str, family: str, limit: int) -> list[dict]:
         """The newest ``limit`` calibrations of ``device`` and ``family`` with a ratio, newest
-        first (``workbench.plan.feedback.combine`` takes their median)."""
+        first (``plan.feedback.combine`` takes their median)."""
         rows = self.db.execute_returning_dicts(
             "SELECT * FROM calibrations WHERE device = ? AND family = ? AND ratios != '{}'"
             " ORDER BY created_at DESC, run_id DESC LIMIT ?",

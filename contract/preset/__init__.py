@@ -8,7 +8,7 @@ trials); ``overrides``: a run's overrides applied to its preset (``apply_overrid
 server's run, scan and tune configs; a folder drops the preset's ``bound_fields``, null removes a
 key). Loading a preset by name, listing the built-in ones
 and validating a whole preset with every problem listed are the application's
-(``workbench.preset``).
+(``worker.preset``).
 """
 
 from contract.preset.errors import PresetError, field_error, field_errors, found_text

@@ -1,5 +1,5 @@
 """Overrides merged into a preset: the server's run and tune configs (``backend.presets``,
-``backend.api.tunes``) and the planner's candidate limits (``workbench.plan.tune``)."""
+``backend.api.tunes``) and the planner's candidate limits (``plan.tune``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The preset schema: every section of a run's JSON as a strict pydantic model (``Preset``),
-with its bounds and the rules between fields. Torch-free. See ``workbench/preset/__init__.py``.
+with its bounds and the rules between fields. Torch-free. See ``worker/preset/__init__.py``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ModelSection(_Strict):
     factory: Literal["flux", "sd3", "ltx", "unet"] | None = Field(
         None, json_schema_extra=_MODEL_BOUND
     )
-    """Build the model with ``workbench.assets.build_model(factory, size)`` instead of ``path``."""
+    """Build the model with ``worker.assets.build_model(factory, size)`` instead of ``path``."""
     size: Literal["tiny", "small", "large"] = Field("small", json_schema_extra=_MODEL_BOUND)
     pretrained: Literal["digits"] | None = Field(None, json_schema_extra=_MODEL_BOUND)
     """``digits``: the factory ``flux`` model and its VAE trained on the digits when the assets
@@ -127,7 +127,7 @@ class ModelSection(_Strict):
     """cuDNN's fused attention (an SDPA backend) on CUDA: ``auto`` turns it off where PyTorch
     makes it the default and it crashed a FLUX.1-dev LoRA step (torch >= 2.11 on sm90/sm100),
     ``on`` leaves PyTorch's choice, ``off`` turns it off (NOTE [ cuDNN SDPA guard ] in
-    ``stagehand/common/attention.py``). Applied once at the run's start, recorded in
+    ``runtime/common/attention.py``). Applied once at the run's start, recorded in
     ``trainer/run_started``."""
     expert: Literal["high_noise", "low_noise"] | None = None
     """Wan 2.2's two experts: which one a run trains (``transformer`` / ``transformer_2``),
@@ -193,7 +193,7 @@ class DataSection(_Strict):
     path: FolderPath | None = None
     """Folder of images + captions; for video, sub-folders of frames."""
     factory: Literal["digits"] | None = Field(None, json_schema_extra=_DATA_BOUND)
-    """``digits``: the factory's digits folder (``workbench.assets.build_digits``)."""
+    """``digits``: the factory's digits folder (``worker.assets.build_digits``)."""
     captions: str = "txt"
     """Extension of the caption file beside each image (``00001.png`` -> ``00001.txt``)."""
     default_caption: Text | None = None

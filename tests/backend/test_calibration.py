@@ -15,9 +15,9 @@ from backend.api.deps import get_calibrator
 from backend.calibration import Calibrator
 from backend.plan_cli import main as plan_main
 from backend.store import Store
-from workbench.plan import feedback
-from workbench.plan.feedback import predicted_figures
-from workbench.preset import load_preset
+from plan import feedback
+from plan.feedback import predicted_figures
+from worker.preset import load_preset
 
 GPU = {"device": "cuda:0", "device_name": "NVIDIA GeForce RTX 4090"}
 STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
@@ -26,7 +26,7 @@ STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
     (1.6, 0.25, 710.0, 41.0),
 ]
 """Figures a tiny-ci run on an RTX 4090 could measure: its plan predicts 1.54 MB, 0.18 ms per
-step, 41.6 MB pinned (ratios within workbench.plan.feedback.RATIO_BOUNDS)."""
+step, 41.6 MB pinned (ratios within plan.feedback.RATIO_BOUNDS)."""
 
 
 AUTO = {  # what the strategy writes when it resolves "auto" watermarks at build
@@ -111,7 +111,7 @@ def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_
     assert client.get(f"/api/runs/{run_id}/calibration").json() == cal
 
     out = client.post("/api/plan", json=body).json()
-    # One run: its ratios damped toward 1 (NOTE [ A lone ratio ] in workbench/plan/feedback.py).
+    # One run: its ratios damped toward 1 (NOTE [ A lone ratio ] in plan/feedback.py).
     r = {k: v ** (1 / 3) for k, v in cal["ratios"].items()}
     assert out["calibration"]["ratios"] == pytest.approx(r)
     assert out["calibration"]["medians"] == cal["ratios"]

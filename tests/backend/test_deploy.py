@@ -53,8 +53,6 @@ def test_bench_telemetry_is_dispatched_by_the_backend_cli(capsys):
         cli.main(["bench", "--telemetry", "--help"])
     assert stop.value.code == 0
     assert "Telemetry latency benchmark" in capsys.readouterr().out
-    code = (
-        "import sys, workbench.bench.cli; print(any(m.startswith('backend') for m in sys.modules))"
-    )
+    code = "import sys, bench.cli; print(any(m.startswith('backend') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

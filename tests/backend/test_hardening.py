@@ -286,7 +286,7 @@ def test_integer_live_limits_have_an_upper_bound_everywhere_they_are_set(client)
     config and ``/api/plan``."""
     import copy
 
-    from workbench.preset import load_preset
+    from worker.preset import load_preset
 
     _, preset = load_preset("tiny-ci")
     schemas = client.get("/openapi.json").json()["components"]["schemas"]

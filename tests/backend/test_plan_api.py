@@ -142,7 +142,7 @@ def test_plan_api_profile_overrides_are_bounded_and_finite(client, field):
 
 
 def test_profile_refuses_overrides_that_are_not_finite():
-    from workbench.plan import PlanInputError, profile
+    from plan import PlanInputError, profile
 
     for value in (float("nan"), float("inf"), 0.0):
         with pytest.raises(PlanInputError, match=r"^tflops must be a finite number > 0"):

@@ -11,8 +11,8 @@ import pytest
 
 from contract.preset import PRESETS_DIR
 from contract.preset.merge import merge_overrides
-from tests.stagehand.conftest import _device_double, _in_tmp_dir  # noqa: F401
-from workbench.assets import ENV_VAR
+from tests.runtime.conftest import _device_double, _in_tmp_dir  # noqa: F401
+from worker.assets import ENV_VAR
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -44,7 +44,7 @@ def test_vae_reconstructs_held_out_digits(demo):
     of the random VAE's error, and the latents the trainer caches have zero mean, unit variance."""
     from diffusers import AutoencoderKL
 
-    from workbench.assets.digits import digit_pixels
+    from worker.assets.digits import digit_pixels
 
     report = json.loads((demo / "demo.json").read_text())["vae"]
     assert report["random_held_out_mse"] > 0.3  # a random decoder: colour noise
@@ -63,8 +63,8 @@ def test_base_samples_follow_their_prompts(demo):
     (4 of 40) or more, and the same check on the random-initialised transformer is near chance."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-    from workbench.assets.digits import digit_pixels
-    from workbench.assets.models import instantiate
+    from worker.assets.digits import digit_pixels
+    from worker.assets.models import instantiate
 
     report = json.loads((demo / "demo.json").read_text())
     assert report["base"]["loss_last_10_mean"] < 0.8 * report["base"]["loss_first"]
@@ -85,7 +85,7 @@ def test_base_samples_follow_their_prompts(demo):
 
 
 def test_nearest_class_means_picks_the_digit():
-    from workbench.assets.digits import digit_pixels
+    from worker.assets.digits import digit_pixels
 
     images, labels = digit_pixels(16)
     pixels = torch.from_numpy(images).float().div(127.5).sub(1.0)[:, None]
@@ -106,7 +106,7 @@ def test_build_is_deterministic_and_a_second_call_is_a_no_op(tmp_path):
 
 
 def test_pretrained_is_for_the_flux_factory():
-    from workbench.preset import validate_preset
+    from worker.preset import validate_preset
 
     ok = validate_preset({"model": {"factory": "flux", "size": "tiny", "pretrained": "digits"}})
     assert ok.model.pretrained == "digits"

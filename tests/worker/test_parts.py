@@ -122,7 +122,7 @@ def test_gradient_checkpointing_is_verified_not_swallowed(tiny_flux, tiny_vae):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from workbench.preset import validate_preset
+    from worker.preset import validate_preset
 
     p = validate_preset(
         {

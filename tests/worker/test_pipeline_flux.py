@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.worker.conftest import stage1_steps
-from workbench.assets import ENV_VAR
+from worker.assets import ENV_VAR
 from worker.cli import main
 
 
@@ -121,7 +121,7 @@ def test_every_text_encoder_is_released_before_the_transformer_loads(
 
     from transformers import PreTrainedModel
 
-    from stagehand.strategy.base import MemoryStrategy
+    from runtime.strategy.base import MemoryStrategy
     from worker import loop
 
     def live() -> list:

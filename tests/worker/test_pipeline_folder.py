@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import save_file
 
 from contract.preset import MODEL_TYPES
-from workbench.preset import validate_preset
 from worker.pipelines import (
     PipelineFolderError,
     adapter_for,
@@ -18,6 +17,7 @@ from worker.pipelines import (
     inspect_preset,
 )
 from worker.pipelines.folder import safetensors_header, tensors_of, weight_files
+from worker.preset import validate_preset
 
 
 @pytest.fixture
@@ -246,7 +246,7 @@ def test_bad_input_through_workbench_train_is_the_error_record(
     flux_copy, wide_images, tmp_path, monkeypatch, pipe_io
 ):
     """The error reaches the run's last record, before anything is cached or trained."""
-    from workbench.assets import ENV_VAR
+    from worker.assets import ENV_VAR
     from worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
@@ -292,7 +292,7 @@ def test_a_header_length_past_the_file_is_named(flux_copy):
 def test_a_header_length_past_the_file_is_the_runs_error_record(
     flux_copy, wide_images, tmp_path, monkeypatch, pipe_io
 ):
-    from workbench.assets import ENV_VAR
+    from worker.assets import ENV_VAR
     from worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
@@ -309,7 +309,7 @@ def test_resolution_the_latent_patches_do_not_divide_is_named(
 ):
     """The error was only "flux packs 2x2 latent patches: latent h, w (25, 25) must be even",
     after the text encoders ran."""
-    from workbench.assets import ENV_VAR
+    from worker.assets import ENV_VAR
     from worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
@@ -338,7 +338,7 @@ def test_single_file_transformer_trains_streamed_from_its_converted_copy(
     changes the first loss), streamed from the copy converted into the cache."""
     from diffusers import FluxTransformer2DModel
 
-    from workbench.assets import ENV_VAR
+    from worker.assets import ENV_VAR
     from worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))

@@ -5,7 +5,7 @@ tiny LTX-2), recorded with its reason in ``trainer/run_started``; an explicit va
 import pytest
 
 from tests.worker.conftest import write_clip
-from workbench.assets import ENV_VAR
+from worker.assets import ENV_VAR
 from worker.cli import main
 from worker.clips import _frames, default_frames, frame_count
 from worker.scan import scan_folder

@@ -12,7 +12,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from workbench.assets import ENV_VAR
+from worker.assets import ENV_VAR
 from worker.cli import main
 from worker.outputs import COMFY_FILE
 

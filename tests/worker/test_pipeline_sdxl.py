@@ -146,7 +146,7 @@ def test_the_real_sdxl_unet_streams_its_seven_stages():
     count): the weight runtime streams its 3 down, 3 up and mid blocks, found from the model."""
     from diffusers import UNet2DConditionModel
 
-    from stagehand.weights.registry import find_blocks
+    from runtime.weights.registry import find_blocks
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(

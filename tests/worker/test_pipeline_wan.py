@@ -13,7 +13,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from workbench.assets import ENV_VAR
+from worker.assets import ENV_VAR
 from worker.cli import main
 from worker.outputs import COMFY_FILE
 
@@ -138,8 +138,8 @@ def test_wan22_trains_one_expert_in_its_sigma_range(
     from diffusers import WanPipeline
     from safetensors import safe_open
 
-    from workbench.preset import validate_preset
     from worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from worker.preset import validate_preset
 
     info = inspect_pipeline(wan22_pipeline_dir)
     assert info.experts == ["high_noise", "low_noise"]

@@ -94,7 +94,7 @@ def _one_encoder(
     should_stop, progress,
 ) -> dict[str, torch.Tensor] | None:  # fmt: skip
     """Run one encoder over ``texts`` in batches, then release it and its strategy."""
-    from stagehand.strategy import build_strategy
+    from runtime.strategy import build_strategy
 
     encoder = load_component(family.root, name, dtype).eval()
     strategy = None

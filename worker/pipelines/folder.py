@@ -4,7 +4,7 @@ A pipeline folder is what ``save_pretrained`` writes (and the Hub serves): ``mod
 naming the pipeline class and, per component, ``[library, class]``; one sub-folder per
 component. ``inspect_pipeline`` reads only JSON and safetensors headers (no weights), so it is
 cheap enough for the New run page: each component's class, parameter count and dtype, and the
-blocks the weight runtime will stream (found by ``stagehand.weights.registry.find_blocks`` on the
+blocks the weight runtime will stream (found by ``runtime.weights.registry.find_blocks`` on the
 transformer built on the meta device from its config) with their sizes in bytes.
 
 Every problem raises ``PipelineFolderError`` naming the file, the field and what was expected.
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagehand.common.safetensors_header import SafetensorsHeaderError, read_header
+from runtime.common.safetensors_header import SafetensorsHeaderError, read_header
 
 PIPELINE_FAMILIES: dict[str, str] = {
     "FluxPipeline": "flux",
@@ -105,7 +105,7 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
     Raises:
         PipelineFolderError: the file cannot be read, or its header does not describe it
-            (``stagehand.common.safetensors_header``: a length past the file's end, not JSON,
+            (``runtime.common.safetensors_header``: a length past the file's end, not JSON,
             ranges that do not tile the data); names the file.
     """
     try:
@@ -258,7 +258,7 @@ def find_streamed_blocks(
     import diffusers
     import torch
 
-    from stagehand.weights.registry import find_blocks
+    from runtime.weights.registry import find_blocks
 
     name = denoiser(root, index)
     config = read_json(root / name / "config.json", f"the {name}'s config")
@@ -296,7 +296,7 @@ def inspect_pipeline(
     """Inspect the pipeline folder ``path`` (see the module doc).
 
     ``model_type``: the preset's explicit ``model_type`` (None when unset), checked against the
-    folder's family with ``aliases`` (``workbench.preset.MODEL_TYPES``).
+    folder's family with ``aliases`` (``worker.preset.MODEL_TYPES``).
 
     Raises:
         PipelineFolderError: naming the file and field at fault and what was expected.

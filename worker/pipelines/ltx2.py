@@ -267,7 +267,7 @@ class LTX2PipelineFamily(PipelineFamily):
         """The transformer's keyword arguments for latents ``x_t`` (B, C, F, H, W) at ``sigma``
         (B,) with ``text`` (``hidden`` (B, T, Dv + Da), ``mask`` (B, T)), the VAE compressing
         ``temporal`` frames into one after the first: what ``predict`` calls the transformer
-        with, and what the planner (``workbench.plan.reference``) measures on ``meta``."""
+        with, and what the planner (``plan.reference``) measures on ``meta``."""
         pipe = self.pipeline_cls()
         cfg = model.config
         b, c, f, h, w = x_t.shape

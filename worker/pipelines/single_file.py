@@ -7,7 +7,7 @@ A file of ordinary precision is loaded with diffusers' ``from_single_file`` agai
 folder's ``transformer/config.json`` and saved. A file whose weights are 8 bits (ComfyUI's fp8
 files: ``float8_e4m3fn`` weights with a ``<layer>.scale_weight`` per tensor, or a per-row
 ``<layer>.weight_scale``, or none) is, with SquareQ on, converted without touching its codes
-(``convert_prequantized``) and then streams as stored (``stagehand/squareq/prequantized.py``).
+(``convert_prequantized``) and then streams as stored (``runtime/squareq/prequantized.py``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-from stagehand.squareq.formats import dequantize
-from stagehand.squareq.prequantized import (
+from runtime.squareq.formats import dequantize
+from runtime.squareq.prequantized import (
     EIGHT_BIT,
     SCALE_SUFFIXES,
     PrequantizedCheckpointError,
     check_weight,
     row_scales,
 )
-from stagehand.weights.sources import DTYPES
+from runtime.weights.sources import DTYPES
 from worker.encode import cache_key
 from worker.pipelines.folder import (
     DENOISERS,

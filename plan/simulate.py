@@ -1,0 +1,441 @@
+"""Discrete-event simulation of training steps under the weight runtime's own schedule.
+
+The simulation walks the use order the weight runtime traces (NOTE [ Block trace ]: forward
+blocks in order, then their backward in reverse; a checkpoint recomputation is part of its
+block's backward use) through a real ``BlockScheduler`` and the runtime's own prefetch and
+eviction policy (``prefetch``, ``make_room``, ``release_after_use`` in
+``runtime/weights/policy.py``), and the activation runtime's spill decision
+(``ActivationBudgetManager.pressure``, hysteresis included) against a simulated
+``DeviceMemory`` reading. What it adds is the clock: compute from FLOPs at the
+profile's TFLOPs times an efficiency, H2D copies at the profile's bandwidth on one copy engine
+with ``max_inflight_transfers`` slots and the pool's slabs, synchronous on a CPU device.
+
+# NOTE [ Where a load's bytes come from ]
+On a GPU a block load is one of (``StepResult.loads_by_source``):
+
+- ``host_cache``: the block has a pinned image in the host cache (``runtime/weights/host_cache.py``:
+  a file-backed frozen block's image is made by its first load while the cache's budget holds;
+  module-backed blocks are registered at set-up): one H2D copy at ``h2d_gbps``;
+- ``page_cache`` / ``disk``: a file-backed block without an image is read by the reader threads
+  into a pinned slab, then copied: two stages, the reads on their own timeline at
+  ``read_gbps`` (the page cache, the default) or ``disk_gbps`` (``--disk-gbps``: the files come
+  from storage), each copy starting when its read is done and the copy engine is free. Reads of
+  later blocks overlap earlier copies, so a long run of loads goes at the slower of the two.
+
+The plan's ``source_mode`` names the mode of the steady step's loads. A CPU device keeps its
+calibrated model (one synchronous copy, plus ``disk_gbps`` per file-backed byte).
+
+Device bytes follow the runtime's accounting: resident bytes, the buffers of loaded blocks, and
+activations. On a CPU device (``tracked``) activations count only when the activation runtime
+keeps them (it is what tracks them); on a GPU every kept activation is in VRAM.
+
+Layer offload (``memory.strategy: "layer_offload"``) runs the same walk with the layer-offload
+runtime's own policy: its settings (``section_for``: slab, pool, window, watermarks, the
+activation runtime's), its resident set (``resident_count``: the first blocks, never evicted)
+and its fixed layer order (``LayerOrderScheduler``, no trace step); a checkpointed layer saves
+the tensors its wrapper passes as checkpoint inputs (``BlockInfo.checkpoint_inputs``).
+
+Not modelled: the Conductor's grants (its slots only delay prefetch), the CUDA allocator's
+fragmentation and workspaces (the peak is of allocated bytes), the time of activation spills
+and restores on a GPU (their side-stream copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from contract.config import MB, MemoryConfig
+from plan.inventory import BlockInfo, Inventory
+from plan.profiles import DeviceProfile
+from plan.sections import weight_section
+from plan.sources import host_cache_budget
+from runtime.activations.budget import ActivationBudgetManager
+from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
+from runtime.weights.policy import make_room, prefetch, release_after_use, room_for_use
+from runtime.weights.scheduler import BlockScheduler
+
+
+class _Memory:
+    """The ``DeviceMemory`` face the activation budget reads (tracked bytes)."""
+
+    is_cuda = False
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def usage_bytes(self) -> int:
+        return self.used
+
+
+@dataclass
+class _Block:
+    index: int
+    info: BlockInfo
+    on_device: bool = False
+    ready_at: float = 0.0
+    prefetched: bool = False
+    resident: bool = False
+    cached: bool = False
+    """Has a pinned image in the host cache (NOTE [ Where a load's bytes come from ])."""
+
+    staged: int = 0
+    """Bytes staged, cached and copied per load: the 8-bit image with SquareQ, else ``nbytes``."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+
+@dataclass
+class StepResult:
+    """One simulated step. Times in ms, bytes in bytes."""
+
+    step_ms: float = 0.0
+    compute_ms: float = 0.0
+    h2d_ms: float = 0.0
+    exposed_h2d_ms: float = 0.0
+    stall_ms: float = 0.0
+    spill_ms: float = 0.0
+    """Host time of activation spills and restores (a CPU device only)."""
+    peak_bytes: int = 0
+    low_bytes: int = 1 << 62
+    """Lowest usage between the step's first and last block use (the band's floor)."""
+    blocks_loaded: int = 0
+    misses: int = 0
+    """Uses that found their block not loaded: a demand load (the runtime's prefetch misses)."""
+    waits: int = 0
+    """Uses whose block was still in flight: the host waited on its copy (``stall_ms``)."""
+    h2d_bytes: int = 0
+    spilled_bytes: int = 0
+    loads_by_source: dict[str, int] = field(default_factory=dict)
+    """Block loads per source (NOTE [ Where a load's bytes come from ]; ``tracked`` on CPU)."""
+    read_bytes: int = 0
+    """Bytes the reader threads read from files (page cache or disk) into slabs."""
+    streamed_blocks: int = 0
+    """Distinct blocks loaded in the step; the others stayed on the device through it."""
+    resident_block_bytes: int = 0
+    """Bytes of the blocks on the device through the whole step (never loaded in it)."""
+    curve: list[tuple[float, int, str]] = field(default_factory=list)
+    """``(t_ms, device bytes, event)`` at every change."""
+
+
+class Simulation:
+    """One model, one memory section, one device profile (see the module docstring)."""
+
+    def __init__(
+        self, inv: Inventory, memory: MemoryConfig, profile: DeviceProfile, *, efficiency: float
+    ) -> None:
+        self.inv, self.memory, self.profile = inv, memory, profile
+        self.eff = efficiency
+        self.tracked = profile.tracked
+        self.mem = _Memory()
+        self.layer_offload = memory.strategy == "layer_offload"
+        sh = weight_section(inv, memory, profile)
+        self.streaming = (
+            self.layer_offload or memory.strategy == "stagehand" and sh.weight_streaming
+        )
+        self.gc = memory.gradient_checkpointing
+        act = sh.activation_stagehand if sh is not None else None
+        # Layer offload always builds the activation runtime (a training step).
+        self.act = act if act is not None and (act.enabled or self.layer_offload) else None
+        squareq = memory.squareq_format() is not None
+        self.blocks = [
+            _Block(i, b, staged=b.image_bytes if squareq else b.nbytes)
+            for i, b in enumerate(inv.blocks)
+        ]
+        if self.layer_offload:
+            n = len(self.blocks)
+            for block in self.blocks[: resident_count(memory.layer_offload_fraction, n)]:
+                block.resident = block.on_device = True
+            self.scheduler = LayerOrderScheduler(n, sh.prefetch_window_blocks, training=True)
+        elif self.streaming:
+            self.scheduler = BlockScheduler(sh.prefetch_window_blocks)
+        if self.streaming:
+            self.high, self.low = sh.vram_high_watermark_mb * MB, sh.vram_low_watermark_mb * MB
+            self.max_inflight = sh.max_inflight_transfers
+            self.slab_bytes = sh.pinned_slab_mb * MB
+            self.slabs = sh.pinned_pool_mb // sh.pinned_slab_mb
+            self.file_backed = sh.file_backed
+            self.cache_left = host_cache_budget(inv, memory, profile)
+            if not self.file_backed and not self.tracked:  # registered at set-up
+                for block in self.blocks:
+                    block.cached = block.info.frozen and self._take_image(block)
+        self.read_free = 0.0
+        self.budget = None
+        if self.act is not None:
+            self.budget = ActivationBudgetManager(
+                self.mem, self.act.vram_high_watermark_mb, self.act.vram_low_watermark_mb
+            )
+        self.count_acts = self.act is not None or not self.tracked or not self.streaming
+        # A non-reentrant checkpoint's recomputation saves its tensors through its own
+        # (innermost) saved-tensor hooks: no runtime sees them, so on CPU nothing tracks them;
+        # on a GPU they are in VRAM until the block's backward ends.
+        self.count_recompute = not self.tracked
+        self.active: set[int] = set()
+        self.copies: list[tuple[float, bool]] = []  # (done at, holds a slab)
+        self.h2d_free = 0.0
+        self.now = 0.0
+        self.acts: dict[Any, int] = {}  # segment -> kept bytes on the device
+        self.spilled: dict[Any, list[int]] = {}  # segment -> sizes on the host
+
+    # -- bytes ------------------------------------------------------------------------------------
+    def _add(self, nbytes: int, label: str) -> None:
+        self.mem.used += nbytes
+        r = self.result
+        r.peak_bytes = max(r.peak_bytes, self.mem.used)
+        r.curve.append((round(self.now, 4), self.mem.used, label))
+
+    # -- weights ----------------------------------------------------------------------------------
+    def _evict(self, block: _Block) -> None:
+        block.on_device = block.prefetched = False
+        self._add(-block.nbytes, f"evict {block.info.name}")
+
+    def _take_image(self, block: _Block) -> bool:
+        if not block.info.frozen or block.staged > self.cache_left:
+            return False
+        self.cache_left -= block.staged
+        return True
+
+    def _source(self, block: _Block) -> str:
+        if self.tracked:
+            return "tracked"
+        if block.cached or not self.file_backed:
+            return "host_cache"
+        return "disk" if self.profile.disk_gbps else "page_cache"
+
+    def _copy_ms(self, block: _Block) -> float:
+        p = self.profile
+        ms = block.staged / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
+        if self.file_backed and p.disk_gbps:
+            ms += block.staged / (p.disk_gbps * 1e9) * 1e3
+        return ms
+
+    def _load(self, block: _Block, speculative: bool) -> bool:
+        self.copies = [c for c in self.copies if c[0] > self.now]
+        if speculative and len(self.copies) >= self.max_inflight:
+            return False
+        slab = block.staged <= self.slab_bytes
+        if speculative and slab and sum(1 for c in self.copies if c[1]) >= self.slabs:
+            return False
+        r = self.result
+        source = self._source(block)
+        r.loads_by_source[source] = r.loads_by_source.get(source, 0) + 1
+        r.h2d_bytes += block.staged
+        r.blocks_loaded += 1
+        self.loaded.add(block.index)
+        if self.profile.synchronous_copies:
+            # A CPU "device": the copy runs on the host, in line with compute.
+            ms = self._copy_ms(block)
+            r.h2d_ms += ms
+            self.now += ms
+            r.exposed_h2d_ms += ms
+            block.ready_at = self.now
+        else:
+            p = self.profile
+            start = self.now
+            if source in ("page_cache", "disk"):  # read into a slab first (the NOTE)
+                rate = p.disk_gbps if source == "disk" else p.read_gbps
+                start = max(start, self.read_free) + block.staged / (rate * 1e9) * 1e3
+                self.read_free = start
+                r.read_bytes += block.staged
+                block.cached = self._take_image(block)
+            ms = block.staged / (p.h2d_gbps * 1e9) * 1e3 + p.load_us * 1e-3
+            r.h2d_ms += ms
+            self.h2d_free = block.ready_at = max(start, self.h2d_free) + ms
+            self.copies.append((block.ready_at, slab))
+        block.on_device = True
+        self._add(block.nbytes, f"load {block.info.name}")
+        return True
+
+    def _prefetch(self) -> None:
+        prefetch(self.scheduler, self.blocks, self._make_room, self._load_ahead)
+
+    def _make_room(self, block: _Block) -> bool:
+        usage = self.mem.usage_bytes
+        return make_room(
+            self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
+        )
+
+    def _load_ahead(self, block: _Block) -> bool:
+        if not self._load(block, speculative=True):
+            return False
+        block.prefetched = True
+        return True
+
+    def _use(self, block: _Block) -> None:
+        self.scheduler.record_use(block.index)
+        self.active.add(block.index)
+        if not block.on_device:
+            self.result.misses += 1
+            usage = self.mem.usage_bytes
+            room_for_use(
+                self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
+            )
+            self._load(block, speculative=False)
+        if block.ready_at > self.now:
+            self.result.waits += 1
+            self.result.stall_ms += block.ready_at - self.now
+            self.result.exposed_h2d_ms += block.ready_at - self.now
+            self.now = block.ready_at
+        self._prefetch()
+
+    def _done(self, block: _Block) -> None:
+        self.active.discard(block.index)
+        usage = self.mem.usage_bytes
+        release_after_use(
+            self.scheduler, self.blocks, self.active, self.high, self.low, usage, self._evict
+        )
+        self._prefetch()
+
+    # -- activations ------------------------------------------------------------------------------
+    def _save(self, segment: Any, sizes: list[int]) -> None:
+        if not self.count_acts:
+            return
+        kept = 0
+        spilled: list[int] = []
+        for nbytes in sizes:
+            if (
+                self.budget is not None
+                and self.budget.pressure(nbytes)
+                and nbytes >= self.act.min_spill_bytes
+            ):
+                spilled.append(nbytes)
+            else:
+                kept += nbytes
+                self.mem.used += nbytes  # the budget reads usage per saved tensor
+        self.mem.used -= kept
+        self.acts[segment] = self.acts.get(segment, 0) + kept
+        self.spilled[segment] = self.spilled.get(segment, []) + spilled
+        self.result.spilled_bytes += sum(spilled)
+        self._spill_time(spilled)
+        if kept:
+            self._add(kept, f"save {segment}")
+
+    def _spill_time(self, sizes: list[int]) -> None:
+        # A CPU device copies on the host, in line: each spill (and later its restore) is a
+        # copy through the pool plus a few operations' bookkeeping. On a GPU the copies run on
+        # the side streams under the transfer caps and are not modelled (NOTE in the docstring).
+        p = self.profile
+        if p.synchronous_copies and sizes:
+            ms = sum(sizes) / (p.h2d_gbps * 1e9) * 1e3 + len(sizes) * 4 * p.op_us * 1e-3
+            self.now += ms
+            self.result.spill_ms += ms
+
+    def _restore(self, segment: Any) -> None:
+        # Backward restores a block's spilled tensors in reverse pack order, each freed once
+        # used: at most the one in use plus ``restore_ahead`` (predictive) are on the device.
+        sizes = self.spilled.pop(segment, [])[::-1]
+        self._spill_time(sizes)
+        k = 1 + (self.act.restore_ahead if self.act.predictive_restore else 0) if sizes else 0
+        window = max((sum(sizes[i : i + k]) for i in range(len(sizes))), default=0)
+        if window:
+            self.acts[segment] = self.acts.get(segment, 0) + window
+            self._add(window, f"restore {segment}")
+
+    def _free(self, segment: Any) -> None:
+        nbytes = self.acts.pop(segment, 0)
+        if nbytes:
+            self._add(-nbytes, f"free {segment}")
+
+    def _compute(self, flops: float, ops: float = 0, moved: float = 0) -> None:
+        p = self.profile
+        ms = flops / (p.tflops * 1e12 * self.eff) * 1e3 + ops * p.op_us * 1e-3
+        if p.mem_gbps:
+            ms += moved / (p.mem_gbps * 1e9) * 1e3
+        self.now += ms
+        self.result.compute_ms += ms
+
+    def _forward_saved(self, info: BlockInfo) -> list[int]:
+        """The sizes of what the block's forward saves for backward: its checkpoint inputs when
+        checkpointed (layer offload's wrapper: the tensors it passes positionally; diffusers'
+        checkpointing: the block's tensor arguments), else every saved activation."""
+        if not self.gc:
+            return info.saved
+        return info.checkpoint_inputs if self.layer_offload else [info.input_bytes]
+
+    # Each pass reads the block's weights once (its GEMMs' weight operands): with few tokens
+    # that, not the FLOPs, bounds a matrix product.
+    def _forward(self, info: BlockInfo) -> None:
+        self._compute(info.forward_flops, info.forward_ops, info.forward_moved + info.nbytes)
+
+    def _backward(self, info: BlockInfo) -> None:
+        f, o, m = self.inv.backward_ratio
+        moved = info.forward_moved * m + info.nbytes
+        self._compute(info.forward_flops * f, info.forward_ops * o, moved)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Simulate one step; the scheduler's trace carries over to the next call."""
+        self.result = r = StepResult()
+        self.loaded: set[int] = set()
+        on_device = {b.index for b in self.blocks if b.on_device}
+        t0 = self.now
+        if self.budget is not None:
+            self.budget.reset()
+        r.curve.append((0.0, self.mem.used, "step"))
+        inv = self.inv
+        self._save("pre", inv.saved_pre)
+        r_f, r_o, r_m = inv.backward_ratio
+        outside = (inv.outside_flops / 2, inv.outside_ops / 2, inv.outside_moved / 2)
+        self._compute(*outside)
+        first_use = self.now
+        for block in self.blocks:  # forward
+            if self.streaming:
+                self._use(block)
+            self._forward(block.info)
+            self._save(block.index, self._forward_saved(block.info))
+            if self.streaming:
+                self._done(block)
+        self._save("post", inv.saved_post)
+        self._compute(*outside)
+        self._compute(outside[0] * 2 * r_f, outside[1] * 2 * r_o, outside[2] * 2 * r_m)
+        self._free("post")
+        for block in reversed(self.blocks):  # backward (a recomputation is part of the use)
+            if self.streaming:
+                self._use(block)
+            self._restore(block.index)
+            if self.gc:
+                self._forward(block.info)
+                if self.count_recompute:  # saved in backward, needed at once: kept
+                    self._add(block.info.saved_bytes, f"recompute {block.info.name}")
+            self._backward(block.info)
+            if self.gc and self.count_recompute:
+                self._add(-block.info.saved_bytes, f"backward {block.info.name}")
+            self._free(block.index)
+            if self.streaming:
+                self._done(block)
+        last_use = self.now
+        self._free("pre")
+        if self.streaming:
+            self.scheduler.end_step()
+            self._prefetch()
+        r.step_ms = self.now - t0
+        if self.streaming:
+            r.streamed_blocks = len(self.loaded)
+            stayed = on_device - self.loaded
+            r.resident_block_bytes = sum(self.blocks[i].nbytes for i in stayed)
+        band = [b for t, b, _ in r.curve[1:] if first_use <= t <= last_use]
+        r.low_bytes = min(band, default=self.mem.used)
+        return r
+
+    def run(self, steps: int = 3) -> list[StepResult]:
+        """Steps from a cold start: step 0 traces (every block a demand load), the rest follow
+        the trace; the last is the steady state. Curve times are relative to each step."""
+        inv = self.inv
+        self.mem.used = inv.resident_bytes if self.streaming else inv.param_bytes
+        self.mem.used += sum(b.nbytes for b in self.blocks if b.resident)
+        if not self.tracked or not self.streaming:
+            # LoRA gradients and AdamW's two moments live on the device from the first step on
+            # (tracked on CPU only when a streamed block holds them: not with a resident LoRA).
+            self.mem.used += inv.lora_bytes + inv.optimizer_bytes
+        out = []
+        for _ in range(steps):
+            start = self.now
+            result = self.step()
+            result.curve = [
+                (round(t - start, 4) if i else 0.0, b, e)
+                for i, (t, b, e) in enumerate(result.curve)
+            ]
+            out.append(result)
+        return out

@@ -1,0 +1,72 @@
+"""``build_strategy``: the preset's ``memory`` section to a strategy object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from contract.config import MemoryConfig
+from runtime.common.device import own_storage
+from runtime.common.telemetry import Telemetry
+from runtime.strategy.base import MemoryStrategy
+
+
+def build_strategy(
+    model: torch.nn.Module,
+    memory: MemoryConfig | dict,
+    *,
+    device: torch.device | str,
+    telemetry: Telemetry | None = None,
+    checkpoint_dir: str | Path | None = None,
+    mode: str = "training",
+) -> MemoryStrategy:
+    """The strategy named by ``memory.strategy`` for ``model``.
+
+    - ``"none"``: ``MemoryStrategy``, the plain model (the baseline), moved to ``device`` with
+      its weights in ordinary allocations (``own_storage``).
+    - ``"stagehand"``: ``StagehandStrategy`` (weight streaming, activation spill and the
+      Conductor, each as ``memory.stagehand`` says: ``weight_streaming: false`` gives activation
+      spill alone).
+    - ``"layer_offload"``: ``LayerOffloadStrategy`` (the first ``(1 - layer_offload_fraction)
+      x N`` blocks resident, the rest loaded before and evicted after each layer, checkpointed
+      layers with activations moved to the host between them; ``runtime/layer_offload``,
+      ``runtime.strategy.layer_offload``).
+
+    ``checkpoint_dir`` is the model's safetensors folder (sharded or not); with it, frozen block
+    weights stream from the files (file-backed) instead of being kept in host RAM.
+    ``mode`` is ``"training"`` or ``"inference"`` (stage-1 text encoding).
+
+    Raises:
+        pydantic.ValidationError: ``memory`` is not a valid memory section.
+        ValueError: bad ``mode`` or a set-up error of a runtime (naming the field).
+        NotImplementedError: the strategy is not available in this build.
+    """
+    if not isinstance(memory, MemoryConfig):
+        memory = MemoryConfig.model_validate(memory)
+    if memory.strategy == "none":
+        own_storage(model, device)  # NOTE [ Exact numbers ] in runtime/__init__.py
+        return MemoryStrategy(model, device=device, telemetry=telemetry)
+    if memory.strategy == "stagehand":
+        from runtime.strategy.composed import StagehandStrategy
+
+        return StagehandStrategy(
+            model,
+            memory.stagehand,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=checkpoint_dir,
+            mode=mode,
+        )
+    if memory.strategy == "layer_offload":
+        from runtime.strategy.layer_offload import LayerOffloadStrategy
+
+        return LayerOffloadStrategy(
+            model,
+            memory,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=checkpoint_dir,
+            mode=mode,
+        )
+    raise NotImplementedError(f"memory.strategy {memory.strategy!r} is not built yet")

@@ -1,0 +1,42 @@
+"""Weight streaming (Stagehand): a model's repeated blocks visit the compute device one at a
+time through a pinned host pool, traced, prefetched and evicted.
+
+Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+"""
+
+from runtime.weights.errors import (
+    BlockDiscoveryError,
+    BlockStateError,
+    BlockTooLargeError,
+    ParameterMismatchError,
+    PoolConfigError,
+    SlabTimeoutError,
+    StagehandError,
+    StagehandSetupError,
+    UnmatchedParameterError,
+)
+from runtime.weights.pool import PinnedPool
+from runtime.weights.registry import Block, BlockState, find_blocks
+from runtime.weights.runtime import WeightRuntime
+from runtime.weights.scheduler import BlockScheduler
+from runtime.weights.sources import SafetensorsCheckpoint, checkpoint_key
+
+__all__ = [
+    "Block",
+    "BlockDiscoveryError",
+    "BlockScheduler",
+    "BlockState",
+    "BlockStateError",
+    "BlockTooLargeError",
+    "ParameterMismatchError",
+    "PinnedPool",
+    "PoolConfigError",
+    "SafetensorsCheckpoint",
+    "SlabTimeoutError",
+    "StagehandError",
+    "WeightRuntime",
+    "StagehandSetupError",
+    "UnmatchedParameterError",
+    "checkpoint_key",
+    "find_blocks",
+]

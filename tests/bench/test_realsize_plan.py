@@ -1,0 +1,94 @@
+"""The plan and the real-size rows choose the same residency: one resolution of ``"auto"``
+(the planner's activation estimate included) and, on the CPU, a tiny row that moves what the
+planner's simulation of its section predicts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from bench.cli import main
+from bench.realmodel import (
+    REAL_MODELS,
+    card_section,
+    model_inventory,
+    preset_memory,
+    section_scale,
+)
+from bench.realsize import row_memory
+from contract.config import MB
+from plan.plan import auto_figures, check_memory
+from plan.profiles import profile
+from plan.sections import block_sizes, plan_trainable_bytes, weight_section
+from runtime.strategy.auto import resolve_auto
+
+CARD = 24 * 2**30  # --card-gb 24 and --vram-gb 24: both GiB
+
+
+def test_the_plan_and_a_card_row_resolve_auto_to_the_same_watermarks():
+    """FLUX.1-dev's real config on a 24 GiB card: ``workbench plan --device h100 --vram-gb 24
+    --h2d-gbps 55`` and the bench's ``--card-gb 24`` rows resolve ``"auto"`` alike. Before,
+    the bench passed an activation peak of 0 and kept ~2 GB more blocks than the plan."""
+    spec = REAL_MODELS["flux-dev"]
+    memory = check_memory(preset_memory(spec.preset))
+    inv = model_inventory("flux-dev", "real")
+    h100 = replace(profile("h100"), vram_bytes=CARD, h2d_gbps=55.0)
+    planned = weight_section(inv, memory, h100)  # what the plan simulates
+    for name in ("stream_file", "preset"):
+        row = row_memory(name, "flux-dev", "real", card_bytes=CARD)["stagehand"]
+        assert row["vram_high_watermark_mb"] == pytest.approx(planned.vram_high_watermark_mb)
+        assert row["vram_low_watermark_mb"] == pytest.approx(planned.vram_low_watermark_mb)
+    preset = row_memory("preset", "flux-dev", "real", card_bytes=CARD)["stagehand"]
+    act, cond = planned.activation_stagehand, planned.conductor_config
+    assert preset["activation_stagehand"]["vram_high_watermark_mb"] == pytest.approx(
+        act.vram_high_watermark_mb
+    )
+    assert preset["conductor_config"]["vram_soft_cap_mb"] == pytest.approx(cond.vram_soft_cap_mb)
+    # The plan's own report of the figures, and the activation estimate really is in them:
+    # the rule without it keeps exactly the estimate's bytes more.
+    figures = auto_figures(inv, memory, h100)
+    assert figures["high_mb"] == round(planned.vram_high_watermark_mb, 1)
+    assert figures["activation_peak_bytes"] > 10**9  # 1024 px, checkpointed: ~2.1 GB
+    zero = resolve_auto(
+        memory.stagehand,
+        block_sizes=block_sizes(inv),
+        trainable=plan_trainable_bytes(inv),
+        activation_peak=0,
+        card_bytes=CARD,
+    )
+    gap = zero.vram_high_watermark_mb - planned.vram_high_watermark_mb
+    assert gap == pytest.approx(figures["activation_peak_bytes"] / MB)
+
+
+def test_a_tiny_card_row_moves_what_the_plan_predicts(tmp_path):
+    """``--size tiny --device cpu --card-gb 24 --only stream_file``: the row runs the section
+    the planner resolves for the real model (scaled to the tiny blocks) and its measured step
+    (the third: warm-up 2) has the blocks on the device, loads, H2D bytes and misses the
+    planner's simulation of that section on the tiny model predicts for the same step."""
+    out = tmp_path / "card.json"
+    argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
+    argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
+    assert main([*argv, "--card-gb", "24", "--only", "stream_file"]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    row, plan = rows["stream_file"], rows["stream_file"]["plan"]
+    spec = REAL_MODELS["flux-dev"]
+    real = card_section(spec, preset_memory(spec.preset), CARD)["stagehand"]
+    scale = section_scale(spec, "tiny")
+    section = row["memory_config"]["stagehand"]
+    assert section["vram_high_watermark_mb"] == pytest.approx(
+        real["vram_high_watermark_mb"] * scale
+    )
+    assert plan["watermarks_mb"] == [
+        round(section["vram_high_watermark_mb"], 3),
+        round(section["vram_low_watermark_mb"], 3),
+    ]
+    c = row["counters"]
+    assert 0 < c["blocks_loaded"] < 110 and 0 < c["resident_blocks"] < 57  # not vacuous
+    assert c["blocks_loaded"] == plan["block_loads_per_step"]
+    assert row["h2d_bytes_per_step"] == plan["h2d_bytes_per_step"]
+    assert c["resident_blocks"] == plan["on_device_blocks"]
+    assert c["prefetch_misses"] == plan["misses_per_step"] == 0
+    assert plan["streamed_blocks"] + plan["resident_blocks"] == 57 and plan["step_ms"] > 0
+    assert rows["resident"]["plan"]["block_loads_per_step"] == 0

@@ -1,0 +1,99 @@
+"""SquareQ on CUDA (skipped without it; ``./dev gpu-check tests`` runs it on a lent GPU): the
+image's H2D copy and its dequantization run on the transfer stream, the compute stream waits on
+the load's event, nothing waits on the host, and the numbers equal the dequantized model's."""
+
+import pytest
+import torch
+
+from runtime.common import ListSink, Telemetry
+from runtime.squareq.runtime import dequantized_in_place
+from runtime.weights import WeightRuntime, find_blocks
+from tests.runtime.weights._train import Wide, config, make_model
+from worker.assets import example_inputs, output_tensor
+
+pytestmark = pytest.mark.gpu
+
+
+def _train_cuda(model, runtime=None, steps=3):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], []
+    for step in range(steps):
+        inputs = example_inputs(model, seed=step, device="cuda")
+        with runtime.managed_forward() if runtime else torch.enable_grad():
+            loss = output_tensor(model(**inputs)).pow(2).mean()
+        with runtime.managed_backward() if runtime else torch.enable_grad():
+            loss.backward()
+        losses.append(loss.item())
+        grads.append(
+            {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        )
+        with runtime.optimizer_context(opt) if runtime else torch.enable_grad():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_squareq_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    reference = make_model("flux", tiny_flux).to(dtype)
+    dequantized_in_place([m for _, m in find_blocks(reference)], fmt)
+    loss_a, grads_a = _train_cuda(reference.cuda())
+    model = make_model("flux", tiny_flux).to(dtype)
+    squareq = {"format": fmt, "cache_dir": str(tmp_path)}
+    runtime = WeightRuntime(model, config(squareq=squareq), device="cuda", checkpoint_dir=tiny_flux)
+    loss_b, grads_b = _train_cuda(model, runtime)
+    assert loss_a == loss_b
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), name
+    runtime.close()
+
+
+def test_dequant_on_the_copy_stream_without_host_syncs(tmp_path):
+    """Module-backed frozen blocks in 8 bits (page-locked images): two forwards under
+    ``set_sync_debug_mode("error")``; dequantization kernels ran (bytes and CUDA event time in
+    the ``squareq/step`` record) and the output equals the dequantized model's."""
+    torch.manual_seed(0)
+    model = Wide().requires_grad_(False)
+    reference = Wide().requires_grad_(False)
+    reference.load_state_dict(model.state_dict())
+    dequantized_in_place(list(reference.blocks), "int8")
+    reference.cuda()
+    sink = ListSink()
+    runtime = WeightRuntime(
+        model,
+        config(
+            pinned_pool_mb=8 * 33,
+            pinned_slab_mb=33,  # a 16 MB 8-bit image (64 MB in fp32) in one slab
+            max_inflight_transfers=4,
+            prefetch_window_blocks=2,
+            vram_high_watermark_mb=20000,
+            vram_low_watermark_mb=0,
+            squareq={"format": "int8", "cache_dir": str(tmp_path)},
+        ),
+        device="cuda",
+        telemetry=Telemetry(sink),
+        mode="inference",
+    )
+    assert all(b.image is not None for b in runtime.blocks)
+    x = torch.randn(4096, 2048, device="cuda")
+    with torch.no_grad():
+        expected = reference(x)
+        model(x)  # trace step
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host sync in the hot path raises
+        try:
+            got = model(x)
+            model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    runtime.end_step()
+    assert torch.equal(got, expected)
+    records = sink.of("squareq", "step")
+    assert sum(r["bytes_dequantized"] for r in records) >= 2 * 8 * 2 * 2048 * 4096 * 4
+    assert sum(r["dequant_ms"] for r in records) > 0
+    runtime.close()
