@@ -34,7 +34,7 @@ log = logging.getLogger("backend.calibration")
 def calibration_for(store: Store, device: str, family: str) -> dict | None:
     """What a plan of ``device`` and ``family`` is scaled by: the median ratios of the newest
     runs within the bounds (``plan.feedback.combine``), or None."""
-    from plan.feedback import RUNS, combine  # plan imports torch: not at start
+    from plan.feedback import RUNS, combine  # lazy: the server starts without torch
 
     return combine(store.calibrations_of(device, family, RUNS))
 
@@ -52,7 +52,7 @@ def skip_reason(store: Store, run: dict) -> str | None:
     """Why ``run`` (a store row) gets no calibration, from its row and records alone (no plan):
     it did not succeed, its device has no profile, or a user changed its limits while it ran.
     None: it can be calibrated."""
-    from plan.feedback import profile_name
+    from plan.feedback import profile_name  # lazy: the server starts without torch
 
     if run["status"] != "succeeded":
         return f"only succeeded runs are calibrated; this one {run['status']}"
@@ -75,7 +75,7 @@ ProfileOf = Callable[[str], Any]
 
 
 def _profile(name: str):
-    from plan import profile
+    from plan import profile  # lazy: the server starts without torch
 
     return profile(name)
 
@@ -174,8 +174,8 @@ class Calibrator:
         """Plan the run's config on its device, store the calibration and return it; None
         (logged, nothing stored) when the run did not succeed, changed limits while it ran, ran
         on a device without a profile, or its config cannot be planned."""
-        from plan import PlanInputError, plan_preset
-        from plan.feedback import (
+        from plan import PlanInputError, plan_preset  # lazy: the server starts without torch
+        from plan.feedback import (  # lazy: the server starts without torch
             family_of,
             measured_figures,
             predicted_figures,

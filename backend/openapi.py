@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from backend.errors import ErrorBody
+from contract.preset import Preset
 
 DESCRIPTIONS = {
     400: "malformed JSON (code malformed_json)",
@@ -59,7 +60,6 @@ def document(app: FastAPI) -> dict[str, Any]:
     """The app's OpenAPI document, built once (``app.openapi``)."""
     if app.openapi_schema:
         return app.openapi_schema
-    from contract.preset import Preset
 
     schema = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes

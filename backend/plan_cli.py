@@ -21,19 +21,22 @@ import os
 import sys
 from typing import Any
 
+from backend.calibration import calibration_for
+from backend.store import Store
+from contract.plan_inputs import TEXT_LEN, override_problem
+from worker.preset import load_preset
+
 
 def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
     """``plan`` with the calibration of ``device`` and the preset's family in the server's
     database under ``data_dir`` (``backend.calibration.calibration_for``) applied (``plan.feedback``), if there is one."""
     from pathlib import Path
 
-    from plan.feedback import apply, family_of
+    from plan.feedback import apply, family_of  # lazy: `workbench plan --help` without torch
 
     folder = Path(data_dir or os.environ.get("STAGEHAND_WORKBENCH_DATA") or "./data")
     if not (folder / "workbench.db").is_file():
         return plan
-    from backend.calibration import calibration_for
-    from backend.store import Store
 
     store = Store(folder / "workbench.db")
     try:
@@ -46,7 +49,6 @@ def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | No
 def bounded(name: str):
     """An argparse ``type`` for the override ``name`` of ``contract.plan_inputs.OVERRIDES``:
     a finite number within its bounds, else argparse's error naming the flag (exit 2)."""
-    from contract.plan_inputs import override_problem
 
     def parse(text: str) -> float:
         try:
@@ -63,7 +65,6 @@ def bounded(name: str):
 
 def text_tokens(text: str) -> int:
     """An argparse ``type`` for ``--text-len``: whole tokens within ``TEXT_LEN``."""
-    from contract.plan_inputs import TEXT_LEN
 
     try:
         value = int(text)
@@ -78,11 +79,10 @@ def text_tokens(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from plan.inventory import PlanInputError
-    from plan.plan import plan_preset
-    from plan.profiles import PROFILES, profile
-    from plan.table import table
-    from worker.preset import load_preset
+    from plan.inventory import PlanInputError  # lazy: `workbench plan --help` without torch
+    from plan.plan import plan_preset  # lazy: `workbench plan --help` without torch
+    from plan.profiles import PROFILES, profile  # lazy: `workbench plan --help` without torch
+    from plan.table import table  # lazy: `workbench plan --help` without torch
 
     p = argparse.ArgumentParser(prog="workbench plan", description=__doc__.split("\n\n")[1])
     p.add_argument("preset", help="a built-in preset name or a preset JSON file")

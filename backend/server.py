@@ -16,6 +16,10 @@ import threading
 import webbrowser
 from pathlib import Path
 
+from backend.app import create_app
+from backend.executors import LaunchError
+from backend.executors.factory import make_executor
+from backend.redaction import RedactToken
 from backend.settings import ENV_PREFIX, Settings, needs_token
 
 
@@ -114,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"workbench serve: {exc}", file=sys.stderr)
         return 2
-    from backend.executors import LaunchError
-    from backend.executors.factory import make_executor
 
     try:
         executor = make_executor(settings)  # an unreachable cluster fails here, not on a run
@@ -124,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn  # imported here so `workbench --help` stays instant
     from uvicorn.config import LOGGING_CONFIG
-
-    from backend.app import create_app
-    from backend.redaction import RedactToken
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"

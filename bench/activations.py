@@ -24,7 +24,9 @@ import torch
 
 from contract.config import MB, ActivationStagehandConfig
 from runtime.activations.runtime import ActivationRuntime
+from runtime.common.device import own_storage
 from runtime.common.memory import DeviceMemory
+from worker.assets import build_model, example_inputs, model_class, output_tensor
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 OUT_OF_REACH_MB = 1e9
@@ -38,9 +40,6 @@ def lora_model(
     with a LoRA adapter on its attention projections, frozen base, train mode. Deterministic in
     ``seed``."""
     from peft import LoraConfig
-
-    from runtime.common.device import own_storage
-    from worker.assets import model_class
 
     model = own_storage(model_class(arch).from_pretrained(folder))
     model.requires_grad_(False)
@@ -66,7 +65,6 @@ def train_steps(
     per step] (empty without runtime), "step_ms": [wall ms per step], "cpu_ms": [process CPU
     ms per step]}`` (CPU time is the fair clock on a shared CPU machine; wall time on CUDA).
     """
-    from worker.assets import example_inputs, output_tensor
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=lr)
@@ -133,7 +131,6 @@ def bench_activation_spill(
     "keep_us_per_tensor_untracked", "peak_mb": {variant: MB}, "stalls": {variant: per step},
     "saved_per_step", "spill_mb_per_step", "base_step_ms"}``.
     """
-    from worker.assets import build_model
 
     folder = build_model(model_arch, size, cache_dir)
     pool = {"pinned_pool_classes_mb": (0.25, 1, 4, 16), "slabs_per_class": (512, 128, 16, 4)}

@@ -28,6 +28,7 @@ from bench.probes import (
     transition_cost,
 )
 from contract.config import MB
+from plan.profiles import cpu_profile
 from plan.workload import (
     build_scale_model,
     counted_device_bytes,
@@ -100,7 +101,6 @@ def hardware(job: dict[str, Any]) -> dict[str, Any]:
         # The planner's profile of this machine, measured here, now: what the rows run under
         # (``python -m plan.check`` plans them with it; one measured at check time
         # sees another load on a shared machine).
-        from plan.profiles import cpu_profile
 
         out["cpu_profile"] = cpu_profile().to_dict()
     return out
@@ -300,7 +300,7 @@ def _measure(
 
 def _realsize(name: str):
     def job(spec: dict[str, Any]) -> dict[str, Any]:
-        from bench import realsize
+        from bench import realsize  # lazy: kept out of the forkserver's preload
 
         return getattr(realsize, name)(spec)
 

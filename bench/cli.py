@@ -73,6 +73,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import realsize_cli
 from bench.configs import ModelInfo, large_configs, main_configs, scale_configs
 from bench.realmodel import REAL_MODELS
 from bench.report import add_ratios, goals, goals_text, table, timeline_text
@@ -211,8 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     if args.model in REAL_MODELS:
-        from bench import realsize_cli
-
         return realsize_cli.run(args, log)
     device = args.device or _default_device()
     cuda = device.startswith("cuda")

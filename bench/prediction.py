@@ -17,6 +17,10 @@ from typing import Any
 import torch
 
 from bench.realmodel import model_inventory
+from plan.plan import EFFICIENCY, Plan, check_memory
+from plan.profiles import cpu_profile, profile
+from plan.sections import weight_section
+from plan.simulate import Simulation
 
 PROFILE_NAMES = {"H100 PCIe": "h100-pcie", "H100": "h100", "H200": "h100", "4090": "rtx4090"}
 """Named GPU profiles by a part of the device's name (the H200 computes as an H100 SXM; its
@@ -28,7 +32,6 @@ def bench_profile(device: str, probe: dict[str, Any], card_bytes: int | None) ->
     (measured once per process, a few seconds); on CUDA the named profile of its GPU (an
     H100 SXM's when the name is not known) with the probe's pinned H2D and page-cache rates
     (GB/s) and ``card_bytes`` (the emulated card, bytes) or the device's own memory."""
-    from plan.profiles import cpu_profile, profile
 
     if torch.device(device).type != "cuda":
         return cpu_profile()
@@ -62,9 +65,6 @@ def row_prediction(
     Raises:
         PlanInputError: the section is one the planner refuses (naming the field).
     """
-    from plan.plan import EFFICIENCY, Plan, check_memory
-    from plan.sections import weight_section
-    from plan.simulate import Simulation
 
     config = check_memory(memory)
     sh = config.stagehand

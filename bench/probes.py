@@ -10,7 +10,10 @@ import time
 
 import torch
 
+from contract.config import StagehandConfig
+from runtime.common.telemetry import Telemetry
 from runtime.strategy.base import MemoryStrategy
+from runtime.weights import WeightRuntime
 
 
 def pinned_h2d_bandwidth(
@@ -160,10 +163,6 @@ def transition_cost(
     from pathlib import Path
 
     from safetensors.torch import save_file
-
-    from contract.config import StagehandConfig
-    from runtime.common.telemetry import Telemetry
-    from runtime.weights import WeightRuntime
 
     def stack() -> torch.nn.Module:
         torch.manual_seed(0)

@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
+from contract.config import MemoryConfig
+from plan.inventory import add_lora, inventory, meta_model
 from plan.reference import FLUX_DEV_CONFIG, FLUX_LORA_TARGETS, T5_TOKENS
+from plan.sections import auto_section
+from runtime.strategy.auto import has_auto
+from runtime.weights.registry import find_blocks
+from worker.assets import example_inputs
 
 SIZES = ("real", "tiny")
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
@@ -111,8 +117,6 @@ def real_model(name: str) -> RealModel:
 
 def largest_block_bytes(spec: RealModel, size: str, dtype: torch.dtype = torch.bfloat16) -> int:
     """Parameter bytes of the model's largest block at ``size``, measured on ``meta``."""
-    from plan.inventory import meta_model
-    from runtime.weights.registry import find_blocks
 
     model = meta_model(spec.class_name, spec.model_config(size), dtype)
     blocks = find_blocks(model, None)
@@ -142,8 +146,6 @@ def model_inventory(
     Raises:
         ValueError: unknown model or size.
     """
-    from plan.inventory import add_lora, inventory, meta_model
-    from worker.assets import example_inputs
 
     spec = real_model(name)
     model = meta_model(spec.class_name, spec.model_config(size), torch.bfloat16)
@@ -171,9 +173,6 @@ def card_section(
     Raises:
         ValueError: the card is too small for the window (the rule names the figures).
     """
-    from contract.config import MemoryConfig
-    from plan.sections import auto_section
-    from runtime.strategy.auto import has_auto
 
     config = MemoryConfig.model_validate(copy.deepcopy(memory))
     section = config.stagehand
@@ -245,7 +244,6 @@ def build_weights(
 
     Returns ``{"params": int, "param_bytes": int, "build_s": float}``.
     """
-    from plan.inventory import meta_model
 
     t0 = time.perf_counter()
     model = meta_model(spec.class_name, spec.model_config(size), torch.bfloat16)

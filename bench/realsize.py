@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from bench.probes import host_bandwidth
 from bench.realmodel import (
     build_weights,
     card_section,
@@ -64,6 +65,11 @@ from bench.realmodel import (
     scale_section,
     section_scale,
 )
+from plan.workload import train_steps
+from runtime.common.attention import apply_attention_backend
+from runtime.common.telemetry import ListSink, Telemetry
+from runtime.strategy import build_strategy
+from worker.assets import example_inputs
 
 ROWS = (
     "resident",
@@ -201,8 +207,6 @@ def probe_job(job: dict[str, Any]) -> dict[str, Any]:
         out["h2d_pageable_gbps"] = _timed_copies(dev, torch.ones(nbytes, dtype=torch.uint8), 5)
         buffer = pinned
     else:
-        from bench.probes import host_bandwidth
-
         bw = host_bandwidth(min(nbytes, 128 * 2**20))
         out["memcpy_gbps"] = bw["memcpy_gbps"]
         buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -215,11 +219,6 @@ def probe_job(job: dict[str, Any]) -> dict[str, Any]:
 
 def row_job(job: dict[str, Any]) -> dict[str, Any]:
     """One row: ``warmup + steps`` LoRA steps under the row's section (module docstring)."""
-    from plan.workload import train_steps
-    from runtime.common.attention import apply_attention_backend
-    from runtime.common.telemetry import ListSink, Telemetry
-    from runtime.strategy import build_strategy
-    from worker.assets import example_inputs
 
     spec, size, device = real_model(job["model"]), job["size"], torch.device(job["device"])
     attention = apply_attention_backend("auto", device)  # NOTE [ cuDNN SDPA guard ]

@@ -17,7 +17,9 @@ PRELOAD = ["bench.child"]
 
 
 def _child(conn: multiprocessing.connection.Connection, kind: str, job: dict[str, Any]) -> None:
-    from bench.child import run_job
+    from bench.child import (  # lazy: the parent stays torch-free (its forkserver preloads it)
+        run_job,
+    )
 
     try:
         conn.send(run_job(kind, job))

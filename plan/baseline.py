@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from worker.assets.cache import AssetError, cache_root
+
 IMPORTS = "import diffusers, peft, psutil, torch, transformers\nimport worker.run\n"
 """What ``workbench train`` imports before it builds anything (``worker/run.py``)."""
 
@@ -47,7 +49,6 @@ def worker_baseline_bytes() -> int:
     """RSS (bytes) of a fresh interpreter after the worker's imports: the asset cache's
     figure for this interpreter and these versions, else measured now (a subprocess) and kept
     there; 0 when it cannot be measured."""
-    from worker.assets.cache import AssetError, cache_root
 
     try:
         path = cache_root() / "worker-baseline.json"

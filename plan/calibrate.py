@@ -19,6 +19,12 @@ import time
 import torch
 
 from contract.config import MB
+from plan.inventory import add_lora, inventory, meta_model
+from plan.workload import load_model
+from runtime.common.telemetry import Telemetry
+from runtime.strategy import build_strategy
+from worker.assets import build_model, example_inputs, output_tensor
+from worker.assets.models import check_spec, model_class
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 LATENT = (8, 8)
@@ -31,7 +37,6 @@ def _step_ms(model, strategy, inputs, optimizer, steps: int = 8) -> tuple[float,
     shared machine the fastest of a few steps is the moment no other process ran, 10-40% under
     the median; constants fitted to the fastest steps predicted every row too fast under load.
     """
-    from worker.assets import output_tensor
 
     times, counters = [], {}
     for i in range(steps):
@@ -51,9 +56,6 @@ def _step_ms(model, strategy, inputs, optimizer, steps: int = 8) -> tuple[float,
 
 
 def _model(size: str) -> torch.nn.Module:
-    from plan.inventory import add_lora
-    from worker.assets.models import check_spec, model_class
-
     torch.manual_seed(0)
     model = model_class("flux")(**check_spec("flux", size))
     add_lora(model, 4, LORA_TARGETS)
@@ -63,9 +65,6 @@ def _model(size: str) -> torch.nn.Module:
 def _counts(size: str):
     """``(inventory, flops, ops, bytes moved)`` of one resident LoRA step of the factory's flux
     ``size``, as the simulation counts them (weights read in forward and backward included)."""
-    from plan.inventory import add_lora, inventory, meta_model
-    from worker.assets import example_inputs
-    from worker.assets.models import check_spec
 
     meta = meta_model("FluxTransformer2DModel", dict(check_spec("flux", size)), torch.float32)
     add_lora(meta, 4, LORA_TARGETS)
@@ -125,10 +124,6 @@ def calibrate(gemm_tflops: float, mem_gbps: float, copy_gbps: float) -> dict[str
     ``extra_ms = loads x load + bytes x per_byte``. ``copy_gbps`` (the copy benchmark) is the
     fallback when that solution is not positive.
     """
-    from plan.workload import load_model
-    from runtime.common.telemetry import Telemetry
-    from runtime.strategy import build_strategy
-    from worker.assets import build_model, example_inputs
 
     def run(model, memory: dict, folder=None, steps: int = 8) -> tuple[float, dict]:
         strategy = build_strategy(

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from plan.inventory import PlanInputError
+from worker.families import Text
+from worker.pipelines.folder import read_json
 
 ADD_TIME_IDS = 6
 """Numbers in SDXL's added time ids beside the pooled text: original size, crop origin and
@@ -56,7 +58,6 @@ def meta_vae(family: Any) -> nn.Module:
         PlanInputError: the class is not installed or the config does not build it (naming
             ``vae/config.json``).
     """
-    from worker.pipelines.folder import read_json
 
     root = family.root
     library, class_name = read_json(root / "model_index.json", "model_index.json")["vae"]
@@ -120,7 +121,6 @@ def family_call(
     Raises:
         PlanInputError: a field the shapes come from is wrong (named).
     """
-    from worker.families import Text
 
     dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
     shape = latent_shape(family, preset, dtype)

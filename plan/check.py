@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from contract.config import MB, MemoryConfig
+from plan.inventory import add_lora, folder_model, inventory
+from plan.plan import EFFICIENCY, simulate
+from plan.profiles import DeviceProfile, cpu_profile
+from plan.workload import LORA_RANK, LORA_TARGETS, latent_hw_for
+from worker.assets import example_inputs
 
 
 def _inventory(folder: str, size: str, cache: dict):
-    from plan.inventory import add_lora, folder_model, inventory
-    from plan.workload import LORA_RANK, LORA_TARGETS, latent_hw_for
-    from worker.assets import example_inputs
-
     if folder not in cache:
         model = folder_model(folder)
         add_lora(model, LORA_RANK, LORA_TARGETS)
@@ -36,8 +37,6 @@ def _inventory(folder: str, size: str, cache: dict):
 def compare(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per planned benchmark row: name, blocks, predicted and measured peak (MB) and
     step time (ms), and the relative errors."""
-    from plan.plan import EFFICIENCY, simulate
-    from plan.profiles import DeviceProfile, cpu_profile
 
     # The profile the bench measured before its rows, when it recorded one: the rows ran under
     # that machine's load, not this one's.

@@ -24,9 +24,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from runtime.layer_offload.checkpoint_layer import SharedTensors, split_inputs
 from runtime.squareq.runtime import image_nbytes
 from runtime.weights.convert import _resident_trainable, shared_parameters
 from runtime.weights.registry import Block, build_layout, find_blocks
+from runtime.weights.sources import SafetensorsCheckpoint
+from worker.assets import output_tensor
 
 
 class PlanInputError(ValueError):
@@ -160,7 +163,6 @@ def folder_model(folder: str | Path, dtype: torch.dtype | None = None) -> nn.Mod
     Raises:
         PlanInputError: no ``config.json`` in ``folder`` (field ``model.path``).
     """
-    from runtime.weights.sources import SafetensorsCheckpoint
 
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -335,7 +337,6 @@ def inventory(
     Raises:
         BlockDiscoveryError: the weight runtime finds no blocks (``block_pattern``).
     """
-    from worker.assets import output_tensor
 
     found = find_blocks(model, block_pattern)
     layouts, resident = block_layouts(model, found, resident_trainable_max_fraction)
@@ -347,8 +348,6 @@ def inventory(
     nonblock = sum(_nbytes(p) for p in params if id(p) not in in_blocks) + buffers
     trainable = [p for p in params if p.requires_grad]
     lora = sum(_nbytes(p) for p in trainable)
-
-    from runtime.layer_offload.checkpoint_layer import SharedTensors, split_inputs
 
     counter = _SavedCounter(model, len(found))
     shared = SharedTensors()

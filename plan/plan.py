@@ -16,7 +16,9 @@ import torch
 from pydantic import ValidationError
 
 from contract.config import MB, MemoryConfig
+from contract.preset import PresetError
 from plan.baseline import worker_baseline_bytes
+from plan.calls import family_call
 from plan.inventory import (
     Inventory,
     PlanInputError,
@@ -27,9 +29,16 @@ from plan.inventory import (
 )
 from plan.profiles import DeviceProfile
 from plan.quant_error import measure_preset
-from plan.sections import weight_section
+from plan.sections import block_sizes, plan_trainable_bytes, planned_activations, weight_section
 from plan.simulate import Simulation, StepResult
 from plan.sources import host_cache_budget
+from runtime.strategy.auto import device_budget, has_auto
+from runtime.weights.auto import margin_bytes
+from worker.assets import example_inputs
+from worker.assets.models import MODEL_CLASSES, check_spec
+from worker.pipelines import PipelineFolderError
+from worker.preset import validate_preset
+from worker.setup import family_targets, pipeline_family
 
 EFFICIENCY = {"gpu": 0.45, "cpu": 1.0}
 """Share of peak TFLOPs a block reaches. GPU: bf16 transformer training kernels at 40-50% of
@@ -186,9 +195,6 @@ def auto_figures(inv: Inventory, config: MemoryConfig, profile: DeviceProfile) -
     Raises:
         PlanInputError: the budget is too small for the window (the rule's message).
     """
-    from plan.sections import block_sizes, plan_trainable_bytes, planned_activations
-    from runtime.strategy.auto import device_budget, has_auto
-    from runtime.weights.auto import margin_bytes
 
     sh = config.stagehand
     if config.strategy != "stagehand" or not has_auto(sh):
@@ -332,8 +338,6 @@ def preset_family(preset: Any) -> Any:
     Raises:
         PlanInputError: the folder or a component is wrong (naming ``model.path``).
     """
-    from worker.pipelines import PipelineFolderError
-    from worker.setup import pipeline_family
 
     if preset.model.path is None:
         return None
@@ -354,13 +358,10 @@ def preset_model(preset: Any, family: Any = None) -> torch.nn.Module:
         PlanInputError: neither ``model.factory`` nor ``model.path``, or a folder without a
             transformer config (naming ``model.path``).
     """
-    from worker.setup import family_targets
 
     dtype = getattr(torch, preset.model.dtype)
     m = preset.model
     if m.factory is not None:
-        from worker.assets.models import MODEL_CLASSES, check_spec
-
         model = meta_model(MODEL_CLASSES[m.factory], check_spec(m.factory, m.size), dtype)
     elif m.path is not None:
         family = family or preset_family(preset)
@@ -389,8 +390,6 @@ def preset_inputs(
             inputs come from its pipeline: give the pipeline folder), or a field the shapes
             come from is wrong (named).
     """
-    from plan.calls import family_call
-    from worker.assets import example_inputs
 
     family = family or preset_family(preset)
     if family is not None:
@@ -430,8 +429,6 @@ def plan_preset(
             plan needs is wrong (naming it).
         OSError: ``compute`` cannot write SquareQ's cache folder (names it).
     """
-    from contract.preset import PresetError
-    from worker.preset import validate_preset
 
     try:
         preset = validate_preset(data)

@@ -40,6 +40,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from contract.cache import cache_dir
+from plan.calibrate import calibrate
+from plan.inventory import PlanInputError
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -166,7 +170,6 @@ def cpu_profile(dtype: str = "float32") -> DeviceProfile:
     copy_ms = _best_ms(staged)
     mem_gbps = 2 * 4 * n / (mem_ms * 1e-3) / GB
     copy_gbps = n / (copy_ms * 1e-3) / GB
-    from plan.calibrate import calibrate
 
     c = calibrate(tflops, mem_gbps, copy_gbps)
     return DeviceProfile(
@@ -272,7 +275,6 @@ def stored_profile(path: Path, key: dict, measure: Callable[[], DeviceProfile]) 
 def stored_cpu_profile(dtype: str = "float32") -> DeviceProfile:
     """This machine's stored CPU profile (``stored_profile`` in the workbench cache), read
     once per process; the first processes on a machine measure (``cpu_profile``: seconds)."""
-    from contract.cache import cache_dir
 
     return stored_profile(
         cache_dir() / PROFILE_FILE, machine_key(dtype), lambda: cpu_profile(dtype)
@@ -288,7 +290,6 @@ def profile(name: str, **overrides: float) -> DeviceProfile:
         PlanInputError: unknown name (field ``device``), or an override that is not a finite
             number > 0 (naming it).
     """
-    from plan.inventory import PlanInputError
 
     if name == "cpu":
         base = stored_cpu_profile()

@@ -41,6 +41,9 @@ from runtime.weights.errors import (
 )
 from runtime.weights.registry import find_blocks
 from runtime.weights.sources import SafetensorsCheckpoint
+from worker.assets.cache import is_complete, spec_hash
+from worker.assets.models import model_dir, model_spec
+from worker.setup import denoiser_folder
 
 MODES = ("compute", "cached", "off")
 """``compute``: read the cache, else quantize into it (``workbench plan``'s default);
@@ -189,9 +192,6 @@ def checkpoint_folder(preset: Any, family: Any) -> tuple[Path | None, str | None
     transformer from (``worker.setup.resolve_assets``' rule), or ``(None, why)`` when
     the run builds it first (a factory model not built into the cache yet, the demo's trained
     model): nothing is built for a plan."""
-    from worker.assets.cache import is_complete, spec_hash
-    from worker.assets.models import model_dir, model_spec
-    from worker.setup import denoiser_folder
 
     m = preset.model
     if family is not None and hasattr(family, "transformer_dir"):

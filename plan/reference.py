@@ -23,8 +23,11 @@ from typing import Any
 import torch
 
 from plan.inventory import add_lora, meta_model
-from plan.plan import Plan, plan_model
+from plan.plan import Plan, check_memory, plan_model, simulate
 from plan.profiles import profile
+from plan.table import table
+from worker.assets import example_inputs
+from worker.pipelines.ltx2 import LTX2PipelineFamily
 
 FLUX_DEV_CONFIG: dict[str, Any] = {
     "patch_size": 1,
@@ -68,7 +71,6 @@ def flux_dev_plan(
     device: str, resolution: int, memory: dict[str, Any], rank: int = 16, **overrides: float
 ) -> Plan:
     """The plan of a FLUX.1-dev LoRA (bf16) at ``resolution`` px, batch 1, 512 text tokens."""
-    from worker.assets import example_inputs
 
     model = meta_model("FluxTransformer2DModel", FLUX_DEV_CONFIG, torch.bfloat16)
     add_lora(model, rank, FLUX_LORA_TARGETS)
@@ -160,8 +162,6 @@ def ltx2_plan(
     are ``LTX2PipelineFamily.transformer_kwargs`` on ``meta`` (the trainer's own call)."""
     from types import SimpleNamespace
 
-    from worker.pipelines.ltx2 import LTX2PipelineFamily
-
     family = LTX2PipelineFamily()
     model = meta_model("LTX2VideoTransformer3DModel", LTX2_CONFIG, torch.bfloat16)
     names = ltx2_block_linears(model) if targets == "all" else list(family.lora_targets)
@@ -182,8 +182,6 @@ def ltx2_plan(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from plan.table import table
-
     cases = [
         ("rtx4090", 2048, streaming_memory(3000, 2000, 2000), "2048 px, seed-like budget"),
         ("rtx3090", 2048, streaming_memory(3000, 2000, 2000), "2048 px, the seed's card"),
@@ -223,7 +221,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_model_again(plan: Plan, efficiency: float) -> Plan:
     """``plan`` re-simulated at another GPU efficiency (same inventory, memory, profile)."""
-    from plan.plan import check_memory, simulate
 
     steps = simulate(plan.inventory, check_memory(plan.memory), plan.profile, efficiency)
     return Plan(

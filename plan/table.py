@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from contract.config import MB
+from plan.feedback import describe
 
 GIB = 2**30
 GB = 1e9
@@ -80,8 +81,6 @@ def table(plan: dict[str, Any]) -> str:
         lines.extend(quant_lines(quant))
     cal = plan.get("calibration")
     if cal:
-        from plan.feedback import describe
-
         lines.append(f"  calibration  {describe(cal)}")
     if plan["fits"]:
         lines.append("  fits: yes")

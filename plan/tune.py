@@ -29,11 +29,14 @@ import copy
 from typing import Any
 
 from contract.config import MAX_MB, MB
+from contract.preset import PresetError
 from contract.preset.merge import merge_overrides
 from plan.inventory import Inventory, PlanInputError, inventory
+from plan.plan import EFFICIENCY, check_memory, preset_inputs, preset_model, simulate
 from plan.profiles import DeviceProfile
 from plan.simulate import weight_section
 from runtime.layer_offload.schedule import resident_count
+from worker.preset import validate_preset
 
 HIGH_FRACTIONS = (0.4, 0.55, 0.7, 0.85, 1.0)
 """High watermarks tried, as fractions of the budget."""
@@ -128,7 +131,6 @@ def _limits_of(
 ) -> dict[str, Any]:
     """The flat limits of a (validated) memory section; with ``inv`` and ``profile`` the
     pipeline settings it leaves out are those the runtime derives (``weight_section``)."""
-    from plan.plan import check_memory
 
     config = check_memory(memory)
     if config.strategy == "layer_offload":
@@ -189,9 +191,6 @@ def propose(
         PlanInputError: ``budget_mb`` below the smallest peak any candidate reaches (naming
             that minimum), or a bad preset (naming the field).
     """
-    from contract.preset import PresetError
-    from plan.plan import EFFICIENCY, check_memory, preset_inputs, preset_model, simulate
-    from worker.preset import validate_preset
 
     if not 0 < budget_mb <= MAX_MB:  # NaN and infinity too
         raise PlanInputError(

@@ -18,6 +18,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from plan.inventory import PlanInputError
+from plan.profiles import profile
+from plan.tune import propose
+from worker.preset import load_preset
+
 
 def _limits(lim: dict[str, Any]) -> str:
     if "fraction" in lim:
@@ -92,10 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.server:
         return _remote(args)
-    from plan.inventory import PlanInputError
-    from plan.profiles import profile
-    from plan.tune import propose
-    from worker.preset import load_preset
 
     try:
         name, data = load_preset(args.preset)

@@ -26,6 +26,10 @@ source with ``ast`` (nothing is imported):
 - Circles: no circle between modules through the imports that run (module level and lazy ones).
   ``if TYPE_CHECKING:`` imports never run, so a circle they alone would close is allowed (a
   runtime's hooks naming its runtime class in annotations).
+- Lazy: a project import inside a function says why it is not at module level, with a comment
+  ``# lazy: <reason>`` on the import's first line (the server starts without torch, an optional
+  dependency such as ray, a CLI subcommand's startup, a child process's preload). Without a
+  reason it belongs at the top of its module, where the dependency is seen.
 - Size: no module of the packages or of ``frontend/js/`` over ``MAX_LINES`` lines.
 - Floors: ``contract`` imports the standard library, pydantic (the config and preset schemas)
   and itself only, and loads without torch; ``runtime`` imports no part of the application
@@ -211,6 +215,45 @@ def circles(found: list[Arrow]) -> list[list[str]]:
     return sorted(out)
 
 
+LAZY = re.compile(r"#\s*lazy:\s*\S")
+
+
+def _function_imports(tree: ast.AST, inside: bool = False):
+    """``(node, inside a function)`` for every import statement below ``tree``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, inside
+        else:
+            func = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            yield from _function_imports(node, inside or func)
+
+
+def lazy_imports() -> tuple[list[str], list[str]]:
+    """``(marked, unmarked)``: ``path:line`` of each import of a project package inside a
+    function, with and without a ``# lazy: <reason>`` comment on its first line."""
+    marked, unmarked = [], []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            text = path.read_text()
+            lines = text.splitlines()
+            for node, inside in _function_imports(ast.parse(text, rel)):
+                if not inside:
+                    continue
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                else:
+                    names = ["." if node.level else node.module or ""]
+                if not any(n == "." or n.split(".")[0] in PACKAGES for n in names):
+                    continue
+                where = f"{rel}:{node.lineno}"
+                if LAZY.search(lines[node.lineno - 1]):
+                    marked.append(where)
+                else:
+                    unmarked.append(f"{where} {lines[node.lineno - 1].strip()}")
+    return marked, unmarked
+
+
 def long_modules() -> list[str]:
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     files += (ROOT / "frontend" / "js").rglob("*.js")
@@ -336,6 +379,26 @@ def test_the_library_imports_nothing_of_the_application():
     assert {"runtime.weights.runtime", "contract.config", "torch"} <= names
 
 
+def test_every_lazy_project_import_says_why():
+    marked, unmarked = lazy_imports()
+    assert unmarked == [], "a function-level project import without '# lazy: <reason>'"
+    # Not vacuous: the server's torch-free start and ray's optional executor are lazy.
+    assert any(w.startswith("backend/api/plan.py:") for w in marked)
+    assert any(w.startswith("backend/executors/factory.py:") for w in marked)
+
+
+def test_the_lazy_check_names_an_unmarked_import(tmp_path, monkeypatch):
+    (tmp_path / "worker").mkdir()
+    (tmp_path / "worker" / "x.py").write_text(
+        "import os\n\n\ndef f():\n    from contract import config\n"
+        "    from plan import tune  # lazy: the server starts without torch\n"
+        "    import json\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("worker",))
+    assert lazy_imports() == (["worker/x.py:6"], ["worker/x.py:5 from contract import config"])
+
+
 def test_no_source_module_over_the_line_limit():
     assert long_modules() == []
 
@@ -368,7 +431,12 @@ if __name__ == "__main__":
     library = library_imports()
     print(f"{len(library)} imports of the application by runtime/:")
     print("\n".join(f"  {s}" for s in library))
+    marked, unmarked = lazy_imports()
+    print(
+        f"{len(marked) + len(unmarked)} project imports inside functions, {len(marked)} marked lazy:"
+    )
+    print("\n".join(f"  {s}" for s in unmarked))
     sizes = long_modules()
     print(f"{len(sizes)} modules over {MAX_LINES} lines:")
     print("\n".join(f"  {s}" for s in sizes))
-    sys.exit(1 if problems or loops or floor or library or sizes else 0)
+    sys.exit(1 if problems or loops or floor or library or unmarked or sizes else 0)

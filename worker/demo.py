@@ -43,6 +43,8 @@ from worker.asset_status import demo_folder
 from worker.assets.cache import cache_root
 from worker.assets.digits import caption_for
 from worker.assets.models import MODEL_SPECS, check_spec, instantiate
+from worker.assets.text_encoder import load_text_encoder
+from worker.families import FluxFamily, Text, flow_pair, sample_sigmas
 
 #: The demo VAE: the factory's tiny AutoencoderKL (81K parameters, 8x down, 4 latent channels).
 #: The digits are 8x8 images upscaled; with the demo's 200 steps it reconstructs held-out ones to a
@@ -204,8 +206,6 @@ def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
 def caption_text(max_tokens: int):
     """``families.Text`` with one row per digit 0..9 (its caption), as stage 1 caches captions:
     all-MiniLM-L6-v2's last hidden state padded to ``max_tokens``, the mask, the masked mean."""
-    from worker.assets.text_encoder import load_text_encoder
-    from worker.families import Text
 
     tokenizer, encoder = load_text_encoder()
     tok = tokenizer(
@@ -223,8 +223,6 @@ def caption_text(max_tokens: int):
 
 
 def _rows(text, k: torch.Tensor):
-    from worker.families import Text
-
     return Text(hidden=text.hidden[k], mask=text.mask[k], pooled=text.pooled[k])
 
 
@@ -238,7 +236,6 @@ def pretrain_base(
     """``(model, losses)``: the Flux-style transformer trained from its factory init on
     ``latents`` (N, 4, h, w) with their captions' ``text`` rows (NOTE [ Demo pre-training ]);
     ``advance(1)`` after each step."""
-    from worker.families import FluxFamily, flow_pair, sample_sigmas
 
     family = FluxFamily()
     model = instantiate("flux", spec.size, seed=spec.seed).train()
@@ -269,7 +266,6 @@ def pretrain_base(
 def sample_digits(model, vae, text, per_digit: int, spec: DemoSpec) -> torch.Tensor:
     """(10 * per_digit, H, W) grey images in [-1, 1] for the prompts of digits 0..9 (row
     ``k * per_digit + j`` is digit k), with the trainer's Euler sampler and a fixed seed."""
-    from worker.families import FluxFamily
 
     family = FluxFamily()
     k = torch.arange(10).repeat_interleave(per_digit)  # (n,)

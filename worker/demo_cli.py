@@ -18,6 +18,8 @@ from worker.assets.cache import AssetError, cache_root
 from worker.assets.models import ARCHS, SIZES, build_model
 from worker.assets.stages import BuildBusy, Interrupted, run_stages
 from worker.assets.text_encoder import minilm_path
+from worker.demo import demo_spec
+from worker.demo_stages import all_stages
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_INTERRUPTED = 1, 2, 3, 130
 
@@ -47,8 +49,6 @@ def main(argv: list[str] | None = None) -> int:
             for s in sizes:
                 print(f"{args.arch}-{s:<9} {build_model(args.arch, s, root)}")
             return 0
-        from worker.demo import demo_spec
-        from worker.demo_stages import all_stages
 
         stages = all_stages(root, demo_spec(), log=lambda line: print(line, file=sys.stderr))
     except (AssetError, ValueError) as exc:

@@ -40,7 +40,18 @@ from worker.assets.models import (
     model_spec,
 )
 from worker.assets.stages import Stage, build_lock
-from worker.demo import DEMO, DemoSpec, demo_dir, demo_key, deterministic, train_vae
+from worker.demo import (
+    DEMO,
+    DemoSpec,
+    caption_text,
+    demo_dir,
+    demo_key,
+    deterministic,
+    encode,
+    pretrain_base,
+    sample_check,
+    train_vae,
+)
 
 # A-priori seconds per unit (one core of a 2-core cloud VM, torch 2.13 CPU), shown as the
 # estimate until a stage has measured its own rate.
@@ -65,8 +76,6 @@ def _pixels(spec: DemoSpec) -> tuple[torch.Tensor, torch.Tensor, int]:
 def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> list[Stage]:
     """The stages that train the demo VAE and base model into ``root`` (``demo_dir``)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
-
-    from worker.demo import caption_text, encode, pretrain_base, sample_check
 
     say = log or (lambda line: None)
     key = demo_key(spec)

@@ -29,7 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.config import MemoryConfig
-from worker.data import load_sample
+from runtime.strategy import build_strategy
+from worker.clips import load_clip
+from worker.data import image_hw, load_sample, target_size
 from worker.scan import Sample
 
 FORMAT = 2
@@ -84,8 +86,6 @@ def encode_texts(
         return load_file(str(path))
 
     from transformers import AutoModel, AutoTokenizer
-
-    from runtime.strategy import build_strategy
 
     tokenizer = AutoTokenizer.from_pretrained(encoder_path)
     encoder = AutoModel.from_pretrained(encoder_path, dtype=torch.float32).eval()
@@ -240,7 +240,6 @@ def _encode_clips(
     should_stop,
 ) -> tuple[list[torch.Tensor], float] | None:
     """One clip at a time through a video family's 3D VAE; cached like the images."""
-    from worker.clips import load_clip
 
     latents = []
     with torch.inference_mode():
@@ -259,6 +258,5 @@ def load_shape(nxt: Sample, pixels: torch.Tensor, resolution: int, bucketing: bo
     """Whether ``nxt`` loads to the same pixel size as ``pixels`` (so they batch together)."""
     if not bucketing:
         return True
-    from worker.data import image_hw, target_size
 
     return target_size(image_hw(nxt.files[0]), resolution, True) == tuple(pixels.shape[-2:])

@@ -20,7 +20,9 @@ import torch
 
 from contract.config import MB
 from contract.preset import Preset
+from worker.data import batch_indices
 from worker.families import Family, Text
+from worker.outputs import save_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,7 +170,6 @@ def run_steps(
 ) -> LoopState:
     """Steps ``start_step + 1 .. max_steps``. ``between_steps()`` returns a stop reason or None;
     ``on_step(step, loss, step_s)`` reports progress. Checkpoints every ``checkpoint_every``."""
-    from worker.outputs import save_checkpoint
 
     proc = psutil.Process()
     state = LoopState(steps_done=start_step)
@@ -277,6 +278,4 @@ def validation_loss(
 
 
 def batch_rows(data: Batchable, batch_size: int, g: torch.Generator) -> list[int]:
-    from worker.data import batch_indices
-
     return batch_indices(data.groups, batch_size, g)

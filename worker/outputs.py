@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.families import Family
+from runtime.strategy import build_strategy
+from worker.families import Family, ddpm_scheduler
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 COMFY_FILE = "comfyui-lora.safetensors"
@@ -219,7 +220,6 @@ def sample_pipeline(
     transformer, its blocks streamed: by ``strategy`` (the training one, mid-run) as an
     inference step ``step`` (STEP_BEGIN -> FORWARD -> STEP_END, ``torch.no_grad``), or, without
     one, by an inference-mode strategy built here and closed after (step ``max_steps + 1``)."""
-    from runtime.strategy import build_strategy
 
     own = strategy is None
     if own:
@@ -403,8 +403,6 @@ def ddim_sample(
 ) -> torch.Tensor:
     """DDIM (eta 0) from noise ``x`` (n, C, h, w) to latents, on the DDPM training schedule."""
     from diffusers import DDIMScheduler
-
-    from worker.families import ddpm_scheduler
 
     sched = DDIMScheduler.from_config(
         ddpm_scheduler(prediction_type).config, set_alpha_to_one=False

@@ -25,6 +25,7 @@ from contract.records import RUN_FINISHED
 from contract.status import RunStatus
 from runtime.common.attention import apply_attention_backend
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
+from runtime.strategy import build_strategy
 from worker import loop, records
 from worker.control import Interrupted, StopFlag
 from worker.families import family
@@ -174,8 +175,6 @@ class Run:
         )
 
     def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
-        from runtime.strategy import build_strategy
-
         dtype = loop.DTYPES[preset.train_dtype]
         self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
         model = loop.load_transformer(self.family, model_dir, dtype)

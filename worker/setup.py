@@ -9,7 +9,10 @@ from pathlib import Path
 import torch
 
 from contract.preset import Preset
-from worker import loop, pipelines
+from worker import assets, loop, pipelines
+from worker.assets import cache_root
+from worker.demo import demo_spec
+from worker.demo_stages import build_demo
 from worker.pipelines import PipelineFamily
 
 
@@ -21,7 +24,6 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
         PipelineFolderError: the folder, a component or ``model_type`` is wrong (named).
         ValueError: ``model.dtype`` cannot run on ``device``.
     """
-    from worker.assets import cache_root
 
     if not pipelines.is_pipeline_folder(preset.model.path):
         return None
@@ -90,16 +92,12 @@ def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path
     Raises:
         FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
     """
-    from worker import assets
 
     m = preset.model
     if isinstance(fam, PipelineFamily):
         vae_dir = Path(m.vae_path) if m.vae_path else fam.root / "vae"
         return fam.transformer_dir, vae_dir, None, data_folder(preset)
     if m.factory and m.pretrained == "digits":
-        from worker.demo import demo_spec
-        from worker.demo_stages import build_demo
-
         demo = build_demo(spec=demo_spec(m.size), log=log)
         model_dir = demo / "transformer"
         vae_dir = Path(m.vae_path) if m.vae_path else demo / "vae"
@@ -127,7 +125,6 @@ def denoiser_folder(root: Path) -> Path:
 
 def data_folder(preset: Preset) -> Path:
     """``data.path``, or the digits folder built for ``resolution``."""
-    from worker import assets
 
     if preset.data.factory == "digits":
         return assets.build_digits(size=preset.resolution)

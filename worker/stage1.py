@@ -19,6 +19,7 @@ from contract.preset import Preset
 from contract.text import shown
 from runtime.common.telemetry import Telemetry
 from worker import encode, loop
+from worker.assets import cache_root
 from worker.clips import default_frames
 from worker.data import group_by_shape
 from worker.families import Family
@@ -99,7 +100,6 @@ def build_cache(
 ) -> loop.Batchable | None:
     """Text rows (each distinct caption and sample prompt once) and one latent per sample,
     grouped by latent shape for batching; None when ``should_stop`` said so while encoding."""
-    from worker.assets import cache_root
 
     data = preset.data
     texts = list(dict.fromkeys([s.caption for s in samples] + preset.samples.prompts))

@@ -50,8 +50,11 @@ def takes_clips(model_path: str | None) -> bool:
     clips beside the images (the worker's scan does the same)."""
     if model_path is None:
         return False
-    from worker.pipelines import ADAPTERS, PipelineFolderError
-    from worker.pipelines.folder import detect_family
+    from worker.pipelines import (  # lazy: the server starts without torch
+        ADAPTERS,
+        PipelineFolderError,
+    )
+    from worker.pipelines.folder import detect_family  # lazy: the server starts without torch
 
     try:
         family, _ = detect_family(model_path)

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.errors import Invalid
+from contract.preset import MODEL_TYPES
 
 router = APIRouter(prefix="/api/pipelines", tags=["pipelines"])
 
@@ -43,8 +44,11 @@ def inspect(body: PipelineInspect) -> dict:
         Invalid (422): not a pipeline folder, or a path the file system refuses (a name over
             its 255-byte limit, no permission), naming ``path`` or ``transformer_path``.
     """
-    from contract.preset import MODEL_TYPES
-    from worker.pipelines import PipelineFolderError, inspect_pipeline, trainable
+    from worker.pipelines import (  # lazy: the server starts without torch
+        PipelineFolderError,
+        inspect_pipeline,
+        trainable,
+    )
 
     try:
         info = inspect_pipeline(

@@ -63,8 +63,8 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
         Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
             (``preset.memory.stagehand.vram_high_watermark_mb``, ``device``).
     """
-    from plan import PlanInputError, plan_preset, profile
-    from plan.feedback import apply, family_of
+    from plan import PlanInputError, plan_preset, profile  # lazy: the server starts without torch
+    from plan.feedback import apply, family_of  # lazy: the server starts without torch
 
     try:
         vram = int(body.vram_gb * 2**30) if body.vram_gb else None

@@ -32,9 +32,9 @@ _FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
 
 def _propose(body: TuneCreate, config: dict[str, Any], store: Store) -> dict[str, Any]:
     """The planner's trials; its input errors as 422 naming the field."""
-    from plan import PlanInputError, profile
-    from plan.feedback import family_of
-    from plan.tune import propose
+    from plan import PlanInputError, profile  # lazy: the server starts without torch
+    from plan.feedback import family_of  # lazy: the server starts without torch
+    from plan.tune import propose  # lazy: the server starts without torch
 
     try:
         dev = profile(body.device)
@@ -68,7 +68,7 @@ def _trial_figures(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
 def tune_public(store: Store, tune: dict[str, Any]) -> dict[str, Any]:
     """The tune with its trials (run, status, limits, predicted and measured figures) and the
     measured Pareto front (step time against peak, both lower is better) marked."""
-    from plan.tune import limits_text, pareto
+    from plan.tune import limits_text, pareto  # lazy: the server starts without torch
 
     runs = {r["id"]: r for r in store.list_runs(group_id=tune["id"])}
     trials = []
@@ -150,7 +150,7 @@ def create_tune(
             message giving that minimum), an unknown device (``device``), a preset the planner
             cannot model (``preset.<path>``).
     """
-    from plan.tune import trial_overrides
+    from plan.tune import trial_overrides  # lazy: the server starts without torch
 
     base = run_config(store, body.preset, body.overrides)
     check_run_assets(assets, base)
@@ -220,7 +220,7 @@ def save_preset(tune_id: TuneId, body: TunePreset, store: StoreDep) -> dict:
     base = tune["candidates"]["base_config"]
     config = validate_config(merge_overrides(base, {"memory": trial["memory"]}), "config")
     config["name"] = body.name
-    from plan.tune import limits_text
+    from plan.tune import limits_text  # lazy: the server starts without torch
 
     description = (
         f"{tune['preset']} tuned by tune #{tune_id} within {tune['budget_mb']:g} MB on "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from backend.executors import EXECUTORS, Executor
+from backend.executors.local import LocalExecutor
 
 
 def make_executor(settings: Any) -> Executor:
@@ -14,11 +15,9 @@ def make_executor(settings: Any) -> Executor:
     Raises ``ValueError`` naming the setting when it is unknown, and ``LaunchError`` when the
     Ray executor is chosen but ray is not installed or its address does not answer."""
     if settings.executor == "local":
-        from backend.executors.local import LocalExecutor
-
         return LocalExecutor(settings)
     if settings.executor == "ray":
-        from backend.executors.ray_jobs import RayExecutor
+        from backend.executors.ray_jobs import RayExecutor  # lazy: ray is an optional dependency
 
         return RayExecutor(settings)
     raise ValueError(f"executor: expected one of {', '.join(EXECUTORS)}, got {settings.executor!r}")

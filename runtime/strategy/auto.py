@@ -17,7 +17,8 @@ from contract.config import MB, StagehandSection
 from contract.limits import AUTO
 from runtime.conductor.arbitration import AUTO_PRESSURE_THRESHOLD, auto_limits
 from runtime.weights.auto import auto_watermarks, margin_bytes
-from runtime.weights.defaults import resolve
+from runtime.weights.defaults import block_bytes, resolve
+from runtime.weights.registry import find_blocks
 
 NO_BUDGET_MB = 1e9
 """What ``"auto"`` gives on a tracked (CPU) device without a numeric Conductor cap: no limit
@@ -129,9 +130,6 @@ class AutoSection:
     other than weights: ``usage - tracked weights``), None once used."""
 
     def __init__(self, section: StagehandSection, model: torch.nn.Module, device) -> None:
-        from runtime.weights.defaults import block_bytes
-        from runtime.weights.registry import find_blocks
-
         device = torch.device(device)
         self.section = section
         self.block_sizes = block_bytes(find_blocks(model, section.block_pattern))

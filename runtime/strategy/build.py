@@ -10,6 +10,8 @@ from contract.config import MemoryConfig
 from runtime.common.device import own_storage
 from runtime.common.telemetry import Telemetry
 from runtime.strategy.base import MemoryStrategy
+from runtime.strategy.composed import StagehandStrategy
+from runtime.strategy.layer_offload import LayerOffloadStrategy
 
 
 def build_strategy(
@@ -48,8 +50,6 @@ def build_strategy(
         own_storage(model, device)  # NOTE [ Exact numbers ] in runtime/__init__.py
         return MemoryStrategy(model, device=device, telemetry=telemetry)
     if memory.strategy == "stagehand":
-        from runtime.strategy.composed import StagehandStrategy
-
         return StagehandStrategy(
             model,
             memory.stagehand,
@@ -59,8 +59,6 @@ def build_strategy(
             mode=mode,
         )
     if memory.strategy == "layer_offload":
-        from runtime.strategy.layer_offload import LayerOffloadStrategy
-
         return LayerOffloadStrategy(
             model,
             memory,

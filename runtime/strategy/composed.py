@@ -37,6 +37,7 @@ import torch
 
 from contract.config import MB, LiveLimits, StagehandSection
 from contract.records import LIMITS_APPLIED
+from runtime.activations import ActivationRuntime
 from runtime.common.device import own_storage
 from runtime.common.memory import DeviceMemory
 from runtime.common.phases import Phase
@@ -47,6 +48,7 @@ from runtime.squareq.adapter import SquareQConductorAdapter
 from runtime.strategy.auto import AutoSection, has_auto
 from runtime.strategy.base import MemoryStrategy
 from runtime.strategy.parts import ActivationsPart, ConductorPart, MemoryPart, WeightsPart
+from runtime.weights import WeightRuntime
 
 
 class StagehandStrategy(MemoryStrategy):
@@ -116,8 +118,6 @@ class StagehandStrategy(MemoryStrategy):
         """Append the runtime parts that are on to ``parts`` (each as soon as it is built, so
         ``close`` frees it if a later one fails); a strategy with another weight schedule
         (layer offload) overrides this and keeps the wiring."""
-        from runtime.activations import ActivationRuntime
-        from runtime.weights import WeightRuntime
 
         shared = {"device": self.device, "memory": self.memory, "telemetry": self.telemetry}
         if section.weight_streaming:

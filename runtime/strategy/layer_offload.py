@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from contract.config import MemoryConfig, StagehandSection
+from runtime.activations import ActivationRuntime
 from runtime.common.phases import Phase
 from runtime.common.telemetry import Telemetry
 from runtime.layer_offload.manager import LayerOffloadManager
@@ -138,8 +139,6 @@ class LayerOffloadStrategy(StagehandStrategy):
         checkpoint_dir: str | Path | None,
         mode: str,
     ) -> None:
-        from runtime.activations import ActivationRuntime
-
         shared = {"device": self.device, "memory": self.memory, "telemetry": self.telemetry}
         self.manager = LayerOffloadManager(
             model,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .cache import AssetError, build_once, cache_root
+from .digits import build_digits
 
 SEED = 0
 ARCHS = ("flux", "sd3", "ltx", "unet", "vae")
@@ -229,7 +230,6 @@ def build_all(
 ) -> dict[str, Path]:
     """Build every arch (incl. vae) in ``sizes`` (tiny + small by default) plus the digits
     image folder. Returns ``{"flux-tiny": Path, ..., "digits": Path}``."""
-    from .digits import build_digits
 
     out: dict[str, Path] = {}
     for size in sizes:

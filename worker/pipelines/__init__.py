@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from contract.preset import MODEL_TYPES
 from worker.pipelines.base import PipelineFamily
 from worker.pipelines.flux import FluxPipelineFamily
 from worker.pipelines.flux2 import Flux2PipelineFamily
@@ -20,6 +21,7 @@ from worker.pipelines.ltx2 import LTX2PipelineFamily
 from worker.pipelines.qwenimage import QwenImagePipelineFamily
 from worker.pipelines.sd3 import SD3PipelineFamily
 from worker.pipelines.sdxl import SDXLPipelineFamily
+from worker.pipelines.single_file import convert_single_file, eight_bit_weights
 from worker.pipelines.wan import WanPipelineFamily
 from worker.pipelines.zimage import ZImagePipelineFamily
 
@@ -67,7 +69,6 @@ def is_pipeline_folder(path: str | Path | None) -> bool:
 
 def inspect_preset(preset) -> PipelineInfo:
     """``inspect_pipeline`` for a preset's ``model`` section and its explicit ``model_type``."""
-    from contract.preset import MODEL_TYPES
 
     explicit = preset.model_type if "model_type" in preset.model_fields_set else None
     stagehand = preset.memory.stagehand
@@ -105,12 +106,9 @@ def adapter_for(
     component = ADAPTERS[info.family].expert_component(info, expert)
     transformer_dir = root / component
     if info.transformer_path is not None:
-        from worker.pipelines.single_file import convert_single_file
-
         transformer_dir = convert_single_file(info, cache_dir, dtype, prequantized)
     elif not prequantized:
         # Loaded without SquareQ, a scaled fp8 weight would be read without its scale.
-        from worker.pipelines.single_file import eight_bit_weights
 
         for path in weight_files(transformer_dir):
             eight_bit_weights(path, safetensors_header(path), False, field="model.path")

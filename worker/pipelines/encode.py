@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from contract.config import MemoryConfig
+from runtime.strategy import build_strategy
 from worker.encode import ENCODE_BATCH, _atomic_save, _folder_id, cache_key
 from worker.pipelines.base import PipelineFamily, load_component
 
@@ -94,7 +95,6 @@ def _one_encoder(
     should_stop, progress,
 ) -> dict[str, torch.Tensor] | None:  # fmt: skip
     """Run one encoder over ``texts`` in batches, then release it and its strategy."""
-    from runtime.strategy import build_strategy
 
     encoder = load_component(family.root, name, dtype).eval()
     strategy = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from worker.pipelines.base import PatchedLatents, PipelineFamily
+from worker.pipelines.flux_comfy import kohya_flux_state_dict
 from worker.pipelines.folder import PipelineFolderError, read_json
 
 
@@ -57,8 +58,6 @@ class FluxPipelineFamily(PatchedLatents, PipelineFamily):
     converter has FLUX.1's 3072 built in and could not read it for any other width."""
 
     def comfy_state_dict(self, state):
-        from worker.pipelines.flux_comfy import kohya_flux_state_dict
-
         cfg = read_json(self.transformer_dir / "config.json", "the transformer's config")
         width = cfg.get("num_attention_heads", 0) * cfg.get("attention_head_dim", 0)
         return kohya_flux_state_dict(state, width, self.lora_prefix)

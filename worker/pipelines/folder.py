@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.common.safetensors_header import SafetensorsHeaderError, read_header
+from runtime.weights.registry import find_blocks
 
 PIPELINE_FAMILIES: dict[str, str] = {
     "FluxPipeline": "flux",
@@ -257,8 +258,6 @@ def find_streamed_blocks(
     """
     import diffusers
     import torch
-
-    from runtime.weights.registry import find_blocks
 
     name = denoiser(root, index)
     config = read_json(root / name / "config.json", f"the {name}'s config")
