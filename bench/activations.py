@@ -5,7 +5,7 @@
 Prints, against the same steps without hooks: the step time ratio with KEEP-only (watermark out
 of reach), spill-all (watermark 0) and spill-all with predictive restore; the per-tensor cost of
 the KEEP path in microseconds; the tracked (CPU) or allocator (CUDA) peak. The seed's anchor on
-CUDA (``shared/seeds/activation-stagehand.md``): 2.5 GB lower peak at 8% step-time overhead.
+CUDA ("Activation Stagehand"): 2.5 GB lower peak at 8% step-time overhead.
 
 ``lora_model`` and ``train_steps`` are also what the tests drive.
 """

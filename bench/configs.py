@@ -7,9 +7,9 @@ Every row is one ``BenchConfig``. Rows of group ``ours`` carry a preset ``memory
 Watermarks are sized from the model's blocks so streaming and spilling really happen on a small
 budget (the tracked CPU budget as well as a GPU's): the weight high watermark is the non-block
 bytes plus three blocks, the low watermark plus two, so at most a few blocks are resident.
-Sources: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` (``memory.stagehand``),
-``shared/seeds/activation-stagehand.md`` (``activation_stagehand``), ``shared/seeds/conductor.md``
-(``conductor_config``), ``shared/seeds/case-study-flux-2048-layer-offload.md`` (layer offload).
+Sources: the LTX-2 bf16 on 24 GB case study (``memory.stagehand``),
+"Activation Stagehand" (``activation_stagehand``), "Conductor: Resource Arbitration Across Memory Runtimes"
+(``conductor_config``), the Flux 2048 px layer-offload case study (layer offload).
 """
 
 from __future__ import annotations

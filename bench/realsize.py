@@ -1,4 +1,4 @@
-"""``workbench bench --model flux-dev --folder DIR``: the real-size rows (issue 27).
+"""``workbench bench --model flux-dev --folder DIR``: the real-size rows.
 
 A real model's config (``bench.realmodel``; FLUX.1-dev first) with random bf16 weights
 made on the device and saved sharded in ``DIR`` (kept: a folder whose ``config.json`` matches

@@ -3,7 +3,7 @@
 Ratios are to the baseline row of the same model in the same invocation (``step_ms_median /
 baseline step_ms_median``), so the baseline's own ratio is exactly 1.0. On CUDA the lower bound
 of a streaming row is ``max(baseline compute ms, H2D bytes per step / pinned H2D bandwidth)``.
-Goals come from issue 10; they are printed beside the figures, never asserted.
+Goals are targets to compare against, not guarantees: printed beside the figures, never asserted.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def goals_text(items: list[dict[str, Any]]) -> str:
-    lines = ["goals (issue 10; reported, not asserted):"]
+    lines = ["goals (reported, not asserted):"]
     for g in items:
         verdict = {True: "MET", False: "NOT MET", None: "unmeasured"}[g["met"]]
         measured = g["measured"] or "-"

@@ -5,10 +5,10 @@ raises ``pydantic.ValidationError`` whose ``loc`` is the JSON path of the field.
 ``_mb`` are MB of 2**20 bytes, as the seeds use them (``torch.cuda.memory_allocated() / 2**20``).
 
 Sources:
-- ``StagehandConfig``: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` (the ``memory.stagehand`` JSON).
-- ``ActivationStagehandConfig``: ``shared/seeds/activation-stagehand.md`` (config table and JSON).
-- ``ConductorConfig``: ``shared/seeds/conductor.md`` (``conductor_config`` JSON, policy rules).
-- ``MemoryConfig`` layer-offload fields: ``shared/seeds/case-study-flux-2048-layer-offload.md``.
+- ``StagehandConfig``: the LTX-2 bf16 on 24 GB case study (the ``memory.stagehand`` JSON).
+- ``ActivationStagehandConfig``: "Activation Stagehand" (config table and JSON).
+- ``ConductorConfig``: "Conductor: Resource Arbitration Across Memory Runtimes" (``conductor_config`` JSON, policy rules).
+- ``MemoryConfig`` layer-offload fields: the Flux 2048 px layer-offload case study.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Watermarks:
 
 class SquareQConfig(_Strict):
     """``memory.stagehand.squareq``: frozen block weights kept and streamed in 8 bits
-    (``runtime/squareq``; issue 35). Absent: off."""
+    (``runtime/squareq``). Absent: off."""
 
     format: Literal["int8", "fp8_e4m3"]
     """``int8``: symmetric, one fp32 scale per output row (SquareQ's layout); ``fp8_e4m3``:

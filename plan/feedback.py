@@ -24,7 +24,7 @@ NOTE [ Ratios the model can be off by ]
 The model is off by a bounded factor for the figures it models; a ratio far outside that bound
 says the measurement or the profile was disturbed, not the model: a CPU profile measured while
 the machine was loaded predicted 683 ms for a run that took 32 ms (x0.047), and every later plan
-of that device came out 21x too fast (issue 36). Measured so far (docs/plan.md): VRAM
+of that device came out 21x too fast. Measured so far (docs/plan.md): VRAM
 x0.83-0.92 on CPU, peaks of tune trials within 6.4%; step time x1.85-2.95 on a loaded 2-core
 machine (the trainer's data, loss and telemetry are not modelled); pinned x1.0. The bounds
 leave room for that and refuse what no model error explains: VRAM and pinned within 2x, step

@@ -7,7 +7,7 @@ channels, guidance embedding). ``LTX2_CONFIG`` is LTX-2's transformer as diffuse
 ``LTX2VideoTransformer3DModel`` defaults give it (48 blocks; video 32 heads of 128, audio 32
 heads of 64; Gemma 3 captions 3840 wide): built on ``meta`` it has 18.876B parameters, and a
 rank-32 LoRA on every linear layer of its blocks is 2,688 tensors of 588 MiB, the seed's
-"18.88B" and "589 MB (2,688 tensors)" (``shared/seeds/case-study-ltx2-bf16-24gb.md``); the
+"18.88B" and "589 MB (2,688 tensors)" (the LTX-2 bf16 on 24 GB case study); the
 checkpoint's own ``config.json`` is not in this repository.
 
 ``python -m plan.reference`` prints the plans next to the seeds' measured figures

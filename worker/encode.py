@@ -1,6 +1,6 @@
 """Stage 1: cache text embeddings and VAE latents to disk, then free the encoders.
 
-The seed's two-stage run (``shared/seeds/case-study-ltx2-bf16-24gb.md``): the text encoder runs
+The seed's two-stage run (the LTX-2 bf16 on 24 GB case study): the text encoder runs
 in inference mode under the weight runtime (block-swapped) when
 ``memory.stagehand.text_encoder_block_swap`` is on; after caching, the encoder, its strategy and
 its pinned pool are released (``strategy.close()``, ``del``, ``gc.collect()``) before the

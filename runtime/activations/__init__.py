@@ -1,5 +1,5 @@
 """Activation Stagehand: spill autograd's saved tensors to host memory past a VRAM watermark and
-restore them for backward, ahead of need (``shared/seeds/activation-stagehand.md``)."""
+restore them for backward, ahead of need ("Activation Stagehand")."""
 
 from runtime.activations.budget import ActivationBudgetManager
 from runtime.activations.hooks import KeptTensor, SpilledTensor

@@ -1,6 +1,6 @@
 """Watermark pressure with hysteresis: spill from the high watermark until under the low one.
 
-Source: ``shared/seeds/activation-stagehand.md`` ("Check VRAM pressure ... against the high
+Source: "Activation Stagehand" ("Check VRAM pressure ... against the high
 watermark"; config ``vram_high_watermark_mb`` / ``vram_low_watermark_mb``). VRAM is read like
 the weight runtime reads it, through the shared ``DeviceMemory.usage_bytes()``: CUDA allocator
 figures on GPU, tracked bytes on CPU (where kept saved tensors are tracked, so spilling lowers

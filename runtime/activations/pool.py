@@ -1,6 +1,6 @@
 """Size-class host pool for spilled activations (``CPUSpillBackend``).
 
-Source: ``shared/seeds/activation-stagehand.md`` ("Size-class pool"). Activation tensors range
+Source: "Activation Stagehand" ("Size-class pool"). Activation tensors range
 from under 1 KB to over 200 MB, so one uniform slab size either wastes memory or cannot hold
 them; the pool keeps several classes of slabs instead:
 
@@ -9,7 +9,7 @@ them; the pool keeps several classes of slabs instead:
   pool: PyTorch's caching host allocator hands it out and takes it back for the next miss, so
   a miss costs host memory, never a pageable (synchronous) copy. Layer offload at FLUX.1-dev
   size spills 61 checkpoint inputs of ~25 MB per step: the default pool holds a dozen, and
-  the ~49 unpinned misses were its ~100 pageable copies per step on an H100 (issue 27);
+  the ~49 unpinned misses were its ~100 pageable copies per step on an H100;
 - buffers come back to their class by data pointer;
 - each class is one host allocation made at construction (pinned when ``pin``), split into
   slabs. Beyond the seed (its v0 limit "fixed pool at init"), ``grow`` adds slabs between steps

@@ -1,9 +1,10 @@
 """Predictive restore: the order backward will ask for spilled tensors, and a window ahead of it.
 
-Beyond the seed (its v0 limit "reactive scheduler ... no predictive prefetch using backward
-execution order"); the idea is the Megatron fine-grained offload design's reload of the next
-group when one group's backward finishes (``shared/seeds/megatron-fine-grained-activation-
-offload-api.md``: ``bulk_reload``, ``pre_reload_last_layer``), applied per tensor:
+A purely reactive scheduler reloads a tensor only when backward asks for it, so backward waits
+on every copy (Activation Stagehand's v0 limit: "no predictive prefetch using backward
+execution order"). This one reloads ahead: Megatron-Core's fine-grained activation offloading
+reloads the next group when one group's backward finishes (its API reference: ``bulk_reload``,
+``pre_reload_last_layer``), applied here per tensor:
 
 - the first step has no trace, so the plan is *reverse pack order* (backward consumes saved
   tensors roughly last-saved first);

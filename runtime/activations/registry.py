@@ -1,6 +1,6 @@
 """Records of the saved tensors the activation runtime manages, and their asserted states.
 
-Source: ``shared/seeds/activation-stagehand.md`` (``registry.py``: ActivationState,
+Source: "Activation Stagehand" (``registry.py``: ActivationState,
 ActivationRecord, ActivationRegistry). A record exists for every *spilled* tensor and for every
 tensor whose spill was refused (Conductor denial, D2H cap 0); tensors kept because VRAM is below
 the watermark take the KEEP fast path and are only counted (a record each would cost more than

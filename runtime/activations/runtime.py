@@ -1,7 +1,7 @@
 """``ActivationRuntime``: spill autograd's saved tensors to host past a VRAM watermark, restore
 them for backward (ahead of need with predictive restore).
 
-Source: ``shared/seeds/activation-stagehand.md`` (design, config, telemetry, lifecycle). Usage,
+Source: "Activation Stagehand" (design, config, telemetry, lifecycle). Usage,
 standalone::
 
     runtime = ActivationRuntime(config, device=device, model=model)

@@ -1,6 +1,6 @@
 """Per-step counters of the activation runtime and the ``activation_stagehand/step`` record.
 
-Source: ``shared/seeds/activation-stagehand.md`` (the JSONL record: ``step``,
+Source: "Activation Stagehand" (the JSONL record: ``step``,
 ``activations_saved`` ... ``vram_peak_mb``) and ``docs/contracts.md``, which adds
 ``prefetch_hits`` and ``restore_ms`` for predictive restore.
 

@@ -1,6 +1,6 @@
 """D2H spill and H2D restore copies on dedicated streams, with in-flight caps.
 
-Source: ``shared/seeds/activation-stagehand.md`` ("transfer.py", "D2H transfer engine"). Spills
+Source: "Activation Stagehand" ("transfer.py", "D2H transfer engine"). Spills
 and restores use their own streams, separate from the weight runtime's, and at most
 ``d2h_limit`` / ``h2d_limit`` copies are in flight so the PCIe link stays shared: the user's
 ``max_d2h`` / ``max_h2d`` (live knobs) under the Conductor's caps (``set_caps``; a D2H cap of 0 in

@@ -1,7 +1,7 @@
 """The attention backend guard: whether cuDNN's fused attention (an SDPA backend) may run.
 
 # NOTE [ cuDNN SDPA guard ]
-Evidence (issue 27, ``shared/gpu/FINDINGS.md``): with torch 2.11+cu130 on an H100, the plain
+Evidence (measured): with torch 2.11+cu130 on an H100, the plain
 all-resident LoRA step of a FLUX.1-dev-sized transformer at 1024 px (4096 image + 512 text
 tokens, bf16) crashed in backward with "CUDA error: an illegal memory access" until
 ``torch.backends.cuda.enable_cudnn_sdp(False)``; with it off every configuration ran. Why 2.11:

@@ -43,8 +43,8 @@ def host_ram(root: Path = Path("/")) -> tuple[int, int]:
 
 PINNED_CAP_FRACTION = 0.5
 """Share of RAM a process may page-lock on Windows and WSL2 (the driver caps ``cudaHostAlloc``
-and ``cudaHostRegister`` near half of RAM: musubi-tuner #685, AnimaLoraStudio PR #511 in
-``shared/PEERS.md``; NVIDIA's CUDA on WSL guide lists pinned system memory as limited)."""
+and ``cudaHostRegister`` near half of RAM: musubi-tuner #685, AnimaLoraStudio PR #511, in
+the peers survey; NVIDIA's CUDA on WSL guide lists pinned system memory as limited)."""
 
 
 def pinned_cap(total: int, root: Path = Path("/")) -> int | None:

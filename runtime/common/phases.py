@@ -1,4 +1,4 @@
-"""Phases of a training step, as the Conductor broadcasts them (``shared/seeds/conductor.md``).
+"""Phases of a training step, as the Conductor broadcasts them ("Conductor: Resource Arbitration Across Memory Runtimes").
 
 One step goes STEP_BEGIN -> FORWARD -> BACKWARD -> OPTIMIZER -> STEP_END; inference steps skip
 BACKWARD and OPTIMIZER. Illegal orders raise ``PhaseError`` naming the phases expected and found.

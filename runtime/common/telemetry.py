@@ -147,7 +147,7 @@ def mend_torn_tail(path: Path) -> int:
     the bytes cut (0 when none). A missing or empty file is left as it is.
 
     Without this, the first record appended to a torn line is glued to it and neither parses:
-    that ``seq`` is lost to every reader (issue 36)."""
+    that ``seq`` is lost to every reader."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:

@@ -1,5 +1,5 @@
 """The Conductor: arbitration of VRAM, pinned host memory and PCIe slots between the memory
-runtimes (``shared/seeds/conductor.md``). The adapters of the weight and activation runtimes are
+runtimes ("Conductor: Resource Arbitration Across Memory Runtimes"). The adapters of the weight and activation runtimes are
 the strategy's (``runtime.strategy.adapters``): the Conductor imports no runtime."""
 
 from runtime.conductor.adapter import ConductorAdapter

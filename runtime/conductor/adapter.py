@@ -3,7 +3,7 @@ hints to. The adapters of the weight and activation runtimes (``runtime.strategy
 sit with the strategy that composes those runtimes: the Conductor sits beside the runtimes and
 imports none of them.
 
-Source: ``shared/seeds/conductor.md`` ("What Gets Tuned").
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("What Gets Tuned").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """BudgetManager: VRAM headroom and pinned-host reservations with typed modes and priorities.
 
-Source: ``shared/seeds/conductor.md`` ("Budget Arbitration"). The seed gives one line per mode;
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("Budget Arbitration"). The seed gives one line per mode;
 the rules below are what this module implements, with the choices the seed leaves open.
 
 Resources: ``"vram"`` (measured against ``vram_soft_cap_mb`` / ``vram_hard_cap_mb``; *used* is

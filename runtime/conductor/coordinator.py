@@ -1,6 +1,6 @@
 """PhaseCoordinator: the Conductor's phase machine and the adapter broadcast.
 
-Source: ``shared/seeds/conductor.md`` ("Phase Broadcasting"). Phases and their legal order are
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("Phase Broadcasting"). Phases and their legal order are
 ``runtime.common.phases``; an illegal order raises ``PhaseError`` naming the phase expected and
 the phase found, before anything changes.
 """

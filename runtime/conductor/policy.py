@@ -1,6 +1,6 @@
 """HeuristicPolicyBridge: the three v0 rules turning pressure into ``RuntimeLimitHints``.
 
-Source: ``shared/seeds/conductor.md`` ("Policy Rules (v0)"). Hints are computed at every phase
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("Policy Rules (v0)"). Hints are computed at every phase
 boundary (and after each full slot check, for Rule 3) and pushed to the adapters.
 
 - Rule 1, backward pressure: in BACKWARD, when VRAM usage / ``vram_soft_cap_mb`` exceeds

@@ -1,6 +1,6 @@
 """ConductorRuntime: phases, budget, transfer slots, policy and adapters behind one object.
 
-Source: ``shared/seeds/conductor.md``. Lifecycle, driven by the composed strategy::
+Source: "Conductor: Resource Arbitration Across Memory Runtimes". Lifecycle, driven by the composed strategy::
 
     conductor.begin_step(step)      # STEP_BEGIN: hints reset, limits re-applied
     conductor.enter_forward()

@@ -1,6 +1,6 @@
 """Conductor telemetry: the seed's per-step record and the debug event trace.
 
-Source: ``shared/seeds/conductor.md`` ("Telemetry"). Records go through the run's one
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("Telemetry"). Records go through the run's one
 ``Telemetry`` stream as ``conductor/step`` (every ``telemetry_interval_steps`` steps) and, when
 ``debug_event_trace`` is on, ``conductor/event`` with ``event`` one of ``phase``, ``hints``,
 ``reserve``, ``release``, ``slot_acquire``, ``slot_denied``, ``slot_release``.

@@ -1,6 +1,6 @@
 """TransferManager: separate H2D and D2H slot pools; a runtime holds a slot per PCIe copy.
 
-Source: ``shared/seeds/conductor.md`` ("Transfer Slot Management"). A runtime asks for a slot
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("Transfer Slot Management"). A runtime asks for a slot
 before it issues a copy and releases it when the copy is done::
 
     with conductor.request_transfer("h2d", "speculative") as grant:

@@ -1,6 +1,6 @@
 """Priorities, budget modes and typed denial reasons shared by the Conductor's managers.
 
-Source: ``shared/seeds/conductor.md`` ("Budget Arbitration", "Transfer Slot Management").
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("Budget Arbitration", "Transfer Slot Management").
 A request the Conductor cannot serve always carries a ``DenialReason``, never a bare ``False``.
 """
 

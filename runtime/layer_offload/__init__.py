@@ -4,7 +4,7 @@ inputs moved to the host between layers, all on the weight and activation runtim
 The strategy a training loop drives is ``runtime.strategy.layer_offload.LayerOffloadStrategy``
 (this package imports nothing of ``runtime.strategy``).
 
-Source: ``shared/seeds/case-study-flux-2048-layer-offload.md``.
+Source: the Flux 2048 px layer-offload case study.
 """
 
 from runtime.layer_offload.checkpoint_layer import OffloadCheckpointLayer

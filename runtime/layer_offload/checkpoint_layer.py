@@ -1,6 +1,6 @@
 """``OffloadCheckpointLayer``: non-reentrant gradient checkpointing plus before/after callbacks.
 
-Source: ``shared/seeds/case-study-flux-2048-layer-offload.md`` ("OffloadCheckpointLayer", "The
+Source: the Flux 2048 px layer-offload case study ("OffloadCheckpointLayer", "The
 kwargs bug"). Each block of the model is replaced, in its ``ModuleList`` (Flux's
 ``transformer_blocks`` and ``single_transformer_blocks``, SD3's ``transformer_blocks``), by a
 wrapper whose forward runs ``checkpoint(run, ..., use_reentrant=False)`` where ``run`` calls

@@ -1,6 +1,6 @@
 """``LayerOffloadManager``: the seed's LayerOffloadConductor on the weight runtime's mechanisms.
 
-Source: ``shared/seeds/case-study-flux-2048-layer-offload.md``. The manager owns no copy
+Source: the Flux 2048 px layer-offload case study. The manager owns no copy
 mechanism of its own: the blocks are the weight runtime's (``WeightRuntime``: block registry,
 pinned pool, H2D transfer engine, ``DeviceMemory`` budget, ``stagehand/block`` telemetry), driven
 with the layer-offload policy instead of traced streaming:

@@ -4,7 +4,7 @@
 ``memory.layer_offload_fraction`` is the fraction of the N blocks that are *offloaded*; the
 first ``N - floor(fraction x N)`` blocks are resident: loaded once at set-up and kept on the
 device until close. Flux 1 Dev at 0.9 keeps 6 of its 57 blocks and offloads 51, as the seed's
-run did (``shared/seeds/case-study-flux-2048-layer-offload.md``); 0.0 keeps every block, 1.0
+run did (the Flux 2048 px layer-offload case study); 0.0 keeps every block, 1.0
 none. This is the knob users of OneTrainer's LayerOffloadConductor and musubi-tuner's block swap
 know, and it is a count rule rather than a byte budget on purpose:
 

@@ -2,7 +2,7 @@
 one fp32 scale per output row), dequantized on the device into the compute dtype as each block
 loads. Only the LoRA trains; the LoRA file is the ordinary one.
 
-Source: ``shared/seeds/conductor.md`` (SquareQ, "INT8 dequant staging"); issue 35.
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" (SquareQ, "INT8 dequant staging").
 """
 
 from runtime.squareq.formats import FORMATS, dequantize, quantize

@@ -181,7 +181,7 @@ def error_table(errors: list[LayerError]) -> dict[str, object]:
 
 # NOTE [ CPU dequantization ]
 # On the CPU a load's dequantization runs on the host's cores between the compute, so its cost
-# is the bench rows' (issue 35). Forming ``float(q) * s`` for a whole weight in one fp32
+# is the bench rows'. Forming ``float(q) * s`` for a whole weight in one fp32
 # temporary allocated per weight (4 bytes per element: 151 MB for FLUX's 12288 x 3072
 # ``proj_mlp``) cost more in page faults and DRAM traffic than the arithmetic, and gathering
 # float8 values through an int64 index (8 bytes per element) more still. Whole rows at a time

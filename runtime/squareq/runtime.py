@@ -310,8 +310,8 @@ def dequantized_in_place(blocks: list[nn.Module], fmt: str) -> int:
 
 
 # NOTE [ Resident blocks stay dequantized ]
-# Issue 35 asked whether blocks that stay on the device should be held as their 8-bit image and
-# dequantized at each use, so that more of them stay. Measured and planned, not adopted:
+# Should blocks that stay on the device be held as their 8-bit image and dequantized
+# at each use, so that more of them stay? Measured and planned, not adopted:
 # - Bytes: a FLUX.1-dev double block is 648.2 MiB in bf16 and 324.5 MiB as an int8 image, a
 #   single block 270.1 vs 135.2 MiB (``image_nbytes``). Planned (``workbench plan``'s path,
 #   flux-dev-24gb's memory section with ``squareq: int8``, the sparse real-size folder of

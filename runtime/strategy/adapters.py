@@ -1,6 +1,6 @@
 """Adapters: translate ``RuntimeLimitHints`` into caps a runtime applies to its own knobs.
 
-Source: ``shared/seeds/conductor.md`` ("What Gets Tuned"). The Conductor never writes a
+Source: "Conductor: Resource Arbitration Across Memory Runtimes" ("What Gets Tuned"). The Conductor never writes a
 runtime's settings: an adapter publishes caps, and the runtime uses the smaller of its user's
 setting and the cap where it reads it. A live change of a setting therefore needs no adapter and
 survives any cap; ``detach`` clears the caps. On ``attach`` the adapter sets
@@ -24,8 +24,8 @@ weight runtime notices only when it loads again, and it asks the Conductor for a
 it loads: slots of copies that ended long ago still looked held, so every prefetch was denied
 (H2D_SLOTS_EXHAUSTED) until a demand load (a prefetch miss) happened to retire them, and the
 run of "full" checks fired Rule 3, shrinking the window further. At FLUX.1-dev size on an H100
-that was 95 denials and 37 prefetch misses per step at 3 GB used under a 22,000 MB soft cap
-(issue 27); a CPU run with copies slower than compute shows it too (tests/runtime/conductor/
+that was 95 denials and 37 prefetch misses per step at 3 GB used under a 22,000 MB soft cap;
+a CPU run with copies slower than compute shows it too (tests/runtime/conductor/
 test_room.py). So before a slot request is judged against a pool that looks full, the
 Conductor asks every adapter to ``reclaim`` the direction: each runtime retires the copies the
 device finished (never blocking), and only slots of copies still in flight count.

@@ -1,7 +1,7 @@
 """StagehandStrategy: weight streaming, activation spill and the Conductor behind one object.
 
-Source: ``shared/seeds/activation-stagehand.md`` ("Integration": the activation runtime's step
-nests inside the weight runtime's) and ``shared/seeds/conductor.md`` ("Integration Point").
+Source: "Activation Stagehand" ("Integration": the activation runtime's step
+nests inside the weight runtime's) and "Conductor: Resource Arbitration Across Memory Runtimes" ("Integration Point").
 Each part is on or off independently:
 
 - weight runtime (``WeightRuntime``): ``memory.stagehand.weight_streaming`` (off: every

@@ -1,6 +1,6 @@
 """``LayerOffloadStrategy`` (``memory.strategy: "layer_offload"``): the seed's Flux 2048 run.
 
-Source: ``shared/seeds/case-study-flux-2048-layer-offload.md``. The composed strategy's phases,
+Source: the Flux 2048 px layer-offload case study. The composed strategy's phases,
 router, Conductor wiring and live limits (``StagehandStrategy``) with two parts swapped in:
 
 - weights: ``LayerOffloadManager`` (the weight runtime driven by the layer-offload policy:

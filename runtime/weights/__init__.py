@@ -1,7 +1,7 @@
 """Weight streaming (Stagehand): a model's repeated blocks visit the compute device one at a
 time through a pinned host pool, traced, prefetched and evicted.
 
-Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+Source: the LTX-2 bf16 on 24 GB case study.
 """
 
 from runtime.weights.errors import (

@@ -22,7 +22,7 @@ With SquareQ a slab stages a block's 8-bit image, not its compute-dtype buffer: 
 follow the staged bytes (``staged_sizes``); the window still counts the device buffers.
 Readers: half the cores, 2 to 8 (one block's read is shared by all of them, ``readers.py``;
 page cache -> pinned reads on an H100 host scaled 4.4 -> 13.9 -> 22.8 GB/s on 1, 4, 8 threads,
-``shared/gpu/FINDINGS.md``). CPU: copies are synchronous, so depth buys nothing and only holds
+measured). CPU: copies are synchronous, so depth buys nothing and only holds
 memory: the previous defaults (window 2, 2 in flight, 1024 MB slabs, 8192 MB pool allocated on
 use, no reader thread).
 """

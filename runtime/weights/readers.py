@@ -2,7 +2,7 @@
 
 Before, a block was read by one reader thread from start to end, so reads ran as many at once as
 blocks were in flight (2 by default), whatever ``reader_threads`` said: on an H100 host 8 readers
-gave nothing while a deeper pipeline halved the step (``shared/gpu/FINDINGS.md``; page cache ->
+gave nothing while a deeper pipeline halved the step (measured; page cache ->
 pinned memory: 4.4 GB/s on one thread, 13.9 on 4, 22.8 on 8). Now a block's read plan is cut
 into one part per reader (``sources.split_plan``: positional reads, so parts need no order), each
 part is a task, and the reader that finishes the last part runs the block's ``finish`` (host

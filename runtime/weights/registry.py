@@ -6,7 +6,7 @@ stage beside such a list built of the same parts (a UNet's ``mid_block``). Each 
 parameters' names, shapes, dtypes and byte offsets inside one contiguous buffer, so a block is
 loaded with one allocation and one H2D copy. Everything outside the blocks stays resident.
 
-Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` (block swap, state machine, bug 1: nested
+Source: the LTX-2 bf16 on 24 GB case study (block swap, state machine, bug 1: nested
 text-encoder layouts such as ``model.language_model.layers``).
 """
 

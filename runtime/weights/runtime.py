@@ -18,7 +18,7 @@ Usage (standalone)::
 A composed strategy builds one ``SavedTensorRouter([weights.packer, activations.packer])`` and
 passes ``install_hooks=False``. See NOTE [ Block trace ] (scheduler.py), NOTE [ Eviction
 policy ] (policy.py), NOTE [ Step boundaries ] (steps.py), NOTE [ Backward block boundaries ]
-and NOTE [ Saved weight views ] (hooks.py). Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md``.
+and NOTE [ Saved weight views ] (hooks.py). Source: the LTX-2 bf16 on 24 GB case study.
 
 The runtime holds the lifecycle (set-up, steps, contexts, close) and applies the policy's
 decisions (loads, evictions, counts and ``stagehand/block`` records); what to evict and prefetch

@@ -6,7 +6,7 @@ file page is mapped into the process, so host RSS does not grow with the model (
 would count every touched page in RSS). The headers are parsed once at set-up, so shapes, dtypes
 and keys are checked before the first step.
 
-Source: ``shared/seeds/case-study-ltx2-bf16-24gb.md`` ("file-backed mode streams frozen weights
+Source: the LTX-2 bf16 on 24 GB case study ("file-backed mode streams frozen weights
 directly from NVMe ... through a fixed pinned buffer pool").
 """
 

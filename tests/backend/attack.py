@@ -1,10 +1,10 @@
-"""A bounded attack on a workbench server on loopback, as issue 36 ran it by hand.
+"""A bounded attack on a workbench server on loopback, as it was first run by hand.
 
     python tests/backend/attack.py --url http://127.0.0.1:8000 [--token T] [--requests 2000]
         [--seconds 120] [--seed 0] [--log SERVER_LOG]
 
 What it sends: JSON nested past the limit to every body route, each followed by a request on
-the same keep-alive connection (the 500 of issue 36 reset it); sizes no machine has in a run's
+the same keep-alive connection (a 500 once reset it); sizes no machine has in a run's
 overrides and in live limits; path ids that are not plain integers; traversal in artifact and
 LoRA names; ``--requests`` fuzzed requests (seeded: random routes, ids, queries and JSON bodies);
 with ``--token``: as many requests again without it, a websocket carrying it in its query and a

@@ -1,4 +1,4 @@
-"""``attack.py`` (issue 36's attack, bounded) against a fresh server with a token on loopback:
+"""``attack.py`` (the attack, bounded) against a fresh server with a token on loopback:
 nothing gives way, and the token is nowhere in the server's log."""
 
 from __future__ import annotations

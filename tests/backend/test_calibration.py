@@ -1,4 +1,4 @@
-"""Calibration (issue 21): a succeeded run's measured figures are stored next to the plan of
+"""Calibration: a succeeded run's measured figures are stored next to the plan of
 its config, under its device profile and family; later plans for that device and family are
 scaled by exactly the stored ratios and say from which run. The run's telemetry is written
 into the store as the tailer would (no worker: the figures are known exactly), on the app

@@ -1,4 +1,4 @@
-"""What an attacker's requests found (issue 36): deep JSON, sizes no machine has, ids that are
+"""What an attacker's requests found: deep JSON, sizes no machine has, ids that are
 not plain integers. Every answer is a 4xx with the one error body naming the limit or the field;
 the app runs in-process (``inprocess.in_process``): no worker is started."""
 

@@ -233,7 +233,7 @@ def test_outputs_download_and_resume_from_a_checkpoint(server):
     last = outputs["checkpoints"][-1]["step"]
     stopped_at = stored_records(client, run_id)[-1]["seq"]
 
-    # A worker killed mid-write leaves half a line (issue 36): the resumed worker's first
+    # A worker killed mid-write leaves half a line: the resumed worker's first
     # record must not be glued to it (that seq was lost from the file and the store).
     with open(run_dir / "telemetry.jsonl", "a") as f:
         f.write(f'{{"seq": {stopped_at + 1}, "time": 1.0, "sour')

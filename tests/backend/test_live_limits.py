@@ -81,7 +81,7 @@ def test_limits_checked_against_those_in_force_and_listed_with_their_history(api
         "memory.stagehand.activation_stagehand.vram_low_watermark_mb"
     )
     assert start["history"] == []
-    # The same table without a run, for the New run form (issue 38: the dashboard has none).
+    # The same table without a run, for the New run form (the dashboard has none).
     fields = client.get("/api/limits/fields").json()
     assert fields == {"paths": start["paths"], "pairs": start["pairs"]}
     assert fields["pairs"] == [

@@ -1,4 +1,4 @@
-"""``workbench bench --model flux-dev --size tiny``: the real-size rows' CPU smoke run (issue 27).
+"""``workbench bench --model flux-dev --size tiny``: the real-size rows' CPU smoke run.
 
 The tiny size is FLUX.1-dev's config scaled to tiny widths with all 57 blocks, so the block
 loads, file reads and Conductor answers per step are the real model's (the H100 run counted

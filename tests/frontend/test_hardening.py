@@ -1,4 +1,4 @@
-"""Issue 18 in a real browser: a sandboxed iframe on a page from another port cannot cancel a
+"""The hardening in a real browser: a sandboxed iframe on a page from another port cannot cancel a
 run; run names are text in Plotly's legends; the New run page shows the dataset scan before
 Start and the run page shows the worker's (synthetic worker, real backend, Debian chromium)."""
 
@@ -173,7 +173,7 @@ def test_new_run_page_scans_the_data_before_start_and_the_run_page_shows_it(
 def test_run_page_shows_the_frames_per_clip_beside_the_scan(
     synthetic_server, page, shoot, tmp_path
 ):
-    """A video run's ``trainer/run_started`` carries the frames per clip it chose (issue 28);
+    """A video run's ``trainer/run_started`` carries the frames per clip it chose;
     the run page's Data card shows them together with the scan recorded before it."""
     from PIL import Image
 

@@ -1,4 +1,4 @@
-"""Issue 17's pages in a real browser (synthetic worker, real backend, Debian chromium): the API
+"""The dashboard's pages in a real browser (synthetic worker, real backend, Debian chromium): the API
 docs with the network blocked, the charts' window, smoothing, log scale and CSV export, the
 Runs list's sorting and search, Compare across runs of different lengths, error banners."""
 

@@ -1,4 +1,4 @@
-"""Tunes (issue 21) on a server whose worker is the synthetic one (its peak follows the high
+"""Tunes on a server whose worker is the synthetic one (its peak follows the high
 watermark and its step time the blocks it loads, so trials differ): trials are ordinary runs of
 one group with figures measured from their telemetry, the Pareto front marks exactly the
 non-dominated trials, the chosen trial saves as a preset, the group cancels as one, bad input is

@@ -1,4 +1,4 @@
-"""The New run page's watermark fields take MB or "auto" (issue 33: the 24 GB family presets say
+"""The New run page's watermark fields take MB or "auto" (the 24 GB family presets say
 "auto"): a preset's "auto" is shown, a value typed over it and "auto" typed back both go into the
 config, and anything else is named beside the field (real backend, Debian chromium)."""
 

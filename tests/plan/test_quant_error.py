@@ -1,4 +1,4 @@
-"""``workbench plan`` shows SquareQ's quantization error of the model's real weights (issue 35):
+"""``workbench plan`` shows SquareQ's quantization error of the model's real weights:
 the table the run's first ``squareq/step`` record carries, read from SquareQ's cache or
 quantized into it once (the run then reuses it), "not measured" with the reason for a folder
 whose weights cannot be read, and the fp8 weights a checkpoint stores counted apart.

@@ -10,7 +10,7 @@ The reference is the plain model with its parameters in ordinary, aligned tensor
 views into the mmap'd safetensors file at unaligned offsets, and on some CPUs a GEMM's last bit
 depends on its inputs' alignment (NOTE [ Exact numbers ] in ``runtime/__init__.py``).
 
-Two small diffusers models built here reproduce the two gradient defects of issue 14:
+Two small diffusers models built here reproduce two gradient defects:
 
 - ``DualStreamToy``: each block returns ``(x + img(x) * y.mean(), txt(y))`` and the model returns
   only ``x``: the last block's ``txt`` gets no gradient in the plain model (``.grad`` None).

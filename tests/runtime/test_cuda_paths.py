@@ -1,4 +1,4 @@
-"""Issue 16 on a real GPU (``gpu``: skipped without CUDA): the bookkeeping the lagging-device
+"""The lagging device on a real GPU (``gpu``: skipped without CUDA): the bookkeeping the lagging-device
 double checks on CPU (``test_device_double.py``), now with real streams, events, pinned memory
 and the caching allocator; allocator health, pinned accounting and release, no pageable copy in
 the hot path, and exact gradients under a compute stream slowed down against the copies."""
@@ -210,7 +210,7 @@ def _accumulating(model, strategy, steps=3):
 
 
 def test_hot_path_without_host_waits_and_unchanged_gradients_stay_on_the_host(tiny_flux):
-    """Issue 34, defects 3 and 7 on a GPU: the runtime's own host waits (``cudaEventSynchronize``,
+    """On a GPU: the runtime's own host waits (``cudaEventSynchronize``,
     which ``set_sync_debug_mode`` does not see) are 0 in forward and backward; with
     ``set_to_none=False`` a block's kept gradients stay on the host through its forward (no H2D
     and D2H of unchanged gradients); the losses equal the plain model's."""

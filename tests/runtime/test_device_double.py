@@ -91,9 +91,9 @@ def test_exact_and_clean_under_a_device_double(folders, references, arch, method
 
 
 def test_an_evicted_block_counts_until_its_copy_back_lands(folders):
-    """Issue 16, defect 2: a trainable block's buffer is released at eviction, but its D2H copy
+    """A trainable block's buffer is released at eviction, but its D2H copy
     back to the host masters still reads it: the watermarks' figure (``usage_bytes``) keeps
-    counting it until the copy's event completes. Issue 34, defect 3: an eviction with nothing
+    counting it until the copy's event completes. And an eviction with nothing
     to copy back (a forward, no gradient yet, weights unchanged) records no D2H event and holds
     nothing (before: an empty event per block, its buffer counted until the event ran, and the
     block's next load waited on it). Step 1's first block, prefetched at step 0's end (its

@@ -143,7 +143,7 @@ def cases(archs, checkpointings):
     ("arch", "method", "strategy", "checkpointing"), cases(["dual", "shared"], CHECKPOINTING)
 )
 def test_defect_models_train_exactly(folders, references, arch, method, strategy, checkpointing):
-    """Issue 14's reproductions: no zero gradient where the plain model has None (dual: fails
+    """The reproductions (``exact.py``): no zero gradient where the plain model has None (dual: fails
     on ``blocks.2.to_k``), the shared context's producer summed in the plain model's order
     (shared, full fine-tune: fails on ``proj.weight``)."""
     check(folders, references, arch, method, strategy, checkpointing)

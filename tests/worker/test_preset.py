@@ -7,7 +7,7 @@ import pytest
 from contract.preset import PRESETS_DIR, Preset, PresetError
 from worker.preset import list_presets, load_preset, validate_preset
 
-# Copied from shared/seeds/case-study-ltx2-bf16-24gb.md (verbatim).
+# Copied from the LTX-2 bf16 on 24 GB case study (verbatim).
 LTX2_SEED = """{
 "model_type": "ltx2",
 "training_method": "lora",
@@ -38,7 +38,7 @@ LTX2_SEED = """{
 "data": { "frames": 17 }
 }"""
 
-# Copied from shared/seeds/case-study-flux-2048-layer-offload.md (verbatim).
+# Copied from the Flux 2048 px layer-offload case study (verbatim).
 FLUX2048_SEED = """{
 "model_type": "flux_dev",
 "training_method": "lora",
@@ -64,7 +64,7 @@ FLUX2048_SEED = """{
 "train_dtype": "bfloat16"
 }"""
 
-# Copied from shared/seeds/activation-stagehand.md (verbatim; it is a whole-config fragment).
+# Copied from "Activation Stagehand" (verbatim; it is a whole-config fragment).
 ACTIVATION_SEED = """{
   "memory": {
     "strategy": "stagehand",
@@ -85,7 +85,7 @@ ACTIVATION_SEED = """{
   }
 }"""
 
-# Copied from shared/seeds/conductor.md (verbatim).
+# Copied from "Conductor: Resource Arbitration Across Memory Runtimes" (verbatim).
 CONDUCTOR_SEED = """{
   "memory": {
     "stagehand": {

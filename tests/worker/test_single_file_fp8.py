@@ -1,4 +1,4 @@
-"""``model.transformer_path`` of 8-bit weights (issue 35): a single file in the original
+"""``model.transformer_path`` of 8-bit weights: a single file in the original
 release layout whose linear weights are float8_e4m3fn, with a per-tensor ``scale_weight``
 (ComfyUI's fp8 files) or a per-row ``weight_scale``, is converted into diffusers' layout with
 its codes untouched and streams with SquareQ as stored, training bit for bit as the model

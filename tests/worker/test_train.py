@@ -29,7 +29,7 @@ def test_tiny_ci_trains_end_to_end(tiny_run, run_io):
     assert [r["seq"] for r in recs] == list(range(len(recs)))
     started = run_io.of(recs, "trainer", "run_started")[0]
     assert started["preset"] == "tiny-ci" and started["max_steps"] == 8
-    # The attention backend guard, applied once at start (issue 27); CPU: not applicable.
+    # The attention backend guard, applied once at start; CPU: not applicable.
     assert started["attention"]["cudnn_sdp"] == "auto"
     assert started["attention"]["cudnn_sdp_enabled"] is False
     assert started["attention"]["device"] == "cpu"

@@ -1,7 +1,7 @@
 """Stage 1 for a pipeline folder: every text encoder, one at a time, block-swapped in inference
 mode under the weight runtime, then released before the next (and before stage 2).
 
-The seed's two-stage run (``shared/seeds/case-study-ltx2-bf16-24gb.md``): the encoder streams
+The seed's two-stage run (the LTX-2 bf16 on 24 GB case study): the encoder streams
 file-backed from its own safetensors (``checkpoint_dir`` = its component folder), and after
 its pass its strategy is closed (the pinned pool freed), the module deleted and ``gc`` run: the
 seed's bug 3 was an OOM from skipping exactly that.

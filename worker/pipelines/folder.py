@@ -31,7 +31,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
 }
-"""``model_index.json`` ``_class_name`` -> family (issue 15's list, in its priority order)."""
+"""``model_index.json`` ``_class_name`` -> family (in priority order)."""
 
 DENOISERS = ("transformer", "unet")
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}

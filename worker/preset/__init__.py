@@ -4,15 +4,15 @@ The backend imports this module to validate presets and overrides, so it must st
 
 Accepted verbatim (apart from model paths), the blocks printed in the seeds:
 
-- ``shared/seeds/case-study-ltx2-bf16-24gb.md``: ``model_type, training_method,
+- the LTX-2 bf16 on 24 GB case study: ``model_type, training_method,
   model{path, dtype, text_encoder_model_name}, adapter{rank, alpha}, memory{...stagehand...},
   resolution, batch_size, data{frames}``.
-- ``shared/seeds/case-study-flux-2048-layer-offload.md``: ``lora_rank, lora_alpha,
+- the Flux 2048 px layer-offload case study: ``lora_rank, lora_alpha,
   memory{enable_activation_offloading, enable_async_offloading, layer_offload_fraction},
   optimizer{optimizer, weight_decay}, scheduler{scheduler, warmup_steps},
   timestep_distribution, learning_rate, max_steps, train_dtype``.
-- ``shared/seeds/activation-stagehand.md``: ``memory.stagehand.activation_stagehand``.
-- ``shared/seeds/conductor.md``: ``memory.stagehand.conductor_config``.
+- "Activation Stagehand": ``memory.stagehand.activation_stagehand``.
+- "Conductor: Resource Arbitration Across Memory Runtimes": ``memory.stagehand.conductor_config``.
 
 The seeds spell the LoRA size two ways (``adapter.rank`` and top-level ``lora_rank``); both are
 accepted and resolved into ``Preset.rank`` / ``Preset.alpha``; both set to different values is an

@@ -1,4 +1,4 @@
-"""The cuDNN SDPA guard (issue 27): the choice per torch version, device and setting, and its
+"""The cuDNN SDPA guard: the choice per torch version, device and setting, and its
 application (process-wide: each test restores the flag)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The Conductor denies prefetch only when there is no room (issue 27).
+"""The Conductor denies prefetch only when there is no room.
 
 A FLUX.1-dev transformer scaled to tiny widths (all 57 blocks kept: ``bench.realmodel``)
 trains LoRA steps under ``presets/flux-dev-24gb.json``'s memory section, its MB figures scaled by

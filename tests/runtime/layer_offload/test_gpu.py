@@ -40,7 +40,7 @@ def test_host_keyword_tensors_are_moved_to_the_device():
 
 def test_layer_offload_makes_no_pageable_copy_when_the_activation_pool_misses(tiny_flux):
     """Every checkpoint input spills; a pool of one 1 MB slab misses nearly all of them, and a
-    miss's buffer is page-locked like the pool: no copy of the step is pageable (issue 27)."""
+    miss's buffer is page-locked like the pool: no copy of the step is pageable."""
     model = make_model("flux", tiny_flux)
     small_pool = {"pinned_pool_classes_mb": [1], "slabs_per_class": [1]}
     memory = layer_offload(

@@ -1,5 +1,5 @@
 """Folders import each other one way: ``runtime.strategy`` uses ``runtime.layer_offload``, never
-the reverse (issue 19)."""
+the reverse."""
 
 import ast
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Layer offload copies only page-locked host memory (issue 27: 100 pageable copies per step on
+"""Layer offload copies only page-locked host memory (100 pageable copies per step on
 an H100 at FLUX.1-dev size, all of them activation-pool misses). On CPU nothing can be pinned,
 so these check the decision: every host buffer a spill copies into is allocated as the pool's
 are, page-locked whenever the pool is; ``test_gpu.py`` checks the count on CUDA."""

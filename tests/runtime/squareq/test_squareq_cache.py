@@ -1,4 +1,4 @@
-"""SquareQ's cache is verified before a run reads it: every corruption of issue 43 (flipped
+"""SquareQ's cache is verified before a run reads it: every corruption tried (flipped
 bytes, an understated tensor, random data, a zeroed header, a header length of 2^64 - 1, an
 empty file, a garbage ``squareq.json``) is found at set-up, the folder replaced by a fresh
 quantization, and the run trains the losses of an intact cache; the checksum is hashed once per

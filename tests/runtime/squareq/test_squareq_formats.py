@@ -72,7 +72,7 @@ def bits(t):
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_row_chunks_equal_the_one_rounding_formula(fmt, dtype):
-    """The CPU path's row chunks through a reused fp32 scratch (issue 35) give the bits of
+    """The CPU path's row chunks through a reused fp32 scratch give the bits of
     ``(float(q) * s).to(dtype)`` on random weights: one chunk, a remainder chunk, one row per
     chunk, a row wider than the default chunk, and every float8 code (NaN ones included)."""
     cases = [weight(rows=48, cols=80, dtype=dtype, seed=1)]

@@ -112,7 +112,7 @@ def test_h2d_copies_overlap_compute_without_host_syncs():
         model(x)  # trace step
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any host sync in the hot path raises
-        waits = runtime.transfer.host_waits  # what the debug mode does not see (issue 34)
+        waits = runtime.transfer.host_waits  # what the debug mode does not see
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 model(x)

@@ -135,7 +135,7 @@ def test_close_restores_an_ordinary_model(tiny_flux):
 
 
 def test_runtimes_without_a_stream_write_the_seeds_jsonl_files(tiny_flux, tmp_path):
-    """Issue 3: "the default writes JSONL"; the activation and Conductor seeds name their files.
+    """The default writes JSONL; the activation and Conductor seeds name their files.
     (The runtime tests run in their temp folder: tests/runtime/conftest.py.)"""
     import json
     from pathlib import Path
@@ -199,7 +199,7 @@ class _LateEvent:
 def test_evicting_a_prefetch_in_flight_releases_its_slab_before_a_reload(tiny_flux):
     """Copies that outlive the call (CUDA): a prefetch evicted before its use, then loaded again,
     must give its slab back once its copy finished (it was kept, and the pool shrank by a slab
-    each time). The eviction waits for the copy on the device, not the host (issue 34)."""
+    each time). The eviction waits for the copy on the device, not the host."""
     model = make_model("flux", tiny_flux)
     runtime = WeightRuntime(model, config(), device="cpu", checkpoint_dir=tiny_flux)
     engine = runtime.transfer

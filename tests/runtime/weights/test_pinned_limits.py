@@ -1,4 +1,4 @@
-"""Page-locked memory the weight runtime takes (issue 34): the host cache's images leave
+"""Page-locked memory the weight runtime takes: the host cache's images leave
 headroom under a pinned-memory cap, ``host_cache_mb: 0`` registers nothing, and a host that
 cannot map the memory (``OSError``) is a refusal, not a crash. CUDA's registration is a
 recording stand-in (``tests/runtime/common/test_page_lock.py``); the blocks are a tiny Flux's."""

@@ -146,7 +146,7 @@ def test_illegal_block_transition_names_both_states():
 
 
 def test_a_pool_that_cannot_be_page_locked_fails_at_set_up_or_falls_back():
-    """Issue 16, defect 4: the pinned pool is page-locked at set-up in one allocation. Here
+    """The pinned pool is page-locked at set-up in one allocation. Here
     (no CUDA) page-locking fails as it does under a pinned-memory cap: a clear error naming
     pinned_pool_mb and the way out, or pageable slabs, all allocated now, with the fallback."""
     with pytest.raises(PoolConfigError, match=r"pinned_pool_mb.*allow_pageable_fallback"):

@@ -1,4 +1,4 @@
-"""The H2D/D2H engine (``transfer.py``) read against what a GPU does (issue 34): copies that
+"""The H2D/D2H engine (``transfer.py``) read against what a GPU does: copies that
 finish out of issue order are retired, an eviction with nothing to copy back records no D2H
 event, gradients that did not change do not travel, and the runtime's own host waits are counted
 (``host_waits``) and absent from forward and backward."""

@@ -1,4 +1,4 @@
-"""Frozen module-backed block weights written between steps (issue 34, defect 5): the user's
+"""Frozen module-backed block weights written between steps (defect 5): the user's
 code loads a state dict (or swaps EMA weights) after a step, while some blocks are still on the
 device. The host masters are views of the image the H2D copy reads, so a write to a block still
 PREFETCHING raced its copy (old or torn weights next step), and a block left GPU_READY took the

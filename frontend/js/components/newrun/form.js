@@ -53,7 +53,7 @@ function parseField(field, el) {
     if (!/^-?\d+$/.test(raw)) throw new Error(`expected a whole number, got "${raw}"`);
     return Number(raw);
   }
-  // A watermark is MB or "auto" (README "Watermarks": the budget from the card, issue 33).
+  // A watermark is MB or "auto" (README "Watermarks": the budget from the card).
   if (field.type === "watermark" && raw === "auto") return raw;
   if (field.type === "float" || field.type === "watermark") {
     const v = Number(raw);
