@@ -395,7 +395,9 @@ def test_the_lazy_check_names_an_unmarked_import(tmp_path, monkeypatch):
         "    import json\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("worker",))
+    (tmp_path / "contract").mkdir()
+    (tmp_path / "plan").mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("contract", "plan", "worker"))
     assert lazy_imports() == (["worker/x.py:6"], ["worker/x.py:5 from contract import config"])
 
 
