@@ -30,7 +30,7 @@ from backend.store import Store
 from backend.supervisor import Supervisor
 from backend.system import SystemProbe
 from backend.tailer import Tailer
-from contract.status import javascript_module
+from contract.javascript import javascript_module
 
 log = logging.getLogger("backend.app")
 
@@ -140,7 +140,8 @@ def create_app(
 
     @app.get("/static/js/contract.js", include_in_schema=False)
     def contract_js():
-        """Run status names and groups for the dashboard, from ``contract.status``."""
+        """Run statuses, live-limit fields and allowed values for the dashboard
+        (``contract.javascript``)."""
         return Response(javascript_module(), media_type="text/javascript")
 
     app.mount(

@@ -5,8 +5,9 @@ folder, the server (``backend``) launches, tails and steers it, and the dashboar
 server sends. Every name or format two of them must spell alike lives in this package, and both
 sides import it:
 
-- ``contract.status``: a run's status names and the moves between them (the dashboard imports
-  them from ``/static/js/contract.js``, rendered by ``javascript_module``);
+- ``contract.status``: a run's status names and the moves between them;
+- ``contract.javascript``: ``/static/js/contract.js``, what the dashboard imports instead of
+  keeping lists of its own (the statuses, the live-limit fields, the allowed values);
 - ``contract.records``: the ``(source, kind)`` of the telemetry records the server reads;
 - ``contract.wire``: the telemetry stream on the wire: the file name (``telemetry.jsonl``), a
   record's JSONL line (``encode``: non-finite floats as ``null``; ``decode`` on the reading side),

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from contract.limits import PAIRS, WEIGHT_PAIR, check_pair, check_watermarks
+from contract.limits import AS, PAIRS, PATHS, SH, WEIGHT_PAIR, check_pair, check_watermarks
 
 MB = 2**20
 """Bytes in one MB as the seeds count it."""
@@ -140,11 +141,17 @@ class Watermarks:
         return int(self.low_mb * MB)
 
 
+SquareQFormat = Literal["int8", "fp8_e4m3"]
+"""SquareQ's formats (``runtime/squareq/formats.py`` implements each)."""
+SQUAREQ_FORMATS: tuple[str, ...] = get_args(SquareQFormat)
+"""The same names as a tuple (served to the dashboard in ``/static/js/contract.js``)."""
+
+
 class SquareQConfig(_Strict):
     """``memory.stagehand.squareq``: frozen block weights kept and streamed in 8 bits
     (``runtime/squareq``). Absent: off."""
 
-    format: Literal["int8", "fp8_e4m3"]
+    format: SquareQFormat
     """``int8``: symmetric, one fp32 scale per output row (SquareQ's layout); ``fp8_e4m3``:
     float8_e4m3fn with one fp32 scale per row (musubi-tuner's ``fp8_scaled``)."""
     cache_dir: str | None = None
@@ -337,10 +344,16 @@ def _on_off(value: object) -> bool:
     raise ValueError(f'expected "on", "off", true or false, got {value!r}')
 
 
+Strategy = Literal["none", "stagehand", "layer_offload"]
+"""The memory strategies (``runtime/strategy/build.py`` builds each)."""
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+"""The same names as a tuple (served to the dashboard in ``/static/js/contract.js``)."""
+
+
 class MemoryConfig(_Strict):
     """The preset's ``memory`` section: which strategy runs and its settings."""
 
-    strategy: Literal["none", "stagehand", "layer_offload"] = "stagehand"
+    strategy: Strategy = "stagehand"
     gradient_checkpointing: bool = True
     """Accepts the seeds' "on"/"off" as well as booleans."""
     enable_activation_offloading: bool = False
@@ -380,24 +393,11 @@ class MemoryConfig(_Strict):
         return self.model_copy(update={"stagehand": section.model_copy(update={"squareq": None})})
 
 
-class LiveLimits(_Strict):
-    """Limits a user may change during a run; applied at the next STEP_BEGIN.
-
-    Every field is optional: only the given ones change, each only itself (``vram_*`` are the
-    weight runtime's watermarks, ``activation_vram_*`` the activation runtime's).
-    """
-
-    vram_high_watermark_mb: NonNegMB | None = None
-    vram_low_watermark_mb: NonNegMB | None = None
-    activation_vram_high_watermark_mb: NonNegMB | None = None
-    activation_vram_low_watermark_mb: NonNegMB | None = None
-    prefetch_window_blocks: WindowBlocks | None = None
-    max_inflight_transfers: InflightCopies | None = None
-    max_inflight_d2h: InflightOrOff | None = None
-    max_inflight_h2d: InflightCopies | None = None
+class _LiveLimitsRules(_Strict):
+    """What ``LiveLimits`` checks and offers beside its fields."""
 
     @model_validator(mode="after")
-    def _pairs(self) -> LiveLimits:
+    def _pairs(self) -> _LiveLimitsRules:
         for names in PAIRS:
             high, low = (getattr(self, name) for name in names)
             if high is not None and low is not None:
@@ -407,3 +407,25 @@ class LiveLimits(_Strict):
     def given(self) -> dict[str, float | int]:
         """The fields that were set, as a plain dict."""
         return self.model_dump(exclude_none=True)
+
+
+def _limit_type(path: str) -> Any:
+    """The type of the live limit at config ``path`` (``contract.limits.PATHS``): its config
+    field's, optional, and without ``"auto"`` for a watermark (a value put in force is MB)."""
+    section, name = path.rsplit(".", 1)
+    model = {SH: StagehandConfig, AS: ActivationStagehandConfig}[section]
+    hint = get_type_hints(model, include_extras=True)[name]
+    return (NonNegMB if hint == MBOrAuto else hint) | None
+
+
+LiveLimits = create_model(
+    "LiveLimits",
+    __base__=_LiveLimitsRules,
+    __doc__="""Limits a user may change during a run; applied at the next STEP_BEGIN.
+
+    Every field is optional: only the given ones change, each only itself (``vram_*`` are the
+    weight runtime's watermarks, ``activation_vram_*`` the activation runtime's). Its fields are
+    those of ``contract.limits.PATHS``, each typed as the config field it changes (``_limit_type``).
+    """,
+    **{field: (_limit_type(path), None) for field, path in PATHS.items()},
+)

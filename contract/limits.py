@@ -1,11 +1,16 @@
 """The live limits: the fields a user may change during a run, where each lives in a run's
 config, and the watermark rule (``docs/contracts.md``, "Control").
 
+``WEIGHT_FIELDS`` and ``ACTIVATION_FIELDS`` are the one list of the fields: ``PATHS`` is made
+from them, ``contract.config.LiveLimits`` has one field per path (typed as the config field it
+changes) and the runtime parts own them (``runtime/strategy/parts.py``).
+
 The server checks a ``PATCH /api/runs/{id}/limits`` body against the limits in force
 (``watermark_problem``), the worker checks the limits it would apply (``check_watermarks``), the
 configs check their watermark pairs (``check_pair``, ``"auto"`` allowed), and the dashboard
-reads the field -> config path table from ``GET /api/runs/{id}/limits`` and
-``GET /api/limits/fields``: all of them from here.
+reads the field -> config path table and the pairs from ``/static/js/contract.js``
+(``contract.javascript``; the New run form) and ``GET /api/runs/{id}/limits`` (the live limits
+panel; ``GET /api/limits/fields`` serves it without a run): all of them from here.
 """
 
 from __future__ import annotations

@@ -72,10 +72,10 @@ def check_status_transition(old: str, new: str) -> None:
 
 
 def javascript_module() -> str:
-    """The statuses as an ES module for the dashboard (served as ``/static/js/contract.js``), so
-    the browser spells and groups them as this module does instead of keeping a list of its own:
-    ``STATUSES`` (every name, in ``RunStatus`` order), ``ACTIVE``, ``RESUMABLE`` and ``FINISHED``
-    (``TERMINAL``) as ``Set``s."""
+    """The statuses as an ES module for the dashboard (the start of ``/static/js/contract.js``,
+    ``contract.javascript``), so the browser spells and groups them as this module does instead
+    of keeping a list of its own: ``STATUSES`` (every name, in ``RunStatus`` order), ``ACTIVE``,
+    ``RESUMABLE`` and ``FINISHED`` (``TERMINAL``) as ``Set``s."""
 
     def names(group) -> str:
         return json.dumps([s.value for s in RunStatus if s in group])

@@ -164,8 +164,6 @@ export const api = {
 
   /** Live limits: `{preset, now, paths, pairs, history: [{seq, step, time, request_id, changed}]}`. */
   limits: (id) => request("GET", `/api/runs/${enc(id)}/limits`),
-  /** Every LiveLimits field's config path and the watermark pairs: `{paths, pairs}`. */
-  limitFields: () => request("GET", "/api/limits/fields"),
   /** The preset fields a run's own folder drops: `{bound: {"data.path": ["data.factory", …]}}`. */
   folderFields: () => request("GET", "/api/overrides/folders"),
 

@@ -24,9 +24,14 @@ from dataclasses import dataclass
 import torch
 
 FORMATS: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
-"""Format name -> storage dtype of the codes."""
-QMAX: dict[str, float] = {"int8": 127.0, "fp8_e4m3": 448.0}
-"""Largest code magnitude (``torch.finfo(torch.float8_e4m3fn).max`` is 448)."""
+"""Format name -> storage dtype of the codes: one per name a config may give
+(``contract.config.SQUAREQ_FORMATS``; ``tests/runtime/squareq/test_squareq_formats.py`` holds
+the two equal)."""
+QMAX: dict[str, float] = {
+    name: float((torch.finfo if dtype.is_floating_point else torch.iinfo)(dtype).max)
+    for name, dtype in FORMATS.items()
+}
+"""Largest code magnitude: the storage dtype's largest value (int8: 127; float8_e4m3fn: 448)."""
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 """The fp32 value of each float8_e4m3fn bit pattern (exact; the two NaN codes are NaN)."""
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from contract.config import MB, StagehandSection
-from contract.limits import AUTO
+from contract.limits import ACTIVATION_PAIR, AUTO, WEIGHT_PAIR
 from runtime.conductor.arbitration import AUTO_PRESSURE_THRESHOLD, auto_limits
 from runtime.weights.auto import auto_watermarks, margin_bytes
 from runtime.weights.defaults import block_bytes, resolve
@@ -110,18 +110,6 @@ def resolve_auto(
     return section.model_copy(update=update)
 
 
-_LIMITS = (
-    "vram_high_watermark_mb",
-    "vram_low_watermark_mb",
-    "activation_vram_high_watermark_mb",
-    "activation_vram_low_watermark_mb",
-)
-
-
-def _is_auto(section: StagehandSection, field: str) -> bool:
-    return getattr(section, field) == AUTO
-
-
 class AutoSection:
     """A section with ``"auto"`` fields and the figures its model gives (blocks, trainable
     bytes, the card), for ``resolve_auto`` at build and after the trace step.
@@ -139,10 +127,12 @@ class AutoSection:
         self.measured: int | None = None
         self._done = False
         act = section.activation_stagehand
-        self.fields = [f for f in _LIMITS if f.startswith("vram") and _is_auto(section, f)]
+        self.fields: list[str] = []
+        """The live-limit fields that were ``"auto"`` (a pair is, or is not, together)."""
+        if section.vram_high_watermark_mb == AUTO:
+            self.fields += WEIGHT_PAIR
         if act is not None and act.vram_high_watermark_mb == AUTO:
-            self.fields += [f for f in _LIMITS if f.startswith("activation")]
-        """The live-limit fields that were ``"auto"``."""
+            self.fields += ACTIVATION_PAIR
 
     def resolve(self, activation_peak: int) -> StagehandSection:
         return resolve_auto(

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from contract.limits import ACTIVATION_PAIR, WEIGHT_PAIR, check_watermarks
+from contract.limits import (
+    ACTIVATION_FIELDS,
+    ACTIVATION_PAIR,
+    WEIGHT_FIELDS,
+    WEIGHT_PAIR,
+    check_watermarks,
+)
 from runtime.common.phases import Phase
 from runtime.conductor import ConductorRuntime
 from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
@@ -142,12 +148,7 @@ class WeightsPart(MemoryPart):
     prefetch window and the H2D copies in flight."""
 
     name = "weights"
-    limits = (
-        "vram_high_watermark_mb",
-        "vram_low_watermark_mb",
-        "prefetch_window_blocks",
-        "max_inflight_transfers",
-    )
+    limits = WEIGHT_FIELDS
     pinned_owner = "stagehand"
 
     def __init__(self, runtime: WeightRuntime) -> None:
@@ -226,12 +227,7 @@ class ActivationsPart(MemoryPart):
     the spill (D2H) and restore (H2D) copies in flight."""
 
     name = "activations"
-    limits = (
-        "activation_vram_high_watermark_mb",
-        "activation_vram_low_watermark_mb",
-        "max_inflight_d2h",
-        "max_inflight_h2d",
-    )
+    limits = tuple(ACTIVATION_FIELDS)
     pinned_owner = "activation_stagehand"
 
     def __init__(self, runtime: ActivationRuntime) -> None:

@@ -40,33 +40,3 @@ def test_the_store_refuses_an_illegal_move_before_writing(tmp_path):
     # A status not among ``expected`` changes nothing (and is no error).
     assert not store.set_status_if(run_id, ["running"], status="failed")
     store.close()
-
-
-def test_the_dashboard_takes_the_status_names_from_the_server(api):
-    """``/static/js/contract.js`` is rendered from ``contract.status``; no page keeps a list of
-    its own (a status added to the enum reaches the runs filter and every FINISHED check)."""
-    import json
-    import re
-    from pathlib import Path
-
-    res = api.get("/static/js/contract.js")
-    assert res.status_code == 200 and res.headers["content-type"].startswith("text/javascript")
-    found = {
-        m["name"]: json.loads(m["names"])
-        for m in re.finditer(
-            r"export const (?P<name>\w+) = (?:new Set\()?(?P<names>\[[^\]]*\])", res.text
-        )
-    }
-    assert found == {
-        "STATUSES": [s.value for s in RunStatus],
-        "ACTIVE": [s.value for s in RunStatus if s in ACTIVE],
-        "RESUMABLE": [s.value for s in RunStatus if s in RESUMABLE],
-        "FINISHED": [s.value for s in RunStatus if s in TERMINAL],
-    }
-    frontend = Path(__file__).resolve().parents[2] / "frontend" / "js"
-    lists = [
-        str(p.relative_to(frontend))
-        for p in frontend.rglob("*.js")
-        if re.search(r'\[\s*"(?:queued|succeeded|cancelled)"\s*,', p.read_text())
-    ]
-    assert lists == []

@@ -22,6 +22,7 @@ import json
 import pytest
 import torch
 
+from contract.config import SQUAREQ_FORMATS
 from runtime.squareq.runtime import dequantized_in_place
 from runtime.strategy import build_strategy
 from runtime.weights.registry import find_blocks
@@ -32,7 +33,7 @@ from .exact import STEPS, assert_exact, build_toy, make_model, train
 
 pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
 
-FORMATS = ["int8", "fp8_e4m3"]
+FORMATS = list(SQUAREQ_FORMATS)
 
 
 @pytest.fixture(scope="module")

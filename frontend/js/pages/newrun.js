@@ -162,9 +162,7 @@ export function mount(root, { params }) {
 
   (async () => {
     try {
-      const [limitFields, folderFields] = await Promise.all([api.limitFields(), api.folderFields()]);
-      form.limitPaths = limitFields.paths;
-      form.folderFields = folderFields.bound;
+      form.folderFields = (await api.folderFields()).bound;
       if (from) {
         const [run, limits] = await Promise.all([api.run(from), api.limits(from)]);
         await loadPresets(run.preset);

@@ -4,8 +4,11 @@ deterministic, a zero row survives, and the error table names the worst layer.""
 import pytest
 import torch
 
+from contract.config import SQUAREQ_FORMATS
 from runtime.squareq.formats import (
     CPU_CHUNK_ELEMENTS,
+    FORMATS,
+    QMAX,
     cpu_scratch,
     dequantize,
     dequantize_into,
@@ -20,6 +23,13 @@ def weight(rows=48, cols=80, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * torch.linspace(0.01, 4, rows)[:, None]
     return w.to(dtype)
+
+
+def test_every_format_a_config_names_is_implemented():
+    """The names are ``contract.config.SQUAREQ_FORMATS`` (the Literal a config is checked
+    against); ``FORMATS`` holds one storage dtype per name, in the same order."""
+    assert tuple(FORMATS) == SQUAREQ_FORMATS == ("int8", "fp8_e4m3")
+    assert QMAX == {"int8": 127.0, "fp8_e4m3": 448.0}
 
 
 def test_int8_is_symmetric_per_row_with_the_half_step_bound():
@@ -46,7 +56,7 @@ def test_fp8_follows_musubi_fp8_scaled_per_channel():
     assert torch.equal(dequantize(codes, scales, torch.float32), codes.float() * scales[:, None])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", SQUAREQ_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_deterministic_and_dequantized_in_one_rounding(fmt, dtype):
     w = weight(dtype=dtype)
@@ -69,7 +79,7 @@ def bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", SQUAREQ_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_row_chunks_equal_the_one_rounding_formula(fmt, dtype):
     """The CPU path's row chunks through a reused fp32 scratch give the bits of
@@ -97,7 +107,7 @@ def test_cpu_row_chunks_equal_the_one_rounding_formula(fmt, dtype):
 def test_zero_row_gets_scale_one_and_zero_codes():
     w = weight(dtype=torch.float32)
     w[3] = 0
-    for fmt in ("int8", "fp8_e4m3"):
+    for fmt in SQUAREQ_FORMATS:
         codes, scales = quantize(w, fmt)
         assert float(scales[3]) == 1.0 and not codes[3].float().any()
         assert not dequantize(codes, scales, torch.float32)[3].any()
@@ -135,7 +145,7 @@ def test_error_table_names_the_worst_layer():
     assert [n for n, _ in table["worst_layers"]] == ["b", "c", "a"]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", SQUAREQ_FORMATS)
 def test_block_image_fills_mixed_dtype_layouts_bit_exactly(fmt):
     """``BlockImage.dequantize`` (typed views of the image and the buffer, one scratch per
     block) writes each quantized weight as the one-rounding formula and copies the rest, in a
@@ -172,7 +182,7 @@ def test_block_image_fills_mixed_dtype_layouts_bit_exactly(fmt):
         assert got.dtype == param.dtype and torch.equal(bits(got), bits(param)), slot.name
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", SQUAREQ_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quantize_is_its_rule_computed_plainly_in_fp32(fmt, dtype):
     """The row maximum taken without a |w| temporary and the division promoted from the

@@ -4,15 +4,18 @@
 // holds Start back. A folder field is the run's own model or data: naming one where the preset
 // names none drops the preset's fields bound to it (`useFolder`), as the server does.
 
+import { SQUAREQ_FORMATS, STRATEGIES } from "../../contract.js";
+import { limitFields } from "../../limitfields.js";
 import { getPath, h, setPath, splitPath } from "../../ui.js";
 
 const SH = "memory.stagehand";
 const AS = `${SH}.activation_stagehand`;
 
 // Each form field binds to the first of `paths` present in the preset (the seeds spell the
-// LoRA rank two ways; a model is a folder or a factory). A `limit` field is a LiveLimits field:
-// its path comes from the API (GET /api/limits/fields, contract/limits.py).
-const FIELDS = [
+// LoRA rank two ways; a model is a folder or a factory). A select's options and the live-limit
+// fields come from the server (/static/js/contract.js): a field with `limits` is followed by
+// the LiveLimits fields of that config section (contract/limits.py).
+const KEY_FIELDS = [
   { id: "model", label: "Model folder (a diffusers pipeline; empty: the preset's model)", paths: ["model.path"], type: "folder", wide: true },
   { id: "data", label: "Data folder (images with .txt captions; empty: the preset's data)", paths: ["data.path"], type: "folder", wide: true },
   { id: "prompts", label: "Sample prompts (one a line; empty: no samples)", paths: ["samples.prompts"], type: "lines", wide: true },
@@ -20,20 +23,27 @@ const FIELDS = [
   { id: "learning_rate", label: "Learning rate", paths: ["learning_rate"], type: "float" },
   { id: "resolution", label: "Resolution (px)", paths: ["resolution"], type: "int" },
   { id: "lora_rank", label: "LoRA rank", paths: ["lora_rank", "adapter.rank"], type: "int" },
-  { id: "strategy", label: "Memory strategy", paths: ["memory.strategy"], type: "select", options: ["none", "stagehand", "layer_offload"] },
-  { id: "vram_high_watermark_mb", label: "VRAM high watermark (MB or auto)", limit: true, type: "watermark" },
-  { id: "vram_low_watermark_mb", label: "VRAM low watermark (MB or auto)", limit: true, type: "watermark" },
-  { id: "prefetch_window_blocks", label: "Prefetch window (blocks)", limit: true, type: "int" },
-  { id: "max_inflight_transfers", label: "In-flight block H2D copies", limit: true, type: "int" },
+  { id: "strategy", label: "Memory strategy", paths: ["memory.strategy"], type: "select", options: STRATEGIES, limits: SH },
   // SquareQ (README "Frozen weights in 8 bits"): blank removes the whole `squareq` section.
-  { id: "squareq_format", label: "8-bit frozen weights (~0.5x bytes)", paths: [`${SH}.squareq.format`], type: "select", options: ["", "int8", "fp8_e4m3"], section: `${SH}.squareq` },
-  { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool" },
-  { id: "activation_vram_high_watermark_mb", label: "Spill high watermark (MB or auto)", limit: true, type: "watermark" },
-  { id: "activation_vram_low_watermark_mb", label: "Spill low watermark (MB or auto)", limit: true, type: "watermark" },
-  { id: "max_inflight_d2h", label: "Spill in-flight D2H", limit: true, type: "int" },
-  { id: "max_inflight_h2d", label: "Restore in-flight H2D", limit: true, type: "int" },
+  { id: "squareq_format", label: "8-bit frozen weights (~0.5x bytes)", paths: [`${SH}.squareq.format`], type: "select", options: ["", ...SQUAREQ_FORMATS], section: `${SH}.squareq` },
+  { id: "activation_enabled", label: "Activation spill", paths: [`${AS}.enabled`], type: "bool", limits: AS },
   { id: "pinned_pool_classes_mb", label: "Spill pool classes (MB, comma separated)", paths: [`${AS}.pinned_pool_classes_mb`], type: "list" },
 ];
+
+/** A live limit as a form field: a watermark takes MB or "auto" (README "Watermarks"), the
+ * others whole numbers. */
+function limitField({ field, path, label, int }) {
+  return int
+    ? { id: field, label, paths: [path], type: "int" }
+    : { id: field, label: label.replace("(MB)", "(MB or auto)"), paths: [path], type: "watermark" };
+}
+
+const section = (path) => path.slice(0, path.lastIndexOf("."));
+const LIMITS = limitFields();
+const FIELDS = KEY_FIELDS.flatMap((field) =>
+  [field, ...LIMITS.filter((l) => field.limits && section(l.path) === field.limits).map(limitField)]);
+// A live limit of a section no field names is shown last, not left out.
+FIELDS.push(...LIMITS.filter((l) => !FIELDS.some((f) => f.id === l.field)).map(limitField));
 
 const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
 
@@ -79,7 +89,6 @@ export class KeyFieldsForm {
     this.doc = doc;
     this.onChange = onChange;
     this.bound = new Map(); // field id -> JSON path
-    this.limitPaths = {}; // LiveLimits field -> config path (GET /api/limits/fields)
     this.folderFields = {}; // folder path -> the preset fields it drops (GET /api/overrides/folders)
     this.inputs = new Map();
     this.invalid = new Map(); // field id -> label, for the fields whose text did not parse
@@ -100,15 +109,10 @@ export class KeyFieldsForm {
     }
   }
 
-  pathsOf(field) {
-    return field.limit ? [this.limitPaths[field.id]] : field.paths;
-  }
-
   /** Binds each field to the first of its paths present in the config. */
   bind() {
     for (const field of FIELDS) {
-      const paths = this.pathsOf(field);
-      const path = paths.find((p) => getPath(this.doc.config, p) != null) || paths[0];
+      const path = field.paths.find((p) => getPath(this.doc.config, p) != null) || field.paths[0];
       this.bound.set(field.id, path);
       const label = this.inputs.get(field.id).input.closest("label").querySelector(".path");
       label.textContent = path;

@@ -5,36 +5,15 @@
 // draw a marker for either.
 
 import { api } from "../../api.js";
+import { limitFields } from "../../limitfields.js";
 import { clearErrors, fill, getPath, h, showError } from "../../ui.js";
-
-// What each LiveLimits field is called on the panel; the fields, their config paths and which
-// are watermarks (MB) come from the API (GET /api/runs/{id}/limits, contract/limits.py).
-const LABELS = {
-  vram_high_watermark_mb: ["VRAM high watermark (MB)", "Prefetch stops where a load would cross it."],
-  vram_low_watermark_mb: ["VRAM low watermark (MB)", "Blocks are evicted until usage is under it."],
-  prefetch_window_blocks: ["Prefetch window (blocks)", "Blocks loaded ahead of use; 0 turns prefetch off."],
-  max_inflight_transfers: ["In-flight block H2D copies", "Block copies host → device at once."],
-  activation_vram_high_watermark_mb: ["Spill high watermark (MB)", "Activations spill to the host above it."],
-  activation_vram_low_watermark_mb: ["Spill low watermark (MB)", "Spilling stops below it."],
-  max_inflight_d2h: ["Spill in-flight D2H", "Spill copies device → host at once."],
-  max_inflight_h2d: ["Restore in-flight H2D", "Restore copies host → device at once."],
-};
-
-/** `[{field, label, hint, int}]` for the API's `{paths, pairs}`: watermarks are MB, the other
- * fields whole numbers. */
-export function limitFields({ paths, pairs }) {
-  const watermarks = new Set(pairs.flat());
-  return Object.keys(paths).map((field) => {
-    const [label, hint] = LABELS[field] || [field, ""];
-    return { field, label, hint, int: !watermarks.has(field) };
-  });
-}
 
 export class LimitsPanel {
   /**
    * @param {HTMLElement} box the panel's card
    * @param {object} run the API's Run
-   * @param {object} limits the API's limits of the run (`{paths, pairs}` are read)
+   * @param {object} limits the API's limits of the run (`{paths, pairs}` are read: the fields
+   *   shown, their config paths and which are watermarks, limitfields.js)
    * @param {HTMLElement} errors where API errors are shown (besides the panel itself)
    */
   constructor(box, run, limits, errors) {
@@ -48,8 +27,8 @@ export class LimitsPanel {
     this.inputs = new Map();
     this.fields = limitFields(limits);
     // The values in the run's config (at the API's paths); its limits_applied records move them.
-    for (const { field } of this.fields) {
-      const value = getPath(run.config || {}, limits.paths[field]);
+    for (const { field, path } of this.fields) {
+      const value = getPath(run.config || {}, path);
       if (value !== undefined && value !== null) this.current[field] = value;
     }
     this.applyBtn = h("button", { class: "primary", id: "apply-limits", onclick: () => this.submit() }, "Apply limits");
