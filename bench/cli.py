@@ -59,7 +59,7 @@ JSON written to ``--out`` (sizes in bytes, times in ms)::
     }
 
 ``workbench bench --telemetry [ARGS]`` runs the backend's telemetry-latency benchmark instead:
-``backend.cli`` dispatches it to ``backend.bench_latency`` (its own arguments, e.g.
+``backend.cli`` dispatches it to ``backend.cli.bench_latency`` (its own arguments, e.g.
 ``--rates 1000 --clients 1``); this module never imports the backend.
 """
 

@@ -1,5 +1,5 @@
 """The workbench's cache folder: the demo assets, the stage-1 caches and SquareQ's 8-bit images
-live there. The server (``backend.settings``, the demo build's status file) and the worker (the
+live there. The server (``backend.services.settings``, the demo build's status file) and the worker (the
 model factory, ``runtime.squareq.store``) must find the same folder, so its rule is written
 once, here: ``$STAGEHAND_WORKBENCH_CACHE``, else ``~/.cache/stagehand-workbench``.
 """

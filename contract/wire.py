@@ -2,7 +2,7 @@
 and read, and how it travels on stdout (``docs/contracts.md``, "Telemetry").
 
 The worker appends one JSON object per line to ``DIR/TELEMETRY_FILE`` (``runtime.common.telemetry``
-writes with ``encode``); the server tails that file (``backend.tailer`` reads with ``decode``).
+writes with ``encode``); the server tails that file (``backend.services.tailer`` reads with ``decode``).
 With ``STDOUT_ENV=1`` in its environment (the Ray executor sets it) the worker also prints every
 line after ``STDOUT_MARKER``, so a job log carries the stream when the server cannot read the run
 folder.

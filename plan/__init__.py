@@ -1,6 +1,6 @@
 """The planner: predicted VRAM and step time of a preset on a device, before launch.
 
-``workbench plan PRESET --device rtx4090`` (``backend.plan_cli``) reads a preset, builds its
+``workbench plan PRESET --device rtx4090`` (``backend.cli.plan``) reads a preset, builds its
 transformer on the ``meta`` device from its config (no weights; dtypes from the safetensors
 headers), measures blocks, resident bytes, LoRA and optimizer bytes and each block's saved
 activations and FLOPs (``inventory``), and runs the weight runtime's own schedule (its
@@ -9,7 +9,7 @@ discrete-event simulation with a cost model (``simulate``). ``plan`` puts them t
 the knob that makes a plan that does not fit fit; ``profiles`` holds the device table.
 
 ``feedback`` compares a finished run's measured figures with its plan and scales later plans of
-the same device and family by the ratios (the backend stores them: ``backend/calibration.py``);
+the same device and family by the ratios (the backend stores them: ``backend/services/calibration.py``);
 ``tune`` proposes limits within a VRAM budget, run as trials by ``workbench tune`` and
 ``POST /api/tunes``.
 """

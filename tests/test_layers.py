@@ -272,7 +272,7 @@ def test_every_room_is_placed_and_the_walk_sees_the_known_arrows():
     pairs = {(a.source, a.target) for a in found}
     # Not vacuous: a top-level, a lazy and a TYPE_CHECKING import, absolute and relative.
     assert ("runtime.strategy.layer_offload", "runtime.layer_offload.manager") in pairs
-    assert ("backend.server", "backend.executors") in pairs  # inside main()
+    assert ("backend.cli.serve", "backend.executors") in pairs  # inside main()
     assert ("worker.assets", "worker.assets.cache") in pairs  # from .cache import ...
     assert any(not a.runs for a in found)
     assert len(found) > 500
@@ -353,7 +353,7 @@ def test_the_contract_imports_the_standard_library_and_pydantic_only():
     assert contract_imports() == []
     found = {(a.source, a.target) for a in arrows()}
     # Not vacuous: the server, the worker, the planner and the runtimes import it.
-    assert ("backend.supervisor", "contract.control") in found
+    assert ("backend.services.supervisor", "contract.control") in found
     assert ("worker.run", "contract.control") in found
     assert ("plan.tune", "contract.preset.merge") in found
     assert ("runtime.weights.runtime", "contract.config") in found

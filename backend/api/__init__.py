@@ -1,31 +1,4 @@
-"""HTTP and websocket routes, one router per resource."""
-
-from backend.api import (
-    artifacts,
-    assets,
-    compare,
-    data,
-    pipelines,
-    plan,
-    presets,
-    runs,
-    stream,
-    system,
-    telemetry,
-    tunes,
-)
-
-ROUTERS = [
-    system.router,
-    assets.router,
-    presets.router,
-    runs.router,
-    artifacts.router,
-    data.router,
-    telemetry.router,
-    compare.router,
-    stream.router,
-    pipelines.router,
-    plan.router,
-    tunes.router,
-]
+"""The app and its API: the FastAPI application (``app``), one router per resource (``runs``,
+``presets``, ...), the API's models and error bodies (``models``, ``errors``), its OpenAPI and
+docs pages, and the security middleware. The package itself imports nothing, so services import
+``backend.api.errors`` without loading the routers."""

@@ -1,7 +1,7 @@
 """Run artifacts: the sample images in ``DIR/samples/`` and the LoRA files in ``DIR/lora/``,
 listed and served by plain name; the checkpoints in ``DIR/checkpoints/step-N/`` listed (a run
 stopped before its end resumes from the last one: ``POST /api/runs/{id}/resume``). What is
-servable: ``backend.run_files``.
+servable: ``backend.services.run_files``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
 from backend.api.deps import SettingsDep, StoreDep, run_row
-from backend.errors import Invalid, NotFound
-from backend.models import RunId
-from backend.openapi import errors
-from backend.run_files import ARTIFACT_RE, artifact_files, checkpoints, servable
+from backend.api.errors import Invalid, NotFound
+from backend.api.models import RunId
+from backend.api.openapi import errors
+from backend.services.run_files import ARTIFACT_RE, artifact_files, checkpoints, servable
 from contract.status import RESUMABLE
 
 router = APIRouter(prefix="/api/runs", tags=["artifacts"])

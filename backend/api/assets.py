@@ -10,8 +10,8 @@ from fastapi import APIRouter, status
 from pydantic import BaseModel, Field
 
 from backend.api.deps import AssetsDep, StoreDep
-from backend.errors import Conflict
-from backend.openapi import errors
+from backend.api.errors import Conflict
+from backend.api.openapi import errors
 from worker.asset_status import current
 
 router = APIRouter(prefix="/api/assets", tags=["assets"])

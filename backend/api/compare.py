@@ -8,10 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from backend.api.deps import StoreDep, public_run, run_limits
-from backend.errors import Invalid, NotFound
-from backend.models import MAX_ID, bounded_int
-from backend.openapi import errors
-from backend.presets import normalized
+from backend.api.errors import Invalid, NotFound
+from backend.api.models import MAX_ID, bounded_int
+from backend.api.openapi import errors
+from backend.services.presets import normalized
 
 router = APIRouter(prefix="/api", tags=["compare"])
 METRIC_RE = re.compile(
@@ -31,7 +31,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def live_changes(limits: dict[str, Any]) -> dict[str, list[list[Any]]]:
     """Config path -> ``[[step, new value], ...]`` of the live-limit changes a run applied
-    (``limits``: ``backend.limits.effective_limits``)."""
+    (``limits``: ``backend.services.limits.effective_limits``)."""
     out: dict[str, list[list[Any]]] = {}
     for change in limits["history"]:
         for field, (_, new) in change["changed"].items():

@@ -8,10 +8,10 @@ from pathlib import Path
 from fastapi import APIRouter
 
 from backend.api.deps import StoreDep
-from backend.errors import Invalid
-from backend.models import DatasetScan, ScanRequest
-from backend.openapi import errors
-from backend.presets import run_config
+from backend.api.errors import Invalid
+from backend.api.models import DatasetScan, ScanRequest
+from backend.api.openapi import errors
+from backend.services.presets import run_config
 from worker.preset import validate_preset
 from worker.scan import DataError, scan_folder
 

@@ -11,16 +11,16 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
-from backend.assets import AssetBuild
-from backend.calibration import Calibrator
-from backend.errors import NotFound
-from backend.hub import Hub
-from backend.limits import effective_limits
-from backend.models import run_public
-from backend.settings import Settings
+from backend.api.errors import NotFound
+from backend.api.models import run_public
+from backend.services.assets import AssetBuild
+from backend.services.calibration import Calibrator
+from backend.services.hub import Hub
+from backend.services.limits import effective_limits
+from backend.services.settings import Settings
+from backend.services.supervisor import Supervisor
+from backend.services.system import SystemProbe
 from backend.store import Store
-from backend.supervisor import Supervisor
-from backend.system import SystemProbe
 from contract.records import LIMITS_APPLIED
 from contract.status import ACTIVE
 
@@ -77,7 +77,7 @@ def public_run(store: Store, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_limits(store: Store, row: dict[str, Any]) -> dict[str, Any]:
-    """The run's limits (``backend.limits.effective_limits``): its config folded with every
+    """The run's limits (``backend.services.limits.effective_limits``): its config folded with every
     ``strategy/limits_applied`` record the worker wrote, in seq order."""
     applied: list[dict[str, Any]] = []
     since = -1

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.errors import Invalid
+from backend.api.errors import Invalid
 from contract.preset import MODEL_TYPES
 
 router = APIRouter(prefix="/api/pipelines", tags=["pipelines"])

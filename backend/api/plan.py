@@ -11,10 +11,10 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import CalibratorDep, StoreDep, run_row
-from backend.calibration import calibration_for
-from backend.errors import Invalid, NotFound
-from backend.models import RunId
-from backend.openapi import errors
+from backend.api.errors import Invalid, NotFound
+from backend.api.models import RunId
+from backend.api.openapi import errors
+from backend.services.calibration import calibration_for
 from contract.plan_inputs import OVERRIDES
 
 router = APIRouter(prefix="/api", tags=["plan"])
@@ -56,7 +56,7 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
     a request, ``plan.quant_error``).
     With calibrations of the device and the preset's family (finished runs' measured figures),
     the median of their ratios within bounds is applied and ``calibration`` says from which
-    runs and which ratios were refused (``backend.calibration.calibration_for``,
+    runs and which ratios were refused (``backend.services.calibration.calibration_for``,
     ``plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
 
     Raises:

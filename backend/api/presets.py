@@ -7,8 +7,8 @@ import sqlite3
 from fastapi import APIRouter, Path, status
 
 from backend.api.deps import StoreDep
-from backend.errors import Conflict, NotFound, ReadOnly
-from backend.models import (
+from backend.api.errors import Conflict, NotFound, ReadOnly
+from backend.api.models import (
     PRESET_NAME_SCHEMA,
     PresetCreate,
     PresetDuplicate,
@@ -16,8 +16,8 @@ from backend.models import (
     PresetsPublic,
     PresetUpdate,
 )
-from backend.openapi import errors
-from backend.presets import validate_config
+from backend.api.openapi import errors
+from backend.services.presets import validate_config
 
 router = APIRouter(prefix="/api/presets", tags=["presets"])
 PresetName = Path(max_length=64, json_schema_extra=PRESET_NAME_SCHEMA)

@@ -19,8 +19,8 @@ from backend.api.deps import (
     run_limits,
     run_row,
 )
-from backend.errors import Conflict, Invalid
-from backend.models import (
+from backend.api.errors import Conflict, Invalid
+from backend.api.models import (
     LimitsAccepted,
     LimitsPublic,
     LimitsUpdate,
@@ -30,8 +30,8 @@ from backend.models import (
     RunsPublic,
     RunUpdate,
 )
-from backend.openapi import errors
-from backend.presets import run_config
+from backend.api.openapi import errors
+from backend.services.presets import run_config
 from contract.control import LIMITS
 from contract.limits import watermark_problem
 from contract.status import ACTIVE, RunStatus

@@ -23,9 +23,9 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.concurrency import run_in_threadpool
 
 from backend.api.deps import HubDep, StoreDep, public_run
-from backend.errors import error_body
-from backend.hub import Batch, SubscriberState, records_frame
-from backend.models import MAX_ID, bounded_int
+from backend.api.errors import error_body
+from backend.api.models import MAX_ID, bounded_int
+from backend.services.hub import Batch, SubscriberState, records_frame
 
 router = APIRouter(tags=["stream"])
 REPLAY_CHUNK = 5000

@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from backend.api.deps import ProbeDep
-from backend.limits import limit_fields
-from backend.models import FolderFields, LimitFields, SystemInfo
+from backend.api.models import FolderFields, LimitFields, SystemInfo
+from backend.services.limits import limit_fields
 from contract.preset.overrides import bound_fields
 
 router = APIRouter(prefix="/api", tags=["system"])

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from backend.api.deps import StoreDep, run_row
-from backend.downsample import PATH_RE, numeric_paths
-from backend.errors import Invalid
-from backend.models import RunId, Since, TelemetryPage
-from backend.openapi import errors
+from backend.api.errors import Invalid
+from backend.api.models import RunId, Since, TelemetryPage
+from backend.api.openapi import errors
+from backend.services.downsample import PATH_RE, numeric_paths
 
 router = APIRouter(prefix="/api/runs", tags=["telemetry"])
 MAX_PAGE = 10_000

@@ -14,11 +14,11 @@ from fastapi import APIRouter, status
 
 from backend.api.assets import check_run_assets
 from backend.api.deps import AssetsDep, SettingsDep, StoreDep, SupervisorDep
-from backend.calibration import calibration_for
-from backend.errors import Conflict, Invalid, NotFound
-from backend.models import TuneCreate, TuneId, TunePreset
-from backend.openapi import errors
-from backend.presets import run_config, validate_config
+from backend.api.errors import Conflict, Invalid, NotFound
+from backend.api.models import TuneCreate, TuneId, TunePreset
+from backend.api.openapi import errors
+from backend.services.calibration import calibration_for
+from backend.services.presets import run_config, validate_config
 from backend.store import Store
 from contract.config import AUTO_DEVICE
 from contract.preset.merge import merge_overrides

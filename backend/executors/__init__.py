@@ -1,6 +1,6 @@
 """Where a run's worker runs: one ``Executor`` interface, two implementations.
 
-The supervisor (``backend.supervisor``) owns the queue, cancel escalation, stall detection and
+The supervisor (``backend.services.supervisor``) owns the queue, cancel escalation, stall detection and
 exit classification; an executor only starts a worker, says whether it ended (and how), sends it
 a signal, finds it again after a server restart and names the stream its telemetry arrives on:
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from backend.tailer import Line
+from backend.services.tailer import Line
 from contract.config import AUTO_DEVICE
 
 EXECUTORS = ("local", "ray")
@@ -82,7 +82,7 @@ class Job:
 
 
 class TelemetrySource(Protocol):
-    """Where a run's records come from (``backend.tailer.Tailer`` polls it).
+    """Where a run's records come from (``backend.services.tailer.Tailer`` polls it).
 
     ``read`` returns the complete records that arrived since the last call, each once;
     ``offset`` is what the store keeps to resume from after a restart (a byte offset into the

@@ -20,9 +20,9 @@ from typing import Any
 import psutil
 
 from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource, worker_command
-from backend.outcome import log_tail
-from backend.settings import REPO_ROOT, Settings
-from backend.tailer import JsonlTail
+from backend.services.outcome import log_tail
+from backend.services.settings import REPO_ROOT, Settings
+from backend.services.tailer import JsonlTail
 from contract.wire import TELEMETRY_FILE
 
 

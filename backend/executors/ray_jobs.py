@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from backend.executors import Executor, Exit, Job, LaunchError, TelemetrySource, worker_command
-from backend.outcome import LOG_TAIL_BYTES
-from backend.settings import Settings
-from backend.tailer import JsonlTail, Line, parse_line
+from backend.services.outcome import LOG_TAIL_BYTES
+from backend.services.settings import Settings
+from backend.services.tailer import JsonlTail, Line, parse_line
 from contract.wire import STDOUT_ENV, STDOUT_MARKER, TELEMETRY_FILE
 
 try:  # the [ray] extra; make_executor imports this module only for --executor ray

@@ -76,7 +76,7 @@ def _m002_telemetry_kind_index(db: sqlite_utils.Database) -> None:
 
 
 def _m003_telemetry_rollup(db: sqlite_utils.Database) -> None:
-    # Min/max rollups (backend.downsample.Chunk), filled at ingest. Runs stored before this
+    # Min/max rollups (backend.services.downsample.Chunk), filled at ingest. Runs stored before this
     # migration get theirs on their first bucketed read (Store._rollups), not at start-up
     # (~2 s per 100k records).
     db.execute(

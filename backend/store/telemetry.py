@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlite_utils
 
-from backend.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
+from backend.services.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
 from contract.records import RESUMED, RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
 
 
@@ -203,7 +203,7 @@ class TelemetryTables:
         ``([{bucket, seq, seq_last, step, step_last, time, count, min: {}, max: {}}], last_seq)``.
         ``paths`` must be dotted names of ``[A-Za-z0-9_]`` parts (checked by the caller). Over
         ``ROLLUP_MIN_RECORDS`` records of one source and kind from the start (``since < 0``),
-        the buckets are merged from the rollups instead (``backend.downsample``).
+        the buckets are merged from the rollups instead (``backend.services.downsample``).
         """
         table, where, args = self._filter(run_id, since, source, kind)
         # Count first (an index-only read) so that the bucket of a row is known from its row

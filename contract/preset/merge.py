@@ -1,4 +1,4 @@
-"""Overrides merged into a preset: the server's run and tune configs (``backend.presets``,
+"""Overrides merged into a preset: the server's run and tune configs (``backend.services.presets``,
 ``backend.api.tunes``) and the planner's candidate limits (``plan.tune``)."""
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ import httpx
 import psutil
 from fastapi.testclient import TestClient
 
-from backend.app import create_app
+from backend.api.app import create_app
 from backend.executors import Executor, Exit, Job
-from backend.settings import Settings
-from backend.tailer import JsonlTail
+from backend.services.settings import Settings
+from backend.services.tailer import JsonlTail
 
 
 class IdleExecutor(Executor):
@@ -61,7 +61,7 @@ class IdleExecutor(Executor):
 
 
 class FixedProbe:
-    """A system probe (``backend.system.SystemProbe``'s ``start``, ``default_device``, ``info``)
+    """A system probe (``backend.services.system.SystemProbe``'s ``start``, ``default_device``, ``info``)
     that answers at once for a CPU-only machine, without asking torch in a subprocess (over a
     second of CPU per app). ``test_bad_input.test_system_info`` checks the real one."""
 

@@ -15,7 +15,7 @@ from inprocess import in_process, raw_request, ws_url
 from starlette.websockets import WebSocketDisconnect
 
 from backend.api.deps import get_probe
-from backend.system import SystemProbe
+from backend.services.system import SystemProbe
 
 
 @pytest.fixture(scope="module")

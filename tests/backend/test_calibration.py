@@ -12,8 +12,8 @@ import time
 import pytest
 
 from backend.api.deps import get_calibrator
-from backend.calibration import Calibrator
-from backend.plan_cli import main as plan_main
+from backend.cli.plan import main as plan_main
+from backend.services.calibration import Calibrator
 from backend.store import Store
 from plan import feedback
 from plan.feedback import predicted_figures
@@ -256,7 +256,7 @@ def test_a_calibration_pending_when_the_server_stops_is_done_by_the_next(store, 
 
 
 def test_calibration_is_on_unless_the_environment_turns_it_off(monkeypatch, tmp_path):
-    from backend.settings import Settings
+    from backend.services.settings import Settings
 
     monkeypatch.delenv("STAGEHAND_WORKBENCH_CALIBRATE", raising=False)
     assert Settings(data_dir=tmp_path).calibrate is True

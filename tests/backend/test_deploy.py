@@ -24,9 +24,9 @@ def test_compose_service_gpu_volumes_port_and_command():
     cmd = service["command"]
     assert cmd[:2] == ["workbench", "serve"]
     from backend.cli import COMMANDS
-    from backend.server import build_parser
+    from backend.cli.serve import build_parser
 
-    assert COMMANDS["serve"][0] == "backend.server"
+    assert COMMANDS["serve"][0] == "backend.cli.serve"
     args = build_parser().parse_args(cmd[2:])  # every flag exists (argparse exits otherwise)
     assert (args.host, args.port, str(args.data_dir)) == ("0.0.0.0", 8000, "/data")
     assert "/data" in targets  # the data dir the command names is a volume
@@ -36,8 +36,8 @@ def test_compose_service_gpu_volumes_port_and_command():
 
 def test_backend_imports_without_torch():
     code = (
-        "import sys, backend, backend.app, backend.server, backend.cli\n"
-        "backend.app.create_app()\n"
+        "import sys, backend, backend.api.app, backend.cli.serve, backend.cli\n"
+        "backend.api.app.create_app()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -10,13 +10,13 @@ import signal
 import pytest
 from pydantic import ValidationError
 
+from backend.api.models import RunCreate
 from backend.executors.local import LocalExecutor
-from backend.hub import Hub
-from backend.models import RunCreate
-from backend.settings import Settings
+from backend.services.hub import Hub
+from backend.services.settings import Settings
+from backend.services.supervisor import Supervisor
+from backend.services.tailer import Tailer
 from backend.store import Store
-from backend.supervisor import Supervisor
-from backend.tailer import Tailer
 from worker.cli import device_arg, pick_device
 
 SLOW = {"name": "slow", "max_steps": 1000, "description": "step_s=5"}

@@ -13,7 +13,7 @@ import pytest
 from backend_helpers import assert_error_body
 from inprocess import IdleExecutor, append_records, in_process
 
-from backend.security import MAX_JSON_DEPTH
+from backend.api.security import MAX_JSON_DEPTH
 from contract.config import MAX_MB
 
 
@@ -155,7 +155,7 @@ def test_ids_are_plain_integers_on_every_route(client, raw):
 
 
 def test_the_schema_states_names_and_ids_formats(client):
-    from backend.models import NAME_RE
+    from backend.api.models import NAME_RE
 
     doc = client.get("/openapi.json").json()
     props = doc["components"]["schemas"]

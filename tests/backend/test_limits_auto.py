@@ -1,7 +1,7 @@
 """A run whose preset says "auto": its starting limits leave those fields out until the worker's
 ``limits_applied`` record (request id "auto") gives the figures they became."""
 
-from backend.limits import config_limits, effective_limits
+from backend.services.limits import config_limits, effective_limits
 from contract.limits import watermark_problem
 
 AUTO = {"vram_high_watermark_mb": "auto", "vram_low_watermark_mb": "auto"}

@@ -18,7 +18,7 @@ import time
 from backend_helpers import assert_error_body, stored_records, wait_for, wait_status
 from inprocess import IdleExecutor, append_records
 
-from backend.limits import config_limits
+from backend.services.limits import config_limits
 
 
 class PlayedWorker:

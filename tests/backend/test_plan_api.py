@@ -107,7 +107,7 @@ def test_a_pipeline_header_length_past_its_file_is_a_422_naming_it(client, asset
 def test_plan_cli_refuses_absurd_inputs_naming_the_flag(flag, raw, capsys):
     """Tracebacks (``inf``, ``1e308``, ``--text-len -1``) and "nan ms ... fits: yes" with exit 0
     before; now argparse's usage error, naming the flag, before anything is planned."""
-    from backend.plan_cli import main
+    from backend.cli.plan import main
 
     with pytest.raises(SystemExit) as done:
         main(["tiny-ci", "--device", "rtx4090", "--no-calibration", flag, raw])
@@ -118,7 +118,7 @@ def test_plan_cli_refuses_absurd_inputs_naming_the_flag(flag, raw, capsys):
 
 
 def test_plan_cli_takes_inputs_at_their_bounds(capsys):
-    from backend.plan_cli import main
+    from backend.cli.plan import main
 
     args = ["tiny-ci", "--device", "rtx4090", "--no-calibration", "--efficiency", "1"]
     assert main([*args, "--text-len", "1", "--vram-gb", "4096", "--tflops", "1e5"]) == 0

@@ -259,8 +259,8 @@ def test_the_local_executor_never_imports_ray(tmp_path):
     code = (
         "import sys\n"
         "from fastapi.testclient import TestClient\n"
-        "from backend.app import create_app\n"
-        "from backend.settings import Settings\n"
+        "from backend.api.app import create_app\n"
+        "from backend.services.settings import Settings\n"
         f"with TestClient(create_app(Settings(data_dir={str(tmp_path)!r})), base_url='http://127.0.0.1:8000') as c:\n"
         "    info = c.get('/api/system').json()\n"
         "assert info['executor'] == 'local' and info['cluster'] is None, info\n"
@@ -280,11 +280,11 @@ def test_a_run_of_the_other_executor_is_settled_naming_both(tmp_path):
     import asyncio
 
     from backend.executors.local import LocalExecutor
-    from backend.hub import Hub
-    from backend.settings import Settings
+    from backend.services.hub import Hub
+    from backend.services.settings import Settings
+    from backend.services.supervisor import Supervisor
+    from backend.services.tailer import Tailer
     from backend.store import Store
-    from backend.supervisor import Supervisor
-    from backend.tailer import Tailer
 
     settings = Settings(data_dir=tmp_path)
     store = Store(settings.db_path)

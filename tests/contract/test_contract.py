@@ -54,7 +54,7 @@ def test_overrides_merge_key_by_key_and_share_nothing_with_either_side():
 def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worker():
     from pydantic import ValidationError
 
-    from backend.models import LimitsUpdate
+    from backend.api.models import LimitsUpdate
     from contract.config import LiveLimits, MemoryConfig, Watermarks
     from contract.limits import ACTIVATION_PAIR, check_pair, check_watermarks, watermark_problem
 

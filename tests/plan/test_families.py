@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from backend.plan_cli import main
+from backend.cli.plan import main
 from contract.config import MB
 from plan import PlanInputError, plan_preset, profile
 

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from backend.plan_cli import main
+from backend.cli.plan import main
 from contract.config import MB
 from plan import PlanInputError, plan_model, plan_preset, profile
 from plan.inventory import add_lora, folder_model

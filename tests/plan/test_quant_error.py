@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.plan_cli import main
+from backend.cli.plan import main
 from plan import plan_preset, profile
 from runtime.squareq import store
 

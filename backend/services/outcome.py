@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from backend.run_files import servable
+from backend.services.run_files import servable
 from contract.status import RunStatus
 
 LOG_TAIL_BYTES = 4000
@@ -28,7 +28,7 @@ LOG_TAIL_BYTES = 4000
 def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str | None:
     """The last ``limit`` bytes of the run folder's file ``path`` (``runs/<id>/worker.log``) as
     text, or None when it cannot be read or is not the run's own: the artifact routes' rule
-    (``backend.run_files.servable``), a regular file of one name whose real path lies in the
+    (``backend.services.run_files.servable``), a regular file of one name whose real path lies in the
     run folder, the run folder taken where it is named, not where a symlink points. A
     ``worker.log`` that is a symlink to ``/etc/shadow``, or a run folder that is a symlink, is
     never read (it would be served by ``GET /api/runs/{id}/log`` and kept in a failed run's

@@ -16,11 +16,11 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.hub import Hub
+from backend.services.hub import Hub
 from backend.store import Store
 from contract.wire import decode
 
-log = logging.getLogger("backend.tailer")
+log = logging.getLogger("backend.services.tailer")
 
 MAX_READ_BYTES = 8 << 20
 """Bytes read per file per poll: a long backlog is ingested in several batches."""

@@ -14,25 +14,56 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from backend import apidocs, errors, openapi
-from backend.api import ROUTERS
+from backend.api import (
+    apidocs,
+    artifacts,
+    assets,
+    compare,
+    data,
+    errors,
+    openapi,
+    pipelines,
+    plan,
+    presets,
+    runs,
+    stream,
+    system,
+    telemetry,
+    tunes,
+)
 from backend.api.deps import public_run
-from backend.assets import AssetBuild
-from backend.calibration import Calibrator
-from backend.errors import NotFound
+from backend.api.errors import NotFound
+from backend.api.security import SecurityMiddleware
 from backend.executors import Executor
 from backend.executors.factory import make_executor
-from backend.hub import Hub
-from backend.presets import load_builtins
-from backend.security import SecurityMiddleware
-from backend.settings import Settings
+from backend.services.assets import AssetBuild
+from backend.services.calibration import Calibrator
+from backend.services.hub import Hub
+from backend.services.presets import load_builtins
+from backend.services.settings import Settings
+from backend.services.supervisor import Supervisor
+from backend.services.system import SystemProbe
+from backend.services.tailer import Tailer
 from backend.store import Store
-from backend.supervisor import Supervisor
-from backend.system import SystemProbe
-from backend.tailer import Tailer
 from contract.javascript import javascript_module
 
-log = logging.getLogger("backend.app")
+log = logging.getLogger("backend.api.app")
+
+ROUTERS = [
+    system.router,
+    assets.router,
+    presets.router,
+    runs.router,
+    artifacts.router,
+    data.router,
+    telemetry.router,
+    compare.router,
+    stream.router,
+    pipelines.router,
+    plan.router,
+    tunes.router,
+]
+"""One router per resource, in the order the OpenAPI page lists them."""
 
 PLACEHOLDER = """<!doctype html><meta charset="utf-8"><title>Stagehand Workbench</title>
 <h1>Stagehand Workbench</h1><p>The dashboard is not installed (no <code>frontend/index.html</code>).

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
 
-log = logging.getLogger("backend.errors")
+log = logging.getLogger("backend.api.errors")
 
 
 class ErrorDetail(BaseModel):
@@ -257,7 +257,7 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
 
 def install(app: FastAPI, routers: Sequence[APIRouter]) -> None:
     """Route every error path of ``app`` to the one body. ``routers``: the API's
-    (``backend.api.ROUTERS``), whose methods a 405 or OPTIONS answer lists; given here because
+    (``backend.api.app.ROUTERS``), whose methods a 405 or OPTIONS answer lists; given here because
     the routers import this module."""
     app.state.api_routers = list(routers)
     app.add_exception_handler(ApiError, _api_error)

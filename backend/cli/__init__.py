@@ -3,12 +3,12 @@
 Sub-commands, each implemented by the module named beside it (imported only when used, so the
 server never imports torch):
 
-- ``serve``        the dashboard and API on http://127.0.0.1:8000   (backend.server)
+- ``serve``        the dashboard and API on http://127.0.0.1:8000   (backend.cli.serve)
 - ``train``        one training run, the worker the backend launches  (worker.cli)
 - ``bench``        the benchmark suite                                (bench.cli)
-                   ``bench --telemetry``: telemetry latency            (backend.bench_latency)
+                   ``bench --telemetry``: telemetry latency            (backend.cli.bench_latency)
 - ``demo-assets``  build the local models, digits and text encoder   (worker.demo_cli)
-- ``plan``         predicted VRAM and step time of a preset (backend.plan_cli)
+- ``plan``         predicted VRAM and step time of a preset (backend.cli.plan)
 - ``tune``         trials of limits that fit a VRAM budget          (plan.tune_cli)
 """
 
@@ -18,11 +18,11 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("backend.server", "serve the dashboard and API (default http://127.0.0.1:8000)"),
+    "serve": ("backend.cli.serve", "serve the dashboard and API (default http://127.0.0.1:8000)"),
     "train": ("worker.cli", "run one training job: workbench train PRESET --run-dir DIR"),
     "bench": ("bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("worker.demo_cli", "build the local demo models, digits and encoder"),
-    "plan": ("backend.plan_cli", "predict a preset's VRAM and step time on a device profile"),
+    "plan": ("backend.cli.plan", "predict a preset's VRAM and step time on a device profile"),
     "tune": ("plan.tune_cli", "find the fastest limits within a VRAM budget by trials"),
 }
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if name == "bench" and "--telemetry" in rest:
         # The backend's own benchmark (telemetry latency, its own arguments): the runtime's
         # bench does not reach into the backend.
-        target = "backend.bench_latency"
+        target = "backend.cli.bench_latency"
     module = importlib.import_module(target)
     return int(module.main(rest) or 0)
 

@@ -4,7 +4,7 @@ With a token configured, every HTTP request and websocket needs it, as
 ``Authorization: Bearer TOKEN`` or the ``workbench_token`` cookie (browsers send cookies on
 websockets, not headers). Opening ``/?token=TOKEN`` once sets the cookie (HttpOnly,
 SameSite=Strict) and redirects to ``/``, so the dashboard works from a link and the token does
-not stay in the address bar; ``backend.redaction.RedactToken`` keeps it out of every log.
+not stay in the address bar; ``backend.services.redaction.RedactToken`` keeps it out of every log.
 Bodies above ``max_body_bytes`` get 413 whether or not they announce a Content-Length, and a
 JSON body nested deeper than ``MAX_JSON_DEPTH`` gets one 422 before anything parses it
 (``json.loads``, ``copy.deepcopy`` and pydantic recurse once per level: ~1000 levels are a
@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from backend.errors import error_body
+from backend.api.errors import error_body
 
 COOKIE = "workbench_token"
 MAX_JSON_DEPTH = 32

@@ -16,11 +16,11 @@ import threading
 import webbrowser
 from pathlib import Path
 
-from backend.app import create_app
+from backend.api.app import create_app
 from backend.executors import LaunchError
 from backend.executors.factory import make_executor
-from backend.redaction import RedactToken
-from backend.settings import ENV_PREFIX, Settings, needs_token
+from backend.services.redaction import RedactToken
+from backend.services.settings import ENV_PREFIX, Settings, needs_token
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,9 +84,9 @@ def log_config(base: dict, token: str | None = None) -> dict:
     debug, the ``websockets`` library their headers) and ``QuietAssetPolls`` on the access
     log."""
     config = copy.deepcopy(base)
-    redact = {"()": "backend.redaction.RedactToken", "token": token}
+    redact = {"()": "backend.services.redaction.RedactToken", "token": token}
     config.setdefault("filters", {})["redact_token"] = redact
-    config["filters"]["quiet_asset_polls"] = {"()": "backend.assets.QuietAssetPolls"}
+    config["filters"]["quiet_asset_polls"] = {"()": "backend.services.assets.QuietAssetPolls"}
     for handler in config["handlers"].values():
         handler.setdefault("filters", []).append("redact_token")
     config["handlers"]["access"]["filters"].append("quiet_asset_polls")

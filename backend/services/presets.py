@@ -16,12 +16,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from backend.errors import Invalid, NotFound, from_validation
-from backend.models import NAME_RE
+from backend.api.errors import Invalid, NotFound, from_validation
+from backend.api.models import NAME_RE
 from backend.store import Store
 from contract.preset.overrides import apply_overrides
 
-log = logging.getLogger("backend.presets")
+log = logging.getLogger("backend.services.presets")
 
 
 def _preset_module():

@@ -1,8 +1,8 @@
 """Telemetry latency benchmark: a worker's write to a websocket client's receipt (p50/p99 ms).
 
-``python -m backend.bench_latency [--rates 1000 10000] [--clients 1 20] [--seconds 4] [--runs N]``
+``python -m backend.cli.bench_latency [--rates 1000 10000] [--clients 1 20] [--seconds 4] [--runs N]``
 (``workbench bench --telemetry`` dispatches here). It starts a real ``workbench serve`` on a free
-loopback port whose "worker" is this module in writer mode (``python -m backend.bench_latency
+loopback port whose "worker" is this module in writer mode (``python -m backend.cli.bench_latency
 train CONFIG --run-dir DIR``): it appends records to ``telemetry.jsonl`` at the asked rate, each
 stamped with its write time, flushing every millisecond as the trainer's sink would. N websocket
 clients in one asyncio process subscribe before the first write; latency is receipt time minus
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.settings import REPO_ROOT
+from backend.services.settings import REPO_ROOT
 from contract import wire
 
 TIME_RE = re.compile(r'"time": ?([0-9.eE+-]+)')
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         env = {
             **os.environ,
-            "STAGEHAND_WORKBENCH_WORKER_MODULE": "backend.bench_latency",
+            "STAGEHAND_WORKBENCH_WORKER_MODULE": "backend.cli.bench_latency",
             "STAGEHAND_WORKBENCH_TOKEN": "",
         }
         server = subprocess.Popen(

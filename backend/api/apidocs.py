@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse
 
-from backend.errors import NotFound
+from backend.api.errors import NotFound
 
 PACKAGE = "fastapi_offline_docs"
 ASSETS = {

@@ -28,7 +28,7 @@ from typing import Any
 from backend.store import Store
 from contract.records import LIMITS_APPLIED, RUN_STARTED
 
-log = logging.getLogger("backend.calibration")
+log = logging.getLogger("backend.services.calibration")
 
 
 def calibration_for(store: Store, device: str, family: str) -> dict | None:

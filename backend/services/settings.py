@@ -1,7 +1,7 @@
 """Server settings: where data lives, where to listen, who may connect, how runs are scheduled.
 
 Every field has a default a single user on one GPU wants; ``Settings.from_env`` reads the
-``STAGEHAND_WORKBENCH_*`` variables and the command line (``backend.server``) overrides both.
+``STAGEHAND_WORKBENCH_*`` variables and the command line (``backend.cli.serve``) overrides both.
 """
 
 from __future__ import annotations
@@ -86,11 +86,11 @@ class Settings:
     ray_num_cpus: float = 1.0
     """CPUs Ray reserves for each run's worker (``entrypoint_num_cpus``)."""
     calibrate: bool = field(default_factory=lambda: _env("CALIBRATE", "1") != "0")
-    """Plan each succeeded run's config and store its calibration (``backend.calibration``):
+    """Plan each succeeded run's config and store its calibration (``backend.services.calibration``):
     seconds of CPU per run on the server (the first plan on ``cpu`` measures this machine).
     ``STAGEHAND_WORKBENCH_CALIBRATE=0`` turns it off (test servers, whose CPU is the tests')."""
     demo_assets: bool = field(default_factory=lambda: _env("DEMO_ASSETS", "1") != "0")
-    """Start the demo-asset build (``backend.assets``) beside the server; it keeps what is built.
+    """Start the demo-asset build (``backend.services.assets``) beside the server; it keeps what is built.
     ``STAGEHAND_WORKBENCH_DEMO_ASSETS=0`` leaves it to ``POST /api/assets/build`` (the tests)."""
     asset_cache: Path = field(default_factory=cache_dir)
     """The asset cache the build and the workers use (``$STAGEHAND_WORKBENCH_CACHE``)."""

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from backend.errors import ErrorBody
+from backend.api.errors import ErrorBody
 from contract.preset import Preset
 
 DESCRIPTIONS = {

@@ -18,7 +18,7 @@ from typing import Any
 
 from worker.asset_status import current, lock_holder, run_refusal
 
-log = logging.getLogger("backend.assets")
+log = logging.getLogger("backend.services.assets")
 
 
 class AssetBuild:

@@ -355,7 +355,7 @@ class FolderFields(BaseModel):
 
 class LimitsPublic(LimitFields):
     """``GET /api/runs/{id}/limits``: LiveLimits field -> value, for the runtimes that are on
-    (None: derived by the runtime at start, ``backend.limits.config_limits``)."""
+    (None: derived by the runtime at start, ``backend.services.limits.config_limits``)."""
 
     preset: dict[str, float | int | None]
     now: dict[str, float | int | None]

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from backend.calibration import calibration_for
+from backend.services.calibration import calibration_for
 from backend.store import Store
 from contract.plan_inputs import TEXT_LEN, override_problem
 from worker.preset import load_preset
@@ -29,7 +29,7 @@ from worker.preset import load_preset
 
 def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
     """``plan`` with the calibration of ``device`` and the preset's family in the server's
-    database under ``data_dir`` (``backend.calibration.calibration_for``) applied (``plan.feedback``), if there is one."""
+    database under ``data_dir`` (``backend.services.calibration.calibration_for``) applied (``plan.feedback``), if there is one."""
     from pathlib import Path
 
     from plan.feedback import apply, family_of  # lazy: `workbench plan --help` without torch

@@ -29,20 +29,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend.errors import Conflict
+from backend.api.errors import Conflict
 from backend.executors import Executor, Exit, Job, LaunchError
-from backend.outcome import classify
-from backend.outcome import log_tail as outcome_log_tail
-from backend.run_files import checkpoints
-from backend.settings import Settings
+from backend.services.outcome import classify
+from backend.services.outcome import log_tail as outcome_log_tail
+from backend.services.run_files import checkpoints
+from backend.services.settings import Settings
+from backend.services.tailer import Tailer
 from backend.store import Store
-from backend.tailer import Tailer
 from contract.config import AUTO_DEVICE
 from contract.control import STOP, write_request
 from contract.records import RUN_FINISHED
 from contract.status import ACTIVE, RESUMABLE, RunStatus
 
-log = logging.getLogger("backend.supervisor")
+log = logging.getLogger("backend.services.supervisor")
 
 
 def slot_device(device: str | None, default_device: str | None) -> str:
