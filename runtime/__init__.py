@@ -3,8 +3,8 @@
 ``MemoryStrategy`` (``runtime.strategy``) that a training loop drives.
 
 A library: it imports itself, the contract (``contract.config``, the memory config) and
-third-party packages (torch, safetensors, psutil), never the application (``worker``,
-``workbench``, ``backend``; ``tests/test_layers.py`` holds it to that).
+third-party packages (torch, safetensors, psutil), never the application (``worker``, ``plan``,
+``bench``, ``backend``; ``tests/test_layers.py`` holds it to that).
 
 The call order, once (each step has its reason):
 
