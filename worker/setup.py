@@ -10,6 +10,7 @@ import torch
 
 from contract.preset import Preset
 from worker import loop, pipelines
+from worker.families import Family
 from worker.pipelines import PipelineFamily
 
 
@@ -140,11 +141,7 @@ def data_folder(preset: Preset) -> Path:
 def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:
     """Raise ``ValueError`` when the text encoder's hidden size is not what the model takes
     (``joint_attention_dim`` / ``caption_channels``; a UNet's ``cross_attention_dim``)."""
-    if fam is not None:
-        want = fam.text_dim(model)
-    else:
-        cfg = model.config
-        want = getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
+    want = (fam or Family()).text_dim(model)
     if want is not None and int(want) != int(dim):
         raise ValueError(
             f"text_encoder: hidden size {dim} does not match the model's text input {want} "

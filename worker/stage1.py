@@ -1,10 +1,11 @@
 """Stage 1 of a run: scan the data folder, then cache text embeddings and latents.
 
 The scan comes before any model is built or loaded, so a folder without a usable sample ends
-the run in seconds (``trainer/dataset_scan`` names every file left out). The cache
-(``encode.py``: the family's VAE and text encoders, ``Family.encode_texts``) holds one text row per distinct caption or
-sample prompt and one latent per sample; ``build_cache`` returns it as the ``loop.Batchable`` that
-stage 2 trains on, or None when a stop request arrived while encoding.
+the run in seconds (``trainer/dataset_scan`` names every file left out). The cache (the
+family's VAE through ``encode.encode_latents``, its text encoders through
+``Family.encode_texts``) holds one text row per distinct caption or sample prompt and one
+latent per sample; ``build_cache`` returns it as the ``loop.Batchable`` that stage 2 trains on,
+or None when a stop request arrived while encoding.
 """
 
 from __future__ import annotations
