@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +34,9 @@ from runtime.strategy import build_strategy
 from worker.clips import load_clip
 from worker.data import image_hw, load_sample, target_size
 from worker.scan import Sample
+
+if TYPE_CHECKING:
+    from worker.families import Family
 
 FORMAT = 2
 """Bumped when what a cache file holds changes for the same inputs (2: 16-bit and transparent
@@ -88,49 +92,102 @@ def encode_texts(
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(encoder_path)
-    encoder = AutoModel.from_pretrained(encoder_path, dtype=torch.float32).eval()
+
+    def run_batch(encoder, batch: list[str]) -> dict[str, torch.Tensor]:
+        tok = tokenizer(
+            batch, padding="max_length", truncation=True, max_length=max_tokens, return_tensors="pt"
+        ).to(device)
+        out = encoder(**tok).last_hidden_state  # (b, T, D)
+        return {"hidden": out.float().cpu(), "mask": tok["attention_mask"].cpu()}
+
+    chunks = run_encoder(
+        lambda: AutoModel.from_pretrained(encoder_path, dtype=torch.float32).eval(),
+        run_batch,
+        texts,
+        memory=memory,
+        device=device,
+        telemetry=telemetry,
+        should_stop=should_stop,
+        progress=lambda done: progress(done, len(texts), "encoding captions"),
+    )
+    if chunks is None:
+        return None
+    hidden, masks = chunks["hidden"], chunks["mask"]
+    h, m = torch.cat(hidden), torch.cat(masks)  # (U, T, D), (U, T)
+    pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp(min=1)  # (U, D)
+    out = {"hidden": h, "mask": m.to(torch.int64), "pooled": pooled}
+    _atomic_save(out, path, {"texts": json.dumps(texts)})
+    return out
+
+
+def run_encoder(
+    load: Callable[[], torch.nn.Module],
+    run_batch: Callable[[torch.nn.Module, list[str]], dict[str, torch.Tensor]],
+    texts: list[str],
+    *,
+    memory: MemoryConfig,
+    device: torch.device,
+    telemetry,
+    should_stop: Callable[[], bool],
+    progress: Callable[[int], None],
+    checkpoint_dir: Path | None = None,
+    attach: Callable[[torch.nn.Module | None], None] | None = None,
+) -> dict[str, list[torch.Tensor]] | None:
+    """Stage 1's one text-encoder pass, for every family: ``load()`` the encoder (eval, on the
+    CPU), block-swap it through an inference strategy of ``memory.for_text_encoder()`` when
+    ``memory.stagehand.text_encoder_block_swap`` is on (streaming file-backed from
+    ``checkpoint_dir`` when given), else move it onto ``device``; run
+    ``run_batch(encoder, texts[i : i + ENCODE_BATCH])`` -> ``{key: (b, ...) CPU tensor}`` under
+    ``torch.inference_mode`` as step 0 of the run's telemetry; then release the encoder, its
+    strategy and pinned pool (``close``, ``del``, ``gc``, CUDA cache) -- the seed's bug 3 was an
+    OOM from skipping that. ``attach(encoder)`` hands the encoder to whoever calls it (a
+    pipeline's attribute) and ``attach(None)`` takes it back first at release.
+
+    Returns ``{key: [per-batch tensors]}`` in ``texts`` order, or None when ``should_stop()``
+    turned true mid-way. ``progress(done)`` after each batch.
+    """
+
+    encoder = load()
     strategy = None
     swap = memory.stagehand is not None and memory.stagehand.text_encoder_block_swap
     if memory.strategy != "none" and swap:
-        # The seed block-swaps Gemma 3 through the weight runtime in inference mode.
+        # The seed block-swaps Gemma 3 through the weight runtime in inference mode; SquareQ
+        # only with text_encoder_squareq.
         strategy = build_strategy(
-            encoder, memory.for_text_encoder(), device=device, telemetry=telemetry, mode="inference"
+            encoder,
+            memory.for_text_encoder(),
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=checkpoint_dir,
+            mode="inference",
         )
     else:
         encoder.to(device)
-    hidden, masks = [], []
+    if attach is not None:
+        attach(encoder)
+    chunks: dict[str, list[torch.Tensor]] = {}
     try:
-        # Stage 1 is step 0 of the run's telemetry: one inference step, training starts at 1.
+        # Stage 1 is step 0 of the run's telemetry: inference steps, training starts at 1.
         with torch.inference_mode():
             with strategy.step(0) if strategy else nullcontext():
                 with strategy.forward() if strategy else nullcontext():
                     for i in range(0, len(texts), ENCODE_BATCH):
                         if should_stop():
                             return None
-                        tok = tokenizer(
-                            texts[i : i + ENCODE_BATCH],
-                            padding="max_length",
-                            truncation=True,
-                            max_length=max_tokens,
-                            return_tensors="pt",
-                        ).to(device)
-                        out = encoder(**tok).last_hidden_state  # (b, T, D)
-                        hidden.append(out.float().cpu())
-                        masks.append(tok["attention_mask"].cpu())
-                        done = min(i + ENCODE_BATCH, len(texts))
-                        progress(done, len(texts), "encoding captions")
+                        got = run_batch(encoder, texts[i : i + ENCODE_BATCH])
+                        for key, value in got.items():
+                            chunks.setdefault(key, []).append(value)
+                        progress(min(i + ENCODE_BATCH, len(texts)))
     finally:
+        if attach is not None:
+            attach(None)
         if strategy is not None:
             strategy.close()
-        del strategy, encoder, tokenizer
+        del strategy, encoder
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    h, m = torch.cat(hidden), torch.cat(masks)  # (U, T, D), (U, T)
-    pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp(min=1)  # (U, D)
-    out = {"hidden": h, "mask": m.to(torch.int64), "pooled": pooled}
-    _atomic_save(out, path, {"texts": json.dumps(texts)})
-    return out
+    return chunks
 
 
 def encode_latents(
@@ -144,16 +201,16 @@ def encode_latents(
     cache_dir: Path,
     progress: Callable[[int, int, str], None],
     should_stop: Callable[[], bool],
-    family=None,
+    family: Family,
     frames: int | None = None,
 ) -> tuple[list[torch.Tensor], float] | None:
     """Latents per sample ((C, h, w) or (C, F, h, w), scaled) and the VAE's scaling factor;
     transparent pixels are composited onto ``background`` (8-bit RGB).
 
-    A pipeline ``family`` loads its own VAE (``family.load_vae``) and normalises as its
-    pipeline does (``family.encode_pixels``: (n, 3, H, W) -> (n, C, h, w)); a video family's
-    3D VAE encodes each clip whole (``clips.load_clip``: ``frames`` frames, or an image as one):
-    (1, 3, F, H, W) -> (C, F', h, w).
+    The ``family`` loads the VAE (``family.load_vae``)
+    and normalises as its pipeline does (``family.encode_pixels``: (n, 3, H, W) ->
+    (n, C, h, w)); a ``clips`` family's 3D VAE encodes each clip whole (``clips.load_clip``:
+    ``frames`` frames, or an image as one): (1, 3, F, H, W) -> (C, F', h, w).
 
     Returns None when ``should_stop()`` turned true mid-way.
     """
@@ -165,11 +222,9 @@ def encode_latents(
         res=resolution,
         bucket=bucketing,
         background=background,
-        **({"family": family.name, "frames": frames} if family is not None else {}),
+        **family.latent_key(frames),
     )
     path = cache_dir / f"latents-{key}.safetensors"
-    from diffusers import AutoencoderKL
-
     if path.is_file():
         from safetensors import safe_open
 
@@ -179,14 +234,10 @@ def encode_latents(
         progress(len(samples), len(samples), f"latents reused from {path.name}")
         return [stored[f"latent.{i}"] for i in range(len(samples))], scale
 
-    if family is not None:
-        vae = family.load_vae(vae_path).to(device)
-    else:
-        vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
+    vae = family.load_vae(vae_path).to(device)
     scale = float(getattr(vae.config, "scaling_factor", None) or 1.0)
-    shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
     latents: list[torch.Tensor] = []
-    if family is not None and family.video:
+    if family.clips:
         try:
             return _encode_clips(samples, vae, family, frames, resolution, bucketing,
                                  background, device, path, progress, should_stop)  # fmt: skip
@@ -207,11 +258,7 @@ def encode_latents(
                 if sum(p.shape[0] for p in pending) < ENCODE_BATCH and same:
                     continue
                 batch = torch.cat(pending).to(device)  # (n, 3, H, W)
-                if family is not None:
-                    z = family.encode_pixels(vae, batch)  # (n, C, h, w)
-                else:
-                    z = (vae.encode(batch).latent_dist.mean - shift) * scale
-                z = z.float().cpu()
+                z = family.encode_pixels(vae, batch).float().cpu()  # (n, C, h, w)
                 for p in pending:
                     part, z = z[: p.shape[0]], z[p.shape[0] :]
                     video = p.shape[0] > 1  # a clip: (F, C, h, w) -> (C, F, h, w)

@@ -19,9 +19,19 @@ Latents are VAE latents times the VAE's ``scaling_factor``: images (B, C, h, w),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from worker.encode import encode_texts
+from worker.schedules import (
+    NUM_TRAIN_TIMESTEPS,
+    ddim_sample,
+    ddpm_scheduler,
+    flow_pair,
+    sample_sigmas,
+)
 
 
 @dataclass(frozen=True)
@@ -33,15 +43,101 @@ class Text:
     pooled: torch.Tensor  # (B, D) mean over the unpadded tokens: pooled_projections
 
 
+@dataclass(frozen=True)
+class SampleSpec:
+    """What ``Family.sample`` draws: one image (a clip's first frame) per text row."""
+
+    latent_shape: tuple[int, ...]  # (C, h, w) or (C, F, h, w): one sample's latents
+    steps: int  # sampler steps (Euler / DDIM / the pipeline's scheduler)
+    seed: int  # the CPU generator's seed of the initial noise
+    device: torch.device
+    dtype: torch.dtype  # the model's compute dtype
+    guidance: float  # a pipeline's guidance_scale where it applies
+    vae_dir: Path | None = None  # a factory family's VAE folder (a pipeline uses its own)
+    prediction_type: str = "epsilon"  # a DDPM family's target (epsilon / v_prediction)
+
+
 class Family:
-    """Base adapter; subclasses implement ``predict``."""
+    """The one family protocol: every family implements all of it, the factory families (this
+    module: tiny models built from a spec, the run's own VAE and MiniLM text encoder) and the
+    pipeline families (``worker.pipelines``: a diffusers pipeline folder, bound by ``bind``).
+    The worker asks a family, never which kind it is.
+
+    Shapes: latents are (B, C, h, w) for images and (B, C, F, h, w) for clips (F latent frames),
+    in the normalised space the family trains in (VAE mean, shifted and scaled as its pipeline
+    inverts); text rows are a ``Text`` of U prompts; sigmas are flow-matching noise levels in
+    [0, 1] (0 clean, 1 noise) and timesteps are integer DDPM steps in [0, 1000).
+    """
 
     name = ""
     model_class = ""
     lora_mixin = ""
     video = False
+    """Whether the transformer takes (B, C, F, h, w) clips (the factory LTX takes stacked frames)."""
+    clips = False
+    """Whether the data are clips encoded whole by a 3D video VAE (``data.frames`` is frames per
+    clip, chosen from the clips when unset: ``temporal_ratio``); otherwise images, each frame
+    through a 2D VAE."""
     objective = "flow"
     """``flow`` (velocity, sigma in [0, 1]) or ``ddpm`` (noise prediction, integer timesteps)."""
+    lora_targets: tuple[str, ...] | None = None
+    """LoRA target module names when the preset names none; None keeps the preset's default."""
+    info: Any = None
+    """The inspected pipeline folder (``folder.PipelineInfo``) a bound family trains from."""
+
+    # -- set-up ------------------------------------------------------------------------------
+    def own_folders(self, preset: Any) -> tuple[Path, Path] | None:
+        """``(denoiser folder, VAE folder)`` when the family brings its own (a pipeline
+        folder: its text encoders are its components), else None: the run's model, VAE and
+        text encoder folders come from the preset (``setup.resolve_assets``)."""
+        return None
+
+    def report(self, telemetry: Any, progress: Any) -> None:
+        """Record what the family trains from (a pipeline folder's ``trainer/pipeline``)."""
+
+    def check_caption_tokens(self, tokens: int) -> None:
+        """Raise ``ValueError`` when ``data.max_caption_tokens`` does not fit the text stack."""
+
+    def check_frames(self, frames: int | None) -> None:
+        """Raise ``ValueError`` when ``data.frames`` (pixel frames per clip) does not fit the
+        family's video VAE (only asked of ``clips`` families)."""
+
+    def temporal_ratio(self) -> int:
+        """Pixel frames per latent frame after the first (a video VAE's temporal compression;
+        1 where there is none)."""
+        return 1
+
+    # -- stage 1 -----------------------------------------------------------------------------
+    def latent_key(self, frames: int | None) -> dict[str, Any]:
+        """What the latent cache's key adds for this family (a pipeline family's name and
+        ``data.frames``; nothing for a factory family, whose VAE folder says it all)."""
+        return {}
+
+    def load_vae(self, vae_path: Path) -> Any:
+        """The VAE of ``vae_path`` in fp32 on the CPU, in eval mode."""
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).eval()
+
+    def encode_pixels(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """(n, 3, H, W) in [-1, 1] -> normalised latents (n, C, h, w): the mean of the latent
+        distribution, ``(z - shift_factor) * scaling_factor`` (what the pipeline inverts); a
+        ``clips`` family's (1, 3, F, H, W) -> (1, C, F', h, w)."""
+        shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        return (vae.encode(pixels).latent_dist.mean - shift) * vae.config.scaling_factor
+
+    def encode_texts(
+        self, texts: list[str], encoder_dir: Path | None, **kwargs: Any
+    ) -> dict[str, torch.Tensor] | None:
+        """Stage 1's text cache for ``texts`` (U unique strings, in order): ``hidden``
+        (U, T, D) float32, ``mask`` (U, T) int64 (1 token, 0 padding), ``pooled`` (U, Dp)
+        (U, 0 where the family has none); None when a stop request arrived. A factory family
+        runs the MiniLM-style encoder in ``encoder_dir`` (``encode.encode_texts``); ``kwargs``
+        are ``encode.run_encoder``'s (memory, dtype, device, telemetry, cache_dir, max_tokens,
+        progress, should_stop)."""
+
+        kwargs.pop("dtype", None)  # MiniLM runs in fp32 whatever the model's dtype
+        return encode_texts(texts, encoder_dir, **kwargs)
 
     def training_pair(
         self, x0: torch.Tensor, noise: torch.Tensor, generator: torch.Generator, preset: Any
@@ -115,6 +211,56 @@ class Family:
                 f"{self.lora_prefix}_lora_adapter_metadata": metadata,
             },
         )
+
+    def lora_metadata(self) -> dict[str, str]:
+        """Extra safetensors metadata of the saved LoRA (a pipeline's base model and family)."""
+        return {}
+
+    def comfy_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The LoRA ``state`` in ComfyUI's key layout, or None when no such copy is written."""
+        return None
+
+    # -- samples ---------------------------------------------------------------------------
+    def inference_strategy(
+        self, model: torch.nn.Module, memory: Any, device: torch.device, telemetry: Any
+    ) -> Any:
+        """The strategy that streams ``model`` for samples drawn outside training (built here,
+        closed by the caller), or None when ``model`` is simply moved onto ``device`` (a
+        factory model is small)."""
+        model.to(device)
+        return None
+
+    def sample(self, model: torch.nn.Module, text: Text, spec: SampleSpec) -> list[Any]:
+        """One PIL image per row of ``text`` (U prompts), from noise of ``spec.latent_shape``
+        drawn on the CPU from ``spec.seed``. Here (factory families): ``spec.steps`` Euler
+        steps of the flow ODE from sigma 1 (noise) to 0, or, for the DDPM objective, DDIM steps
+        (eta 0) on the training schedule with ``spec.prediction_type``; decoded by the VAE in
+        ``spec.vae_dir`` (a clip's first frame). A factory sampler has no CFG
+        (``spec.guidance`` is the pipelines')."""
+        from PIL import Image
+
+        n, device, dtype = text.hidden.shape[0], spec.device, spec.dtype
+        g = torch.Generator().manual_seed(spec.seed)
+        x = torch.randn(n, *spec.latent_shape, generator=g).to(device, dtype)  # (n, C, [F,] h, w)
+        if self.objective == "ddpm":
+            x = ddim_sample(self, model, x, text, spec.steps, spec.prediction_type)
+        else:
+            sigmas = torch.linspace(1.0, 0.0, spec.steps + 1)
+            for i in range(spec.steps):
+                s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
+                v = self.predict(model, x, s, text)
+                x = x + (sigmas[i + 1] - sigmas[i]) * v  # dx/ds = noise - x0 = v
+        vae = self.load_vae(spec.vae_dir).to(device)
+        shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        z = x.float()
+        if z.dim() == 5:
+            z = z[:, :, 0]  # first frame of each clip: (n, C, h, w)
+        images = vae.decode(z / vae.config.scaling_factor + shift).sample  # (n, 3, H, W)
+        out = []
+        for img in images:
+            arr = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu()
+            out.append(Image.fromarray(arr.numpy()))
+        return out
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
@@ -202,23 +348,6 @@ class LTXFamily(Family):
         return out.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
 
 
-NUM_TRAIN_TIMESTEPS = 1000
-
-
-def ddpm_scheduler(prediction_type: str = "epsilon"):
-    """The SD 1.x training noise schedule: 1000 steps, ``scaled_linear`` betas 0.00085..0.012."""
-    from diffusers import DDPMScheduler
-
-    return DDPMScheduler(
-        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type=prediction_type,
-        clip_sample=False,
-    )
-
-
 class UNetFamily(Family):
     """SD 1.x-style ``UNet2DConditionModel``: DDPM noise prediction, MiniLM last hidden state as
     ``encoder_hidden_states``. ``timestep_distribution`` does not apply (t is uniform)."""
@@ -272,22 +401,3 @@ def family(name: str) -> Family:
     if name not in FAMILIES:
         raise KeyError(f"no trainer adapter for family {name!r}; known: {sorted(FAMILIES)}")
     return FAMILIES[name]
-
-
-def sample_sigmas(
-    n: int, distribution: str, generator: torch.Generator, mean: float = 0.0, std: float = 1.0
-) -> torch.Tensor:
-    """(n,) sigmas in (0, 1): ``uniform`` or ``logit_normal`` (SD3 paper, sigmoid(N(mean, std)))."""
-    if distribution == "uniform":
-        return torch.rand(n, generator=generator)
-    if distribution == "logit_normal":
-        return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
-    raise ValueError(f"timestep_distribution {distribution!r}: expected uniform or logit_normal")
-
-
-def flow_pair(
-    x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_t, target)`` of rectified flow: x_t = (1 - s) x0 + s noise, target = noise - x0."""
-    s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
-    return (1 - s) * x0 + s * noise, noise - x0

@@ -1,4 +1,4 @@
-"""What a run leaves in its folder: the LoRA, checkpoints, sample images.
+"""What a run leaves in its folder: the LoRA, checkpoints (the sample images: ``sampling.py``).
 
 - ``DIR/lora/pytorch_lora_weights.safetensors``: keys ``transformer.<module>.lora_A.weight`` /
   ``lora_B.weight``, written by the family's diffusers LoRA mixin (``FluxLoraLoaderMixin``...)
@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.strategy import build_strategy
-from worker.families import Family, ddpm_scheduler
+from worker.families import Family
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 COMFY_FILE = "comfyui-lora.safetensors"
@@ -165,9 +164,8 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
         folder.mkdir(parents=True, exist_ok=True)
         config = model.peft_config["default"]
         family.save_lora(str(folder), state, unit_scale_config(config.to_dict()))
-        extra = getattr(family, "lora_metadata", None)
         metadata = {
-            **(extra() if extra is not None else {}),
+            **family.lora_metadata(),
             "stagehand.rank": str(config.r),
             "stagehand.alpha": str(config.lora_alpha),
             "stagehand.scale_folded": ",".join(str(v) for v in sorted(set(scales.values()))),
@@ -175,7 +173,7 @@ def save_lora(model: torch.nn.Module, family: Family, run_dir: Path, steps: int 
             "stagehand.steps": str(steps),
         }
         add_metadata(folder / LORA_FILE, metadata)
-        comfy = family.comfy_state_dict(state) if extra is not None else None
+        comfy = family.comfy_state_dict(state)
         if comfy is not None:
             tmp = folder / f".{COMFY_FILE}.tmp"
             save_file(comfy, str(tmp), metadata={"format": "pt", **metadata})
@@ -199,65 +197,6 @@ def add_metadata(path: Path, extra: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)
-
-
-def sample_pipeline(
-    family,
-    model: torch.nn.Module,
-    text,
-    latent_shape: tuple[int, ...],
-    *,
-    preset,
-    device: torch.device,
-    dtype: torch.dtype,
-    telemetry,
-    out_dir: Path,
-    names: list[str],
-    strategy=None,
-    step: int | None = None,
-) -> list[Path]:
-    """One PNG per prompt from the pipeline's ``__call__`` (``family.sample``) on the trained
-    transformer, its blocks streamed: by ``strategy`` (the training one, mid-run) as an
-    inference step ``step`` (STEP_BEGIN -> FORWARD -> STEP_END, ``torch.no_grad``), or, without
-    one, by an inference-mode strategy built here and closed after (step ``max_steps + 1``)."""
-
-    own = strategy is None
-    if own:
-        strategy = build_strategy(
-            model,
-            preset.memory,
-            device=device,
-            telemetry=telemetry,
-            checkpoint_dir=family.transformer_dir,
-            mode="inference",
-        )
-    was_training = model.training
-    model.eval()
-    try:
-        number = preset.max_steps + 1 if step is None else step
-        # no_grad, not inference_mode, mid-run: weights loaded now are used by training later.
-        with torch.no_grad(), strategy.step(number), strategy.forward():
-            images = family.sample(
-                model,
-                text,
-                latent_shape,
-                steps=preset.samples.steps,
-                seed=preset.samples.seed,
-                device=device,
-                dtype=dtype,
-                guidance=preset.samples.guidance,
-            )
-    finally:
-        model.train(was_training)
-        if own:
-            strategy.close()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for image, name in zip(images, names, strict=True):
-        path = out_dir / f"{name}.png"
-        image.save(path)
-        paths.append(path)
-    return paths
 
 
 def _rng_state() -> dict:
@@ -338,79 +277,3 @@ def load_checkpoint(
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return int(json.loads((folder / "state.json").read_text())["step"])
-
-
-@torch.no_grad()
-def sample_images(
-    family: Family,
-    model: torch.nn.Module,
-    text,
-    vae_path: Path,
-    latent_shape: tuple[int, ...],
-    *,
-    steps: int,
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    out_dir: Path,
-    names: list[str],
-    prediction_type: str = "epsilon",
-) -> list[Path]:
-    """Sample, VAE decode, one PNG per prompt. Flow families: Euler steps of the flow ODE from
-    sigma 1 (noise) to 0. The UNet family (``objective == "ddpm"``): ``steps`` DDIM steps
-    (eta 0) on the training noise schedule, ``prediction_type`` as trained.
-
-    ``text`` is a ``families.Text`` with one row per prompt; ``latent_shape`` is (C, h, w) or
-    (C, F, h, w) (the first frame of a clip is written).
-    """
-    from diffusers import AutoencoderKL
-    from PIL import Image
-
-    n = text.hidden.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, *latent_shape, generator=g).to(device, dtype)  # (n, C, [F,] h, w)
-    if family.objective == "ddpm":
-        x = ddim_sample(family, model, x, text, steps, prediction_type)
-    else:
-        sigmas = torch.linspace(1.0, 0.0, steps + 1)
-        for i in range(steps):
-            s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
-            v = family.predict(model, x, s, text)
-            x = x + (sigmas[i + 1] - sigmas[i]) * v  # dx/ds = noise - x0 = v
-    vae = AutoencoderKL.from_pretrained(vae_path, torch_dtype=torch.float32).to(device).eval()
-    shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-    z = x.float()
-    if z.dim() == 5:
-        z = z[:, :, 0]  # first frame of each clip: (n, C, h, w)
-    images = vae.decode(z / vae.config.scaling_factor + shift).sample  # (n, 3, H, W)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for img, name in zip(images, names, strict=True):
-        arr = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu()
-        path = out_dir / f"{name}.png"
-        Image.fromarray(arr.numpy()).save(path)
-        paths.append(path)
-    return paths
-
-
-def ddim_sample(
-    family: Family,
-    model: torch.nn.Module,
-    x: torch.Tensor,
-    text,
-    steps: int,
-    prediction_type: str = "epsilon",
-) -> torch.Tensor:
-    """DDIM (eta 0) from noise ``x`` (n, C, h, w) to latents, on the DDPM training schedule."""
-    from diffusers import DDIMScheduler
-
-    sched = DDIMScheduler.from_config(
-        ddpm_scheduler(prediction_type).config, set_alpha_to_one=False
-    )
-    sched.set_timesteps(steps)
-    x = x * sched.init_noise_sigma
-    for t in sched.timesteps:
-        ts = torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)
-        pred = family.predict(model, x, ts, text)  # noise (or velocity), (n, C, h, w)
-        x = sched.step(pred, int(t), x).prev_sample
-    return x

@@ -30,7 +30,6 @@ from worker import loop, records
 from worker.control import Interrupted, StopFlag
 from worker.families import family
 from worker.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
-from worker.pipelines import PipelineFamily
 from worker.preset import load_preset, validate_preset
 from worker.progress import Progress
 from worker.sampling import Sampler
@@ -110,11 +109,10 @@ class Run:
         self.progress.log_every = preset.log_every
         self.stop.install()
         self.write_config(name, preset)
-        self.family = pipeline_family(preset, self.device)
+        self.family = pipeline_family(preset, self.device) or family(preset.family)
         samples = self.scan(preset)  # before any model is built or loaded
         preset, frames = resolve_frames(preset, self.family, samples)
         model_dir, vae_dir, encoder_dir, _ = resolve_assets(preset, self.family, self.progress.line)
-        self.family = self.family or family(preset.family)
         records.run_started(
             self.telemetry,
             run_dir=self.run_dir,
@@ -126,8 +124,7 @@ class Run:
             attention=attention.as_record(),
             **frames,
         )
-        if isinstance(self.family, PipelineFamily):
-            records.report_pipeline(self.family.info, self.telemetry, self.progress)
+        self.family.report(self.telemetry, self.progress)
         t0 = time.perf_counter()
         cached = self.stage1(preset, vae_dir, encoder_dir, samples)
         cache_s = time.perf_counter() - t0

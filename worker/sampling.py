@@ -2,14 +2,16 @@
 
 Samples are drawn before the first step (the model the final ones are set against), every
 ``samples.every`` steps through the training strategy as an inference step, and at the end on
-the plain model once the strategy is closed. Each image is ``DIR/samples/{prefix}-ii.png``
-(``step-NNNNNN`` during training, ``sample`` at the end) with one ``trainer/sample`` record.
-How an image is drawn is ``outputs.sample_images`` (factory families: their sampler and the
-run's VAE) or ``outputs.sample_pipeline`` (the pipeline's ``__call__``).
+the plain model once the strategy is closed (through ``Family.inference_strategy``: a pipeline
+family's blocks streamed by an inference strategy, a factory model moved onto the device). Each
+image is ``DIR/samples/{prefix}-ii.png`` (``step-NNNNNN`` during training, ``sample`` at the end)
+with one ``trainer/sample`` record. The images are ``Family.sample``'s: a pipeline's
+``__call__``, or a factory family's sampler and the run's VAE.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +20,7 @@ import torch
 from contract.preset import Preset
 from runtime.common.telemetry import Telemetry
 from worker import loop
-from worker.families import Family
-from worker.outputs import sample_images, sample_pipeline
-from worker.pipelines import PipelineFamily
+from worker.families import Family, SampleSpec
 
 
 @dataclass
@@ -44,88 +44,68 @@ class Sampler:
         """Samples of ``model`` as trained so far, drawn through ``strategy`` as inference
         step ``step``; their records (and the strategy's) are tagged ``sampling=True``."""
         with self.telemetry.tagged(sampling=True):
-            if isinstance(self.family, PipelineFamily):
-                self.pipeline(model, preset, data, step=step, strategy=strategy)
-                return
-            # no_grad: the blocks loaded now serve training next.
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.no_grad(), strategy.step(step), strategy.forward():
-                    self.factory(model, preset, data, vae_dir, f"step-{step:06d}")
-            finally:
-                model.train(was_training)
+            self.draw(model, preset, data, vae_dir, step=step, strategy=strategy)
 
     def final(
         self, model: torch.nn.Module, preset: Preset, data: loop.Batchable, vae_dir: Path
     ) -> None:
         """The end's samples, on the plain model after the strategy is closed (it restores
         resident weights)."""
-        if isinstance(self.family, PipelineFamily):
-            self.pipeline(model, preset, data, step=None, strategy=None)
-            return
-        model.to(self.device).eval()
-        self.factory(model, preset, data, vae_dir, "sample")
+        self.draw(model, preset, data, vae_dir, step=None, strategy=None)
 
-    def factory(
+    def draw(
         self,
         model: torch.nn.Module,
         preset: Preset,
         data: loop.Batchable,
         vae_dir: Path,
-        prefix: str,
+        step: int | None,
+        strategy,
     ) -> None:
-        """One ``samples/{prefix}-ii.png`` per prompt from ``model`` (its sampler and the run's
-        VAE), each with its ``trainer/sample`` record."""
+        """One ``samples/{prefix}-ii.png`` per prompt from ``family.sample``, in eval mode
+        under ``torch.no_grad`` (not inference mode mid-run: weights loaded now are used by
+        training later): during training (``step``) through the training ``strategy`` as
+        inference step ``step``, at the end (None) through ``family.inference_strategy``
+        (closed after; step ``max_steps + 1``), each image with its ``trainer/sample`` record."""
         prompts = preset.samples.prompts
         dtype = loop.DTYPES[preset.train_dtype]
-        paths = sample_images(
-            self.family,
-            model,
-            data.text_rows(data.prompt_rows, self.device, dtype),
-            vae_dir,
-            tuple(data.latents[0].shape),
+        prefix = "sample" if step is None else f"step-{step:06d}"
+        text = data.text_rows(data.prompt_rows, self.device, dtype)
+        spec = SampleSpec(
+            latent_shape=tuple(data.latents[0].shape),
             steps=preset.samples.steps,
             seed=preset.samples.seed,
             device=self.device,
             dtype=dtype,
-            out_dir=self.run_dir / "samples",
-            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
+            guidance=preset.samples.guidance,
+            vae_dir=vae_dir,
             prediction_type=preset.prediction_type,
         )
-        self.record(paths, prompts)
-
-    def pipeline(
-        self,
-        model: torch.nn.Module,
-        preset: Preset,
-        data: loop.Batchable,
-        step: int | None,
-        strategy,
-    ) -> None:
-        """Samples from the pipeline's ``__call__``: during training (``step``) through the
-        training ``strategy`` as an inference step, at the end (None) through an inference one."""
-        prompts = preset.samples.prompts
-        dtype = loop.DTYPES[preset.train_dtype]
-        prefix = "sample" if step is None else f"step-{step:06d}"
-        paths = sample_pipeline(
-            self.family,
-            model,
-            data.text_rows(data.prompt_rows, self.device, dtype),
-            tuple(data.latents[0].shape),
-            preset=preset,
-            device=self.device,
-            dtype=dtype,
-            telemetry=self.telemetry,
-            out_dir=self.run_dir / "samples",
-            names=[f"{prefix}-{i:02d}" for i in range(len(prompts))],
-            strategy=strategy if step is not None else None,
-            step=step,
-        )
-        self.record(paths, prompts)
-
-    def record(self, paths: list[Path], prompts: list[str]) -> None:
-        """One ``trainer/sample`` record per written image, its path relative to the run."""
+        own = strategy is None
+        if own:
+            strategy = self.family.inference_strategy(
+                model, preset.memory, self.device, self.telemetry
+            )
+        was_training = model.training
+        model.eval()
+        try:
+            number = preset.max_steps + 1 if step is None else step
+            streamed = strategy is not None
+            with (
+                torch.no_grad(),
+                strategy.step(number) if streamed else nullcontext(),
+                strategy.forward() if streamed else nullcontext(),
+            ):
+                images = self.family.sample(model, text, spec)
+        finally:
+            model.train(was_training)
+            if own and strategy is not None:
+                strategy.close()
+        out_dir = self.run_dir / "samples"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = [out_dir / f"{prefix}-{i:02d}.png" for i in range(len(prompts))]
+        for image, path in zip(images, paths, strict=True):
+            image.save(path)
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)

@@ -13,6 +13,7 @@ from worker import assets, loop, pipelines
 from worker.assets import cache_root
 from worker.demo import demo_spec
 from worker.demo_stages import build_demo
+from worker.families import Family
 from worker.pipelines import PipelineFamily
 
 
@@ -44,11 +45,13 @@ def pipeline_family(preset: Preset, device: torch.device) -> PipelineFamily | No
 
 
 def family_targets(preset: Preset, fam) -> Preset:
-    """``preset`` with the pipeline family's LoRA targets when ``lora.target_modules`` is unset
-    (what the family's community trainers target); an explicit list is kept."""
-    if not isinstance(fam, PipelineFamily) or "target_modules" in preset.lora.model_fields_set:
+    """``preset`` with the family's LoRA targets (``Family.lora_targets``: what a pipeline
+    family's community trainers target) when ``lora.target_modules`` is unset; an explicit
+    list, a family without its own targets or none (None) keep the preset's."""
+    targets = fam.lora_targets if fam is not None else None
+    if targets is None or "target_modules" in preset.lora.model_fields_set:
         return preset
-    lora = preset.lora.model_copy(update={"target_modules": list(fam.lora_targets)})
+    lora = preset.lora.model_copy(update={"target_modules": list(targets)})
     return preset.model_copy(update={"lora": lora})
 
 
@@ -86,17 +89,18 @@ def held_out_samples(preset: Preset, n: int) -> list[int]:
 def resolve_assets(preset: Preset, fam=None, log=None) -> tuple[Path, Path, Path | None, Path]:
     """``(transformer / unet folder, VAE folder, text encoder folder, data folder)``; factory models,
     the demo's trained ones (``model.pretrained``, ``log`` gets its build's lines) and the digits
-    are built into the cache on first use. For a pipeline family ``fam`` the folders
-    are its own (the text encoders are its components: None).
+    are built into the cache on first use. A family ``fam`` with folders of its own
+    (``Family.own_folders``: a pipeline folder) gives them (its text encoders are its
+    components: None).
 
     Raises:
         FileNotFoundError: a pipeline folder without ``vae/`` and no ``model.vae_path``.
     """
 
     m = preset.model
-    if isinstance(fam, PipelineFamily):
-        vae_dir = Path(m.vae_path) if m.vae_path else fam.root / "vae"
-        return fam.transformer_dir, vae_dir, None, data_folder(preset)
+    own = fam.own_folders(preset) if fam is not None else None
+    if own is not None:
+        return *own, None, data_folder(preset)
     if m.factory and m.pretrained == "digits":
         demo = build_demo(spec=demo_spec(m.size), log=log)
         model_dir = demo / "transformer"
@@ -134,11 +138,7 @@ def data_folder(preset: Preset) -> Path:
 def check_text_dim(model: torch.nn.Module, dim: int, fam=None) -> None:
     """Raise ``ValueError`` when the text encoder's hidden size is not what the model takes
     (``joint_attention_dim`` / ``caption_channels``; a UNet's ``cross_attention_dim``)."""
-    if fam is not None:
-        want = fam.text_dim(model)
-    else:
-        cfg = model.config
-        want = getattr(cfg, "joint_attention_dim", None) or getattr(cfg, "caption_channels", None)
+    want = (fam or Family()).text_dim(model)
     if want is not None and int(want) != int(dim):
         raise ValueError(
             f"text_encoder: hidden size {dim} does not match the model's text input {want} "

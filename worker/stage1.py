@@ -1,10 +1,11 @@
 """Stage 1 of a run: scan the data folder, then cache text embeddings and latents.
 
 The scan comes before any model is built or loaded, so a folder without a usable sample ends
-the run in seconds (``trainer/dataset_scan`` names every file left out). The cache
-(``encode.py``, or the pipeline's own encoders) holds one text row per distinct caption or
-sample prompt and one latent per sample; ``build_cache`` returns it as the ``loop.Batchable`` that
-stage 2 trains on, or None when a stop request arrived while encoding.
+the run in seconds (``trainer/dataset_scan`` names every file left out). The cache (the
+family's VAE through ``encode.encode_latents``, its text encoders through
+``Family.encode_texts``) holds one text row per distinct caption or sample prompt and one
+latent per sample; ``build_cache`` returns it as the ``loop.Batchable`` that stage 2 trains on,
+or None when a stop request arrived while encoding.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from worker.assets import cache_root
 from worker.clips import default_frames
 from worker.data import group_by_shape
 from worker.families import Family
-from worker.pipelines import PipelineFamily
-from worker.pipelines import encode as pipeline_encode
 from worker.progress import Progress
 from worker.scan import Sample, scan_folder
 from worker.setup import data_folder, held_out_samples
@@ -34,17 +33,16 @@ Stage = Callable[[str, int, int, str], None]
 
 
 def scan_data(
-    preset: Preset, family: Family | None, telemetry: Telemetry, progress: Progress
+    preset: Preset, family: Family, telemetry: Telemetry, progress: Progress
 ) -> list[Sample]:
     """The usable samples of the data folder. The scan is recorded (``trainer/dataset_scan``)
     before ``DataError`` ends a run that has no usable sample, or bad files under
-    ``data.on_bad_file: fail``; the error names the files. A video family takes clips (and
+    ``data.on_bad_file: fail``; the error names the files. A ``clips`` family takes clips (and
     images as one-frame clips), checked the same way."""
     data = preset.data
     folder = data_folder(preset)
-    if isinstance(family, PipelineFamily):
-        family.check_caption_tokens(data.max_caption_tokens)
-    video = isinstance(family, PipelineFamily) and family.video
+    family.check_caption_tokens(data.max_caption_tokens)
+    video = family.clips
     if video and data.frames is not None:  # left out, it is chosen from the clips (resolve_frames)
         family.check_frames(data.frames)
     found = scan_folder(
@@ -52,7 +50,7 @@ def scan_data(
         captions=data.captions,
         default_caption=data.default_caption,
         limit=data.limit,
-        frames=None if video else data.frames,  # a video family's data.frames: frames per clip
+        frames=None if video else data.frames,  # a clips family's data.frames: frames per clip
         on_bad_file=data.on_bad_file,
         videos=video,
     )
@@ -70,13 +68,13 @@ def scan_data(
 
 
 def resolve_frames(
-    preset: Preset, family: Family | None, samples: list[Sample]
+    preset: Preset, family: Family, samples: list[Sample]
 ) -> tuple[Preset, dict[str, Any]]:
-    """The preset with ``data.frames`` set for a video family, and the fields the run's first
+    """The preset with ``data.frames`` set for a ``clips`` family, and the fields the run's first
     record (``trainer/run_started``) carries: ``frames`` and ``frames_from`` (``data.frames``
     when the preset gives it, which always wins, else why the default, ``clips.default_frames``).
     Other families: the preset unchanged and no fields."""
-    if not (isinstance(family, PipelineFamily) and family.video):
+    if not family.clips:
         return preset, {}
     if preset.data.frames is not None:
         return preset, {"frames": preset.data.frames, "frames_from": "data.frames"}
@@ -119,7 +117,7 @@ def build_cache(
         cache_dir=cache_dir,
         progress=lambda d, t, m: stage("cache", d, total, m),
         should_stop=should_stop,
-        family=family if isinstance(family, PipelineFamily) else None,
+        family=family,
         frames=data.frames,
     )
     if result is None:
@@ -135,11 +133,8 @@ def build_cache(
         progress=lambda d, t, m: stage("cache", len(samples) + d, total, m),
         should_stop=should_stop,
     )
-    if isinstance(family, PipelineFamily):
-        dtype = loop.DTYPES[preset.model.dtype]
-        text = pipeline_encode.encode_texts(family, texts, dtype=dtype, **text_kwargs)
-    else:
-        text = encode.encode_texts(texts, encoder_dir, **text_kwargs)
+    dtype = loop.DTYPES[preset.model.dtype]
+    text = family.encode_texts(texts, encoder_dir, dtype=dtype, **text_kwargs)
     if text is None:
         return None
     stage("cache", total, total, "text encoder released")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.families import Text
+from worker.families import SampleSpec, Text
 from worker.pipelines import adapter_for, inspect_pipeline
 from worker.pipelines.base import load_component
 
@@ -33,9 +33,7 @@ def test_bf16_transformer_samples_through_the_fp32_vae(fixture, request, tmp_pat
         pooled=torch.randn(1, pooled, generator=g).to(torch.bfloat16),
     )
     vae_channels = load_component(root, "vae", torch.float32).config.latent_channels
-    images = family.sample(
-        model,
-        text,
+    spec = SampleSpec(
         (vae_channels, 4, 4),
         steps=1,
         seed=0,
@@ -43,6 +41,7 @@ def test_bf16_transformer_samples_through_the_fp32_vae(fixture, request, tmp_pat
         dtype=torch.bfloat16,
         guidance=1.0,
     )
+    images = family.sample(model, text, spec)
     assert len(images) == 1
     scale = 2 ** (len(load_component(root, "vae", torch.float32).config.block_out_channels) - 1)
     assert images[0].size == (4 * scale, 4 * scale)

@@ -193,9 +193,9 @@ def test_sample_prompts_use_their_own_text_rows(cache_env, make_preset, tmp_path
     preset = validate_preset(load_preset(str(path))[1])
     (tmp_path / "rows").mkdir()
     run = Run(str(path), tmp_path / "rows", torch.device("cpu"), resume=False)
+    run.family = family(preset.family)  # chosen before the scan, as Run.execute does
     samples = run.scan(preset)
     _, vae_dir, encoder_dir, _ = resolve_assets(preset)
-    run.family = family(preset.family)
     data = run.stage1(preset, vae_dir, encoder_dir, samples)
     rows = {s.caption: data.caption_rows[i] for i, s in enumerate(samples)}
     assert len(rows) == 10 and len(data.text["hidden"]) == 11  # 10 digit captions + the bicycle

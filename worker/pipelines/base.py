@@ -25,44 +25,14 @@ from typing import Any
 
 import torch
 
-from worker.families import Family, flow_pair, sample_sigmas
-from worker.pipelines.folder import PipelineFolderError, PipelineInfo, read_json
+from runtime.strategy import build_strategy
+from worker.families import Family, SampleSpec, Text, flow_pair, sample_sigmas
+from worker.pipelines.encode import encode_texts
+from worker.pipelines.folder import PipelineFolderError, PipelineInfo, load_component, read_json
+from worker.records import report_pipeline
 
 TextPass = Callable[[Any, list[str], torch.device, int], dict[str, torch.Tensor]]
 """``(pipeline, texts, device, max_tokens) -> {hidden|mask|pooled: tensor}`` for one encoder."""
-
-
-def load_component(
-    root: Path, name: str, dtype: torch.dtype | None = None, folder: Path | None = None
-) -> Any:
-    """Component ``name`` of the pipeline folder ``root``, loaded with the class its
-    ``model_index.json`` names (weights in ``dtype`` where it applies), from ``folder``
-    (default ``root / name``; ``model.vae_path`` names another).
-
-    Raises:
-        PipelineFolderError: the component does not load (names its folder and class).
-    """
-    index = read_json(root / "model_index.json", "a pipeline's model_index.json")
-    library, class_name = index[name]
-    if library not in ("diffusers", "transformers"):
-        # A class of a pipeline's own module (LTX-2's ["ltx2", "LTX2TextConnectors"]), which
-        # diffusers' loader looks up under diffusers.pipelines.
-        library = f"diffusers.pipelines.{library}"
-    try:
-        cls = getattr(importlib.import_module(library), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise PipelineFolderError(
-            f"{root / 'model_index.json'}: {name} is {library}.{class_name}, which this "
-            f"installation does not have ({exc})"
-        ) from None
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    folder = folder or root / name
-    try:
-        return cls.from_pretrained(folder, **kwargs)
-    except Exception as exc:  # any loader failure: name the folder, keep the cause
-        raise PipelineFolderError(
-            f"{folder}: {class_name}.from_pretrained failed: {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 class PipelineFamily(Family):
@@ -91,6 +61,19 @@ class PipelineFamily(Family):
         self.transformer_dir: Path | None = None
         self.expert: str | None = None
         self._scheduler = None
+
+    @property
+    def clips(self) -> bool:
+        """A video pipeline's 3D VAE encodes whole clips."""
+        return self.video
+
+    def own_folders(self, preset):
+        vae = Path(preset.model.vae_path) if preset.model.vae_path else self.root / "vae"
+        return self.transformer_dir, vae
+
+    def report(self, telemetry, progress) -> None:
+
+        report_pipeline(self.info, telemetry, progress)
 
     def bind(
         self, info: PipelineInfo, transformer_dir: Path, expert: str | None = None
@@ -140,6 +123,15 @@ class PipelineFamily(Family):
     def check_components(self) -> None:
         """Raise ``PipelineFolderError`` when the components' configs do not fit each other."""
 
+    def check_fit(self, problems: list[str]) -> None:
+        """Raise ``PipelineFolderError`` naming ``transformer/config.json`` and every one of
+        ``problems`` (what ``check_components`` found), if there are any."""
+        if problems:
+            raise PipelineFolderError(
+                f"{self.transformer_dir / 'config.json'}: does not fit the {self.name} pipeline: "
+                + "; ".join(problems)
+            )
+
     def join_text(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The cached ``{hidden, mask, pooled}`` from every text pass's outputs (each (U, ...)),
         for families whose ``encode_prompt`` combines several encoders' sequences (SD3,
@@ -175,20 +167,44 @@ class PipelineFamily(Family):
                 getattr(vae, switch)()
         return vae
 
-    def encode_pixels(self, vae, pixels: torch.Tensor) -> torch.Tensor:
-        """(n, 3, H, W) in [-1, 1] -> normalised latents (n, C, h, w): the mean of the latent
-        distribution, ``(z - shift_factor) * scaling_factor`` (what the pipeline inverts)."""
-        shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-        return (vae.encode(pixels).latent_dist.mean - shift) * vae.config.scaling_factor
+    def latent_key(self, frames: int | None) -> dict[str, Any]:
+        return {"family": self.name, "frames": frames}
+
+    def encode_texts(self, texts, encoder_dir, **kwargs):
+        """Every text pass's encoder in turn (``pipelines.encode.encode_texts``); the folder's
+        components are the encoders (``encoder_dir`` is None)."""
+
+        return encode_texts(self, texts, **kwargs)
 
     # -- training ---------------------------------------------------------------------------
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
         """Tokens the transformer sees for latents of ``latent_shape`` (B, C, [F,] h, w)."""
         raise NotImplementedError
 
+    shift_module = ""
+    """The pipeline module whose ``calculate_shift`` the pipeline calls for ``mu``."""
+    shift_defaults = (256, 4096, 0.5, 1.15)
+    """``(base_image_seq_len, max_image_seq_len, base_shift, max_shift)`` where the scheduler's
+    config has none: the pipeline's own defaults."""
+
     def mu(self, image_seq_len: int) -> float:
-        """The dynamic-shift ``mu`` the pipeline computes for ``image_seq_len`` tokens."""
-        raise NotImplementedError
+        """The dynamic-shift ``mu`` the pipeline computes for ``image_seq_len`` tokens: its
+        ``calculate_shift`` (the same function, copied in each pipeline module) of the
+        scheduler's config."""
+        if not self.shift_module:
+            raise NotImplementedError(f"{self.name}: no dynamic shift")
+        calculate_shift = importlib.import_module(self.shift_module).calculate_shift
+        cfg = self.scheduler().config
+        keys = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+        return calculate_shift(
+            image_seq_len, *(cfg.get(k, d) for k, d in zip(keys, self.shift_defaults, strict=True))
+        )
+
+    text_dim_field = "joint_attention_dim"
+    """The transformer config field of the text hidden size it takes."""
+
+    def text_dim(self, model):
+        return getattr(model.config, self.text_dim_field)
 
     def shift_sigmas(self, u: torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """(B,) sigmas ``u`` in (0, 1) shifted as the scheduler shifts (module doc; UniPC
@@ -209,12 +225,6 @@ class PipelineFamily(Family):
         lo, hi = self.sigma_range()
         return tuple(lo + (hi - lo) * s for s in fixed)
 
-    def check_caption_tokens(self, tokens: int) -> None:
-        """Raise ``ValueError`` when ``data.max_caption_tokens`` does not fit the text stack."""
-
-    def check_frames(self, frames: int | None) -> None:
-        """Raise ``ValueError`` when ``data.frames`` does not fit the family's VAE."""
-
     def training_pair(self, x0, noise, generator, preset):
         u = sample_sigmas(
             x0.shape[0],
@@ -230,8 +240,22 @@ class PipelineFamily(Family):
         return x_t, sigma.to(x0.dtype), target
 
     # -- outputs ----------------------------------------------------------------------------
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        """Images (PIL) from the pipeline's ``__call__`` with cached embeddings ``text``."""
+    def inference_strategy(self, model, memory, device, telemetry):
+        """An inference-mode strategy streaming ``model``'s blocks from ``transformer_dir``."""
+
+        return build_strategy(
+            model,
+            memory,
+            device=device,
+            telemetry=telemetry,
+            checkpoint_dir=self.transformer_dir,
+            mode="inference",
+        )
+
+    def sample(self, model, text, spec):
+        """Images (PIL) from the pipeline's ``__call__`` with cached embeddings ``text`` and
+        the folder's own VAE (``spec.vae_dir`` and ``spec.prediction_type`` are the factory
+        sampler's)."""
         raise NotImplementedError
 
     def sample_vae(self, device: torch.device) -> Any:
@@ -248,25 +272,38 @@ class PipelineFamily(Family):
         vae.decode = decode_fp32
         return vae
 
-    def sample_pooled(self, denoiser: dict[str, Any], text, latent_shape, *, steps, seed, device):
-        """Images (PIL) from ``__call__`` of a pipeline conditioned on hidden and pooled text
-        embeddings (SD3, SDXL): ``denoiser`` names the trained model's component
-        (``{"transformer": model}``), the VAE is the folder's in fp32, ``latent_shape`` is
-        ``(C, h, w)`` and no CFG (no negative prompt is cached)."""
-        vae = self.sample_vae(device)
+    def call_pipeline(
+        self, denoiser: dict[str, Any], spec: SampleSpec, *, patch: int = 1, **embeds: Any
+    ) -> list[Any]:
+        """Images (PIL) from ``__call__`` of an image pipeline: ``denoiser`` names the trained
+        model's component (``{"transformer": model}``), the VAE is the folder's in fp32
+        (``sample_vae``), the size is ``spec.latent_shape`` (C, h, w) times ``patch`` (latents
+        cached as patches: Flux.2) times the VAE's ``vae_scale_factor`` in pixels, the noise is
+        drawn from ``spec.seed`` on the CPU in ``spec.steps`` steps, and ``embeds`` are the cached text and the family's
+        guidance arguments."""
+        vae = self.sample_vae(spec.device)
         pipe = self.pipeline(**denoiser, vae=vae)
         pipe.set_progress_bar_config(disable=True)
-        _, h, w = latent_shape
+        _, h, w = spec.latent_shape
         return pipe(
+            height=patch * h * pipe.vae_scale_factor,
+            width=patch * w * pipe.vae_scale_factor,
+            num_inference_steps=spec.steps,
+            generator=torch.Generator().manual_seed(spec.seed),
+            output_type="pil",
+            **embeds,
+        ).images
+
+    def sample_pooled(self, denoiser: dict[str, Any], text: Text, spec: SampleSpec) -> list[Any]:
+        """``call_pipeline`` for a pipeline conditioned on hidden and pooled text embeddings
+        (SD3, SDXL), without CFG (no negative prompt is cached)."""
+        return self.call_pipeline(
+            denoiser,
+            spec,
             prompt_embeds=text.hidden,
             pooled_prompt_embeds=text.pooled,
-            height=h * pipe.vae_scale_factor,
-            width=w * pipe.vae_scale_factor,
-            num_inference_steps=steps,
             guidance_scale=1.0,  # no negative prompt cached: plain conditional sampling
-            generator=torch.Generator().manual_seed(seed),
-            output_type="pil",
-        ).images
+        )
 
     def comfy_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The LoRA ``state`` (scale folded into ``lora_B``: ``outputs.fold_lora_scale``) in
@@ -299,10 +336,7 @@ class PipelineFamily(Family):
 class PatchedLatents:
     """Mixin of the families whose transformer sees 2x2 patches of (B, C, h, w) latents and
     whose scheduler shifts dynamically with the pipeline's ``calculate_shift`` (Flux,
-    Qwen-Image, Z-Image: the same function, copied in each pipeline module)."""
-
-    shift_module = ""
-    """The pipeline module whose ``calculate_shift`` the pipeline calls."""
+    Qwen-Image, Z-Image: ``mu``)."""
 
     def check_latents(self, shape: tuple[int, ...]) -> None:
         """Raise ``ValueError`` when latent h or w is odd (no whole 2x2 patches)."""
@@ -315,13 +349,22 @@ class PatchedLatents:
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
-    def mu(self, image_seq_len: int) -> float:
-        calculate_shift = importlib.import_module(self.shift_module).calculate_shift
-        cfg = self.scheduler().config
-        return calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
+    def predict_packed(
+        self, model: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, **inputs: Any
+    ) -> torch.Tensor:
+        """The velocity a transformer on 2x2-packed tokens predicts for ``x_t`` (B, C, h, w)
+        at ``sigma`` (B,) in [0, 1] (the pipeline passes t / 1000 = sigma), with the text
+        ``inputs`` of the family: the pipeline's ``_pack_latents`` (B, h/2 * w/2, 4C) in,
+        ``_unpack_latents`` out ((B, C, h, w); (B, C, 1, h, w) where the pipeline's VAE is a
+        video VAE), and ``guidance`` (B,) of ``self.guidance`` for a guidance-distilled one."""
+        pipe = self.pipeline_cls()
+        b, c, h, w = x_t.shape
+        if model.config.guidance_embeds:
+            inputs["guidance"] = torch.full((b,), self.guidance, device=x_t.device, dtype=x_t.dtype)
+        out = model(
+            hidden_states=pipe._pack_latents(x_t, b, c, h, w),
+            timestep=sigma,
+            return_dict=False,
+            **inputs,
+        )[0]
+        return pipe._unpack_latents(out, h, w, 1)

@@ -17,16 +17,18 @@ from __future__ import annotations
 import gc
 import json
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
 from contract.config import MemoryConfig
-from runtime.strategy import build_strategy
-from worker.encode import ENCODE_BATCH, _atomic_save, _folder_id, cache_key
-from worker.pipelines.base import PipelineFamily, load_component
+from worker.encode import _atomic_save, _folder_id, cache_key, run_encoder
+from worker.pipelines.folder import load_component
+
+if TYPE_CHECKING:
+    from worker.pipelines.base import PipelineFamily
 
 
 def text_cache_path(family: PipelineFamily, texts: list[str], cache_dir: Path, max_tokens: int):
@@ -94,44 +96,25 @@ def _one_encoder(
     family, pipe, name, text_pass, texts, memory, dtype, device, telemetry, max_tokens,
     should_stop, progress,
 ) -> dict[str, torch.Tensor] | None:  # fmt: skip
-    """Run one encoder over ``texts`` in batches, then release it and its strategy."""
-
-    encoder = load_component(family.root, name, dtype).eval()
-    strategy = None
-    swap = memory.stagehand is not None and memory.stagehand.text_encoder_block_swap
-    if memory.strategy != "none" and swap:
-        strategy = build_strategy(
-            encoder,
-            memory.for_text_encoder(),  # SquareQ only with text_encoder_squareq
-            device=device,
-            telemetry=telemetry,
-            checkpoint_dir=family.root / name,
-            mode="inference",
-        )
-    else:
-        encoder.to(device)
-    setattr(pipe, name, encoder)
-    chunks: dict[str, list[torch.Tensor]] = {}
-    try:
-        # Stage 1 is step 0 of the run's telemetry: inference steps, training starts at 1.
-        with torch.inference_mode():
-            with strategy.step(0) if strategy else nullcontext():
-                with strategy.forward() if strategy else nullcontext():
-                    for i in range(0, len(texts), ENCODE_BATCH):
-                        if should_stop():
-                            return None
-                        got = text_pass(pipe, texts[i : i + ENCODE_BATCH], device, max_tokens)
-                        for key, value in got.items():
-                            chunks.setdefault(key, []).append(value.float().cpu())
-                        progress(min(i + ENCODE_BATCH, len(texts)))
-    finally:
-        setattr(pipe, name, None)
-        if strategy is not None:
-            strategy.close()
-        del strategy, encoder
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    """One encoder over ``texts`` (``encode.run_encoder``: block-swapped from its component
+    folder, released after), the pipeline holding it as ``pipe.<name>`` meanwhile."""
+    chunks = run_encoder(
+        lambda: load_component(family.root, name, dtype).eval(),
+        lambda _, batch: {
+            key: value.float().cpu()
+            for key, value in text_pass(pipe, batch, device, max_tokens).items()
+        },
+        texts,
+        memory=memory,
+        device=device,
+        telemetry=telemetry,
+        should_stop=should_stop,
+        progress=progress,
+        checkpoint_dir=family.root / name,
+        attach=lambda encoder: setattr(pipe, name, encoder),
+    )
+    if chunks is None:
+        return None
     return {k: cat_padded(v) for k, v in chunks.items()}
 
 

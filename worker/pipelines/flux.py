@@ -14,7 +14,7 @@ import torch
 
 from worker.pipelines.base import PatchedLatents, PipelineFamily
 from worker.pipelines.flux_comfy import kohya_flux_state_dict
-from worker.pipelines.folder import PipelineFolderError, read_json
+from worker.pipelines.folder import read_json
 
 
 def _clip_pass(pipe, texts, device, max_tokens):
@@ -83,46 +83,27 @@ class FluxPipelineFamily(PatchedLatents, PipelineFamily):
                 f"in_channels is {tcfg.get('in_channels')}; expected 4 x vae latent_channels "
                 f"({latent}) for 2x2-packed latents"
             )
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the flux pipeline: "
-                + "; ".join(problems)
-            )
-
-    def text_dim(self, model):
-        return model.config.joint_attention_dim
+        self.check_fit(problems)
 
     def predict(self, model, x_t, sigma, text):
-        pipe = self.pipeline_cls()
-        b, c, h, w = x_t.shape
-        kwargs = {}
-        if model.config.guidance_embeds:
-            kwargs["guidance"] = torch.full((b,), self.guidance, device=x_t.device, dtype=x_t.dtype)
-        out = model(
-            hidden_states=pipe._pack_latents(x_t, b, c, h, w),  # (B, h/2 * w/2, 4C)
+        b, _, h, w = x_t.shape
+        return self.predict_packed(
+            model,
+            x_t,
+            sigma,
             encoder_hidden_states=text.hidden,  # (B, T, D) T5
             pooled_projections=text.pooled,  # (B, Dp) CLIP
-            timestep=sigma,  # the pipeline passes t / 1000 = sigma
-            img_ids=pipe._prepare_latent_image_ids(b, h // 2, w // 2, x_t.device, x_t.dtype),
+            img_ids=self.pipeline_cls()._prepare_latent_image_ids(
+                b, h // 2, w // 2, x_t.device, x_t.dtype
+            ),
             txt_ids=torch.zeros(text.hidden.shape[1], 3, device=x_t.device, dtype=x_t.dtype),
-            return_dict=False,
-            **kwargs,
-        )[0]
-        return pipe._unpack_latents(out, h, w, 1)  # (B, C, h, w)
+        )  # (B, C, h, w)
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = self.sample_vae(device)
-        pipe = self.pipeline(transformer=model, vae=vae)
-        pipe.set_progress_bar_config(disable=True)
-        c, h, w = latent_shape
-        generator = torch.Generator().manual_seed(seed)
-        return pipe(
+    def sample(self, model, text, spec):
+        return self.call_pipeline(
+            {"transformer": model},
+            spec,
             prompt_embeds=text.hidden,
             pooled_prompt_embeds=text.pooled,
-            height=h * pipe.vae_scale_factor,
-            width=w * pipe.vae_scale_factor,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            generator=generator,
-            output_type="pil",
-        ).images
+            guidance_scale=spec.guidance,
+        )

@@ -126,11 +126,7 @@ class Flux2PipelineFamily(PipelineFamily):
                 f"in_channels is {tcfg.get('in_channels')}; expected vae latent_channels x "
                 f"patch_size ({latent})"
             )
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the flux2 pipeline: "
-                + "; ".join(problems)
-            )
+        self.check_fit(problems)
 
     def check_caption_tokens(self, tokens: int) -> None:
         """Raise ``ValueError`` when ``data.max_caption_tokens`` leaves no room for a caption
@@ -166,9 +162,6 @@ class Flux2PipelineFamily(PipelineFamily):
         steps = _default(self.pipeline_cls().__call__, "num_inference_steps")
         return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=steps)
 
-    def text_dim(self, model):
-        return model.config.joint_attention_dim
-
     def predict(self, model, x_t, sigma, text):
         pipe = self.pipeline_cls()
         b, c, h, w = x_t.shape  # patchified: (B, 4C, h/2, w/2)
@@ -187,20 +180,14 @@ class Flux2PipelineFamily(PipelineFamily):
         )[0]
         return pipe._unpack_latents_with_ids(out[:, : h * w], img_ids, h, w)  # (B, 4C, h, w)
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = self.sample_vae(device)
-        pipe = self.pipeline(transformer=model, vae=vae)
-        pipe.set_progress_bar_config(disable=True)
-        c, h, w = latent_shape  # patchified
-        return pipe(
+    def sample(self, model, text, spec):
+        return self.call_pipeline(
+            {"transformer": model},
+            spec,  # latent_shape patchified
+            patch=2,
             prompt_embeds=text.hidden,
-            height=2 * h * pipe.vae_scale_factor,
-            width=2 * w * pipe.vae_scale_factor,
-            num_inference_steps=steps,
             guidance_scale=1.0,  # no negative prompt cached: plain conditional sampling
-            generator=torch.Generator().manual_seed(seed),
-            output_type="pil",
-        ).images
+        )
 
     def comfy_state_dict(self, state):
         """The LoRA in BFL / ComfyUI names (module doc), ``diffusion_model.`` prefixed; None

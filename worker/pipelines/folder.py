@@ -12,6 +12,7 @@ Every problem raises ``PipelineFolderError`` naming the file, the field and what
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -333,3 +334,34 @@ def inspect_pipeline(
     if isinstance(second, list) and second[0] is not None and index.get("boundary_ratio"):
         info.experts = ["high_noise", "low_noise"]
     return info
+
+
+def load_component(root: Path, name: str, dtype: Any = None, folder: Path | None = None) -> Any:
+    """Component ``name`` of the pipeline folder ``root``, loaded with the class its
+    ``model_index.json`` names (weights in ``dtype`` where it applies), from ``folder``
+    (default ``root / name``; ``model.vae_path`` names another).
+
+    Raises:
+        PipelineFolderError: the component does not load (names its folder and class).
+    """
+    index = read_json(root / "model_index.json", "a pipeline's model_index.json")
+    library, class_name = index[name]
+    if library not in ("diffusers", "transformers"):
+        # A class of a pipeline's own module (LTX-2's ["ltx2", "LTX2TextConnectors"]), which
+        # diffusers' loader looks up under diffusers.pipelines.
+        library = f"diffusers.pipelines.{library}"
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise PipelineFolderError(
+            f"{root / 'model_index.json'}: {name} is {library}.{class_name}, which this "
+            f"installation does not have ({exc})"
+        ) from None
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    folder = folder or root / name
+    try:
+        return cls.from_pretrained(folder, **kwargs)
+    except Exception as exc:  # any loader failure: name the folder, keep the cause
+        raise PipelineFolderError(
+            f"{folder}: {class_name}.from_pretrained failed: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -25,12 +25,10 @@ and the audio-video cross attention stay as they are.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from worker.pipelines.base import PipelineFamily, load_component
-from worker.pipelines.folder import PipelineFolderError, read_json
+from worker.pipelines.folder import read_json
 
 PIPELINE_MODULE = "diffusers.pipelines.ltx2.pipeline_ltx2"
 FRAME_RATE = 24.0
@@ -88,6 +86,11 @@ class PassThroughConnectors(torch.nn.Module):
 class LTX2PipelineFamily(PipelineFamily):
     name, model_class, lora_mixin = "ltx2", "LTX2VideoTransformer3DModel", "LTX2LoraLoaderMixin"
     pipeline_class = "LTX2Pipeline"
+    shift_module = PIPELINE_MODULE
+    shift_defaults = (1024, 4096, 0.95, 2.05)
+    """``__call__``'s defaults for ``mu`` (of the packed video length). A scheduler
+    ``shift_terminal`` is not applied to training sigmas: it stretches a whole inference
+    schedule so that its last sigma lands there, which a single draw has not."""
     video = True
     tokenizers = ("tokenizer",)
     text_passes = (("text_encoder", _gemma_pass),)
@@ -167,11 +170,7 @@ class LTX2PipelineFamily(PipelineFamily):
                 f"audio_in_channels is {tcfg.get('audio_in_channels')}; expected audio_vae "
                 f"latent_channels x mel_bins / 4 ({packed})"
             )
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the ltx2 pipeline: "
-                + "; ".join(problems)
-            )
+        self.check_fit(problems)
 
     def _vae_meta(self):
         from diffusers import AutoencoderKLLTX2Video
@@ -231,20 +230,6 @@ class LTX2PipelineFamily(PipelineFamily):
         p, pt = cfg.get("patch_size") or 1, cfg.get("patch_size_t") or 1
         return (f // pt) * (h // p) * (w // p)
 
-    def mu(self, image_seq_len):
-        """``calculate_shift`` of the packed video length with ``__call__``'s defaults. A
-        scheduler ``shift_terminal`` is not applied to training sigmas: it stretches a whole
-        inference schedule so that its last sigma lands there, which a single draw has not."""
-        calculate_shift = importlib.import_module(PIPELINE_MODULE).calculate_shift
-        cfg = self.scheduler().config
-        return calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 1024),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.95),
-            cfg.get("max_shift", 2.05),
-        )
-
     def audio_noise(self, model, batch, num_frames, device, dtype) -> tuple[torch.Tensor, int]:
         """``(noise, L)``: (B, L, audio_in_channels) packed audio latents of pure noise for a
         clip of ``num_frames`` pixel frames (NOTE [ LTX-2 audio ]), ``L`` as ``__call__``
@@ -298,17 +283,17 @@ class LTX2PipelineFamily(PipelineFamily):
         )
 
     # -- outputs ----------------------------------------------------------------------------
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
+    def sample(self, model, text, spec):
         """First frames (PIL) of clips from ``__call__``, with the cached connector outputs
         fed through ``PassThroughConnectors`` (``__call__`` runs the connectors itself)."""
         parts = {
-            name: load_component(self.root, name, torch.float32).to(device)
+            name: load_component(self.root, name, torch.float32).to(spec.device)
             for name in ("vae", "audio_vae", "vocoder")
         }
         connectors = PassThroughConnectors(_text_dims(model.config)[0])
         pipe = self.pipeline(transformer=model, connectors=connectors, **parts)
         pipe.set_progress_bar_config(disable=True)
-        c, f, h, w = latent_shape
+        c, f, h, w = spec.latent_shape
         frames = pipe(
             prompt_embeds=text.hidden,
             prompt_attention_mask=text.mask,
@@ -316,9 +301,9 @@ class LTX2PipelineFamily(PipelineFamily):
             width=w * pipe.vae_spatial_compression_ratio,
             num_frames=(f - 1) * pipe.vae_temporal_compression_ratio + 1,
             frame_rate=FRAME_RATE,
-            num_inference_steps=steps,
+            num_inference_steps=spec.steps,
             use_cross_timestep=self.use_cross_timestep,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(spec.seed),
             output_type="pil",
             **PLAIN_SAMPLING,
         ).frames

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from worker.pipelines.base import PatchedLatents, PipelineFamily
-from worker.pipelines.folder import PipelineFolderError, read_json
+from worker.pipelines.folder import read_json
 
 
 def _qwen_pass(pipe, texts, device, max_tokens):
@@ -62,11 +62,7 @@ class QwenImagePipelineFamily(PatchedLatents, PipelineFamily):
             problems.append(f"out_channels is {out_channels}; expected vae z_dim ({z})")
         if len(vae.get("latents_mean") or []) != z or len(vae.get("latents_std") or []) != z:
             problems.append(f"vae latents_mean / latents_std must have z_dim ({z}) entries")
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the qwenimage pipeline: "
-                + "; ".join(problems)
-            )
+        self.check_fit(problems)
 
     def encode_pixels(self, vae, pixels):
         cfg = vae.config
@@ -75,39 +71,23 @@ class QwenImagePipelineFamily(PatchedLatents, PipelineFamily):
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z)
         return ((z - mean) / std)[:, :, 0]  # (n, C, h, w)
 
-    def text_dim(self, model):
-        return model.config.joint_attention_dim
-
     def predict(self, model, x_t, sigma, text):
-        pipe = self.pipeline_cls()
-        b, c, h, w = x_t.shape
-        kwargs = {}
-        if model.config.guidance_embeds:
-            kwargs["guidance"] = torch.full((b,), self.guidance, device=x_t.device, dtype=x_t.dtype)
-        out = model(
-            hidden_states=pipe._pack_latents(x_t, b, c, h, w),  # (B, h/2 * w/2, 4C)
+        b, _, h, w = x_t.shape
+        return self.predict_packed(
+            model,
+            x_t,
+            sigma,
             encoder_hidden_states=text.hidden,  # (B, T, D)
             encoder_hidden_states_mask=text.mask,  # (B, T)
-            timestep=sigma,  # the pipeline passes t / 1000 = sigma
             img_shapes=[[(1, h // 2, w // 2)]] * b,
-            return_dict=False,
-            **kwargs,
-        )[0]
-        return pipe._unpack_latents(out, h, w, 1)[:, :, 0]  # (B, C, h, w)
+        )[:, :, 0]  # (B, C, h, w)
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = self.sample_vae(device)
-        pipe = self.pipeline(transformer=model, vae=vae)
-        pipe.set_progress_bar_config(disable=True)
-        c, h, w = latent_shape
-        return pipe(
+    def sample(self, model, text, spec):
+        return self.call_pipeline(
+            {"transformer": model},
+            spec,
             prompt_embeds=text.hidden,
             prompt_embeds_mask=text.mask,
-            height=h * pipe.vae_scale_factor,
-            width=w * pipe.vae_scale_factor,
-            num_inference_steps=steps,
-            guidance_scale=guidance if model.config.guidance_embeds else None,
+            guidance_scale=spec.guidance if model.config.guidance_embeds else None,
             true_cfg_scale=1.0,  # no negative prompt: plain conditional sampling
-            generator=torch.Generator().manual_seed(seed),
-            output_type="pil",
-        ).images
+        )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from worker.pipelines.base import PipelineFamily
-from worker.pipelines.folder import PipelineFolderError, read_json
+from worker.pipelines.folder import read_json
 
 
 def _clip_pass(index: int):
@@ -47,6 +47,8 @@ def _t5_pass(pipe, texts, device, max_tokens):
 class SD3PipelineFamily(PipelineFamily):
     name, model_class, lora_mixin = "sd3", "SD3Transformer2DModel", "SD3LoraLoaderMixin"
     pipeline_class = "StableDiffusion3Pipeline"
+    shift_module = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
+    shift_defaults = (256, 4096, 0.5, 1.16)  # the SD3 pipeline's own max_shift
     tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
     text_passes = (
         ("text_encoder", _clip_pass(0)),
@@ -115,11 +117,7 @@ class SD3PipelineFamily(PipelineFamily):
             problems.append(
                 f"in_channels is {tcfg.get('in_channels')}; expected vae latent_channels ({latent})"
             )
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the sd3 pipeline: "
-                + "; ".join(problems)
-            )
+        self.check_fit(problems)
 
     def check_latents(self, shape: tuple[int, ...]) -> None:
         """Raise ``ValueError`` when latent h or w is not a multiple of the patch size."""
@@ -139,23 +137,6 @@ class SD3PipelineFamily(PipelineFamily):
         )
         return (latent_shape[-2] // p) * (latent_shape[-1] // p)
 
-    def mu(self, image_seq_len: int) -> float:
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-            calculate_shift,
-        )
-
-        cfg = self.scheduler().config
-        return calculate_shift(
-            image_seq_len,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.16),  # the SD3 pipeline's own default
-        )
-
-    def text_dim(self, model):
-        return model.config.joint_attention_dim
-
     def predict(self, model, x_t, sigma, text):
         return model(
             hidden_states=x_t,  # (B, C, h, w)
@@ -165,7 +146,5 @@ class SD3PipelineFamily(PipelineFamily):
             return_dict=False,
         )[0]  # (B, C, h, w) velocity
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        return self.sample_pooled(
-            {"transformer": model}, text, latent_shape, steps=steps, seed=seed, device=device
-        )
+    def sample(self, model, text, spec):
+        return self.sample_pooled({"transformer": model}, text, spec)

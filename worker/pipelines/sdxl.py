@@ -93,6 +93,7 @@ class SDXLPipelineFamily(PipelineFamily):
         "StableDiffusionXLLoraLoaderMixin",
     )
     pipeline_class = "StableDiffusionXLPipeline"
+    text_dim_field = "cross_attention_dim"
     lora_prefix = "unet"
     objective = "ddpm"
     tokenizers = ("tokenizer", "tokenizer_2")
@@ -163,11 +164,7 @@ class SDXLPipelineFamily(PipelineFamily):
                 f"in_channels is {ucfg.get('in_channels')}; expected vae latent_channels "
                 f"({vae.get('latent_channels')})"
             )
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the sdxl pipeline: "
-                + "; ".join(problems)
-            )
+        self.check_fit(problems)
 
     def check_latents(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3:
@@ -226,9 +223,6 @@ class SDXLPipelineFamily(PipelineFamily):
         t = round(s * (sched.config.num_train_timesteps - 1))
         return self._pair(sched, x0, noise, torch.full((x0.shape[0],), t, device=x0.device))
 
-    def text_dim(self, model):
-        return model.config.cross_attention_dim
-
     def vae_scale_factor(self) -> int:
         cfg = read_json(self.root / "vae" / "config.json", "the VAE's config")
         return 2 ** (len(cfg.get("block_out_channels", [0] * 4)) - 1)
@@ -276,7 +270,5 @@ class SDXLPipelineFamily(PipelineFamily):
                 out[f"{kohya}.alpha"] = torch.tensor(float(value.shape[0]))  # the rank
         return out
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        return self.sample_pooled(
-            {"unet": model}, text, latent_shape, steps=steps, seed=seed, device=device
-        )
+    def sample(self, model, text, spec):
+        return self.sample_pooled({"unet": model}, text, spec)

@@ -38,6 +38,7 @@ def _umt5_pass(pipe, texts, device, max_tokens):
 class WanPipelineFamily(PipelineFamily):
     name, model_class, lora_mixin = "wan", "WanTransformer3DModel", "WanLoraLoaderMixin"
     pipeline_class = "WanPipeline"
+    text_dim_field = "text_dim"
     video = True
     tokenizers = ("tokenizer",)
     text_passes = (("text_encoder", _umt5_pass),)
@@ -90,11 +91,7 @@ class WanPipelineFamily(PipelineFamily):
             )
         if tcfg.get("in_channels") != z:
             problems.append(f"in_channels is {tcfg.get('in_channels')}; expected vae z_dim ({z})")
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the wan pipeline: "
-                + "; ".join(problems)
-            )
+        self.check_fit(problems)
 
     def temporal_ratio(self) -> int:
         """Pixel frames per latent frame after the first (the VAE's ``scale_factor_temporal``)."""
@@ -121,9 +118,6 @@ class WanPipelineFamily(PipelineFamily):
         if len(shape) != 4:
             raise ValueError(f"wan trains on clips: latents (C, F, h, w) expected, got {shape}")
 
-    def text_dim(self, model):
-        return model.config.text_dim
-
     def predict(self, model, x_t, sigma, text):
         return model(
             hidden_states=x_t,  # (B, C, F, h, w)
@@ -132,10 +126,10 @@ class WanPipelineFamily(PipelineFamily):
             return_dict=False,
         )[0]
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
+    def sample(self, model, text, spec):
         """First frames (PIL) of clips from ``__call__``; an expert run samples with the other
         expert as the folder holds it."""
-        vae = self.sample_vae(device)
+        vae = self.sample_vae(spec.device)
         parts = {"vae": vae, "text_encoder": None}
         if self.expert is None:
             parts["transformer"] = model
@@ -143,19 +137,19 @@ class WanPipelineFamily(PipelineFamily):
             other = "transformer_2" if self.expert == "high_noise" else "transformer"
             mine = EXPERTS[self.expert]
             parts[mine] = model
-            parts[other] = load_component(self.root, other, dtype).to(device)
+            parts[other] = load_component(self.root, other, spec.dtype).to(spec.device)
         pipe = self.pipeline(**parts)
         pipe.register_to_config(boundary_ratio=self.boundary())
         pipe.set_progress_bar_config(disable=True)
-        c, f, h, w = latent_shape
+        c, f, h, w = spec.latent_shape
         frames = pipe(
             prompt_embeds=text.hidden,
             height=h * pipe.vae_scale_factor_spatial,
             width=w * pipe.vae_scale_factor_spatial,
             num_frames=(f - 1) * pipe.vae_scale_factor_temporal + 1,
-            num_inference_steps=steps,
+            num_inference_steps=spec.steps,
             guidance_scale=1.0,  # no negative prompt cached: plain conditional sampling
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(spec.seed),
             output_type="pil",
         ).frames
         return [clip[0] for clip in frames]

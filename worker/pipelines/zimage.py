@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from worker.pipelines.base import PatchedLatents, PipelineFamily
-from worker.pipelines.folder import PipelineFolderError, read_json
+from worker.pipelines.folder import read_json
 
 
 def _qwen3_pass(pipe, texts, device, max_tokens):
@@ -45,6 +45,7 @@ class ZImagePipelineFamily(PatchedLatents, PipelineFamily):
     )
     """Attention and feed-forward of every block (what Z-Image LoRA trainers target)."""
     comfy_prefix = "diffusion_model"
+    text_dim_field = "cap_feat_dim"
 
     def check_components(self) -> None:
         tcfg = read_json(self.transformer_dir / "config.json", "the transformer's config")
@@ -61,14 +62,7 @@ class ZImagePipelineFamily(PatchedLatents, PipelineFamily):
                 f"in_channels is {tcfg.get('in_channels')}; expected vae latent_channels "
                 f"({vae.get('latent_channels')})"
             )
-        if problems:
-            raise PipelineFolderError(
-                f"{self.transformer_dir / 'config.json'}: does not fit the zimage pipeline: "
-                + "; ".join(problems)
-            )
-
-    def text_dim(self, model):
-        return model.config.cap_feat_dim
+        self.check_fit(problems)
 
     def predict(self, model, x_t, sigma, text):
         b = x_t.shape[0]
@@ -80,18 +74,11 @@ class ZImagePipelineFamily(PatchedLatents, PipelineFamily):
         )[0]
         return -torch.stack(out).squeeze(2)  # (B, C, h, w); the model predicts x0 - noise
 
-    def sample(self, model, text, latent_shape, *, steps, seed, device, dtype, guidance):
-        vae = self.sample_vae(device)
-        pipe = self.pipeline(transformer=model, vae=vae)
-        pipe.set_progress_bar_config(disable=True)
-        c, h, w = latent_shape
+    def sample(self, model, text, spec):
         embeds = [text.hidden[i][text.mask[i].bool()] for i in range(text.hidden.shape[0])]
-        return pipe(
+        return self.call_pipeline(
+            {"transformer": model},
+            spec,
             prompt_embeds=embeds,
-            height=h * pipe.vae_scale_factor,
-            width=w * pipe.vae_scale_factor,
-            num_inference_steps=steps,
             guidance_scale=0.0,  # no negative prompt cached: plain conditional (Turbo's setting)
-            generator=torch.Generator().manual_seed(seed),
-            output_type="pil",
-        ).images
+        )
