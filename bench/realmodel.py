@@ -37,7 +37,7 @@ from runtime.weights.registry import find_blocks
 from worker.assets import example_inputs
 
 SIZES = ("real", "tiny")
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
 
 @dataclass(frozen=True)

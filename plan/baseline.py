@@ -74,7 +74,7 @@ def worker_baseline_bytes() -> int:
 
 
 def _measure() -> int:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     code = IMPORTS + "print(psutil.Process().memory_info().rss)\n"
     paths = [str(root), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}

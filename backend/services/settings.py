@@ -13,7 +13,7 @@ from pathlib import Path
 
 from contract.cache import cache_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 """The checkout: ``presets/`` (built-in presets) and ``frontend/`` (the dashboard) live here."""
 
 ENV_PREFIX = "STAGEHAND_WORKBENCH_"

@@ -16,7 +16,7 @@ from plan.baseline import worker_baseline_bytes
 from worker.assets import ENV_VAR
 from worker.preset import load_preset
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(data: dict, tmp_path: Path) -> list[dict]:

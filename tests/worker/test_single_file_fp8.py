@@ -25,7 +25,7 @@ from worker.pipelines import PipelineFolderError, inspect_pipeline
 from worker.pipelines.folder import tensors_of, weight_files
 from worker.pipelines.single_file import convert_single_file
 
-from ..stagehand.exact import assert_exact, make_model, train
+from ..runtime.exact import assert_exact, make_model, train
 
 pytestmark = pytest.mark.parity
 
