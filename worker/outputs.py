@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.families import Family
+from worker.families import Family, euler_sigmas
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 COMFY_FILE = "comfyui-lora.safetensors"
@@ -372,7 +372,7 @@ def sample_images(
     if family.objective == "ddpm":
         x = ddim_sample(family, model, x, text, steps, prediction_type)
     else:
-        sigmas = torch.linspace(1.0, 0.0, steps + 1)
+        sigmas = euler_sigmas(steps)  # (steps + 1,)
         for i in range(steps):
             s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
             v = family.predict(model, x, s, text)
