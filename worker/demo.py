@@ -23,8 +23,8 @@ The base is trained with the trainer's own loss (``FluxFamily``: rectified flow,
 ``noise - x0``, guidance 1) on the text the trainer caches (all-MiniLM-L6-v2, padded to
 ``max_tokens``), so the LoRA run continues what the base learned rather than starting another
 task. It has to be brief, because ``default`` cannot start before it ends: 300 steps of 8
-(~3 CPU minutes on one thread). Three choices make that enough, each measured on the full build
-with the samples read by a logistic-regression digit classifier fitted on the real 8x8 digits:
+(~3 CPU minutes on one thread). Three choices make that enough, measured on the demo's model
+and data, 100 samples read by a logistic-regression classifier fitted on the real 8x8 digits:
 
 - sigmas: only the ``sample_steps`` sigmas at which the Euler sampler evaluates the model (1,
   7/8, ..., 1/8), not the trainer's logit-normal draws, which seldom come near sigma 1 where
@@ -37,9 +37,10 @@ with the samples read by a logistic-regression digit classifier fitted on the re
   fused into one kernel per step.
 
 The old recipe (300 steps of 32 on logit-normal sigmas at a constant 5e-4 after the warmup,
-~10 CPU minutes) reached 66 of 100; this one reaches about the same in a third of the time
-(``demo.json`` has the build's own sample check). Fewer steps fall off fast: 200 steps of 8
-read 27. The build stays on one thread: on 2 cores a second one made a step only 1.4x faster
+629 CPU seconds on this project's machine) read 66 of 100; this one reads 56 to 64 (the build,
+a run with other draws) in 176, and the build's own check (``demo.json``) finds 6 of the 10
+prompts' mean samples nearest their own digit with either. Fewer steps fall off fast: 200 steps
+of 8 read 27. The build stays on one thread: on 2 cores a second one made a step only 1.4x faster
 when the machine was idle and several times slower when another process wanted the cores, as
 OpenMP's spinning threads wait for each other. The default run's LoRA (160 steps of 8) changes
 the samples only a little; the run page shows its step-0 samples beside the last ones.
