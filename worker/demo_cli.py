@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="workbench demo-assets",
         description="Build the digits image folder, the demo's VAE and base model trained on "
-        "the digits (~6 minutes on one core, once) and the factory models into the cache "
+        "the digits (~4 minutes on one core, once) and the factory models into the cache "
         "folder, as resumable stages, and locate the MiniLM text encoder. Stages already built "
         "are kept: a second call is a no-op, and a call after a failure or an interruption "
         "resumes at the stage that did not finish.",

@@ -2,8 +2,8 @@
 preset needs them::
 
     digits         1,797 PNG + caption pairs       <cache>/data/digits-64px/
-    demo VAE       200 steps (~1 min on one core)   <cache>/build/flux-small-digits/vae/
-    demo base      300 steps (~6 min)               <cache>/build/flux-small-digits/base/
+    demo VAE       100 steps (~40 s on one core)    <cache>/build/flux-small-digits/vae/
+    demo base      300 steps of 8 (~3 min)          <cache>/build/flux-small-digits/base/
     demo samples   the build's sample check, then   <cache>/models/flux-small-digits/
                    the demo folder assembled
     factory models the random-initialised models   <cache>/models/<arch>-<size>/
@@ -56,8 +56,8 @@ from worker.demo import (
 # A-priori seconds per unit (one core of a 2-core cloud VM, torch 2.13 CPU), shown as the
 # estimate until a stage has measured its own rate.
 DIGITS_S_PER_IMAGE = 0.0015
-VAE_S_PER_STEP = 0.25
-BASE_S_PER_STEP = 1.35
+VAE_S_PER_STEP = 0.35
+BASE_S_PER_STEP = 0.63
 SAMPLES_S = 8.0
 FACTORY_S_PER_MODEL = 0.5
 

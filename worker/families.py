@@ -29,6 +29,7 @@ from worker.schedules import (
     NUM_TRAIN_TIMESTEPS,
     ddim_sample,
     ddpm_scheduler,
+    euler_sigmas,
     flow_pair,
     sample_sigmas,
 )
@@ -245,7 +246,7 @@ class Family:
         if self.objective == "ddpm":
             x = ddim_sample(self, model, x, text, spec.steps, spec.prediction_type)
         else:
-            sigmas = torch.linspace(1.0, 0.0, spec.steps + 1)
+            sigmas = euler_sigmas(spec.steps)  # (steps + 1,)
             for i in range(spec.steps):
                 s = torch.full((n,), float(sigmas[i]), device=device, dtype=dtype)
                 v = self.predict(model, x, s, text)

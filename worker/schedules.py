@@ -60,6 +60,12 @@ def sample_sigmas(
     raise ValueError(f"timestep_distribution {distribution!r}: expected uniform or logit_normal")
 
 
+def euler_sigmas(steps: int) -> torch.Tensor:
+    """(steps + 1,) the sigmas of the flow sampler's Euler steps, 1 (noise) down to 0: the model
+    is evaluated at the first ``steps`` of them (1, 1 - 1/steps, ..., 1/steps)."""
+    return torch.linspace(1.0, 0.0, steps + 1)
+
+
 def flow_pair(
     x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,12 +17,10 @@ from worker.demo import (
 )
 from worker.demo_stages import build_demo
 
-# The demo's recipe at 32 px (4x4 latents, 4 packed tokens) on the tiny transformer, with a
-# fifth of the VAE steps and 2/3 of its batch, 3/4 of the base steps: ~15 s on one core.
-# MINI only checks bytes.
-SPEC = DemoSpec(
-    size="tiny", resolution=32, vae_steps=60, vae_batch=16, base_steps=150, base_lr=4e-3
-)
+# The demo's recipe (its steps, schedules and training sigmas) at 32 px (4x4 latents, 4 packed
+# tokens) on the tiny transformer, with 2/3 of the VAE batch and 5x the base's learning rate (the
+# tiny transformer is 6x narrower): ~25 s on one core. MINI only checks bytes.
+SPEC = DemoSpec(size="tiny", resolution=32, vae_batch=16, base_lr=8e-3)
 MINI = DemoSpec(size="tiny", resolution=32, vae_steps=2, vae_batch=4, base_steps=2, base_batch=4)
 
 
