@@ -194,8 +194,9 @@ def checkpoint_folder(preset: Any, family: Any) -> tuple[Path | None, str | None
     model): nothing is built for a plan."""
 
     m = preset.model
-    if family is not None and hasattr(family, "transformer_dir"):
-        return family.transformer_dir, None
+    own = family.own_folders(preset) if family is not None else None
+    if own is not None:
+        return own[0], None
     if m.path is not None:
         return denoiser_folder(Path(m.path).expanduser()), None
     if m.pretrained is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from contract.preset import FAMILIES as FAMILY_NAMES
 from worker.encode import encode_texts
 from worker.schedules import (
     NUM_TRAIN_TIMESTEPS,
@@ -389,11 +390,16 @@ class UNetFamily(Family):
 
 
 FAMILIES: dict[str, Family] = {
-    "flux": FluxFamily(),
-    "sd3": SD3Family(),
-    "ltx": LTXFamily(),
-    "unet": UNetFamily(),
+    f.name: f for f in (FluxFamily(), SD3Family(), LTXFamily(), UNetFamily())
 }
+"""The factory families' adapters by name. The names are listed once, in the contract
+(``contract.preset.FAMILIES``, which presets are validated and the page is served against); each
+adapter names the one it implements, and the import fails if the two disagree."""
+if tuple(FAMILIES) != FAMILY_NAMES:
+    raise ImportError(
+        f"worker.families: adapters {tuple(FAMILIES)} do not match contract.preset.FAMILIES "
+        f"{FAMILY_NAMES}"
+    )
 
 
 def family(name: str) -> Family:

@@ -26,14 +26,17 @@ from worker.pipelines.wan import WanPipelineFamily
 from worker.pipelines.zimage import ZImagePipelineFamily
 
 ADAPTERS: dict[str, PipelineFamily] = {
-    "flux": FluxPipelineFamily(),
-    "qwenimage": QwenImagePipelineFamily(),
-    "wan": WanPipelineFamily(),
-    "ltx2": LTX2PipelineFamily(),
-    "zimage": ZImagePipelineFamily(),
-    "sd3": SD3PipelineFamily(),
-    "sdxl": SDXLPipelineFamily(),
-    "flux2": Flux2PipelineFamily(),
+    a.name: a
+    for a in (
+        FluxPipelineFamily(),
+        QwenImagePipelineFamily(),
+        WanPipelineFamily(),
+        LTX2PipelineFamily(),
+        ZImagePipelineFamily(),
+        SD3PipelineFamily(),
+        SDXLPipelineFamily(),
+        Flux2PipelineFamily(),
+    )
 }
 """Families that train from a pipeline folder; the others are inspected but refused."""
 
