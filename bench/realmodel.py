@@ -35,6 +35,7 @@ from plan.sections import auto_section
 from runtime.strategy.auto import has_auto
 from runtime.weights.registry import find_blocks
 from worker.assets import example_inputs
+from worker.diffusers_classes import diffusers_class
 
 SIZES = ("real", "tiny")
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
@@ -267,10 +268,9 @@ def load_lora_model(spec: RealModel, folder: str | Path) -> torch.nn.Module:
     """The saved model (bf16) with LoRA (rank ``spec.lora_rank``, alpha = rank) on
     ``spec.lora_targets``, gradient checkpointing on, in train mode; base weights frozen.
     peft draws ``lora_A`` from torch's global generator: seeded (0) so two loads are equal."""
-    import diffusers
     from peft import LoraConfig
 
-    cls = getattr(diffusers, spec.class_name)
+    cls = diffusers_class(spec.class_name)
     model = cls.from_pretrained(str(folder), torch_dtype=torch.bfloat16)
     model.requires_grad_(False)
     rank = spec.lora_rank

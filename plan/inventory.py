@@ -30,6 +30,7 @@ from runtime.weights.convert import _resident_trainable, shared_parameters
 from runtime.weights.registry import Block, build_layout, find_blocks
 from runtime.weights.sources import SafetensorsCheckpoint
 from worker.assets import output_tensor
+from worker.diffusers_classes import diffusers_class
 
 
 class PlanInputError(ValueError):
@@ -145,11 +146,12 @@ def meta_model(class_name: str, config: dict[str, Any], dtype: torch.dtype) -> n
     Raises:
         PlanInputError: ``class_name`` is not a diffusers class.
     """
-    import diffusers
-
-    cls = getattr(diffusers, class_name, None)
-    if cls is None:
-        raise PlanInputError(f"model class {class_name!r} (config _class_name) is not in diffusers")
+    try:
+        cls = diffusers_class(class_name)
+    except AttributeError:
+        raise PlanInputError(
+            f"model class {class_name!r} (config _class_name) is not in diffusers"
+        ) from None
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device("meta"):
         model = cls.from_config(config)

@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -248,8 +249,10 @@ def stored_profile(path: Path, key: dict, measure: Callable[[], DeviceProfile]) 
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         kept = []
     if len(kept) < MEASUREMENTS:
+        start = time.monotonic()
         fresh = measure()
-        kept.append({**fresh.to_dict(), "measured_at": time.time()})
+        took = round(time.monotonic() - start, 1)
+        kept.append({**fresh.to_dict(), "measured_at": time.time(), "measure_s": took})
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -271,14 +274,55 @@ def stored_profile(path: Path, key: dict, measure: Callable[[], DeviceProfile]) 
     return DeviceProfile(**{**base, **figures, "source": source, "measured": measured})
 
 
-@functools.cache
+_MEASURED: dict[str, DeviceProfile] = {}
+_MEASURING = threading.Lock()
+
+
 def stored_cpu_profile(dtype: str = "float32") -> DeviceProfile:
     """This machine's stored CPU profile (``stored_profile`` in the workbench cache), read
-    once per process; the first processes on a machine measure (``cpu_profile``: seconds)."""
+    once per process; the first processes on a machine measure (``cpu_profile``: tens of
+    seconds, ``cpu_profile_status``). Threads asking at once (the server's requests) wait for
+    one measurement rather than each taking one: two at once on a 2-core machine would each
+    take twice as long and disturb each other's figures."""
+    with _MEASURING:
+        if dtype not in _MEASURED:
+            _MEASURED[dtype] = stored_profile(
+                cache_dir() / PROFILE_FILE, machine_key(dtype), lambda: cpu_profile(dtype)
+            )
+        return _MEASURED[dtype]
 
-    return stored_profile(
-        cache_dir() / PROFILE_FILE, machine_key(dtype), lambda: cpu_profile(dtype)
-    )
+
+stored_cpu_profile.cache_clear = _MEASURED.clear  # type: ignore[attr-defined]
+"""Forget the profile read by this process (the next call reads, or measures, again)."""
+
+
+def cpu_profile_status(dtype: str = "float32") -> dict:
+    """Whether the next ``cpu`` plan in this process measures this machine first, read from
+    the stored file without measuring: ``{"will_measure", "measuring", "measurements",
+    "wanted", "measure_s"}`` (``measurements`` stored of ``wanted``; ``measure_s``: seconds
+    the last stored measurement took, None before the first)."""
+    if dtype in _MEASURED:
+        return {
+            "will_measure": False,
+            "measuring": False,
+            "measurements": (_MEASURED[dtype].measured or {}).get("count", 0),
+            "wanted": MEASUREMENTS,
+            "measure_s": None,
+        }
+    try:
+        stored = json.loads((cache_dir() / PROFILE_FILE).read_text())
+        kept = stored["measurements"] if stored.get("machine") == machine_key(dtype) else []
+        kept = [m for m in kept if _usable(m)][:MEASUREMENTS]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        kept = []
+    took = [m["measure_s"] for m in kept if isinstance(m.get("measure_s"), (int, float))]
+    return {
+        "will_measure": len(kept) < MEASUREMENTS,
+        "measuring": _MEASURING.locked(),
+        "measurements": len(kept),
+        "wanted": MEASUREMENTS,
+        "measure_s": took[-1] if took else None,
+    }
 
 
 def profile(name: str, **overrides: float) -> DeviceProfile:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from contract.preset import FAMILIES as FAMILY_NAMES
+from worker.diffusers_classes import diffusers_class
 from worker.encode import encode_texts
 from worker.schedules import (
     NUM_TRAIN_TIMESTEPS,
@@ -194,9 +195,7 @@ class Family:
         raise NotImplementedError
 
     def load_class(self) -> type:
-        import diffusers
-
-        return getattr(diffusers, self.model_class)
+        return diffusers_class(self.model_class)
 
     lora_prefix = "transformer"
     """Key prefix of the saved LoRA (``transformer.`` / ``unet.``): ``load_lora_adapter``'s prefix."""

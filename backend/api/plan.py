@@ -98,6 +98,18 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
     return apply(out, calibration) if calibration else out
 
 
+@router.get("/plan/cpu-profile")
+def cpu_profile() -> dict:
+    """Whether the next plan on ``cpu`` measures this machine first (``plan.profiles.
+    cpu_profile_status``): ``will_measure``, ``measuring`` (a plan is measuring now),
+    ``measurements`` stored of ``wanted`` and ``measure_s`` (seconds the last stored
+    measurement took, null before the first). The New run page says so while such a plan runs.
+    """
+    from plan.profiles import cpu_profile_status  # lazy: the server starts without torch
+
+    return cpu_profile_status()
+
+
 @router.get("/runs/{run_id}/calibration", responses=errors(404))
 def run_calibration(run_id: RunId, store: StoreDep, calibrator: CalibratorDep) -> dict:
     """A finished run's calibration: ``predicted`` and ``measured`` figures (MB, ms),

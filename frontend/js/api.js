@@ -181,6 +181,9 @@ export const api = {
   /** What a diffusers pipeline folder holds (family, components, streamed blocks). */
   inspectPipeline: (body) => request("POST", "/api/pipelines/inspect", body),
   plan: (body) => request("POST", "/api/plan", body),
+  /** Whether the next plan on `cpu` measures this machine first: `{will_measure, measuring,
+   * measurements, wanted, measure_s}`. */
+  cpuProfile: () => request("GET", "/api/plan/cpu-profile"),
   /** A succeeded run's plan next to its measured figures (404 until the backend made it). */
   calibration: (id) => request("GET", `/api/runs/${enc(id)}/calibration`),
   /** @param {{preset: string, budget_mb: number, device?: string, trial_steps?: number}} body */

@@ -167,6 +167,7 @@ export function planPanel({ getConfig, getRequest }) {
   const tuneBtn = h("button", { id: "tune-run", onclick: tune, title: "run the plan's candidates within the budget as short trials" }, "Tune");
   const errors = h("div", { class: "page-errors", id: "plan-errors" });
   const result = h("div", { id: "plan-result" });
+  const progress = h("div", { class: "muted", id: "plan-progress", hidden: true });
   const chart = h("div", { class: "chart", id: "plan-chart", hidden: true });
   const btn = h("button", { id: "plan-run", onclick: run }, "Plan");
   let blocked = null;
@@ -188,6 +189,7 @@ export function planPanel({ getConfig, getRequest }) {
     if (!preset) return;
     btn.disabled = true;
     btn.dataset.busy = "1";
+    const stop = showProgress(device.value);
     try {
       const plan = await api.plan({ preset, device: device.value });
       fill(result, summary(plan));
@@ -196,9 +198,41 @@ export function planPanel({ getConfig, getRequest }) {
     } catch (err) {
       showError(errors, err, "plan");
     } finally {
+      stop();
       delete btn.dataset.busy;
       btn.disabled = Boolean(blocked);
     }
+  }
+
+  /**
+   * Says what a plan in flight is doing, with the seconds it has taken, until `stop()`. The
+   * first plans on `cpu` measure this machine first (tens of seconds, longer while the demo
+   * builds): the line says so rather than leaving a greyed-out button.
+   * @param {string} name the device profile planned on
+   * @returns {() => void} stop
+   */
+  function showProgress(name) {
+    const started = performance.now();
+    let doing = "Planning";
+    const tick = () => {
+      progress.textContent = `${doing}… ${Math.round((performance.now() - started) / 1000)} s`;
+    };
+    tick();
+    progress.hidden = false;
+    const timer = setInterval(tick, 1000);
+    if (name === "cpu") {
+      api.cpuProfile().then((s) => {
+        if (!s.will_measure || progress.hidden) return;
+        const last = s.measure_s ? `the last took ${Math.round(s.measure_s)} s` : "tens of seconds";
+        doing = `Planning: measuring this machine's CPU first (measurement ${s.measurements + 1} ` +
+          `of ${s.wanted}, once per machine; ${last})`;
+        tick();
+      }).catch(() => {});
+    }
+    return () => {
+      clearInterval(timer);
+      progress.hidden = true;
+    };
   }
 
   /** Queues the plan's candidates within the budget as trial runs and opens the tune's page. */
@@ -234,6 +268,6 @@ export function planPanel({ getConfig, getRequest }) {
       getRequest ? h("label", { class: "inline" }, "VRAM budget (MB) ", budget) : null,
       getRequest ? h("label", { class: "inline" }, "trial steps ", trialSteps) : null,
       getRequest ? tuneBtn : null),
-    errors, result, chart);
+    progress, errors, result, chart);
   return { el, setBlocked };
 }

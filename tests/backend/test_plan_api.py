@@ -147,3 +147,73 @@ def test_profile_refuses_overrides_that_are_not_finite():
     for value in (float("nan"), float("inf"), 0.0):
         with pytest.raises(PlanInputError, match=r"^tflops must be a finite number > 0"):
             profile("rtx4090", tflops=value)
+
+
+def test_first_cpu_plans_at_once_measure_the_machine_once_and_say_so(client, tmp_path, monkeypatch):
+    """The first plans on ``cpu`` measure this machine (tens of seconds). Two asked at once
+    (a double click, two tabs) wait for one measurement; while it runs,
+    ``GET /api/plan/cpu-profile`` says a plan is measuring, which the New run page shows."""
+    import threading
+    import time
+
+    from plan import profiles
+
+    monkeypatch.setenv("STAGEHAND_WORKBENCH_CACHE", str(tmp_path / "cache"))
+    profiles.stored_cpu_profile.cache_clear()
+    measured = profiles.DeviceProfile(  # a stand-in for this machine's figures
+        "cpu",
+        0,
+        0.03,
+        2.0,
+        "measured on this machine (1 threads, float32)",
+        mem_gbps=3.0,
+        op_us=300.0,
+        load_us=3000.0,
+        tracked=True,
+        synchronous_copies=True,
+    )
+    calls: list[float] = []
+    started = threading.Event()
+
+    def slow_measure(dtype: str = "float32") -> profiles.DeviceProfile:
+        calls.append(time.monotonic())
+        started.set()
+        time.sleep(1.5)
+        return measured
+
+    monkeypatch.setattr(profiles, "cpu_profile", slow_measure)
+    before = client.get("/api/plan/cpu-profile").json()
+    assert before == {
+        "will_measure": True,
+        "measuring": False,
+        "measurements": 0,
+        "wanted": profiles.MEASUREMENTS,
+        "measure_s": None,
+    }
+    answers: list = []
+
+    def plan() -> None:
+        answers.append(client.post("/api/plan", json={"preset": TINY, "device": "cpu"}))
+
+    threads = [threading.Thread(target=plan) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        assert started.wait(30)
+        during = client.get("/api/plan/cpu-profile").json()
+        assert during["measuring"] is True and during["will_measure"] is True
+        for t in threads:
+            t.join(60)
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert len(calls) == 1  # one measurement for both plans
+        after = client.get("/api/plan/cpu-profile").json()
+        assert after["will_measure"] is False and after["measuring"] is False
+        assert after["measurements"] == 1
+        # A new process would measure again (1 of 3 stored), and the page would say how long
+        # the last one took.
+        profiles.stored_cpu_profile.cache_clear()
+        fresh = client.get("/api/plan/cpu-profile").json()
+        assert fresh["will_measure"] is True and fresh["measurements"] == 1
+        assert 1.5 <= fresh["measure_s"] < 30
+    finally:
+        profiles.stored_cpu_profile.cache_clear()

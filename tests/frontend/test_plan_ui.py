@@ -95,3 +95,50 @@ def test_plan_panel_shows_a_damped_calibration_and_the_stored_cpu_profile(backen
     if TAKE_SHOTS:
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.locator("#plan-summary").screenshot(path=str(SHOTS / "new-run-plan-calibrated.png"))
+
+
+def test_a_plan_that_measures_the_cpu_first_says_so_and_counts_its_seconds(backend_server, page):
+    """The first plans on ``cpu`` measure this machine (tens of seconds, a minute while the
+    demo builds): the panel says so and counts the seconds instead of leaving a greyed-out
+    button with nothing else. The plan request is held until the test has seen that (and is
+    then answered for ``rtx4090``, so no real measurement runs); ``GET /api/plan/cpu-profile``
+    answers as a machine with one measurement of three stored would."""
+    held = []
+    page.route("**/api/plan", lambda route: held.append(route))
+    status = {
+        "will_measure": True,
+        "measuring": False,
+        "measurements": 1,
+        "wanted": 3,
+        "measure_s": 41.2,
+    }
+    page.route("**/api/plan/cpu-profile", lambda route: route.fulfill(json=status))
+    page.goto(backend_server + "/#/new")
+    page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
+    page.select_option("#preset-select", "tiny-ci")
+    page.select_option("#plan-device", "cpu")
+    page.click("#plan-run")
+    progress = page.locator("#plan-progress")
+    progress.wait_for(state="visible", timeout=5_000)
+    page.wait_for_function(
+        "document.getElementById('plan-progress').textContent.includes('measuring')"
+    )
+    text = progress.inner_text()
+    assert text.startswith(
+        "Planning: measuring this machine's CPU first (measurement 2 of 3, once per machine; "
+        "the last took 41 s)… "
+    ), text
+    # The seconds count up while the plan is held.
+    page.wait_for_function(
+        "/… [2-9] s$/.test(document.getElementById('plan-progress').textContent)"
+    )
+    assert page.is_disabled("#plan-run")
+    if TAKE_SHOTS:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.locator(".plan-panel").screenshot(path=str(SHOTS / "new-run-plan-measuring.png"))
+    assert len(held) == 1
+    body = json.loads(held[0].request.post_data)
+    assert body["device"] == "cpu"
+    held[0].continue_(post_data=json.dumps({**body, "device": "rtx4090"}))
+    page.wait_for_selector("#plan-verdict", timeout=120_000)
+    assert progress.is_hidden() and page.is_enabled("#plan-run")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from runtime.strategy import build_strategy
+from worker.diffusers_classes import diffusers_class
 from worker.families import Family, SampleSpec, Text, flow_pair, sample_sigmas
 from worker.pipelines.encode import encode_texts
 from worker.pipelines.folder import PipelineFolderError, PipelineInfo, load_component, read_json
@@ -100,9 +101,7 @@ class PipelineFamily(Family):
     # -- loading ----------------------------------------------------------------------------
     def pipeline_cls(self) -> type:
         """The diffusers pipeline class (its static ``_pack_latents``... are used as they are)."""
-        import diffusers
-
-        return getattr(diffusers, self.pipeline_class)
+        return diffusers_class(self.pipeline_class)
 
     def pipeline(self, **components: Any):
         """The pipeline class built from ``components``; every other component is None

@@ -20,6 +20,7 @@ from typing import Any
 
 from runtime.common.safetensors_header import SafetensorsHeaderError, read_header
 from runtime.weights.registry import find_blocks
+from worker.diffusers_classes import diffusers_class
 
 PIPELINE_FAMILIES: dict[str, str] = {
     "FluxPipeline": "flux",
@@ -197,9 +198,7 @@ def check_model_type(model_type: str | None, family: str, aliases: dict[str, str
 
 def _expected_components(class_name: str) -> tuple[set[str], set[str]]:
     """``(required, optional)`` component names of the pipeline class (its ``__init__``)."""
-    import diffusers
-
-    cls = getattr(diffusers, class_name)
+    cls = diffusers_class(class_name)
     expected, _ = cls._get_signature_keys(cls)
     optional = set(getattr(cls, "_optional_components", []) or [])
     return set(expected) - optional, optional
@@ -257,12 +256,11 @@ def find_streamed_blocks(
     The denoiser is built on the meta device from its ``config.json`` (no memory) and
     ``find_blocks`` chooses its blocks exactly as the runtime will.
     """
-    import diffusers
     import torch
 
     name = denoiser(root, index)
     config = read_json(root / name / "config.json", f"the {name}'s config")
-    cls = getattr(diffusers, index[name][1])
+    cls = diffusers_class(index[name][1])
     try:
         with torch.device("meta"):
             model = cls.from_config(config)

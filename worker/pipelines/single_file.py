@@ -27,6 +27,7 @@ from runtime.squareq.prequantized import (
     row_scales,
 )
 from runtime.weights.sources import DTYPES
+from worker.diffusers_classes import diffusers_class
 from worker.encode import cache_key
 from worker.pipelines.folder import (
     DENOISERS,
@@ -96,8 +97,6 @@ def convert_single_file(
             the file's and of the expected keys), or an 8-bit weight cannot be read (names the
             key, dtype and scale shape).
     """
-    import diffusers
-
     single = Path(info.transformer_path).expanduser()
     header = safetensors_header(single)
     weights = eight_bit_weights(single, header, prequantized)
@@ -115,7 +114,7 @@ def convert_single_file(
     if (out / "config.json").is_file():
         return out
     comp = next(c for c in info.components if c.name in DENOISERS)  # transformer / unet
-    cls = getattr(diffusers, comp.class_name)
+    cls = diffusers_class(comp.class_name)
     tmp = cache_dir / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     if as_stored:
