@@ -78,6 +78,7 @@ from bench.configs import ModelInfo, large_configs, main_configs, scale_configs
 from bench.realmodel import REAL_MODELS
 from bench.report import add_ratios, goals, goals_text, table, timeline_text
 from bench.runner import Runner
+from contract.preset import SIZES
 
 ARCHS = ("flux", "sd3", "ltx")
 LEGEND_CPU = (
@@ -92,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workbench bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
-        choices=("tiny", "small", "large", *REAL_MODELS),
+        choices=(*SIZES, *REAL_MODELS),
         default="small",
         help="factory size of the main table's model (default small), or a real model "
         "(the real-size rows)",

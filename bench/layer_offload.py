@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from contract.config import MB
+from contract.preset import SIZES
 from plan.workload import (
     counted_device_bytes,
     enable_checkpointing,
@@ -131,7 +132,7 @@ def bench_layer_offload(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="flux", choices=["flux", "sd3", "ltx"])
-    parser.add_argument("--size", default="small", choices=["tiny", "small", "large"])
+    parser.add_argument("--size", default="small", choices=SIZES)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

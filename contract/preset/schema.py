@@ -34,6 +34,7 @@ __all__ = [
     "OptimizerSection",
     "PRESETS_DIR",
     "Preset",
+    "SIZES",
     "SamplesSection",
     "SchedulerSection",
     "background_rgb",
@@ -43,7 +44,11 @@ PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 """Built-in presets: ``presets/NAME.json`` at the repository root."""
 
 FAMILIES = ("flux", "sd3", "ltx", "unet")
-"""Model families the trainer has adapters for (``worker/families.py``)."""
+"""Model families the trainer has adapters for (``worker/families.py``), and the architectures
+the asset factory builds (``model.factory``)."""
+
+SIZES = ("tiny", "small", "large")
+"""The asset factory's model sizes (``model.size``; ``worker.assets.models``)."""
 
 MODEL_TYPES: dict[str, str] = {
     "flux": "flux",
@@ -105,11 +110,11 @@ class ModelSection(_Strict):
     path: FolderPath | None = None
     """Diffusers model folder (sharded safetensors), or a pipeline folder with ``transformer/``
     (and ``vae/``) inside. Checked to exist by ``Preset.check_paths`` when training starts."""
-    factory: Literal["flux", "sd3", "ltx", "unet"] | None = Field(
+    factory: Literal[FAMILIES] | None = Field(  # type: ignore[valid-type]
         None, json_schema_extra=_MODEL_BOUND
     )
     """Build the model with ``worker.assets.build_model(factory, size)`` instead of ``path``."""
-    size: Literal["tiny", "small", "large"] = Field("small", json_schema_extra=_MODEL_BOUND)
+    size: Literal[SIZES] = Field("small", json_schema_extra=_MODEL_BOUND)  # type: ignore[valid-type]
     pretrained: Literal["digits"] | None = Field(None, json_schema_extra=_MODEL_BOUND)
     """``digits``: the factory ``flux`` model and its VAE trained on the digits when the assets
     are built (``worker.demo``: the demo's samples are digits, not noise); None: the

@@ -31,12 +31,14 @@ from typing import Any
 
 import torch
 
+from contract.preset import FAMILIES, SIZES
+
 from .cache import AssetError, build_once, cache_root
 from .digits import build_digits
 
 SEED = 0
-ARCHS = ("flux", "sd3", "ltx", "unet", "vae")
-SIZES = ("tiny", "small", "large")
+ARCHS = (*FAMILIES, "vae")
+"""What the factory builds: a transformer of each family (``contract.preset.FAMILIES``) and the VAE."""
 #: sizes that :func:`build_all` builds; ``large`` (>= 1 GB fp32) is on demand only.
 DEFAULT_SIZES = ("tiny", "small")
 
