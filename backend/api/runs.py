@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import PurePosixPath
 from typing import Annotated
@@ -32,6 +31,7 @@ from backend.api.models import (
 )
 from backend.api.openapi import errors
 from backend.services.presets import run_config
+from backend.services.run_files import write_run_config
 from contract.control import LIMITS
 from contract.limits import watermark_problem
 from contract.status import ACTIVE, RunStatus
@@ -69,9 +69,7 @@ def create_run(
     run_id = store.create_run(body.name or body.preset, body.preset, config, body.device)
     if body.name is None:
         store.update_run(run_id, name=default_name(body.preset, config, run_id))
-    run_dir = settings.runs_dir / str(run_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_run_config(settings.runs_dir / str(run_id), config)
     supervisor.wake()
     return public_run(store, run_row(store, run_id))
 

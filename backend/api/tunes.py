@@ -5,7 +5,6 @@ any run), cancelled together, and a chosen trial's limits are saved as a new pre
 
 from __future__ import annotations
 
-import json
 import re
 import sqlite3
 from typing import Any
@@ -19,6 +18,7 @@ from backend.api.models import TuneCreate, TuneId, TunePreset
 from backend.api.openapi import errors
 from backend.services.calibration import calibration_for
 from backend.services.presets import run_config, validate_config
+from backend.services.run_files import write_run_config
 from backend.store import Store
 from contract.config import AUTO_DEVICE
 from contract.preset.merge import merge_overrides
@@ -171,9 +171,7 @@ def create_tune(
     for trial, config in zip(proposal["trials"], configs, strict=True):
         name = f"tune{tune_id}-{trial['label']}"
         run_id = store.create_run(name, body.preset, config, AUTO_DEVICE, group_id=tune_id)
-        run_dir = settings.runs_dir / str(run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+        write_run_config(settings.runs_dir / str(run_id), config)
         trial["run_id"] = run_id
     store.set_tune_candidates(tune_id, proposal)
     supervisor.wake()

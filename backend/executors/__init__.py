@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from backend.services.run_files import CONFIG_FILE
 from backend.services.tailer import Line
 from contract.config import AUTO_DEVICE
 
@@ -40,7 +41,7 @@ def worker_command(
     continue from its last checkpoint (``POST /api/runs/{id}/resume``) and ``--device`` for a run
     that names one (``"auto"`` and rows from before the field, ``"default"``, leave the worker's
     own choice)."""
-    cmd = [python, "-m", worker_module, "train", str(run_dir / "config.json")]
+    cmd = [python, "-m", worker_module, "train", str(run_dir / CONFIG_FILE)]
     cmd += ["--run-dir", str(run_dir)]
     if run.get("resume"):
         cmd.append("--resume")

@@ -8,9 +8,33 @@ a worker or a user put there.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import stat
 from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+"""The run's config in its folder: what the worker trains (``workbench train DIR/config.json``)."""
+
+
+def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:
+    """Create ``run_dir`` and write ``config`` to its ``config.json`` atomically (a temporary
+    file renamed into place). A queued run whose folder has no config yet is not launched
+    (``Supervisor._launch_queued``): the row is stored before its folder is written, and a
+    supervisor tick in between once failed a run with "could not start the worker: No such
+    file or directory: .../worker.log"."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(config, indent=2))
+    os.replace(tmp, run_dir / CONFIG_FILE)
+
+
+def has_config(run_dir: Path) -> bool:
+    """Whether ``write_run_config`` has written ``run_dir``'s config."""
+    return (run_dir / CONFIG_FILE).is_file()
+
 
 ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 

@@ -33,7 +33,7 @@ from backend.api.errors import Conflict
 from backend.executors import Executor, Exit, Job, LaunchError
 from backend.services.outcome import classify
 from backend.services.outcome import log_tail as outcome_log_tail
-from backend.services.run_files import checkpoints
+from backend.services.run_files import checkpoints, has_config
 from backend.services.settings import Settings
 from backend.services.tailer import Tailer
 from backend.store import Store
@@ -229,6 +229,8 @@ class Supervisor:
         live = (self.store.get_run(run_id) for run_id in list(self._workers))
         groups = {run["group_id"] for run in live if run is not None} - {None}
         for run in queued:
+            if not has_config(self.run_dir(run["id"])):
+                continue  # its folder is still being written (write_run_config)
             device = slot_device(run["device"], default)
             if busy.get(device, 0) >= self.executor.slots(self.settings.max_parallel):
                 continue

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+from inprocess import IdleExecutor, in_process
+
+from backend.services.run_files import write_run_config
 from backend.store import Store
 from contract.status import (
     ACTIVE,
@@ -40,3 +44,20 @@ def test_the_store_refuses_an_illegal_move_before_writing(tmp_path):
     # A status not among ``expected`` changes nothing (and is no error).
     assert not store.set_status_if(run_id, ["running"], status="failed")
     store.close()
+
+
+def test_a_queued_run_is_launched_only_once_its_folder_holds_its_config(tmp_path):
+    """The run's row is stored (queued) before ``POST /api/runs`` writes its folder; a
+    supervisor tick in between launched it, and the worker's log could not be opened: "could
+    not start the worker: No such file or directory: .../worker.log" failed the run (seen in
+    CI). A queued run waits for its ``config.json`` (``write_run_config``)."""
+    with in_process(tmp_path / "data", IdleExecutor(slots=1)) as client:
+        store, supervisor = client.app.state.store, client.app.state.supervisor
+        config = {"name": "tiny-ci", "max_steps": 3}
+        run_id = store.create_run("between", "tiny-ci", config, None)
+        supervisor.tick()
+        assert store.get_run(run_id)["status"] == RunStatus.QUEUED
+        write_run_config(supervisor.run_dir(run_id), config)
+        supervisor.tick()
+        assert store.get_run(run_id)["status"] == RunStatus.RUNNING
+        assert json.loads((supervisor.run_dir(run_id) / "config.json").read_text()) == config
