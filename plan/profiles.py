@@ -236,18 +236,24 @@ def _usable(measurement: object) -> bool:
     return all(isinstance(measurement.get(f), (int, float)) for f in needed)
 
 
+def _stored_measurements(path: Path, key: dict) -> list[dict]:
+    """The usable measurements stored at ``path`` for the machine ``key`` (at most
+    ``MEASUREMENTS``); none when the file is missing, unreadable or of another machine."""
+    try:
+        stored = json.loads(path.read_text())
+        kept = stored["measurements"] if stored.get("machine") == key else []
+        return [m for m in kept if _usable(m)][:MEASUREMENTS]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
 def stored_profile(path: Path, key: dict, measure: Callable[[], DeviceProfile]) -> DeviceProfile:
     """The CPU profile stored at ``path`` for the machine ``key``, with one more measurement
     (``measure()``, a ``DeviceProfile``) added and stored while fewer than ``MEASUREMENTS`` are
     in: each of ``MEASURED_FIGURES`` the median of the stored values (NOTE [ One CPU profile
     per machine ]). A file of another machine, or unreadable, starts again; one that cannot be
     written leaves the profile of what was measured."""
-    try:
-        stored = json.loads(path.read_text())
-        kept = stored["measurements"] if stored.get("machine") == key else []
-        kept = [m for m in kept if _usable(m)][:MEASUREMENTS]
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        kept = []
+    kept = _stored_measurements(path, key)
     if len(kept) < MEASUREMENTS:
         start = time.monotonic()
         fresh = measure()
@@ -309,12 +315,7 @@ def cpu_profile_status(dtype: str = "float32") -> dict:
             "wanted": MEASUREMENTS,
             "measure_s": None,
         }
-    try:
-        stored = json.loads((cache_dir() / PROFILE_FILE).read_text())
-        kept = stored["measurements"] if stored.get("machine") == machine_key(dtype) else []
-        kept = [m for m in kept if _usable(m)][:MEASUREMENTS]
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        kept = []
+    kept = _stored_measurements(cache_dir() / PROFILE_FILE, machine_key(dtype))
     took = [m["measure_s"] for m in kept if isinstance(m.get("measure_s"), (int, float))]
     return {
         "will_measure": len(kept) < MEASUREMENTS,
