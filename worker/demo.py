@@ -40,10 +40,17 @@ The old recipe (300 steps of 32 on logit-normal sigmas at a constant 5e-4 after 
 629 CPU seconds on this project's machine) read 66 of 100; this one reads 56 to 64 (the build,
 a run with other draws) in 176, and the build's own check (``demo.json``) finds 6 of the 10
 prompts' mean samples nearest their own digit with either. Fewer steps fall off fast: 200 steps
-of 8 read 27. The build stays on one thread: on 2 cores a second one made a step only 1.4x faster
-when the machine was idle and several times slower when another process wanted the cores, as
-OpenMP's spinning threads wait for each other. The default run's LoRA (160 steps of 8) changes
-the samples only a little; the run page shows its step-0 samples beside the last ones.
+of 8 read 27. The default run's LoRA (160 steps of 8) changes the samples only a little; the run
+page shows its step-0 samples beside the last ones.
+
+Threads. The base's bytes do not depend on how many threads train it (its matrix products and
+reductions split the work, not the sums; ``tests/worker/test_demo.py`` checks 1 against 3), so
+it takes the cores no other process is using (``CoreShare``, asked every 10 steps): on this
+project's 2-core machine, idle, a step of 8 takes 470 ms on two threads against 717 on one. It
+never takes a busy core: with another process spinning on the second core, two threads took 1,564
+ms a step (OpenMP's threads wait on each other while the other process holds the core). The VAE
+and the sample check stay on one thread: their convolutions' results change with the thread
+count.
 """
 
 from __future__ import annotations
@@ -52,10 +59,12 @@ import contextlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from worker.asset_status import demo_folder
@@ -170,6 +179,43 @@ def deterministic() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(strict)
         torch.set_num_threads(threads)
+
+
+class CoreShare:
+    """How many threads a loop whose results do not depend on its thread count may use now: the
+    cores other processes left idle since the last call, at most ``most`` (NOTE [ Demo
+    pre-training ]). The first call, with nothing measured yet, says 1.
+
+    Other processes' load is the machine's busy CPU time (``psutil.cpu_times``, all cores) less
+    this process's own, over the wall time between calls. A core is counted free when less than a
+    quarter of it was used by others: two threads on a core another process holds run slower
+    than one."""
+
+    def __init__(self, most: int = 4) -> None:
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.most = max(1, min(most, self.cores))
+        self._process = psutil.Process()
+        self._last: tuple[float, float, float] | None = None
+        self.chosen: list[int] = []
+        """What each call said, in order."""
+
+    def _sample(self) -> tuple[float, float, float]:
+        """``(wall s, machine busy CPU s, own CPU s)``."""
+        machine = psutil.cpu_times()
+        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        own = self._process.cpu_times()
+        return time.monotonic(), busy, own.user + own.system
+
+    def threads(self) -> int:
+        """Threads for the next interval (1 .. ``most``)."""
+        now, last = self._sample(), self._last
+        self._last = now
+        n = 1
+        if last is not None and now[0] > last[0]:
+            others = max(0.0, (now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0])
+            n = max(1, min(self.most, int(psutil.cpu_count() - others + 0.25)))
+        self.chosen.append(n)
+        return n
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -296,10 +342,12 @@ def pretrain_base(
     text,
     spec: DemoSpec,
     advance: Callable[[int], None] | None = None,
+    cores: CoreShare | None = None,
 ):
     """``(model, losses)``: the Flux-style transformer trained from its factory init on
     ``latents`` (N, 4, h, w) with their captions' ``text`` rows (NOTE [ Demo pre-training ]);
-    ``advance(1)`` after each step."""
+    ``advance(1)`` after each step. ``cores``: every 10 steps, the threads it says (the caller's
+    thread count is set again after); None, the caller's thread count throughout."""
 
     family = FluxFamily()
     model = instantiate("flux", spec.size, seed=spec.seed).train()
@@ -309,7 +357,10 @@ def pretrain_base(
     )
     g = torch.Generator().manual_seed(spec.seed + 1)
     losses = []
-    for _ in range(spec.base_steps):
+    before = torch.get_num_threads()
+    for step in range(spec.base_steps):
+        if cores is not None and step % 10 == 0:
+            torch.set_num_threads(cores.threads())
         idx = torch.randint(len(latents), (spec.base_batch,), generator=g)
         x0 = latents[idx]  # (B, 4, h, w)
         noise = torch.randn(x0.shape, generator=g)
@@ -324,6 +375,7 @@ def pretrain_base(
         losses.append(loss.item())
         if advance is not None:
             advance(1)
+    torch.set_num_threads(before)
     return model.eval(), losses
 
 

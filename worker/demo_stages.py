@@ -3,7 +3,7 @@ preset needs them::
 
     digits         1,797 PNG + caption pairs       <cache>/data/digits-64px/
     demo VAE       100 steps (~40 s on one core)    <cache>/build/flux-small-digits/vae/
-    demo base      300 steps of 8 (~3 min)          <cache>/build/flux-small-digits/base/
+    demo base      300 steps of 8 (~2 min)          <cache>/build/flux-small-digits/base/
     demo samples   the build's sample check, then   <cache>/models/flux-small-digits/
                    the demo folder assembled
     factory models the random-initialised models   <cache>/models/<arch>-<size>/
@@ -42,6 +42,7 @@ from worker.assets.models import (
 from worker.assets.stages import Stage, build_lock
 from worker.demo import (
     DEMO,
+    CoreShare,
     DemoSpec,
     caption_text,
     demo_dir,
@@ -57,7 +58,7 @@ from worker.demo import (
 # estimate until a stage has measured its own rate.
 DIGITS_S_PER_IMAGE = 0.0015
 VAE_S_PER_STEP = 0.35
-BASE_S_PER_STEP = 0.63
+BASE_S_PER_STEP = 0.40  # on both cores of an idle machine (0.59 on one)
 SAMPLES_S = 8.0
 FACTORY_S_PER_MODEL = 0.5
 
@@ -108,8 +109,9 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
                 pixels, labels, n_train = _pixels(spec)
                 latents = encode(AutoencoderKL.from_pretrained(work / "vae" / "vae"), pixels)
                 text = caption_text(spec.max_tokens)
+                cores = CoreShare()
                 model, losses = pretrain_base(
-                    latents[:n_train], labels[:n_train], text, spec, advance
+                    latents[:n_train], labels[:n_train], text, spec, advance, cores
                 )
                 total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
                 shard = max(1, math.ceil(total / TARGET_SHARDS[spec.size]))
@@ -121,7 +123,7 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
             (tmp / "report.json").write_text(json.dumps(report))
             say(
                 f"demo base: {spec.base_steps} steps, loss {losses[0]:.3f} -> "
-                f"{report['loss_last_10_mean']:.3f}"
+                f"{report['loss_last_10_mean']:.3f}, threads per 10 steps {cores.chosen}"
             )
 
         build_once(work / "base", part_keys["base"], _build)

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from worker.demo import (
+    CoreShare,
     DemoSpec,
     caption_text,
+    deterministic,
     encode,
     nearest_class_means,
+    pretrain_base,
     sample_check,
 )
 from worker.demo_stages import build_demo
@@ -110,3 +113,53 @@ def test_pretrained_is_for_the_flux_factory():
     assert ok.model.pretrained == "digits"
     with pytest.raises(ValueError, match='pretrained "digits" is built for model.factory "flux"'):
         validate_preset({"model": {"factory": "sd3", "size": "tiny", "pretrained": "digits"}})
+
+
+@pytest.mark.parity
+def test_the_base_trains_to_the_same_bytes_on_any_number_of_threads():
+    """The demo base may take idle cores (``CoreShare``) because its bytes do not depend on the
+    thread count: the demo's own size and batch, 1 thread against 3 (matrices large enough that
+    ATen splits them across threads)."""
+    spec = DemoSpec(base_steps=3)
+    g = torch.Generator().manual_seed(0)
+    latents, labels = torch.randn(64, 4, 8, 8, generator=g), torch.randint(10, (64,), generator=g)
+    text = caption_text(spec.max_tokens)
+    states = []
+    for threads in (1, 3):
+        with deterministic():
+            torch.set_num_threads(threads)
+            model, losses = pretrain_base(latents, labels, text, spec)
+            assert torch.get_num_threads() == threads
+        states.append((losses, model.state_dict()))
+    (losses_1, state_1), (losses_3, state_3) = states
+    assert losses_1 == losses_3
+    assert state_1.keys() == state_3.keys()
+    assert all(torch.equal(state_1[k], state_3[k]) for k in state_1)
+
+
+def test_core_share_leaves_a_core_another_process_holds():
+    """With other processes spinning on all cores but one, CoreShare offers one thread; the
+    first call, with nothing measured, says one too. (Whether it offers more on an idle machine
+    depends on what else runs beside the suite; the build's log line shows it.)"""
+    import subprocess
+    import sys
+    import time
+
+    share = CoreShare()
+    if share.cores > 8:
+        pytest.skip(f"{share.cores} cores: too many to fill with spinning processes")
+    assert share.threads() == 1
+    spin = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(share.cores - 1)
+    ]
+    try:
+        time.sleep(0.3)
+        share.threads()  # restart the interval with the spinners running
+        time.sleep(0.8)
+        busy = share.threads()
+    finally:
+        for proc in spin:
+            proc.kill()
+            proc.wait()
+    assert busy == 1
+    assert len(share.chosen) == 3 and share.chosen[0] == 1
