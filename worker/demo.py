@@ -183,35 +183,41 @@ def deterministic() -> Iterator[None]:
 
 class CoreShare:
     """How many threads a loop whose results do not depend on its thread count may use now: the
-    cores other processes left idle since the last call, at most ``most`` (NOTE [ Demo
-    pre-training ]). The first call, with nothing measured yet, says 1.
+    cores other processes left idle since the last call (or since it was made), at most
+    ``most`` (NOTE [ Demo pre-training ]). A call less than ``MIN_INTERVAL_S`` after the last
+    says what that one said (1 at first): too short an interval measures nothing.
 
-    Other processes' load is the machine's busy CPU time (``psutil.cpu_times``, all cores) less
-    this process's own, over the wall time between calls. A core is counted free when less than a
-    quarter of it was used by others: two threads on a core another process holds run slower
-    than one."""
+    Other processes' load is the machine's busy CPU time (``psutil.cpu_times``, all cores: user,
+    system, interrupts) less this process's own, over the wall time between calls. Processes at
+    a lower priority (``nice``) are not counted while this one is not niced: the scheduler runs
+    its threads first. A core is counted free when others used less than a quarter of it: two
+    threads on a core another process holds run slower than one."""
+
+    MIN_INTERVAL_S = 0.5
 
     def __init__(self, most: int = 4) -> None:
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.most = max(1, min(most, self.cores))
         self._process = psutil.Process()
-        self._last: tuple[float, float, float] | None = None
+        self._last = self._sample()
         self.chosen: list[int] = []
         """What each call said, in order."""
 
     def _sample(self) -> tuple[float, float, float]:
         """``(wall s, machine busy CPU s, own CPU s)``."""
-        machine = psutil.cpu_times()
-        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        m = psutil.cpu_times()
+        busy = m.user + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
+        if self._process.nice() > 0:
+            busy += getattr(m, "nice", 0.0)  # then this process's own time is there
         own = self._process.cpu_times()
         return time.monotonic(), busy, own.user + own.system
 
     def threads(self) -> int:
         """Threads for the next interval (1 .. ``most``)."""
         now, last = self._sample(), self._last
-        self._last = now
-        n = 1
-        if last is not None and now[0] > last[0]:
+        n = self.chosen[-1] if self.chosen else 1
+        if now[0] - last[0] >= self.MIN_INTERVAL_S:
+            self._last = now
             others = max(0.0, (now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0])
             n = max(1, min(self.most, int(psutil.cpu_count() - others + 0.25)))
         self.chosen.append(n)

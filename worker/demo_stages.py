@@ -105,11 +105,11 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
 
     def base(advance: Callable[[int], None]) -> None:
         def _build(tmp: Path) -> None:
+            cores = CoreShare()  # measures from here: the first steps' threads too
             with deterministic():
                 pixels, labels, n_train = _pixels(spec)
                 latents = encode(AutoencoderKL.from_pretrained(work / "vae" / "vae"), pixels)
                 text = caption_text(spec.max_tokens)
-                cores = CoreShare()
                 model, losses = pretrain_base(
                     latents[:n_train], labels[:n_train], text, spec, advance, cores
                 )

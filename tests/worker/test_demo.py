@@ -138,9 +138,9 @@ def test_the_base_trains_to_the_same_bytes_on_any_number_of_threads():
 
 
 def test_core_share_leaves_a_core_another_process_holds():
-    """With other processes spinning on all cores but one, CoreShare offers one thread; the
-    first call, with nothing measured, says one too. (Whether it offers more on an idle machine
-    depends on what else runs beside the suite; the build's log line shows it.)"""
+    """With other processes spinning on all cores but one, CoreShare offers one thread; a call
+    too soon after the last repeats it. (Whether it offers more on an idle machine, or beside a
+    niced process, depends on what else runs beside the suite; the build's log line shows it.)"""
     import subprocess
     import sys
     import time
@@ -148,18 +148,22 @@ def test_core_share_leaves_a_core_another_process_holds():
     share = CoreShare()
     if share.cores > 8:
         pytest.skip(f"{share.cores} cores: too many to fill with spinning processes")
-    assert share.threads() == 1
-    spin = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(share.cores - 1)
-    ]
-    try:
-        time.sleep(0.3)
-        share.threads()  # restart the interval with the spinners running
-        time.sleep(0.8)
-        busy = share.threads()
-    finally:
-        for proc in spin:
-            proc.kill()
-            proc.wait()
-    assert busy == 1
-    assert len(share.chosen) == 3 and share.chosen[0] == 1
+    assert share.threads() == 1  # nothing measured yet
+
+    def busy() -> int:
+        spin = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(share.cores - 1)
+        ]
+        try:
+            time.sleep(0.3)
+            share.threads()  # restart the interval with the spinners running
+            time.sleep(0.8)
+            return share.threads()
+        finally:
+            for proc in spin:
+                proc.kill()
+                proc.wait()
+
+    assert busy() == 1
+    assert share.threads() == 1  # too soon to measure: the last answer
