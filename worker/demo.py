@@ -12,8 +12,9 @@ Built once, at asset-build time (``workbench demo-assets``, or the first run tha
     demo.json       the spec and what the build measured (losses, held-out reconstruction error
                     against the random VAE's, which digit each prompt's samples are nearest to)
 
-Deterministic: one thread, ``torch.use_deterministic_algorithms``, every draw from a seeded
-``torch.Generator``; the same spec, torch and diffusers give the same bytes, and the folder's
+Deterministic: ``torch.use_deterministic_algorithms``, every draw from a seeded
+``torch.Generator``, one thread wherever the thread count changes the result (NOTE [ Demo
+pre-training ], "Threads"); the same spec, torch and diffusers give the same bytes, and the folder's
 ``.complete`` marker (a hash of all three) makes a second build a no-op. The last
 ``held_out`` digits are seen by neither model, so the build's figures are measured on digits
 they were not trained on.
