@@ -188,16 +188,20 @@ class CoreShare:
     ``most`` (NOTE [ Demo pre-training ]). A call less than ``MIN_INTERVAL_S`` after the last
     says what that one said (1 at first): too short an interval measures nothing.
 
-    Other processes' load is the machine's busy CPU time (``psutil.cpu_times``, all cores: user,
-    system, interrupts) less this process's own, over the wall time between calls. Processes at
-    a lower priority (``nice``) are not counted while this one is not niced: the scheduler runs
-    its threads first. A core is counted free when others used less than a quarter of it: two
-    threads on a core another process holds run slower than one."""
+    Other processes' load is the busy CPU time of the cores this process may run on
+    (``psutil.cpu_times`` of each core in its affinity set: user, system, interrupts) less this
+    process's own, over the wall time between calls. Processes at a lower priority (``nice``)
+    are not counted while this one is not niced: the scheduler runs its threads first. A core is
+    counted free when others used less than a quarter of it: two threads on a core another
+    process holds run slower than one. A CPU quota (a container's ``--cpus``) is not seen."""
 
     MIN_INTERVAL_S = 0.5
 
     def __init__(self, most: int = 4) -> None:
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        count = psutil.cpu_count() or 1
+        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(count)
+        self._cpus = sorted(c for c in mine if c < count)  # psutil's per-core list is by core
+        self.cores = len(self._cpus) or 1
         self.most = max(1, min(most, self.cores))
         self._process = psutil.Process()
         self._last = self._sample()
@@ -205,11 +209,13 @@ class CoreShare:
         """What each call said, in order."""
 
     def _sample(self) -> tuple[float, float, float]:
-        """``(wall s, machine busy CPU s, own CPU s)``."""
-        m = psutil.cpu_times()
-        busy = m.user + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
-        if self._process.nice() > 0:
-            busy += getattr(m, "nice", 0.0)  # then this process's own time is there
+        """``(wall s, busy CPU s of this process's cores, own CPU s)``."""
+        niced = self._process.nice() > 0  # then this process's own time is under ``nice``
+        per_core = psutil.cpu_times(percpu=True)
+        busy = 0.0
+        for m in (per_core[c] for c in self._cpus if c < len(per_core)):
+            busy += m.user + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
+            busy += getattr(m, "nice", 0.0) if niced else 0.0
         own = self._process.cpu_times()
         return time.monotonic(), busy, own.user + own.system
 
@@ -220,7 +226,7 @@ class CoreShare:
         if now[0] - last[0] >= self.MIN_INTERVAL_S:
             self._last = now
             others = max(0.0, (now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0])
-            n = max(1, min(self.most, int(psutil.cpu_count() - others + 0.25)))
+            n = max(1, min(self.most, int(self.cores - others + 0.25)))
         self.chosen.append(n)
         return n
 
