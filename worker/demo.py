@@ -198,9 +198,9 @@ class CoreShare:
     MIN_INTERVAL_S = 0.5
 
     def __init__(self, most: int = 4) -> None:
-        count = psutil.cpu_count() or 1
+        count = len(psutil.cpu_times(percpu=True))  # psutil's per-core list, by core number
         mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(count)
-        self._cpus = sorted(c for c in mine if c < count)  # psutil's per-core list is by core
+        self._cpus = sorted(c for c in mine if c < count)
         self.cores = len(self._cpus) or 1
         self.most = max(1, min(most, self.cores))
         self._process = psutil.Process()
@@ -213,7 +213,7 @@ class CoreShare:
         niced = self._process.nice() > 0  # then this process's own time is under ``nice``
         per_core = psutil.cpu_times(percpu=True)
         busy = 0.0
-        for m in (per_core[c] for c in self._cpus if c < len(per_core)):
+        for m in (per_core[c] for c in self._cpus):
             busy += m.user + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
             busy += getattr(m, "nice", 0.0) if niced else 0.0
         own = self._process.cpu_times()
