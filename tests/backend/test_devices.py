@@ -82,7 +82,7 @@ def test_max_parallel_counts_runs_per_device(tmp_path, default_device, started):
         assert {store.get_run(i)["device"] for i in jobs} == started
         assert len(jobs) == len(started)  # the second cpu run and the cuda:0 run wait
         for run_id, job in jobs.items():
-            argv = list(job.state["popen"].args)  # the command line the worker was started with
+            argv = list(job.state["child"].args)  # the command line the worker was started with
             device = store.get_run(run_id)["device"]
             if device == "auto":
                 assert "--device" not in argv  # the worker's own choice
@@ -92,4 +92,4 @@ def test_max_parallel_counts_runs_per_device(tmp_path, default_device, started):
     finally:
         for job in jobs.values():
             executor.signal(job, signal.SIGKILL)
-            job.state["popen"].wait(timeout=30)
+            job.state["child"].wait(timeout=30)
