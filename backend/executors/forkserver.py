@@ -321,8 +321,14 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
             request = json.loads(data)
             sys.stdout.flush()
             sys.stderr.flush()
+            started_r, started_w = os.pipe()
             pid = os.fork()
             if pid == 0:
+                # Its own session before its pid is answered: a killpg(pid) right after the
+                # launch must reach it (the pipe's EOF tells the fork server it is done).
+                os.setsid()
+                os.close(started_r)
+                os.close(started_w)
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(wake_r)
@@ -332,13 +338,16 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
                 return request
             for fd in fds:
                 os.close(fd)
+            os.close(started_w)
+            os.read(started_r, 1)  # EOF once the child has its session (or died)
+            os.close(started_r)
             _send(sock, {"pid": pid})
         reap()
 
 
 def _become(request: dict[str, Any]) -> None:
-    """In a forked child: become the worker the request's command line would have started."""
-    os.setsid()
+    """In a forked child (already in its own session): become the worker the request's command
+    line would have started."""
     os.chdir(request["cwd"])
     os.dup2(request["fd"], 1)
     os.dup2(request["fd"], 2)

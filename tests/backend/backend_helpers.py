@@ -31,11 +31,15 @@ class Server:
         self.data_dir, self.host, self.args = data_dir, host, list(args)
         self.port = free_port(host)
         # No calibration plans after each run (seconds of CPU each: tests/backend/
-        # test_calibration.py tests them) unless a test asks.
+        # test_calibration.py tests them) unless a test asks. Workers start cold: these servers
+        # live for a test or two, and a fork server's imports (~10 s of CPU) pay back from a
+        # server's second run on (tests/backend/test_forkserver.py and the dashboard tests'
+        # session servers run forked workers).
         self.env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "STAGEHAND_WORKBENCH_CALIBRATE": "0",
+            "STAGEHAND_WORKBENCH_FORK_SERVER": "0",
             **(env or {}),
         }
         self.proc: subprocess.Popen | None = None

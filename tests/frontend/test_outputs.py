@@ -51,7 +51,8 @@ def test_worker_log_lora_download_and_resume_from_the_run_page(
 
     # Stopped: the LoRA it saved downloads and loads; its checkpoints offer a resume.
     page.goto(f"{backend_server}/#/runs/{run_id}")
-    link = page.wait_for_selector("#lora-files a.lora-link")
+    # A locator, not a handle: the card may draw its links again as the run's records arrive.
+    link = page.locator("#lora-files a.lora-link")
     assert link.inner_text() == "pytorch_lora_weights.safetensors"
     with page.expect_download() as info:
         link.click()
