@@ -14,6 +14,12 @@ on the device profile it ran on. The figures compared, per run:
   process, the text encoder or the allocator's caches: the ratio carries those).
 - ``pinned_mb``: the largest ``pinned_mb`` of the step records against the plan's pinned bytes.
 
+With weight streaming, what the run's last step moved beside what the plan's steady step moves
+(``TRANSFERS``): block loads, H2D MB, prefetch misses (uses that loaded their block on demand)
+and host waits (uses that waited on a copy in flight), from its last ``stagehand/step`` record.
+These are counts the schedule decides, not scales: they are shown, and take no part in the
+ratios later plans apply (a difference is the plan's schedule differing from the run's).
+
 A ratio is ``measured / predicted``. A later plan multiplies its figures by the median of the
 ratios of the newest runs of its device and family (``combine``: ``RUNS`` at most), each figure
 by its own, and says which runs the ratios came from (``apply``). A ratio outside
@@ -66,6 +72,16 @@ FULL_RUNS = 3
 ratio ]): the fewest whose median one disturbed run cannot move outside the others' range."""
 
 
+TRANSFERS = {
+    "block_loads_per_step": ("block_loads_per_step", "blocks_loaded", 1),
+    "h2d_mb_per_step": ("h2d_bytes_per_step", "h2d_bytes", MB),
+    "misses_per_step": ("misses_per_step", "prefetch_misses", 1),
+    "waits_per_step": ("waits_per_step", "host_waits", 1),
+}
+"""Figure -> (its key in the plan's ``transfers``, its key in a ``stagehand/step`` record, the
+unit it is divided by)."""
+
+
 def damped(median: float, runs: int) -> float:
     """The factor a plan applies for the ``median`` ratio of ``runs`` runs: ``median`` shrunk
     toward 1 in log space by ``runs / FULL_RUNS`` (NOTE [ A lone ratio ])."""
@@ -76,25 +92,47 @@ def predicted_figures(plan: dict[str, Any], steps_done: int | None) -> dict[str,
     """The plan's figures (``Plan.to_dict``) for a run of ``steps_done`` steps (MB, ms)."""
     n = max(int(steps_done or 1), 1)
     ms = plan["step_ms"]
-    return {
+    out = {
         "peak_vram_mb": max(plan["peak_bytes"].values()) / MB,
         "step_ms": (ms["trace_step"] + (n - 1) * ms["total"]) / n,
         "host_ram_mb": plan["host"]["ram_peak_bytes"] / MB,
         "pinned_mb": plan["host"]["pinned_bytes"] / MB,
     }
+    moved = plan.get("transfers")
+    if moved and n > 1 and _streams(plan):  # a run's last step is a steady one from step 2 on
+        out.update({k: moved[key] / unit for k, (key, _, unit) in TRANSFERS.items()})
+    return out
+
+
+def _streams(plan: dict[str, Any]) -> bool:
+    memory = plan.get("memory") or {}
+    section = memory.get("stagehand") or {}
+    strategy = memory.get("strategy")
+    return strategy == "layer_offload" or (
+        strategy == "stagehand" and section.get("weight_streaming", True)
+    )
 
 
 def measured_figures(
-    summary: dict[str, Any], rss_mb: float | None, pinned_mb: float | None
+    summary: dict[str, Any],
+    rss_mb: float | None,
+    pinned_mb: float | None,
+    last_step: dict[str, Any] | None = None,
 ) -> dict[str, float | None]:
-    """A run's figures: its summary (``RunSummary``) and the largest RSS and pinned MB of its
-    trainer step records."""
-    return {
+    """A run's figures: its summary (``RunSummary``), the largest RSS and pinned MB of its
+    trainer step records and, given its last step's ``stagehand/step`` record, what that step
+    moved (``TRANSFERS``)."""
+    out = {
         "peak_vram_mb": summary.get("peak_vram_mb"),
         "step_ms": summary.get("mean_step_time_ms"),
         "host_ram_mb": rss_mb,
         "pinned_mb": pinned_mb,
     }
+    if last_step:
+        for figure, (_, key, unit) in TRANSFERS.items():
+            if isinstance(last_step.get(key), (int, float)):
+                out[figure] = last_step[key] / unit
+    return out
 
 
 def ratios(predicted: dict[str, float], measured: dict[str, float | None]) -> dict[str, float]:

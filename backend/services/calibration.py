@@ -202,10 +202,13 @@ class Calibrator:
             self.skipped[run_id] = f"its config cannot be planned: {exc}"
             return None
         predicted = predicted_figures(plan, summary.get("steps_done"))
-        measured = measured_figures(
-            summary, store.max_in_steps(run_id, "rss_mb"), store.max_in_steps(run_id, "pinned_mb")
-        )
         last = summary.get("steps_done")
+        measured = measured_figures(
+            summary,
+            store.max_in_steps(run_id, "rss_mb"),
+            store.max_in_steps(run_id, "pinned_mb"),
+            store.step_record(run_id, "stagehand", last) if last and last > 1 else None,
+        )
         curve = store.step_block_curve(run_id, last) if last else []
         t0 = curve[0][0] if curve else 0.0
         measured["curve"] = {

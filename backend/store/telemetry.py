@@ -54,6 +54,16 @@ class TelemetryTables:
         ).fetchone()
         return value
 
+    def step_record(self, run_id: int, source: str, step: int) -> dict | None:
+        """The newest ``source``/``step`` record of training step ``step`` (parsed), sampling
+        steps left out; None when there is none."""
+        row = self.db.execute(
+            "SELECT data FROM telemetry WHERE run_id = ? AND source = ? AND kind = 'step'"
+            " AND step = ? AND json_extract(data, '$.sampling') IS NULL ORDER BY seq DESC LIMIT 1",
+            [run_id, source, step],
+        ).fetchone()
+        return json.loads(row[0]) if row else None
+
     def mean_step_ms_after(self, run_id: int, step: int) -> float | None:
         """Mean ``step_time_ms`` of the trainer's step records after ``step`` (1: past the
         trace step), sampling steps left out."""

@@ -2,10 +2,11 @@
 // VRAM over one steady step beside the weight runtime's allocated MB at each block record of the
 // run's last step (each over its own step's span), their peaks, and a table of the
 // predicted and measured figures with their ratios (what later plans on this device and family
-// are scaled by).
+// are scaled by); with weight streaming, what a steady step moves (block loads, H2D, prefetch
+// misses, host waits: plan/feedback.py TRANSFERS), which scales nothing.
 
 import { BASE_LAYOUT, PLOT_CONFIG, legendFit } from "./charts.js";
-import { fmtMB, fmtMs, h } from "./ui.js";
+import { fmtMB, fmtMs, fmtNum, h } from "./ui.js";
 
 const MB = 1024 * 1024;
 const ROWS = [
@@ -14,6 +15,12 @@ const ROWS = [
   ["host_ram_mb", "host RAM peak", fmtMB],
   ["pinned_mb", "pinned", fmtMB],
 ];
+const TRANSFER_ROWS = [
+  ["block_loads_per_step", "block loads per step", fmtNum],
+  ["h2d_mb_per_step", "H2D per step", fmtMB],
+  ["misses_per_step", "prefetch misses per step (loads on demand)", fmtNum],
+  ["waits_per_step", "host waits per step (on a copy in flight)", fmtNum],
+];
 // On CPU nothing is pinned: the worker's "pinned" is the pools' sizes, and the plan's host RAM
 // counts them at their full size, while the run's RSS is what it used.
 const CPU_LABELS = {
@@ -21,13 +28,25 @@ const CPU_LABELS = {
   pinned_mb: "pinned (the pools' sizes: budgets on CPU, nothing is pinned)",
 };
 
+// A count the schedule decides: equal or not, and by how much (no ratio of a 0).
+function compared(p, m) {
+  if (typeof p !== "number" || typeof m !== "number") return "–";
+  if (p === m) return "equal";
+  return p > 0 && m > 0 ? `×${(m / p).toFixed(3)}` : `${m > p ? "+" : ""}${fmtNum(m - p)}`;
+}
+
 function table(cal) {
   const label = (key, text) => (cal.device === "cpu" && CPU_LABELS[key]) || text;
+  const row = (key, text, fmt, versus) => h("tr", { dataset: { figure: key } },
+    h("td", {}, label(key, text)), h("td", {}, fmt(cal.predicted[key])), h("td", {}, fmt(cal.measured[key])),
+    h("td", {}, versus));
+  const ratio = (key) => (cal.ratios[key] != null ? `×${cal.ratios[key].toFixed(3)}` : "–");
+  const moved = TRANSFER_ROWS.filter(([key]) => cal.predicted[key] != null);
   return h("table", { class: "scan-table", id: "calibration-table" },
     h("thead", {}, h("tr", {}, h("th", {}, "figure"), h("th", {}, "predicted"), h("th", {}, "measured"), h("th", {}, "measured / predicted"))),
-    h("tbody", {}, ROWS.map(([key, text, fmt]) => h("tr", { dataset: { figure: key } },
-      h("td", {}, label(key, text)), h("td", {}, fmt(cal.predicted[key])), h("td", {}, fmt(cal.measured[key])),
-      h("td", {}, cal.ratios[key] != null ? `×${cal.ratios[key].toFixed(3)}` : "–")))));
+    h("tbody", {},
+      ROWS.map(([key, text, fmt]) => row(key, text, fmt, ratio(key))),
+      moved.map(([key, text, fmt]) => row(key, text, fmt, compared(cal.predicted[key], cal.measured[key])))));
 }
 
 /** Draws the overlay into `el` (a chart div already in the page). */

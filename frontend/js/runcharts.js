@@ -203,6 +203,8 @@ export class RunCharts {
         if (rec.h2d_bytes !== undefined) c.transfers.push(0, step, rec.h2d_bytes / 1e9);
         c.transfers.push(1, step, rec.blocks_loaded);
         c.transfers.push(2, step, rec.resident_blocks);
+        c.transfers.push(3, step, rec.prefetch_misses);
+        c.transfers.push(4, step, rec.host_waits);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);

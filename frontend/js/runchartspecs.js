@@ -56,6 +56,8 @@ export function buildRunCharts(divs, width) {
         { name: "H2D (GB)", type: "bar", marker: { color: "#7fb3e6" }, hovertemplate: HOVER.gb },
         { name: "block loads", yaxis: "y2", mode: "lines+markers", line: { color: "#1f5fa8", width: 1.5 }, marker: { size: 4 }, hovertemplate: HOVER.count },
         { name: "resident blocks", yaxis: "y2", mode: "lines", line: { color: "#2e9e5b", dash: "dash" }, hovertemplate: HOVER.count },
+        { name: "prefetch misses", yaxis: "y2", mode: "lines+markers", line: { color: "#d9480f", width: 1 }, marker: { size: 4, symbol: "x" }, hovertemplate: HOVER.count },
+        { name: "host waits", yaxis: "y2", mode: "lines", line: { color: "#e08a1e", width: 1, dash: "dot" }, hovertemplate: HOVER.count },
       ],
       layout: { xaxis: stepAxis(), yaxis: { title: { text: "GB (1e9 B)" }, rangemode: "tozero" }, yaxis2: { title: { text: "blocks" }, rangemode: "tozero" } },
     }),

@@ -313,3 +313,56 @@ def test_a_lone_ratio_is_damped_toward_one_until_three_runs(store, client, capsy
     # Below 1 alike: x1/4.9 from one run is x0.589 (1 / 1.6985).
     assert feedback.damped(1 / 4.9, 1) == pytest.approx(1 / 1.6985, abs=1e-4)
     assert round(raw * applied[0], 3) == round(raw * 4.9 ** (1 / 3), 3)
+
+
+def test_a_real_runs_steady_step_moves_what_its_plan_predicts(store, tmp_path):
+    """A real tiny-ci worker (weights streamed from its files under 1 MB watermarks): its last
+    step's block loads, H2D bytes, prefetch misses and host waits equal the plan's steady step,
+    and the calibration shows them beside the plan without taking a ratio of them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from plan.profiles import DeviceProfile
+
+    run_dir = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "backend.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True, timeout=300)
+    config = json.loads((run_dir / "config.json").read_text())
+    run_id = store.create_run("real", "tiny-ci", config, "default")
+    lines = (run_dir / "telemetry.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    rows = [
+        (r["seq"], r["time"], r["source"], r["kind"], r.get("step"), r.get("phase"), line)
+        for r, line in zip(records, lines, strict=True)
+    ]
+    store.ingest(run_id, rows, 1)
+    store.update_run(run_id, status="succeeded", summary=store.summary(run_id))
+    # A fixed CPU profile: what a step moves is the schedule's, not the machine's speed.
+    cpu = DeviceProfile(
+        "cpu",
+        0,
+        0.05,
+        2.0,
+        "test",
+        mem_gbps=3.0,
+        op_us=50.0,
+        load_us=500.0,
+        tracked=True,
+        synchronous_copies=True,
+    )
+    cal = Calibrator(store, profile_of=lambda name: cpu).calibrate(run_id)
+    last = [r for r in records if (r["source"], r["kind"]) == ("stagehand", "step")][-1]
+    assert last["step"] == config["max_steps"] and last["prefetch_misses"] > 0
+    figures = {
+        "block_loads_per_step": last["blocks_loaded"],
+        "h2d_mb_per_step": last["h2d_bytes"] / 2**20,
+        "misses_per_step": last["prefetch_misses"],
+        "waits_per_step": last["host_waits"],
+    }
+    assert {k: cal["measured"][k] for k in figures} == figures
+    assert {k: cal["predicted"][k] for k in figures} == figures
+    assert set(cal["ratios"]) <= set(feedback.FIGURES)

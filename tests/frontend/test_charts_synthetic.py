@@ -102,10 +102,17 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
             document.getElementById(id).data.map((t) => t.x.length)]))""")
     assert charts["phases"] == [STEPS] * 4 and charts["loss"] == [STEPS] * 3
     assert charts["spill"] == [STEPS] * 4 and charts["conductor"] == [STEPS] * 5
-    # Weights moved per step, live from stagehand/step: H2D GB, block loads, resident blocks.
-    assert charts["transfers"] == [STEPS] * 3
+    # Weights moved per step, live from stagehand/step: H2D GB, block loads, resident blocks,
+    # prefetch misses and host waits (the worker writes no host waits: no points drawn).
+    assert charts["transfers"] == [STEPS] * 5
     h2d = page.evaluate("Array.from(document.getElementById('transfers').data[0].y)")
     assert all(v > 0 for v in h2d)
+    records = api.call(
+        "GET", f"/api/runs/{run['id']}/telemetry?source=stagehand&kind=step&limit=1000"
+    )["data"]
+    misses = page.evaluate("Array.from(document.getElementById('transfers').data[3].y)")
+    assert misses == [r["prefetch_misses"] for r in records] and max(misses) > 0
+    assert page.evaluate("document.getElementById('transfers').data[4].name") == "host waits"
     assert all(n > 0 for n in charts["vram"]) and all(n == STEPS for n in charts["host"])
     high = page.evaluate("Array.from(document.getElementById('vram').data[2].y)")
     assert high[0] == 12000 and high[-1] == 10000

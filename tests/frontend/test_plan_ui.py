@@ -5,6 +5,7 @@ bad field shows the API's error naming it."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_plan_panel_before_start(backend_server, page):
     assert " blocks resident (" in residency and "iB), " in residency and " streamed (" in residency
     moved = page.inner_text("#plan-moved")
     assert "iB H2D per step in " in moved and "block loads, from " in moved
+    assert re.search(r"; \d+ miss their prefetch \(loaded on demand\), \d+ host waits", moved)
     assert page.inner_text("#plan-bound").startswith("bound max(compute ")
     assert page.inner_text("#plan-profile") == (
         "profile 165.2 TFLOPs, H2D 25 GB/s, memory 1008 GB/s"

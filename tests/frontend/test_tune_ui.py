@@ -158,6 +158,20 @@ def test_tune_page_run_overlay_and_calibrated_plan(synthetic_server, tune, page,
     assert ratio == f"×{found['ratios']['peak_vram_mb']:.3f}"
     traces = page.evaluate("document.getElementById('calibration-chart').data.length")
     assert traces == 4  # predicted and measured curves, their peaks
+    # What a steady step moves, planned beside the run's last step: shown, not a ratio.
+    for figure in ("block_loads_per_step", "misses_per_step"):
+        cells = page.eval_on_selector_all(
+            f"#calibration-table tr[data-figure='{figure}'] td", "tds => tds.map(t => t.innerText)"
+        )
+        p, m = found["predicted"][figure], found["measured"][figure]
+        assert cells[1:3] == [f"{p:g}", f"{m:g}"], (figure, cells)
+        if p == m:
+            assert cells[3] == "equal"
+        elif p > 0 and m > 0:
+            assert cells[3] == f"×{m / p:.3f}"
+        else:
+            assert cells[3] == f"{'+' if m > p else ''}{m - p:g}"
+        assert figure not in found["ratios"]
     picture(page, "tune-trial-run-desktop", full_page=True)
 
     # New run: the plan of that preset on rtx4090 is calibrated by the newest trial's ratios.
