@@ -156,7 +156,12 @@ class SquareQ:
 
     @classmethod
     def attach(
-        cls, blocks: list[Any], source: Any, config: Any, progress: bool = True
+        cls,
+        blocks: list[Any],
+        source: Any,
+        config: Any,
+        progress: bool = True,
+        device: torch.device | None = None,
     ) -> tuple[SquareQ, Any]:
         """``(squareq, source)``: each block with a quantizable weight given its ``image``, and
         the checkpoint the blocks now read (SquareQ's cache, opened as ``source``'s class; the
@@ -164,7 +169,9 @@ class SquareQ:
         ``source`` unchanged and a SquareQ that is off (``enabled`` False, ``emit`` a no-op).
 
         ``source``: the runtime's ``SafetensorsCheckpoint`` (None: module-backed); ``config``:
-        ``memory.stagehand.squareq`` (``SquareQConfig``) or None.
+        ``memory.stagehand.squareq`` (``SquareQConfig``) or None; ``device``: the compute
+        device (a CUDA one quantizes what the cache lacks there: NOTE [ Quantizing on the
+        GPU ] in ``store.py``).
         """
         keys = [
             s.key
@@ -190,8 +197,9 @@ class SquareQ:
         t0 = time.perf_counter()
         if entries:
             bar = store.progress_bar(config.format) if progress else None
+            root = store.cache_root(config.cache_dir)
             self.folder, self.info = store.ensure(
-                source, entries, config.format, store.cache_root(config.cache_dir), bar
+                source, entries, config.format, root, bar, device=device
             )
         errors = _pack_hosts([image for _, image in images], config.format)
         for block, image in images:

@@ -67,7 +67,7 @@ def open_host_side(
         config.resident_trainable_max_fraction,
     )
     resident_bytes = place_resident(model, blocks, source, device)
-    squareq, source = SquareQ.attach(blocks, source, config.squareq)
+    squareq, source = SquareQ.attach(blocks, source, config.squareq, device=device)
     staged = staged_sizes(squareq.enabled, [b.staged_bytes for b in blocks])
     config = resolve(config, sizes, staged=staged, cuda=cuda, vram_bytes=vram_bytes)
     pool = PinnedPool(

@@ -207,3 +207,31 @@ def test_the_tree_hash_of_the_writer_is_the_files(tmp_path, monkeypatch, threads
     assert checksum.file_digest(path, threads) != tree.hexdigest()
     (tmp_path / "empty").write_bytes(b"")
     assert checksum.file_digest(tmp_path / "empty", threads) == checksum.TreeHash().hexdigest()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_the_device_branch_writes_the_bytes_and_errors_of_the_cpu_one(tiny_flux, tmp_path, fmt):
+    """``_write`` given a device (a CUDA one in a run: NOTE [ Quantizing on the GPU ]; here the
+    CPU, through the same branch: weights moved, codes and scales copied back, its own threads)
+    writes the same file and the same errors as the CPU's path, in bf16."""
+    import torch
+
+    from runtime.squareq.runtime import cache_entries
+    from runtime.weights import find_blocks
+    from runtime.weights.convert import register_blocks
+    from runtime.weights.sources import SafetensorsCheckpoint
+    from tests.runtime.weights._train import make_model
+
+    model = make_model("flux", tiny_flux).to(torch.bfloat16)
+    source = SafetensorsCheckpoint(tiny_flux)
+    blocks = register_blocks(model, find_blocks(model), source, True, False, False, 0.1)
+    entries = cache_entries(blocks, source)
+    assert any(e.quantized for e in entries)
+    written = []
+    for name, device in (("plain", None), ("device", torch.device("cpu"))):
+        path = tmp_path / name
+        errors, digest = store._write(source, entries, fmt, path, None, device)
+        written.append((path.read_bytes(), digest, errors))
+    source.close()
+    assert written[0] == written[1]
+    assert store.quantize_threads(100, torch.device("cpu")) == store.GPU_THREADS

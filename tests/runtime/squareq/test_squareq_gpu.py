@@ -97,3 +97,21 @@ def test_dequant_on_the_copy_stream_without_host_syncs(tmp_path):
     assert sum(r["bytes_dequantized"] for r in records) >= 2 * 8 * 2 * 2048 * 4096 * 4
     assert sum(r["dequant_ms"] for r in records) > 0
     runtime.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_the_cache_quantized_on_the_gpu_is_the_cpus_byte_for_byte(tiny_flux, tmp_path, fmt):
+    """NOTE [ Quantizing on the GPU ]: a CUDA runtime quantizes its cache there; the bytes are
+    those the CPU writes (bf16 weights), so a cache does not depend on where it was made."""
+    from runtime.squareq import store
+
+    files = []
+    for device in ("cpu", "cuda"):
+        model = make_model("flux", tiny_flux).to(torch.bfloat16)
+        squareq = {"format": fmt, "cache_dir": str(tmp_path / device)}
+        runtime = WeightRuntime(
+            model, config(squareq=squareq), device=device, checkpoint_dir=tiny_flux
+        )
+        files.append((runtime.squareq.folder / store.FILE).read_bytes())
+        runtime.close()
+    assert files[0] == files[1]
