@@ -47,16 +47,8 @@ def ready_server(environ: dict[str, str]) -> ForkServer:
 
 def cold(tmp_path: Path, name: str, args: list[str], environ: dict[str, str]) -> tuple[int, str]:
     log = tmp_path / f"{name}-cold.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            command(*args),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env=environ,
-            start_new_session=True,
-        )
+    with log.open("ab") as out:  # the executor's cold start
+        proc = forkserver.launch(command(*args), env=environ, cwd=REPO, stdout=out, fork=False)
     return proc.wait(60), log.read_text()
 
 
