@@ -345,9 +345,10 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
         reap()
 
 
-def _become(request: dict[str, Any]) -> None:
+def _become(request: dict[str, Any], imported: dict[str, str]) -> None:
     """In a forked child (already in its own session): become the worker the request's command
-    line would have started."""
+    line would have started. ``imported``: environment variables the fork server's imports set
+    (as defaults: the request's own values win, as they would over a cold import's)."""
     os.chdir(request["cwd"])
     os.dup2(request["fd"], 1)
     os.dup2(request["fd"], 2)
@@ -357,6 +358,8 @@ def _become(request: dict[str, Any]) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(request["env"])
+    for key, value in imported.items():
+        os.environ.setdefault(key, value)
     encoding = sys.stdout.encoding if sys.stdout is not None else "utf-8"
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin
     sys.stdout, sys.stderr = (
@@ -376,6 +379,7 @@ def main(argv: list[str]) -> int:
     """``python -m backend.executors.forkserver FD MODULE...``: import the modules, then serve
     the socket FD (the backend's ``ForkServer``)."""
     sock = socket.socket(fileno=int(argv[0]))
+    before = dict(os.environ)
     try:
         import importlib
 
@@ -391,6 +395,9 @@ def main(argv: list[str]) -> int:
         with contextlib.suppress(OSError):
             _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
         return 1
+    # What the imports set (``worker.cli`` sets ``HF_HUB_OFFLINE`` and others by default): a
+    # cold worker's imports set it in its environment, so a child's environment has it too.
+    imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
     gc.freeze()  # the imports' objects: a child's collections neither scan nor copy them
     try:
         request = _serve(sock)
@@ -398,7 +405,7 @@ def main(argv: list[str]) -> int:
         return 0  # the backend is gone
     if request is None:
         return 0
-    _become(request)
+    _become(request, imported)
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     return 0
 

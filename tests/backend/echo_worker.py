@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+import tests.backend.echo_preload  # noqa: F401 - sets ECHO_PRELOADED at import
+
 
 def report() -> dict:
     return {

@@ -40,7 +40,7 @@ def env(mark: str = "forkserver-test") -> dict[str, str]:
 
 
 def ready_server(environ: dict[str, str]) -> ForkServer:
-    server = ForkServer(environ, REPO, ())
+    server = ForkServer(environ, REPO, ["tests.backend.echo_preload"])
     assert server.ready.wait(120) and server.error is None, server.error
     return server
 
@@ -89,8 +89,9 @@ def test_a_forked_worker_starts_ends_and_writes_as_its_command_line_would(tmp_pa
     assert (got_rc, want_rc) == (rc, rc)
     assert without_traceback_frames(got) == without_traceback_frames(want)
     first = json.loads(got.splitlines()[0])
-    # Its environment is the request's, not the fork server's (which checks CUDA over NVML).
-    assert first["env"] == environ
+    # Its environment is the request's (not the fork server's, which checks CUDA over NVML),
+    # with what its imports set at import, as a cold start's imports set it.
+    assert first["env"] == {**environ, "ECHO_PRELOADED": "yes"}
     assert first["argv"][1:] == args and first["argv"][0].endswith("echo_worker.py")
     assert first["session_leader"] and first["group_leader"] and first["stdin"] == ""
     assert first["name"] == "__main__" and first["cwd"] == str(REPO)

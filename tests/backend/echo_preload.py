@@ -1,0 +1,7 @@
+"""Imported by ``tests.backend.echo_worker``: sets an environment variable by default at import,
+as ``worker.cli`` sets ``HF_HUB_OFFLINE`` (a fork server that preloads it must give its children
+the same environment a cold import gives)."""
+
+import os
+
+os.environ.setdefault("ECHO_PRELOADED", "yes")
