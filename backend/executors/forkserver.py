@@ -22,6 +22,10 @@ Rules:
 - A forked child cannot use CUDA once its parent initialised it: the fork server checks CUDA
   through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK=1``, as ``bench/runner.py``), and refuses to
   serve (every launch then starts cold) when a preload initialised CUDA anyway.
+- Code on disk: a fork server forks only while every module it imported is unchanged on disk
+  (each file's mtime, checked at each launch): after an edit or an upgrade, it answers
+  ``stale``; that launch starts cold and a new fork server starts, so no run trains with code
+  older than what a cold start would import.
 - Exit codes: the fork server reaps its children and reports each ``(pid, rc)``, ``rc`` as
   ``Popen.returncode`` (negative for a signal). When the fork server ends first (the backend
   stopped, or it was killed), its children keep running; their exit code is then unknown, as
@@ -72,6 +76,10 @@ MAX_MESSAGE = 1 << 20
 
 class ForkServerError(RuntimeError):
     """The fork server did not answer, or answered with an error (the message says which)."""
+
+
+class ForkServerStale(ForkServerError):
+    """A module the fork server imported changed on disk since (the message names its file)."""
 
 
 def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -194,6 +202,8 @@ class ForkServer:
                 self.children.discard(message["exit"])
             elif "error" in message:
                 raise ForkServerError(message["error"])
+            elif "stale" in message:
+                raise ForkServerStale(f"{message['stale']} changed since it was imported")
             elif "pid" in message:
                 return message["pid"]
 
@@ -202,7 +212,12 @@ class ForkServer:
 
     def fork(self, cmd: list[str], env: dict[str, str], cwd: Path, stdout: IO) -> Forked:
         """Start ``cmd`` (``[python, "-m", module, *args]``) with ``env``, in ``cwd``, its
-        output appended to ``stdout`` (an open file). Raises ``ForkServerError``."""
+        output appended to ``stdout`` (an open file).
+
+        Raises:
+            ForkServerStale: an imported module changed on disk (nothing was started).
+            ForkServerError: it failed (it is closed and not used again).
+        """
         request = {"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd)}
         with self._lock:
             if not self.alive():
@@ -210,6 +225,8 @@ class ForkServer:
             try:
                 _send(self.sock, request, [stdout.fileno()])
                 pid = self._drain(until_pid=True)
+            except ForkServerStale:
+                raise
             except (ForkServerError, OSError, ValueError) as exc:
                 self.error = str(exc)  # not tried again for this environment
                 self.close()
@@ -273,6 +290,12 @@ def launch(
     if server is not None:
         try:
             return server.fork(cmd, env, cwd, stdout)
+        except ForkServerStale as exc:  # a new one imports the code as it is now
+            log.info("fork server replaced, this worker starts cold: %s", exc)
+            with _lock:
+                if _current is server:
+                    _retired.append(server)
+                    _current = ForkServer(env, cwd, PRELOAD)
         except ForkServerError as exc:  # not tried again for this environment
             log.warning("fork server failed, workers start cold: %s", exc)
     return subprocess.Popen(
@@ -289,9 +312,32 @@ def launch(
 # --- the fork server process ---------------------------------------------------------------
 
 
-def _serve(sock: socket.socket) -> dict[str, Any] | None:
-    """Fork a child per request until the backend closes the socket. Returns None in the fork
-    server when it should end, and the request in each child."""
+def _imported_files() -> dict[str, int]:
+    """Each imported module's file and its mtime (ns)."""
+    files: dict[str, int] = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path not in files:
+            with contextlib.suppress(OSError):
+                files[path] = os.stat(path).st_mtime_ns
+    return files
+
+
+def _changed(files: dict[str, int]) -> str | None:
+    """The first of ``files`` whose mtime is no longer the one recorded (or gone), or None."""
+    for path, mtime in files.items():
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                return path
+        except OSError:
+            return path
+    return None
+
+
+def _serve(sock: socket.socket, files: dict[str, int]) -> dict[str, Any] | None:
+    """Fork a child per request until the backend closes the socket, while none of ``files``
+    changed (else the answer is ``stale``). Returns None in the fork server when it should
+    end, and the request in each child."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
@@ -319,6 +365,13 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
             if not data:
                 return None
             request = json.loads(data)
+            changed = _changed(files)
+            if changed is not None:
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"stale": changed})
+                reap()
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             started_r, started_w = os.pipe()
@@ -398,9 +451,10 @@ def main(argv: list[str]) -> int:
     # What the imports set (``worker.cli`` sets ``HF_HUB_OFFLINE`` and others by default): a
     # cold worker's imports set it in its environment, so a child's environment has it too.
     imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    files = _imported_files()
     gc.freeze()  # the imports' objects: a child's collections neither scan nor copy them
     try:
-        request = _serve(sock)
+        request = _serve(sock, files)
     except (BrokenPipeError, ConnectionError):
         return 0  # the backend is gone
     if request is None:

@@ -220,3 +220,34 @@ def test_a_forked_tiny_run_trains_the_same_lora_as_a_cold_one(tmp_path, monkeypa
     cold, forked = loras
     assert cold.keys() == forked.keys() and len(cold) > 0
     assert all(cold[k].equal(forked[k]) for k in cold)
+
+
+def test_a_fork_server_whose_imported_code_changed_is_replaced(tmp_path, monkeypatch):
+    """After an edit of a module it imported, a fork server forks nothing more: that launch
+    starts cold, a new fork server imports the code as it is now, and the next launch forks."""
+    code = tmp_path / "code"
+    code.mkdir()
+    module = code / "forkserver_probe.py"
+    module.write_text("VALUE = 1\n")
+    monkeypatch.setattr(forkserver, "PRELOAD", ("forkserver_probe",))
+    environ = {**env(), "PYTHONPATH": str(code)}
+    out = (tmp_path / "log").open("ab")
+
+    def start(rc: str):
+        return forkserver.launch(command("exit", rc), env=environ, cwd=REPO, stdout=out)
+
+    assert start("0").wait(60) == 0  # cold; the fork server starts
+    server = forkserver._current
+    assert server.ready.wait(120) and server.error is None
+    first = start("1")
+    assert isinstance(first, Forked) and first.wait(60) == 1
+    stat = module.stat()
+    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # edited
+    edited = start("2")
+    assert isinstance(edited, subprocess.Popen) and edited.wait(60) == 2
+    assert forkserver._current is not server and server in forkserver._retired
+    assert forkserver._current.ready.wait(120) and forkserver._current.error is None
+    again = start("3")
+    assert isinstance(again, Forked) and again.server is forkserver._current
+    assert again.wait(60) == 3
+    out.close()
