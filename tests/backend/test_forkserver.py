@@ -77,15 +77,26 @@ def _fresh_module_state(monkeypatch):
             server.close()
 
 
+@pytest.fixture(scope="module")
+def echo_server():
+    """One fork server for the tests that fork from it directly (its environment the module's,
+    without pytest's per-test variable)."""
+    environ = env()
+    environ.pop("PYTEST_CURRENT_TEST", None)
+    server = ready_server(environ)
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize(
     "args, rc", [(["exit", "0"], 0), (["exit", "3"], 3), (["raise"], 1)], ids=str
 )
-def test_a_forked_worker_starts_ends_and_writes_as_its_command_line_would(tmp_path, args, rc):
-    environ = env()
-    server = ready_server(environ)
+def test_a_forked_worker_starts_ends_and_writes_as_its_command_line_would(
+    tmp_path, echo_server, args, rc
+):
+    environ = echo_server.env
     want_rc, want = cold(tmp_path, "w", args, environ)
-    got_rc, got = forked(server, tmp_path, "w", args)
-    server.close()
+    got_rc, got = forked(echo_server, tmp_path, "w", args)
     assert (got_rc, want_rc) == (rc, rc)
     assert without_traceback_frames(got) == without_traceback_frames(want)
     first = json.loads(got.splitlines()[0])
@@ -100,16 +111,16 @@ def test_a_forked_worker_starts_ends_and_writes_as_its_command_line_would(tmp_pa
         assert "Traceback (most recent call last):" in got and "RuntimeError: boom" in got
 
 
-def test_a_signal_to_its_group_ends_a_forked_worker_and_the_signal_is_its_exit(tmp_path):
-    server = ready_server(env())
+def test_a_signal_to_its_group_ends_a_forked_worker_and_the_signal_is_its_exit(
+    tmp_path, echo_server
+):
     with (tmp_path / "log").open("ab") as out:
-        child = server.fork(command("sleep", "60"), server.env, REPO, out)
+        child = echo_server.fork(command("sleep", "60"), echo_server.env, REPO, out)
     assert child.exit() == (False, None)
     assert psutil.Process(child.pid).create_time() == child.create_time
     os.killpg(child.pid, signal.SIGTERM)
     assert child.wait(30) == -signal.SIGTERM
     assert child.exit() == (True, -signal.SIGTERM)
-    server.close()
 
 
 def test_launch_forks_for_the_environment_its_fork_server_imported_with(tmp_path):
