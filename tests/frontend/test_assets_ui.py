@@ -27,6 +27,7 @@ def building_server(tmp_path):
         "STAGEHAND_WORKBENCH_DEMO_ASSETS": "1",
         "STAGEHAND_WORKBENCH_CACHE": str(cache),
         "STAGEHAND_WORKBENCH_DEMO_SPEC": TINY_BUILD,
+        "STAGEHAND_WORKBENCH_FORK_SERVER": "0",  # one run: a fork server would not pay back
     }
     proc, base = _start_server(tmp_path / "data", env)
     yield base, cache
