@@ -82,15 +82,20 @@ def _mb(nbytes: float) -> float:
 
 
 def stagehand_section(info: ModelInfo, *, file_backed: bool) -> dict[str, Any]:
-    """``memory.stagehand`` for weight streaming with a budget of a few blocks (MB)."""
+    """``memory.stagehand`` for weight streaming with a budget of half the blocks (MB): the low
+    watermark holds the resident weights and half the blocks' bytes, the high one the largest
+    block more (a window of 1), so the other half streams. Under the high watermark every block
+    the trace needs before the next load stays (NOTE [ Prefetch window ]): a budget of the
+    largest blocks rather than half of them would keep every block of a small model."""
     block_mb = info.block_bytes / MB
     slab_mb = max(1, math.ceil(block_mb))
-    window = 2
+    window = 1
+    low = info.nonblock_bytes + (info.param_bytes - info.nonblock_bytes) / 2
     return {
         "pinned_pool_mb": slab_mb * (window + 2),
         "pinned_slab_mb": slab_mb,
-        "vram_high_watermark_mb": _mb(info.nonblock_bytes + 3 * info.block_bytes),
-        "vram_low_watermark_mb": _mb(info.nonblock_bytes + 2 * info.block_bytes),
+        "vram_high_watermark_mb": _mb(low + window * info.block_bytes),
+        "vram_low_watermark_mb": _mb(low),
         "prefetch_window_blocks": window,
         "max_inflight_transfers": 2,
         "file_backed": file_backed,

@@ -175,7 +175,8 @@ class StagehandConfig(_Strict):
     """Blocks stay on the device after their use while usage is under this; above it they are
     evicted, needed furthest ahead first, until usage is under it (NOTE [ Eviction policy ])."""
     prefetch_window_blocks: WindowBlocks | None = None
-    """Blocks loaded ahead of use along the traced order (0 disables prefetch). None: derived
+    """Blocks loaded ahead of use along the traced order (0 disables prefetch); blocks kept on
+    the device between them take no place (NOTE [ Prefetch window ]). None: derived
     from the largest block and the card (about 1 GiB ahead, 2 to 8 blocks) on CUDA, 2 on CPU
     (NOTE [ Pipeline depth ] in ``runtime/weights/defaults.py``)."""
     max_inflight_transfers: InflightCopies | None = None

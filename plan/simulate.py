@@ -273,6 +273,7 @@ class Simulation:
                 self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
             )
             self._load(block, speculative=False)
+        block.prefetched = False  # used: no longer loaded ahead (NOTE [ Prefetch window ])
         if block.ready_at > self.now:
             self.result.waits += 1
             self.result.stall_ms += block.ready_at - self.now

@@ -6,9 +6,9 @@ that may go, the one needed furthest ahead goes first. The watermarks are a budg
 stays on the device after its use while usage is under the low watermark, and the band between
 the low and the high one is the prefetch window's room. Four moments decide:
 
-- prefetch (``prefetch``): the window's blocks not on the device are loaded in order; the walk
-  stops at the first that does not fit or cannot be loaded (no slab, no copy slot, the
-  Conductor's no), so a later block never overtakes an earlier one;
+- prefetch (``prefetch``): the window's blocks (``window``) not on the device are loaded in
+  order; the walk stops at the first that does not fit or cannot be loaded (no slab, no copy
+  slot, the Conductor's no), so a later block never overtakes an earlier one;
 - room for a prefetch (``make_room``): a block is loaded ahead only if it fits under the high
   watermark after evicting idle blocks the order needs *later* than it, furthest first, never
   one needed before it. A block kept because usage was under the low watermark must not stop
@@ -28,7 +28,34 @@ watermark is loaded once in forward and once in backward: 2 x (streamed bytes) o
 the minimum for the budget (Belady's rule is optimal for a known sequence). Layer offload's
 resident blocks are never candidates (``evictable``); its low watermark is 0.
 
-The choices (``evictable``, ``furthest``, ``needed_after``) are pure: block states, the blocks
+# NOTE [ Prefetch window ]
+The window is counted in blocks *loaded ahead*, not in uses: it runs along the trace from the
+cursor through the ``trace.window``-th block that is not on the device or was loaded ahead and
+not used since (``prefetched``). Blocks the watermarks kept on the device lie inside it and take
+no place in it, so a run of kept blocks does not hide the next load from the prefetch: the copy
+engine works while they compute. Before, the window was the next ``trace.window`` blocks used,
+kept or not; after a run of kept blocks the first streamed one was issued only ``window`` uses
+ahead, and a planned FLUX.1-dev step on a 24 GiB card waited 48 ms on copies in flight where
+it now waits 40 (``workbench plan``, h100 profile, 2 blocks). The device bytes the window holds
+are unchanged: at most ``trace.window`` blocks loaded ahead.
+
+# NOTE [ Bytes being freed ]
+On CUDA an evicted block's bytes count in ``usage()`` until the copy that still reads them ends
+(a module-backed block's copy back, ``DeviceMemory.release_after``): the allocator cannot reuse
+them yet. Re-reading usage after each eviction is right where a block must really fit (room
+for a prefetch or a use), but after a use it over-evicted: each eviction left usage where it
+was, so the loop went on through every idle block, and each was loaded again later. Under the
+device double (``STAGEHAND_TEST_LAG=4``, ``tests/runtime/weights/test_residency.py``) a budget
+of 4 of 8 blocks loaded 8 and 9 blocks in alternate steps instead of 8. ``release_after_use``
+counts the bytes of the blocks it evicted that usage still holds as freed.
+
+A block loaded again while its copy back is in flight, without a host image to copy from, must
+wait on the host for that copy before staging its masters. A prefetch gives up instead
+(``TransferEngine.load``) and is retried at the next use; the window, reaching past kept blocks,
+otherwise reloaded a block evicted one use earlier and waited (``test_transfer_engine.py``).
+A use still waits: under the double at lag 8, 1 host wait a step with 4 of 8 blocks kept.
+
+The choices (``evictable``, ``furthest``, ``needed_after``, ``window``) are pure: block states, the blocks
 in use and the trace in, blocks out. The loops that apply them take the usage reading, the
 eviction and the load as callables, and read usage again after each eviction instead of
 subtracting the block's bytes: on CUDA an evicted block's bytes count until its D2H copy ended
@@ -38,7 +65,7 @@ subtracting the block's bytes: on CUDA an evicted block's bytes count until its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 
@@ -49,6 +76,8 @@ class BlockLike(Protocol):
     nbytes: int
     resident: bool
     """Never evicted (layer offload's resident set)."""
+    prefetched: bool
+    """Loaded ahead of its use and not used since."""
 
     @property
     def on_device(self) -> bool:
@@ -59,7 +88,12 @@ class BlockLike(Protocol):
 class Trace(Protocol):
     """The traced order and its cursor (``BlockScheduler``), read only."""
 
-    def upcoming(self, count: int | None = None) -> list[int]: ...
+    @property
+    def window(self) -> int:
+        """Blocks loaded ahead of their use at most (NOTE [ Prefetch window ])."""
+        ...
+
+    def ahead(self) -> Iterator[int]: ...
 
     def distance(self, index: int) -> int: ...
 
@@ -84,6 +118,25 @@ def furthest(trace: Trace, blocks: Iterable[B]) -> B | None:
     return max(blocks, key=lambda b: trace.distance(b.index), default=None)
 
 
+def window(trace: Trace, blocks: Sequence[B]) -> list[B]:
+    """The prefetch window (NOTE [ Prefetch window ]): the blocks the trace uses next, soonest
+    first, through the ``trace.window``-th that is loaded ahead of its use (not on the device,
+    or ``prefetched``); blocks kept on the device in between belong to it. Empty before the
+    trace."""
+    out: list[B] = []
+    ahead = 0
+    if trace.window <= 0:
+        return out
+    for index in trace.ahead():
+        block = blocks[index]
+        out.append(block)
+        if not block.on_device or block.prefetched:
+            ahead += 1
+            if ahead == trace.window:
+                break
+    return out
+
+
 def needed_after(trace: Trace, blocks: Iterable[B], index: int) -> list[B]:
     """Those of ``blocks`` needed later than block ``index``, furthest first: what may make room
     for ``index`` without evicting a block needed before it."""
@@ -105,8 +158,7 @@ def prefetch(
     """Load the window's blocks that are not on the device, in the trace's order: ``fits(block)``
     makes room for it (``make_room``), ``load(block)`` issues its copy. Returns False when the
     walk stopped at a block that did not fit or was not loaded (a prefetch skipped)."""
-    for index in trace.upcoming():
-        block = blocks[index]
+    for block in window(trace, blocks):
         if block.on_device:
             continue
         if not fits(block) or not load(block):
@@ -155,7 +207,7 @@ def room_for_use(
 
 def release_after_use(
     trace: Trace,
-    blocks: Iterable[B],
+    blocks: Sequence[B],
     active: Collection[int],
     high_bytes: float,
     low_bytes: float,
@@ -164,10 +216,17 @@ def release_after_use(
 ) -> None:
     """The evictions after a block finished a use (it is no longer in ``active``): while usage
     is over ``low_bytes``, the idle block needed furthest ahead, outside the window unless usage
-    is over ``high_bytes`` (NOTE [ Eviction policy ])."""
-    while usage() > low_bytes:
-        keep = () if usage() > high_bytes else trace.upcoming()
+    is over ``high_bytes`` (NOTE [ Eviction policy ]). The blocks evicted here count as freed
+    even while their bytes still count in ``usage()`` (a copy back in flight: NOTE [ Bytes being
+    freed ]), so the loop evicts what brings usage under ``low_bytes`` once they are, no more;
+    usage read lower than that (other copies ended) is taken as it is."""
+    start = used = usage()
+    evicted = 0
+    while (left := min(used, start - evicted)) > low_bytes:
+        keep = () if left > high_bytes else [b.index for b in window(trace, blocks)]
         victim = furthest(trace, evictable(blocks, active, keep))
         if victim is None:
             break
         evict(victim)
+        evicted += victim.nbytes
+        used = usage()

@@ -383,7 +383,7 @@ class WeightRuntime:
         block whose end boundary never fired (a non-reentrant checkpoint recomputation that
         stopped early, an exception mid-block). Returns the evicted indices; each eviction is a
         ``stagehand/block`` ``evict`` record with ``reason: "stale"``."""
-        keep = set(keep) | set(self.scheduler.upcoming())
+        keep = set(keep) | {b.index for b in policy.window(self.scheduler, self.blocks)}
         stale = policy.evictable(self.blocks, (), keep)
         for block in stale:
             self._active.discard(block.index)

@@ -17,6 +17,9 @@ What is evicted and prefetched along the order is ``policy.py``'s (NOTE [ Evicti
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 
 class BlockScheduler:
     """Traced block order, cursor and window.
@@ -61,21 +64,24 @@ class BlockScheduler:
                 self.pos = j
                 return
 
-    def upcoming(self, count: int | None = None) -> list[int]:
-        """The next ``count`` (default: the window) distinct blocks after the cursor, in order."""
-        count = self.window if count is None else count
+    def ahead(self) -> Iterator[int]:
+        """The distinct blocks after the cursor, soonest first, once around the order (lazy;
+        nothing before the trace). ``policy.window`` walks it."""
         order = self.order
-        if not order or count <= 0:
-            return []
-        out: list[int] = []
+        if not order:
+            return
+        seen: set[int] = set()
         n = len(order)
         for k in range(1, n + 1):
             index = order[(self.pos + k) % n]
-            if index not in out:
-                out.append(index)
-                if len(out) == count:
-                    break
-        return out
+            if index not in seen:
+                seen.add(index)
+                yield index
+
+    def upcoming(self, count: int | None = None) -> list[int]:
+        """The next ``count`` (default: the window) distinct blocks after the cursor, in order."""
+        count = self.window if count is None else count
+        return list(itertools.islice(self.ahead(), max(0, count)))
 
     def distance(self, index: int) -> int:
         """Uses until block ``index`` is needed again (len(order) when never or untraced)."""

@@ -184,6 +184,12 @@ class TransferEngine:
         if block.read_plan is None:
             self._plan(block)
         image = self.cache.ready(block)
+        back = block.d2h_event
+        if speculative and image is None and back is not None and not back.query():
+            # Its host masters are still arriving (its copy back) and there is no image to copy
+            # from: staging them would wait on the host (below). A prefetch never does; the
+            # next prefetch, or the use, loads it (NOTE [ Bytes being freed ] in policy.py).
+            return False
         fill = None
         if image is None:
             fill = self.cache.reserve(block)

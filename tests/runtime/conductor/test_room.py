@@ -109,9 +109,12 @@ def test_a_section_with_room_denies_no_prefetch(with_room):
         assert denials(sink, step) == []
         assert records[step]["deny_count"] == 0
         assert c["grants"] >= c["blocks_loaded"] > 0  # every load a granted prefetch
-        assert c["prefetch_misses"] == 0 and c["prefetch_hits"] == c["blocks_loaded"]
+        assert c["prefetch_misses"] == 0 and 0 < c["prefetch_hits"] <= c["blocks_loaded"]
         assert "contention" not in records[step]["rules_fired"]
         assert records[step]["vram_headroom_mb"] > 0
+    # Steady (step 2): every load of the step is a hit of the step. Step 1 also loads the
+    # next step's first blocks ahead, past the ones the trace step left on the device.
+    assert counters[2]["prefetch_hits"] == counters[2]["blocks_loaded"]
 
 
 def test_a_section_without_room_still_denies(flux_dev_tiny, with_room):

@@ -8,6 +8,7 @@ import torch
 from contract.config import MB
 from runtime.common import ListSink, Telemetry
 from runtime.weights import WeightRuntime
+from tests.runtime.device_double import device_double
 
 from ._train import Wide, config
 
@@ -45,7 +46,9 @@ def test_blocks_that_fit_stay_and_the_rest_move_twice_a_step(kept, window):
     streamed = DEPTH - kept
     assert steady["blocks_loaded"] == 2 * streamed
     assert steady["h2d_bytes"] == 2 * streamed * block  # 2 x (bytes of the blocks that do not fit)
-    assert steady["resident_blocks"] == kept
+    # At the step's end the kept blocks and, reaching past them (NOTE [ Prefetch window ]),
+    # the window's loads ahead for the next step's forward.
+    assert steady["resident_blocks"] == min(DEPTH, kept + window)
     assert steady["prefetch_misses"] == 0
     assert steady["vram_peak_mb"] * MB <= low + window * block
     # The usage oscillates across the low watermark, between post-eviction valleys and the
@@ -62,3 +65,23 @@ def test_low_watermark_zero_keeps_only_the_window():
     steady = sink.of("stagehand", "step")[-1]
     assert steady["blocks_loaded"] == 2 * (DEPTH - 1)
     assert steady["h2d_bytes"] == 2 * (DEPTH - 1) * block
+
+
+@pytest.mark.sync_device  # the lag is this test's own
+@pytest.mark.parametrize(("kept", "window"), [(4, 1), (6, 1), (3, 2)])
+def test_copies_back_in_flight_evict_no_more_blocks(kept, window):
+    """NOTE [ Bytes being freed ]: on a device whose copies end late (the device double, lag
+    4), the blocks exposed at a step's end copy their weights back at their eviction and their
+    bytes count until that copy ends. The steady steps load, keep and copy back exactly what
+    they do on a synchronous device; before, the eviction after a use went on through every
+    idle block while usage did not drop (kept 4: 9 and 8 loads in alternate steps)."""
+    keys = ("blocks_loaded", "h2d_bytes", "resident_blocks", "d2h_bytes", "prefetch_misses")
+    sync, _, _ = _run(kept, window, steps=4)
+    with device_double(4) as clock:
+        lagged, _, _ = _run(kept, window, steps=4)
+    assert clock.max_pending > 0  # copies really were in flight behind the host
+    for step in (2, 3):
+        want = sync.of("stagehand", "step")[step]
+        got = lagged.of("stagehand", "step")[step]
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert want["d2h_bytes"] > 0  # not vacuous: blocks were copied back

@@ -88,13 +88,18 @@ def _steps(model, built, lag, steps, set_to_none) -> dict[int, tuple]:
 
 @pytest.mark.parametrize("strategy", ["stream-module", "stream-file"])
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_no_host_wait_in_forward_or_backward_under_a_device_double(tmp_path, strategy, method):
+@pytest.mark.parametrize("behind", [4, 8])
+def test_no_host_wait_in_forward_or_backward_under_a_device_double(
+    tmp_path, strategy, method, behind
+):
     """Defect 7: the runtime's own host waits are counted (``host_waits``) and none falls in a
-    forward or backward, under a device 4 operations behind the host with prefetches evicted
-    before their use (high watermark above a block, low at 0). Before: the eviction of a
-    PREFETCHING block waited on the host, and so did the load after an empty D2H event."""
+    forward or backward, under a device 4 or 8 operations behind the host with prefetches
+    evicted before their use (high watermark above a block, low at 0). Before: the eviction of
+    a PREFETCHING block waited on the host, and so did the load after an empty D2H event; and
+    with the window reaching past kept blocks (NOTE [ Prefetch window ]) a prefetch of a block
+    evicted one use before waited for its copy back (it now gives up and is retried)."""
     path = exact.build_toy("dual", tmp_path / "dual")
-    with device_double(4) as lag:
+    with device_double(behind) as lag:
         model = exact.make_model("dual", path, method, "non-reentrant")
         memory = memory_section(strategy, True)
         memory["stagehand"].update(vram_high_watermark_mb=1000, prefetch_window_blocks=2)
