@@ -5,8 +5,9 @@ at the row's size (its inventory measured on ``meta``, ``realmodel.model_invento
 profile of the machine the row ran on: the blocks it keeps resident, the loads, H2D bytes,
 demand loads (misses) and waits of a steady step, its step time and its peak. A row whose
 section still says ``"auto"`` (a real-size row on the run's own card) is planned with the
-planner's activation estimate, where the run resolves it at build without one and again with
-its measured peak after the trace step: there the two may keep different blocks.
+planner's activation estimate, which the row's run resolves with at build too
+(``realsize.row_activation_peak``), and again with its measured peak after the trace step:
+from then on the two may keep different blocks.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ the largest blocks: the same code path.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
@@ -60,15 +61,19 @@ from bench.realmodel import (
     build_weights,
     card_section,
     load_lora_model,
+    model_inventory,
     preset_memory,
     real_model,
     scale_section,
     section_scale,
 )
+from contract.config import MemoryConfig
+from plan.sections import planned_activations
 from plan.workload import train_steps
 from runtime.common.attention import apply_attention_backend
 from runtime.common.telemetry import ListSink, Telemetry
 from runtime.strategy import build_strategy
+from runtime.strategy.auto import plans_activations
 from worker.assets import example_inputs
 
 ROWS = (
@@ -116,6 +121,20 @@ def row_memory(name: str, model: str, size: str, card_bytes: int | None = None) 
     if name == "layer_offload_0.9":
         return preset_memory(LAYER_OFFLOAD_PRESET)
     raise ValueError(f"real-size rows are {list(ROWS)}, got {name!r}")
+
+
+def row_activation_peak(model: str, size: str, memory: dict[str, Any], device: str) -> int:
+    """The activation peak (bytes) a row whose section still says ``"auto"`` resolves with at
+    build, as a run does (``runtime.strategy.auto.plans_activations``): the planner's estimate
+    for ``model`` at ``size`` (``plan.sections.planned_activations``), so the row keeps the
+    blocks its ``plan`` simulates; 0 when nothing is ``"auto"`` or there is no budget. The
+    driver computes it (its inventory is measured once per process) into the row's job."""
+    config = MemoryConfig.model_validate(copy.deepcopy(memory))
+    if not plans_activations(config, device):
+        return 0
+    sh = config.stagehand
+    inv = model_inventory(model, size, sh.block_pattern, sh.resident_trainable_max_fraction)
+    return planned_activations(inv, config.gradient_checkpointing)
 
 
 def half_budget(weights: Any) -> int:
@@ -233,7 +252,12 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = load_lora_model(spec, job["folder"])
     strategy = build_strategy(
-        model, memory, device=device, telemetry=Telemetry(ListSink()), checkpoint_dir=job["folder"]
+        model,
+        memory,
+        device=device,
+        telemetry=Telemetry(ListSink()),
+        checkpoint_dir=job["folder"],
+        activation_peak=job.get("activation_peak", 0),
     )
     expected = half_budget(strategy.weights) if job["row"] == "stream_half" else None
     setup_s = time.perf_counter() - t0

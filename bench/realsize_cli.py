@@ -15,7 +15,7 @@ import torch
 
 from bench.configs import LAYER_OFFLOAD_RSS_NOTE
 from bench.prediction import bench_profile, row_prediction
-from bench.realsize import GB, ROWS, row_memory
+from bench.realsize import GB, ROWS, row_activation_peak, row_memory
 from bench.runner import Runner
 
 
@@ -122,6 +122,7 @@ def run(args: Any, log: Any) -> int:
         # this section and the plan below simulates the same one.
         memory = row_memory(name, args.model, size, card)
         job = {**base, "row": name, "steps": steps, "warmup": warmup, "memory": memory}
+        job["activation_peak"] = row_activation_peak(args.model, size, memory, device)
         row = runner.run("realsize_row", job)
         row.setdefault("name", name)
         if row["status"] == "ok" and planning is not None:

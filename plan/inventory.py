@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from runtime.layer_offload.checkpoint_layer import SharedTensors, split_inputs
 from runtime.squareq.runtime import image_nbytes
 from runtime.weights.convert import _resident_trainable, shared_parameters
+from runtime.weights.defaults import block_bytes
 from runtime.weights.registry import Block, build_layout, find_blocks
 from runtime.weights.sources import SafetensorsCheckpoint
 from worker.assets import output_tensor
@@ -65,6 +66,9 @@ class BlockInfo:
     attention (bandwidth-bound: norms, activations, residual adds, RoPE)."""
     param_bytes: int = 0
     """Bytes of all its parameters, adapter included (layer offload sizes its slab by it)."""
+    layout_bytes: int = 0
+    """``param_bytes`` with each parameter aligned as the weight runtime lays it out
+    (``runtime.weights.defaults.block_bytes``): what the window, the slab and ``"auto"`` size by."""
     checkpoint_inputs: list[int] = field(default_factory=list)
     """Bytes of each tensor layer offload's checkpoint wrapper saves for the block: its inputs
     less those an earlier block was given (``runtime.layer_offload.checkpoint_layer``'s
@@ -412,6 +416,7 @@ def inventory(
     for info, (_, module) in zip(infos, found, strict=True):
         info.params = sum(p.numel() for p in module.parameters())
         info.param_bytes = sum(_nbytes(p) for p in module.parameters())
+        info.layout_bytes = block_bytes([("", module)])[0]
         info.saved = counter.saved[info.index]
         info.forward_flops += attention.flops.get(info.index, 0)
         info.forward_ops = ops.ops.get(info.index, 0)

@@ -11,7 +11,6 @@ from plan.profiles import DeviceProfile
 from runtime.layer_offload.section import ceiling_mb, section_for
 from runtime.strategy.auto import resolve_auto
 from runtime.weights.defaults import resolve, staged_sizes
-from runtime.weights.registry import ALIGN
 
 
 def weight_section(
@@ -57,9 +56,10 @@ def auto_section(
 ) -> StagehandSection:
     """``section`` with its ``"auto"`` fields in MB: the strategy's own ``resolve_auto`` with
     the plan's figures (``block_sizes``, ``plan_trainable_bytes``, ``planned_activations``).
-    The one resolution the planner and the bench's rows on a card they size for share, so
-    both keep the same blocks resident; a run resolves at build without an estimate (the
-    worker cannot build an inventory) and with its measured peak after the trace step.
+    The one resolution the planner, the bench's rows and a run share, so all keep the same
+    blocks resident: a run resolves at build with ``planned_activations`` of the same
+    inventory (``plan.plan.planned_activation_peak``), then with its measured peak after the
+    trace step.
 
     Args:
         card_bytes: the card's memory in bytes; None on a CPU device (no budget).
@@ -84,8 +84,8 @@ def plan_trainable_bytes(inv: Inventory) -> int:
 
 def block_sizes(inv: Inventory) -> list[int]:
     """Each block's bytes as the runtime sizes its pipeline (slab, window, "auto"): all its
-    parameters, adapter included, aligned."""
-    return [-(-b.param_bytes // ALIGN) * ALIGN for b in inv.blocks]
+    parameters, adapter included, each aligned (``runtime.weights.defaults.block_bytes``)."""
+    return [b.layout_bytes for b in inv.blocks]
 
 
 def planned_activations(inv: Inventory, checkpointing: bool) -> int:

@@ -26,6 +26,7 @@ from contract.status import RunStatus
 from runtime.common.attention import apply_attention_backend
 from runtime.common.telemetry import JsonlSink, TeeStdoutSink, Telemetry
 from runtime.strategy import build_strategy
+from runtime.strategy.auto import plans_activations
 from worker import loop, records
 from worker.control import Interrupted, StopFlag
 from worker.families import family
@@ -171,6 +172,31 @@ class Run:
             should_stop=lambda: self.poll_control() is not None,
         )
 
+    def planned_peak(self, preset: Preset) -> int:
+        """The activation peak (bytes) ``"auto"`` limits resolve with at build: the planner's
+        (``plan.plan.planned_activation_peak``, the inventory ``workbench plan`` measures) when
+        the run has ``"auto"`` fields and a budget (``plans_activations``), so the run starts
+        with the watermarks its plan shows; else 0. A preset the planner cannot model starts
+        with 0 and says so; the trace step's measured peak replaces either."""
+        if not plans_activations(preset.memory, self.device):
+            return 0
+        from plan.inventory import PlanInputError  # lazy: the planner imports the worker
+        from plan.plan import planned_activation_peak
+
+        t0 = time.perf_counter()
+        try:
+            peak = planned_activation_peak(preset)
+        except PlanInputError as exc:
+            self.progress.line(
+                f'"auto" limits: no planned activation peak ({exc}); 0 until measured'
+            )
+            return 0
+        took = time.perf_counter() - t0
+        self.progress.line(
+            f'"auto" limits: planned activation peak {peak / 2**20:.1f} MB ({took:.1f} s)'
+        )
+        return peak
+
     def stage2(self, preset: Preset, model_dir: Path, data: loop.Batchable) -> loop.LoopState:
         dtype = loop.DTYPES[preset.train_dtype]
         self.stage("train", 0, preset.max_steps, f"loading {model_dir.name}")
@@ -189,6 +215,7 @@ class Run:
             telemetry=self.telemetry,
             checkpoint_dir=model_dir,
             mode="training",
+            activation_peak=self.planned_peak(preset),
         )
         optimizer, scheduler = loop.make_optimizer(preset, trainable)
         if self.resume:

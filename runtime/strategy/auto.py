@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from contract.config import MB, StagehandSection
+from contract.config import MB, MemoryConfig, StagehandSection
 from contract.limits import ACTIVATION_PAIR, AUTO, WEIGHT_PAIR
 from runtime.conductor.arbitration import AUTO_PRESSURE_THRESHOLD, auto_limits
 from runtime.weights.auto import auto_watermarks, margin_bytes
@@ -40,6 +40,17 @@ def has_auto(section: StagehandSection | None) -> bool:
     if cond is not None and cond.enabled:
         fields.append(cond.vram_soft_cap_mb)
     return AUTO in fields
+
+
+def plans_activations(memory: MemoryConfig, device: torch.device | str) -> bool:
+    """Whether a run of ``memory`` on ``device`` resolves ``"auto"`` with an activation peak
+    (the planner's at build): the stagehand strategy with an ``"auto"`` field and a budget to
+    fit (a CUDA card, or an enabled Conductor's soft cap in MB). Without a budget ``"auto"``
+    gives ``NO_BUDGET_MB`` whatever the peak."""
+    section = memory.stagehand
+    if memory.strategy != "stagehand" or not has_auto(section):
+        return False
+    return torch.device(device).type == "cuda" or device_budget(section, None) is not None
 
 
 def trainable_bytes(model: torch.nn.Module) -> int:
@@ -117,11 +128,15 @@ class AutoSection:
     ``measured``: the activation peak measured at the end of the first forward (device bytes
     other than weights: ``usage - tracked weights``), None once used."""
 
-    def __init__(self, section: StagehandSection, model: torch.nn.Module, device) -> None:
+    def __init__(
+        self, section: StagehandSection, model: torch.nn.Module, device, training: bool = True
+    ) -> None:
         device = torch.device(device)
         self.section = section
         self.block_sizes = block_bytes(find_blocks(model, section.block_pattern))
-        self.trainable = trainable_bytes(model)
+        # An inference strategy (stage 1's text encoders) keeps no gradient or optimizer state,
+        # whatever its parameters' requires_grad says.
+        self.trainable = trainable_bytes(model) if training else 0
         cuda = device.type == "cuda"
         self.card = torch.cuda.get_device_properties(device).total_memory if cuda else None
         self.measured: int | None = None

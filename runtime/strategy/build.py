@@ -22,6 +22,7 @@ def build_strategy(
     telemetry: Telemetry | None = None,
     checkpoint_dir: str | Path | None = None,
     mode: str = "training",
+    activation_peak: int = 0,
 ) -> MemoryStrategy:
     """The strategy named by ``memory.strategy`` for ``model``.
 
@@ -38,6 +39,9 @@ def build_strategy(
     ``checkpoint_dir`` is the model's safetensors folder (sharded or not); with it, frozen block
     weights stream from the files (file-backed) instead of being kept in host RAM.
     ``mode`` is ``"training"`` or ``"inference"`` (stage-1 text encoding).
+    ``activation_peak``: the planned activation peak (bytes) that ``"auto"`` fields of
+    ``memory.stagehand`` resolve with at build (``plan.plan.planned_activation_peak``; 0: none
+    planned), until the trace step measures it.
 
     Raises:
         pydantic.ValidationError: ``memory`` is not a valid memory section.
@@ -57,6 +61,7 @@ def build_strategy(
             telemetry=telemetry,
             checkpoint_dir=checkpoint_dir,
             mode=mode,
+            activation_peak=activation_peak,
         )
     if memory.strategy == "layer_offload":
         return LayerOffloadStrategy(

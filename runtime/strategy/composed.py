@@ -61,6 +61,9 @@ class StagehandStrategy(MemoryStrategy):
         telemetry: the run's one stream (None writes nowhere).
         checkpoint_dir: the model's safetensors folder: frozen block weights stream from it.
         mode: ``"training"`` or ``"inference"`` (stage-1 text encoders: no activation runtime).
+        activation_peak: the step's planned activation peak in bytes, what ``"auto"`` fields
+            resolve with at build (``plan.plan.planned_activation_peak``); 0 when none was
+            planned. The trace step's measured peak replaces it.
 
     ``weights``, ``activations`` and ``conductor`` are the runtimes that are on (None when off),
     for callers that inspect them; the strategy itself only goes through ``parts``.
@@ -81,16 +84,18 @@ class StagehandStrategy(MemoryStrategy):
         telemetry: Telemetry | None = None,
         checkpoint_dir: str | Path | None = None,
         mode: str = "training",
+        activation_peak: int = 0,
     ) -> None:
         if mode not in ("training", "inference"):
             raise ValueError(f'mode must be "training" or "inference", got {mode!r}')
         telemetry = telemetry if telemetry is not None else Telemetry()
         super().__init__(model, device=device, telemetry=telemetry, memory=DeviceMemory(device))
         self.weights = self.activations = self.conductor = None
-        self.auto = AutoSection(section, model, device) if has_auto(section) else None
-        """``"auto"`` fields: resolved at build, the weight watermarks again after the trace step
-        with the measured activation peak (``runtime/strategy/auto.py``)."""
-        section = self.auto.resolve(activation_peak=0) if self.auto else section
+        training = mode == "training"
+        self.auto = AutoSection(section, model, device, training) if has_auto(section) else None
+        """``"auto"`` fields: resolved at build with the planned activation peak, the weight
+        watermarks again after the trace step with the measured one (``runtime/strategy/auto.py``)."""
+        section = self.auto.resolve(activation_peak) if self.auto else section
         self.section, self.mode = section, mode
         self.parts: list[MemoryPart] = []
         self._packing: list[MemoryPart] = []
@@ -206,7 +211,7 @@ class StagehandStrategy(MemoryStrategy):
         if first is not None:
             raise first
         if self.auto is not None and self.weights is not None and self.auto.measured is not None:
-            # The trace step measured the activation peak: it replaces the planned one (0),
+            # The trace step measured the activation peak: it replaces the planned one,
             # through the live limits (applied at the next STEP_BEGIN, a limits_applied record).
             marks = self.auto.resolve(self.auto.measured)
             self.auto.measured = None

@@ -92,3 +92,20 @@ def test_a_tiny_card_row_moves_what_the_plan_predicts(tmp_path):
     assert c["prefetch_misses"] == plan["misses_per_step"] == 0
     assert plan["streamed_blocks"] + plan["resident_blocks"] == 57 and plan["step_ms"] > 0
     assert rows["resident"]["plan"]["block_loads_per_step"] == 0
+
+
+def test_a_row_left_auto_resolves_with_the_plans_activation_peak():
+    """A real-size row on the run's own card keeps ``"auto"`` (no ``--card-gb``): its child
+    builds the strategy with the planner's activation estimate, as a run does, which the
+    driver computes once; a row resolved for an emulated card, or on the CPU, needs none."""
+    from bench.realsize import row_activation_peak
+    from plan.sections import planned_activations
+
+    auto = row_memory("stream_file", "flux-dev", "real")
+    assert auto["stagehand"]["vram_high_watermark_mb"] == "auto"
+    inv = model_inventory("flux-dev", "real")
+    peak = row_activation_peak("flux-dev", "real", auto, "cuda")
+    assert peak == planned_activations(inv, True) > 10**9  # ~2.1 GB at 1024 px, checkpointed
+    assert row_activation_peak("flux-dev", "real", auto, "cpu") == 0  # no budget to fit
+    card = row_memory("stream_file", "flux-dev", "real", card_bytes=CARD)
+    assert row_activation_peak("flux-dev", "real", card, "cuda") == 0  # already in MB
