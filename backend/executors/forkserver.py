@@ -112,9 +112,6 @@ class Forked:
             pass
         return True, None
 
-    def poll(self) -> int | None:
-        return self.exit()[1]
-
     def wait(self, timeout: float | None = None) -> int | None:
         """Its exit code (None when unknown). Raises ``subprocess.TimeoutExpired``."""
         deadline = None if timeout is None else time.monotonic() + timeout
