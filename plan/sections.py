@@ -58,7 +58,7 @@ def auto_section(
     the plan's figures (``block_sizes``, ``plan_trainable_bytes``, ``planned_activations``).
     The one resolution the planner, the bench's rows and a run share, so all keep the same
     blocks resident: a run resolves at build with ``planned_activations`` of the same
-    inventory (``plan.plan.planned_activation_peak``), then with its measured peak after the
+    inventory (``plan.activation_peak.planned_activation_peak``), then with its measured peak after the
     trace step.
 
     Args:

@@ -1,5 +1,6 @@
-"""``python -m worker PRESET_OR_CONFIG --run-dir DIR``: the training worker, the same as
-``workbench train`` (``worker.cli``)."""
+"""``python -m worker PRESET_OR_CONFIG --run-dir DIR``: the training worker, as ``workbench
+train`` runs it (``worker.cli``) but without the planner: ``"auto"`` limits resolve with an
+activation peak of 0 until the trace step measures one (``backend/cli/train.py``)."""
 
 import sys
 

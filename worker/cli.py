@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from contract.config import AUTO_DEVICE, check_device  # noqa: E402
 from runtime.common.memory import cache_host_allocations  # noqa: E402
 from worker.outputs import folder_problem  # noqa: E402
-from worker.run import Run  # noqa: E402
+from worker.run import ActivationPeak, Run  # noqa: E402
 
 
 def quiet_libraries() -> None:
@@ -60,7 +60,9 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, activation_peak: ActivationPeak | None = None) -> int:
+    """``workbench train``. ``activation_peak``: the planner's, for ``"auto"`` limits
+    (``worker.run.ActivationPeak``; ``backend/cli/train.py`` gives it)."""
     parser = argparse.ArgumentParser(
         prog="workbench train",
         description="Train a LoRA: stage 1 caches text embeddings and latents, stage 2 trains "
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device)
         if device.type == "cpu":
             cache_host_allocations()  # block loads reuse freed buffers (runtime.common.memory)
-        run = Run(args.preset, args.run_dir, device, args.resume)
+        run = Run(args.preset, args.run_dir, device, args.resume, activation_peak)
     except OSError as exc:
         print(
             f"workbench train: {folder_problem(args.run_dir, exc, started=False)}", file=sys.stderr

@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,11 +48,26 @@ long (seconds): the server sends SIGTERM ``stop_grace_s`` (30 s by default) afte
 and a SIGTERM during the samples ends them (``StopFlag.interruptible``; the LoRA is saved first)."""
 
 
-class Run:
-    """One training run in ``run_dir``; ``execute`` returns the final status."""
+ActivationPeak = Callable[[Preset], int]
+"""The planner's activation peak of a preset, in bytes (``plan.activation_peak``): what
+``"auto"`` limits resolve with at build. The planner sits above the worker, so ``workbench
+train`` passes it in (``backend/cli/train.py``); without it they resolve with 0."""
 
-    def __init__(self, spec: str, run_dir: Path, device: torch.device, resume: bool) -> None:
+
+class Run:
+    """One training run in ``run_dir``; ``execute`` returns the final status. ``activation_peak``:
+    the planner's (``ActivationPeak``), or None."""
+
+    def __init__(
+        self,
+        spec: str,
+        run_dir: Path,
+        device: torch.device,
+        resume: bool,
+        activation_peak: ActivationPeak | None = None,
+    ) -> None:
         self.spec, self.run_dir, self.device, self.resume = spec, run_dir, device, resume
+        self.activation_peak = activation_peak
         sink = JsonlSink(run_dir / wire.TELEMETRY_FILE)
         if os.environ.get(wire.STDOUT_ENV) == "1":
             sink = TeeStdoutSink(sink)  # the Ray executor's log stream (backend/executors)
@@ -174,19 +190,16 @@ class Run:
 
     def planned_peak(self, preset: Preset) -> int:
         """The activation peak (bytes) ``"auto"`` limits resolve with at build: the planner's
-        (``plan.plan.planned_activation_peak``, the inventory ``workbench plan`` measures) when
-        the run has ``"auto"`` fields and a budget (``plans_activations``), so the run starts
-        with the watermarks its plan shows; else 0. A preset the planner cannot model starts
-        with 0 and says so; the trace step's measured peak replaces either."""
-        if not plans_activations(preset.memory, self.device):
+        (``activation_peak``, given by ``workbench train``: the inventory ``workbench plan``
+        measures) when the run has ``"auto"`` fields and a budget (``plans_activations``), so
+        the run starts with the watermarks its plan shows; else 0. A preset the planner cannot
+        model starts with 0 and says so; the trace step's measured peak replaces either."""
+        if self.activation_peak is None or not plans_activations(preset.memory, self.device):
             return 0
-        from plan.inventory import PlanInputError  # lazy: the planner imports the worker
-        from plan.plan import planned_activation_peak
-
         t0 = time.perf_counter()
         try:
-            peak = planned_activation_peak(preset)
-        except PlanInputError as exc:
+            peak = self.activation_peak(preset)
+        except ValueError as exc:  # the planner's PlanInputError names the field
             self.progress.line(
                 f'"auto" limits: no planned activation peak ({exc}); 0 until measured'
             )

@@ -19,7 +19,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("backend.cli.serve", "serve the dashboard and API (default http://127.0.0.1:8000)"),
-    "train": ("worker.cli", "run one training job: workbench train PRESET --run-dir DIR"),
+    "train": ("backend.cli.train", "run one training job: workbench train PRESET --run-dir DIR"),
     "bench": ("bench.cli", "run the benchmark suite and print its table"),
     "demo-assets": ("worker.demo_cli", "build the local demo models, digits and encoder"),
     "plan": ("backend.cli.plan", "predict a preset's VRAM and step time on a device profile"),

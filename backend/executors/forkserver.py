@@ -62,15 +62,15 @@ PROCESS = "backend.executors.forkserver_process"
 """The fork server's own module (``python -m``)."""
 
 PRELOAD = (
-    "worker.cli",
+    "backend.cli.train",
     "diffusers.models.transformers",
     "diffusers.models.unets",
     "diffusers.models.autoencoders",
     "peft",
     "transformers",
 )
-"""What a worker imports before its first step (``worker.cli`` and the model classes diffusers
-loads lazily)."""
+"""What a worker imports before its first step (``workbench train``'s module: the worker and the
+planner; the model classes diffusers loads lazily)."""
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 READY_TIMEOUT_S = 300.0
 REPLY_TIMEOUT_S = 30.0

@@ -40,7 +40,7 @@ def build_strategy(
     weights stream from the files (file-backed) instead of being kept in host RAM.
     ``mode`` is ``"training"`` or ``"inference"`` (stage-1 text encoding).
     ``activation_peak``: the planned activation peak (bytes) that ``"auto"`` fields of
-    ``memory.stagehand`` resolve with at build (``plan.plan.planned_activation_peak``; 0: none
+    ``memory.stagehand`` resolve with at build (``plan.activation_peak.planned_activation_peak``; 0: none
     planned), until the trace step measures it.
 
     Raises:

@@ -62,7 +62,7 @@ class StagehandStrategy(MemoryStrategy):
         checkpoint_dir: the model's safetensors folder: frozen block weights stream from it.
         mode: ``"training"`` or ``"inference"`` (stage-1 text encoders: no activation runtime).
         activation_peak: the step's planned activation peak in bytes, what ``"auto"`` fields
-            resolve with at build (``plan.plan.planned_activation_peak``); 0 when none was
+            resolve with at build (``plan.activation_peak.planned_activation_peak``); 0 when none was
             planned. The trace step's measured peak replaces it.
 
     ``weights``, ``activations`` and ``conductor`` are the runtimes that are on (None when off),

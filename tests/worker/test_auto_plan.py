@@ -3,11 +3,12 @@ activation peak its plan uses, so it starts with the watermarks ``workbench plan
 
 import json
 
-from plan.plan import check_memory, plan_preset, planned_activation_peak
+from backend.cli.train import main
+from plan.activation_peak import planned_activation_peak
+from plan.plan import check_memory, plan_preset
 from plan.profiles import DeviceProfile
 from plan.sections import auto_section, block_sizes, plan_trainable_bytes, planned_activations
 from runtime.strategy.auto import resolve_auto
-from worker.cli import main
 from worker.preset import validate_preset
 
 AUTO = {"vram_high_watermark_mb": "auto", "vram_low_watermark_mb": "auto"}

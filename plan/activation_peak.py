@@ -1,0 +1,34 @@
+"""The activation peak a run resolves ``"auto"`` limits with at build: the planner's estimate
+(``plan.sections.planned_activations``) of the inventory ``workbench plan`` measures for the
+same preset. ``workbench train`` (``backend/cli/train.py``) hands it to the worker, whose layer
+sits below the planner's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plan.inventory import inventory
+from plan.plan import preset_family, preset_inputs, preset_model
+from plan.sections import planned_activations
+
+
+def planned_activation_peak(preset: Any) -> int:
+    """The activation peak ``"auto"`` resolves with for a run of the validated ``preset``
+    (bytes): ``planned_activations`` of the inventory ``plan_preset`` measures (the same meta
+    model, adapter and inputs at ``data.max_caption_tokens``). The worker resolves ``"auto"``
+    with it at build (``worker/run.py``), so a run starts with the watermarks its plan shows.
+
+    Raises:
+        PlanInputError: a field the inventory needs is wrong (named).
+    """
+    family = preset_family(preset)
+    model = preset_model(preset, family)
+    inputs = preset_inputs(model, preset, None, family)
+    sh = preset.memory.stagehand
+    inv = inventory(
+        model,
+        inputs,
+        block_pattern=sh.block_pattern if sh is not None else None,
+        resident_trainable_max_fraction=sh.resident_trainable_max_fraction if sh else 0.1,
+    )
+    return planned_activations(inv, preset.memory.gradient_checkpointing)
