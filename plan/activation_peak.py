@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plan.inventory import inventory
-from plan.plan import preset_family, preset_inputs, preset_model
+from plan.plan import preset_family, preset_inputs, preset_model, section_inventory
 from plan.sections import planned_activations
 
 
@@ -24,11 +23,5 @@ def planned_activation_peak(preset: Any) -> int:
     family = preset_family(preset)
     model = preset_model(preset, family)
     inputs = preset_inputs(model, preset, None, family)
-    sh = preset.memory.stagehand
-    inv = inventory(
-        model,
-        inputs,
-        block_pattern=sh.block_pattern if sh is not None else None,
-        resident_trainable_max_fraction=sh.resident_trainable_max_fraction if sh else 0.1,
-    )
+    inv = section_inventory(model, inputs, preset.memory.stagehand)
     return planned_activations(inv, preset.memory.gradient_checkpointing)

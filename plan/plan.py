@@ -289,6 +289,16 @@ def check_memory(memory: Any) -> MemoryConfig:
     return config
 
 
+def section_inventory(model: torch.nn.Module, inputs: Any, section: Any) -> Inventory:
+    """``inventory`` with the blocks and resident adapter share ``memory.stagehand`` names."""
+    if section is None:
+        return inventory(model, inputs)
+    fraction = section.resident_trainable_max_fraction
+    return inventory(
+        model, inputs, block_pattern=section.block_pattern, resident_trainable_max_fraction=fraction
+    )
+
+
 def plan_model(
     model: torch.nn.Module,
     inputs: dict[str, Any] | Callable[[torch.nn.Module], Any],
@@ -305,13 +315,7 @@ def plan_model(
         PlanInputError: a bad memory section (naming the field).
     """
     config = check_memory(memory)
-    sh = config.stagehand
-    inv = inventory(
-        model,
-        inputs,
-        block_pattern=sh.block_pattern if sh is not None else None,
-        resident_trainable_max_fraction=sh.resident_trainable_max_fraction if sh else 0.1,
-    )
+    inv = section_inventory(model, inputs, config.stagehand)
     eff = efficiency or EFFICIENCY["cpu" if profile.tracked else "gpu"]
     steps = simulate(inv, config, profile, eff)
     auto = auto_figures(inv, config, profile)

@@ -59,7 +59,8 @@ The choices (``evictable``, ``furthest``, ``needed_after``, ``window``) are pure
 in use and the trace in, blocks out. The loops that apply them take the usage reading, the
 eviction and the load as callables, and read usage again after each eviction instead of
 subtracting the block's bytes: on CUDA an evicted block's bytes count until its D2H copy ended
-(``DeviceMemory.release_after``). ``WeightRuntime`` and the planner's simulation
+(``DeviceMemory.release_after``); ``release_after_use`` also counts its own evictions as freed
+(NOTE [ Bytes being freed ]). ``WeightRuntime`` and the planner's simulation
 (``plan/simulate.py``) both call these, so a plan follows the schedule the runtime runs.
 """
 
