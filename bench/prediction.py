@@ -59,7 +59,8 @@ def row_prediction(
     ``on_device_blocks`` (at the step's end: the runtime's ``resident_blocks`` counter),
     ``streamed_blocks``, ``block_loads_per_step``,
     ``h2d_bytes_per_step`` (bytes), ``misses_per_step`` (demand loads), ``waits_per_step``
-    (uses that waited on an in-flight copy), ``stall_ms``, ``step_ms``, ``compute_ms``,
+    (uses that waited on an in-flight copy), ``window_blocks`` (the prefetch window the step ran
+    with: NOTE [ Window growth ]), ``stall_ms``, ``step_ms``, ``compute_ms``,
     ``peak_bytes`` (device bytes; tracked bytes on a CPU) and ``watermarks_mb`` (the weight
     runtime's ``[high, low]`` the simulation ran with; None without weight streaming).
 
@@ -90,6 +91,7 @@ def row_prediction(
         "h2d_bytes_per_step": steady.h2d_bytes,
         "misses_per_step": steady.misses,
         "waits_per_step": steady.waits,
+        "window_blocks": steady.window,
         "stall_ms": round(steady.stall_ms, 3),
         "step_ms": round(steady.step_ms, 3),
         "compute_ms": round(steady.compute_ms, 3),

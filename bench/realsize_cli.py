@@ -60,7 +60,7 @@ def _notes(row: dict[str, Any]) -> str:
             # At the step's end, as the runtime's resident_blocks counter counts them.
             f"plan: on device {p['on_device_blocks']} (ran {c['resident_blocks']}), "
             f"loads {p['block_loads_per_step']}, misses {p['misses_per_step']}, "
-            f"waits {p['waits_per_step']}, "
+            f"waits {p['waits_per_step']} (window {p['window_blocks']}), "
             f"H2D {p['h2d_bytes_per_step'] / GB:.3f} GB, {p['step_ms']:.1f} ms"
         )
     if row["name"].startswith("layer_offload"):

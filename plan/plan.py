@@ -19,18 +19,12 @@ from contract.config import MB, MemoryConfig
 from contract.preset import PresetError
 from plan.baseline import worker_baseline_bytes
 from plan.calls import family_call
-from plan.inventory import (
-    Inventory,
-    PlanInputError,
-    add_lora,
-    folder_model,
-    inventory,
-    meta_model,
-)
+from plan.inventory import Inventory, PlanInputError, add_lora, folder_model, inventory, meta_model
 from plan.profiles import DeviceProfile
 from plan.quant_error import measure_preset
+from plan.result import StepResult
 from plan.sections import block_sizes, plan_trainable_bytes, planned_activations, weight_section
-from plan.simulate import Simulation, StepResult
+from plan.simulate import Simulation
 from plan.sources import host_cache_budget
 from runtime.strategy.auto import device_budget, has_auto
 from runtime.weights.auto import margin_bytes
@@ -162,6 +156,7 @@ class Plan:
             "block_loads_per_step": s.blocks_loaded,
             "misses_per_step": s.misses,
             "waits_per_step": s.waits,
+            "window_blocks": s.window,
             "trace_step_h2d_bytes": self.steps[0].h2d_bytes,
             "resident_blocks": resident,
             "resident_block_bytes": resident_bytes,

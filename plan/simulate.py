@@ -42,17 +42,24 @@ and restores on a GPU (their side-stream copies).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from contract.config import MB, MemoryConfig
 from plan.inventory import BlockInfo, Inventory
 from plan.profiles import DeviceProfile
+from plan.result import StepResult
 from plan.sections import weight_section
 from plan.sources import host_cache_budget
 from runtime.activations.budget import ActivationBudgetManager
 from runtime.layer_offload.schedule import LayerOrderScheduler, resident_count
-from runtime.weights.policy import make_room, prefetch, release_after_use, room_for_use
+from runtime.weights.policy import (
+    grown_window,
+    make_room,
+    prefetch,
+    release_after_use,
+    room_for_use,
+)
 from runtime.weights.scheduler import BlockScheduler
 
 
@@ -87,39 +94,6 @@ class _Block:
         return self.info.nbytes
 
 
-@dataclass
-class StepResult:
-    """One simulated step. Times in ms, bytes in bytes."""
-
-    step_ms: float = 0.0
-    compute_ms: float = 0.0
-    h2d_ms: float = 0.0
-    exposed_h2d_ms: float = 0.0
-    stall_ms: float = 0.0
-    spill_ms: float = 0.0
-    """Host time of activation spills and restores (a CPU device only)."""
-    peak_bytes: int = 0
-    low_bytes: int = 1 << 62
-    """Lowest usage between the step's first and last block use (the band's floor)."""
-    blocks_loaded: int = 0
-    misses: int = 0
-    """Uses that found their block not loaded: a demand load (the runtime's prefetch misses)."""
-    waits: int = 0
-    """Uses whose block was still in flight: the host waited on its copy (``stall_ms``)."""
-    h2d_bytes: int = 0
-    spilled_bytes: int = 0
-    loads_by_source: dict[str, int] = field(default_factory=dict)
-    """Block loads per source (NOTE [ Where a load's bytes come from ]; ``tracked`` on CPU)."""
-    read_bytes: int = 0
-    """Bytes the reader threads read from files (page cache or disk) into slabs."""
-    streamed_blocks: int = 0
-    """Distinct blocks loaded in the step; the others stayed on the device through it."""
-    resident_block_bytes: int = 0
-    """Bytes of the blocks on the device through the whole step (never loaded in it)."""
-    curve: list[tuple[float, int, str]] = field(default_factory=list)
-    """``(t_ms, device bytes, event)`` at every change."""
-
-
 class Simulation:
     """One model, one memory section, one device profile (see the module docstring)."""
 
@@ -151,6 +125,11 @@ class Simulation:
             self.scheduler = LayerOrderScheduler(n, sh.prefetch_window_blocks, training=True)
         elif self.streaming:
             self.scheduler = BlockScheduler(sh.prefetch_window_blocks)
+        self.window_grows = (
+            self.streaming
+            and not self.layer_offload
+            and memory.stagehand.prefetch_window_blocks is None
+        )
         if self.streaming:
             self.high, self.low = sh.vram_high_watermark_mb * MB, sh.vram_low_watermark_mb * MB
             self.max_inflight = sh.max_inflight_transfers
@@ -273,12 +252,13 @@ class Simulation:
                 self.scheduler, self.blocks, self.active, block, self.high, usage, self._evict
             )
             self._load(block, speculative=False)
-        block.prefetched = False  # used: no longer loaded ahead (NOTE [ Prefetch window ])
         if block.ready_at > self.now:
             self.result.waits += 1
+            self.result.copy_waits += block.prefetched
             self.result.stall_ms += block.ready_at - self.now
             self.result.exposed_h2d_ms += block.ready_at - self.now
             self.now = block.ready_at
+        block.prefetched = False  # used: no longer loaded ahead (NOTE [ Prefetch window ])
         self._prefetch()
 
     def _done(self, block: _Block) -> None:
@@ -372,6 +352,7 @@ class Simulation:
         self.loaded: set[int] = set()
         on_device = {b.index for b in self.blocks if b.on_device}
         t0 = self.now
+        r.window = self.scheduler.window if self.streaming else 0
         if self.budget is not None:
             self.budget.reset()
         r.curve.append((0.0, self.mem.used, "step"))
@@ -409,7 +390,13 @@ class Simulation:
         last_use = self.now
         self._free("pre")
         if self.streaming:
-            self.scheduler.end_step()
+            traced = self.scheduler.traced
+            steady = not self.scheduler.end_step() and traced  # the same order before and after
+            if self.window_grows and steady:  # NOTE [ Window growth ], where the runtime does
+                sched = self.scheduler
+                sched.prefetch_window = grown_window(
+                    sched.prefetch_window, r.copy_waits, len(self.blocks)
+                )
             self._prefetch()
         r.step_ms = self.now - t0
         if self.streaming:
@@ -422,7 +409,9 @@ class Simulation:
 
     def run(self, steps: int = 3) -> list[StepResult]:
         """Steps from a cold start: step 0 traces (every block a demand load), the rest follow
-        the trace; the last is the steady state. Curve times are relative to each step."""
+        the trace; the last is the steady state. Curve times are relative to each step. A window
+        that grows (NOTE [ Window growth ]) adds steps until two in a row ran with the window
+        in force: ``steps`` plus at most two per doubling."""
         inv = self.inv
         self.mem.used = inv.resident_bytes if self.streaming else inv.param_bytes
         self.mem.used += sum(b.nbytes for b in self.blocks if b.resident)
@@ -430,8 +419,9 @@ class Simulation:
             # LoRA gradients and AdamW's two moments live on the device from the first step on
             # (tracked on CPU only when a streamed block holds them: not with a resident LoRA).
             self.mem.used += inv.lora_bytes + inv.optimizer_bytes
-        out = []
-        for _ in range(steps):
+        out: list[StepResult] = []
+        limit = steps + 2 * len(self.blocks).bit_length()
+        while len(out) < steps or self.window_grows and len(out) < limit and not self._settled(out):
             start = self.now
             result = self.step()
             result.curve = [
@@ -440,3 +430,7 @@ class Simulation:
             ]
             out.append(result)
         return out
+
+    def _settled(self, out: list[StepResult]) -> bool:
+        """The last two steps ran with the window in force (no growth after either)."""
+        return len(out) >= 2 and out[-2].window == out[-1].window == self.scheduler.window

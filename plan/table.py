@@ -130,7 +130,8 @@ def transfer_lines(t: dict[str, Any], bound: dict[str, Any] | None, plan: dict) 
         f"{t['block_loads_per_step']} block loads, steady (trace step "
         f"{t['trace_step_h2d_bytes'] / GB:.2f} GB); loads from: {loads or 'none'}",
         f"  misses/step  {t.get('misses_per_step', 0)} demand loads, "
-        f"{t.get('waits_per_step', 0)} waits on a copy in flight",
+        f"{t.get('waits_per_step', 0)} waits on a copy in flight, prefetch window "
+        f"{t.get('window_blocks', 0)} blocks",
         f"  residency    {t['resident_blocks']} blocks resident "
         f"({t['resident_block_bytes'] / GIB:.2f} GiB), {t['streamed_blocks']} streamed "
         f"({t['streamed_block_bytes'] / GIB:.2f} GiB)",

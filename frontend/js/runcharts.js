@@ -205,6 +205,7 @@ export class RunCharts {
         c.transfers.push(2, step, rec.resident_blocks);
         c.transfers.push(3, step, rec.prefetch_misses);
         c.transfers.push(4, step, rec.host_waits);
+        c.transfers.push(5, step, rec.copy_waits);
         c.host.push(2, step, rec.pool_used_mb);
         c.host.push(3, step, rec.pool_total_mb);
         c["spill-pool"].push(2, step, rec.stall_time_ms);

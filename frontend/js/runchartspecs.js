@@ -58,6 +58,7 @@ export function buildRunCharts(divs, width) {
         { name: "resident blocks", yaxis: "y2", mode: "lines", line: { color: "#2e9e5b", dash: "dash" }, hovertemplate: HOVER.count },
         { name: "prefetch misses", yaxis: "y2", mode: "lines+markers", line: { color: "#d9480f", width: 1 }, marker: { size: 4, symbol: "x" }, hovertemplate: HOVER.count },
         { name: "host waits", yaxis: "y2", mode: "lines", line: { color: "#e08a1e", width: 1, dash: "dot" }, hovertemplate: HOVER.count },
+        { name: "copy waits (use before its copy ended)", yaxis: "y2", mode: "lines+markers", line: { color: "#8e44ad", width: 1 }, marker: { size: 4, symbol: "triangle-up" }, hovertemplate: HOVER.count },
       ],
       layout: { xaxis: stepAxis(), yaxis: { title: { text: "GB (1e9 B)" }, rangemode: "tozero" }, yaxis2: { title: { text: "blocks" }, rangemode: "tozero" } },
     }),

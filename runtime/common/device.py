@@ -261,6 +261,60 @@ class TransferEvent:
             self._event.synchronize()
 
 
+class ComputeWaits:
+    """The compute's waits on copies, measured where the compute runs (NOTE [ Window growth ] in
+    ``runtime/weights/policy.py``): ``wait(event)`` is ``event.wait()`` (the compute stream
+    waits for the copy) with the wait measured.
+
+    - CUDA: a timing event is recorded on the compute stream before the wait and one after; the
+      gap between them is the device's stall on the copy. ``collect`` reads them (a host wait for
+      the last one: call it at a step's end, after the step's loss was read).
+    - A device double (``tests/runtime/device_double.py``): the compute is the host, so a copy
+      its event says is not ``done`` when the compute waits is a wait (0 ms: the double has no
+      clock).
+    - The CPU: copies are synchronous, nothing ever waits.
+    """
+
+    NOISE_MS = 0.1
+    """Gaps at or under it are not waits: two events recorded back to back on one stream time a
+    few microseconds apart."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = uses_cuda(self.device)
+        self._pairs: list[tuple[Any, Any]] = []
+        self._late = 0
+
+    def wait(self, event: TransferEvent | Any) -> None:
+        """``event.wait()`` on the compute stream, measured."""
+        if not self.cuda:
+            if not getattr(event, "done", True):  # a device double's copy not run yet
+                self._late += 1
+            event.wait()
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        event.wait(stream)
+        end.record(stream)
+        self._pairs.append((start, end))
+
+    def collect(self, wait: bool = True) -> tuple[int, float]:
+        """``(waits, ms)`` since the last call: the waits longer than ``NOISE_MS`` and their
+        total in ms (0.0 off CUDA). ``wait=False`` never waits on the host: on CUDA the waits the
+        device has not reached yet count at the next call."""
+        pairs, self._pairs = self._pairs, []
+        late, self._late = self._late, 0
+        if pairs and wait:
+            pairs[-1][1].synchronize()
+        elif pairs:  # in stream order: the first not reached, and all after it, wait their turn
+            done = next((i for i, (_, end) in enumerate(pairs) if not end.query()), len(pairs))
+            pairs, self._pairs = pairs[:done], pairs[done:]
+        gaps = [start.elapsed_time(end) for start, end in pairs]
+        waited = [g for g in gaps if g > self.NOISE_MS]
+        return late + len(waited), float(sum(waited))
+
+
 class TransferStream:
     """A dedicated copy stream on CUDA; a synchronous stand-in with the same calls on CPU.
 

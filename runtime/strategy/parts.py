@@ -195,6 +195,8 @@ class WeightsPart(MemoryPart):
             rt.low_mb,
         ):
             rt.set_watermarks(merged["vram_high_watermark_mb"], merged["vram_low_watermark_mb"])
+        if merged["prefetch_window_blocks"] != rt.scheduler.prefetch_window:
+            rt.window_grows = False  # the user's window from now on (NOTE [ Window growth ])
         rt.scheduler.prefetch_window = merged["prefetch_window_blocks"]
         rt.transfer.max_inflight = merged["max_inflight_transfers"]
 

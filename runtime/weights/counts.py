@@ -49,6 +49,11 @@ class StepCounts:
     """Prefetches not issued: the high watermark, no slab or slot, or the Conductor said no."""
     stall_time_ms: float = 0.0
     """Host time the compute waited for demand loads (ms)."""
+    copy_waits: int = 0
+    """Uses whose compute waited on their prefetched block's copy, still in flight when the
+    compute reached the use (``ComputeWaits``: measured on the device on CUDA)."""
+    copy_wait_ms: float = 0.0
+    """The device's time in those waits (ms; CUDA only, 0.0 elsewhere)."""
     at_begin: Totals = field(default_factory=Totals)
     """The life figures when the step began."""
 
@@ -70,13 +75,15 @@ class StepCounts:
 
     def record(self, now: Totals) -> dict[str, Any]:
         """The counts of a ``stagehand/step`` record (docs/contracts.md): ``counters`` plus
-        ``prefetch_skipped``, ``stall_time_ms``, ``d2h_bytes``, ``file_read_bytes``,
-        ``host_cache_hits`` and ``file_reads_avoided``."""
+        ``prefetch_skipped``, ``stall_time_ms``, ``copy_waits``, ``copy_wait_ms``,
+        ``d2h_bytes``, ``file_read_bytes``, ``host_cache_hits`` and ``file_reads_avoided``."""
         begin = self.at_begin
         return {
             **self.counters(now),
             "prefetch_skipped": self.prefetch_skipped,
             "stall_time_ms": self.stall_time_ms,
+            "copy_waits": self.copy_waits,
+            "copy_wait_ms": self.copy_wait_ms,
             "d2h_bytes": now.d2h_bytes - begin.d2h_bytes,
             "file_read_bytes": now.file_read_bytes - begin.file_read_bytes,
             "host_cache_hits": now.host_cache_hits - begin.host_cache_hits,

@@ -39,6 +39,30 @@ ahead, and a planned FLUX.1-dev step on a 24 GiB card waited 48 ms on copies in 
 it now waits 40 (``workbench plan``, h100 profile, 2 blocks). The device bytes the window holds
 are unchanged: at most ``trace.window`` blocks loaded ahead.
 
+# NOTE [ Window growth ]
+The watermarks decide what stays on the card; the window decides how early a load's copy is
+issued. A load hides when its copy ends before the compute reaches its use; it does not when a
+run of streamed blocks copies slower than it computes (FLUX.1-dev's single blocks in forward:
+~5.7 ms of copy, ~4.2 of compute, planned on an H100 at 50 GB/s) and the copy engine, held to
+the window, starts that run too late. A deeper window starts it during the kept blocks'
+compute. The watermarks still bound the bytes loaded ahead (``"auto"`` sizes the band from the
+*derived* window's blocks, NOTE [ Auto watermarks ], and growth leaves them as they are). On the
+issue 44 GPU run the derived window of 2 left 15 of 23 loads waiting; the planner's simulation
+of that card (``workbench plan``, FLUX.1-dev, 24 GiB, h100 profile) waits on 24 copies for 39.8
+ms a step with 2, on 10 for 12.8 ms with 4 and on none with 8: 835.1 ms, the all-resident step,
+with the same 23 blocks resident and 14.0 GB moved instead of 14.4. Where the band is short (16 GiB), prefetches
+deep in the window make room by evicting kept blocks (``make_room``): with 8 no block stays
+resident, 26.9 GB move instead of 28.9 and the step takes 851 ms instead of 1066, 15 ms of it
+waits that a deeper window does not remove.
+
+So when the preset leaves ``prefetch_window_blocks`` to the runtime, the window follows the
+measured waits: after a steady step (traced before it, the same order after it) in which any use
+waited on its prefetched block's copy still in flight (``ComputeWaits``: timed on the device on
+CUDA), the next step runs with twice the window (``grown_window``), up to the blocks less one and
+``MAX_GROWN_WINDOW``. It never shrinks, so a run settles within a few steps. The planner's
+simulation applies the same rule to its simulated waits (``plan/simulate.py``), so a plan streams
+the steps a run will. A window the user gives (in the preset or as a live limit) is kept as it is.
+
 # NOTE [ Bytes being freed ]
 On CUDA an evicted block's bytes count in ``usage()`` until the copy that still reads them ends
 (a module-backed block's copy back, ``DeviceMemory.release_after``): the allocator cannot reuse
@@ -55,8 +79,8 @@ wait on the host for that copy before staging its masters. A prefetch gives up i
 otherwise reloaded a block evicted one use earlier and waited (``test_transfer_engine.py``).
 A use still waits: under the double at lag 8, 1 host wait a step with 4 of 8 blocks kept.
 
-The choices (``evictable``, ``furthest``, ``needed_after``, ``window``) are pure: block states, the blocks
-in use and the trace in, blocks out. The loops that apply them take the usage reading, the
+The choices (``evictable``, ``furthest``, ``needed_after``, ``window``, ``grown_window``) are
+pure: block states, the blocks in use and the trace in, blocks out. The loops that apply them take the usage reading, the
 eviction and the load as callables, and read usage again after each eviction instead of
 subtracting the block's bytes: on CUDA an evicted block's bytes count until its D2H copy ended
 (``DeviceMemory.release_after``); ``release_after_use`` also counts its own evictions as freed
@@ -136,6 +160,21 @@ def window(trace: Trace, blocks: Sequence[B]) -> list[B]:
             if ahead == trace.window:
                 break
     return out
+
+
+MAX_GROWN_WINDOW = 32
+"""The deepest window growth reaches (NOTE [ Window growth ]): the window's walk runs at every
+use, along the blocks kept in between as well."""
+
+
+def grown_window(window: int, waits: int, blocks: int) -> int:
+    """The window for the next step after a steady step that ran with ``window`` and had
+    ``waits`` uses waiting on their copy (NOTE [ Window growth ]): twice ``window`` when any
+    waited, at most ``blocks - 1`` and ``MAX_GROWN_WINDOW`` (never below ``window``);
+    ``window`` otherwise."""
+    if waits <= 0:
+        return window
+    return max(window, min(2 * max(window, 1), blocks - 1, MAX_GROWN_WINDOW))
 
 
 def needed_after(trace: Trace, blocks: Iterable[B], index: int) -> list[B]:

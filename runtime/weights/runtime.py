@@ -91,6 +91,9 @@ class WeightRuntime:
         self._owns_telemetry = telemetry is None
         self.telemetry = telemetry if telemetry is not None else default_telemetry(TELEMETRY_FILE)
         self.conductor: Any | None = None
+        self.window_grows = config.prefetch_window_blocks is None
+        """The window follows the measured waits (NOTE [ Window growth ] in ``policy.py``): the
+        preset left it to the runtime and no live limit has set it since."""
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
         # Pipeline settings the preset left out, from the blocks and the card (defaults.py).
         host = open_host_side(model, found, config, self.device, cuda, vram, mode, checkpoint_dir)
@@ -200,8 +203,12 @@ class WeightRuntime:
             return
         self.boundaries.finish()
         self.transfer.back.synchronize(frozen=not detected)
+        steady = self.scheduler.traced  # and the order unchanged (not ``traced``) at its end
         traced = self.scheduler.end_step()
         self.steps.leave_step()
+        counts = self.counts
+        counts.copy_waits, counts.copy_wait_ms = self.transfer.compute_waits.collect(not detected)
+        window = self.scheduler.prefetch_window
         mem = self.memory.snapshot()
         self._last = {
             **self.counts.record(self._totals()),
@@ -212,12 +219,15 @@ class WeightRuntime:
             "pool_locked_mb": self.pool.locked_bytes / MB,
             "vram_high_watermark_mb": self.high_mb,
             "vram_low_watermark_mb": self.low_mb,
-            "prefetch_window_blocks": self.scheduler.prefetch_window,  # the user's setting
+            "prefetch_window_blocks": window,  # the user's setting (or the grown one)
             **self.cache.record(*self.mode_reason),
             "trace_updated": traced,
             "step_time_ms": (time.perf_counter() - self.phases.step_started) * 1e3,
         }
         self.telemetry.emit(*WEIGHTS_STEP, **self._last)
+        if self.window_grows and steady and not traced:
+            grown = policy.grown_window(window, counts.copy_waits, len(self.blocks))
+            self.scheduler.prefetch_window = grown
         self.squareq.emit(self.telemetry)  # SquareQ's ``squareq/step``, when it is on
         self._prefetch()  # the next step's first blocks (cursor is at the order's start)
         # The user's code runs next and may write weights (CopyBack.expose).
@@ -303,7 +313,7 @@ class WeightRuntime:
             self._emit_block("load", block, prefetch=False)
         else:
             self._count_hit(block)
-        self._ready(block, grads)
+        self._ready(block, grads, measured=not miss)
         # Host time the compute waited: a demand load (on CUDA a prefetched block's event wait
         # is on the device and costs the host nothing).
         stall_ms = (time.perf_counter() - t0) * 1e3
@@ -316,8 +326,8 @@ class WeightRuntime:
             self.counts.prefetch_hits += 1
             block.prefetched = False
 
-    def _ready(self, block: Block, grads: bool = True) -> None:
-        self.transfer.ready(block, grads)
+    def _ready(self, block: Block, grads: bool = True, measured: bool = False) -> None:
+        self.transfer.ready(block, grads, measured)
         self.views.add(block)
 
     def _prefetch(self) -> None:

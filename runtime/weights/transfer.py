@@ -19,6 +19,7 @@ import torch
 
 from contract.config import MB
 from runtime.common.device import (
+    ComputeWaits,
     TransferEvent,
     TransferStream,
     device_empty,
@@ -113,6 +114,8 @@ class TransferEngine:
         self.host_waits = 0
         """Host waits on a copy (or a reader) not finished yet (``_host_wait``): none belong in
         a forward or backward (the ``host_waits`` counter)."""
+        self.compute_waits = ComputeWaits(device)
+        """The compute's waits on prefetched blocks' copies still in flight (``ready``)."""
 
     # -- completion -----------------------------------------------------------------------------
     def retire(self) -> bool:
@@ -311,12 +314,16 @@ class TransferEngine:
             self.readers.shutdown()
             self.readers = None
 
-    def ready(self, block: Block, grads: bool = True) -> None:
+    def ready(self, block: Block, grads: bool = True, measured: bool = False) -> None:
         """PREFETCHING -> GPU_READY: the compute stream waits on the copy's event, then the
         parameters become views of the block buffer. Trainable gradients follow them when
         ``grads`` (``grads_to_device``); a forward use leaves them on the host, where an unchanged
-        one stays (with ``set_to_none=False`` it would travel both ways at every forward)."""
-        block.load_event.wait()
+        one stays (with ``set_to_none=False`` it would travel both ways at every forward).
+        ``measured``: the wait is a use's wait on its prefetch (``compute_waits``)."""
+        if measured:
+            self.compute_waits.wait(block.load_event)
+        else:
+            block.load_event.wait()
         for slot, view in zip(block.layout, slot_views(block.flat, block.layout), strict=True):
             slot.param.data = view
         self.back.keep_grads(block)

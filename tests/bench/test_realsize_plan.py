@@ -19,7 +19,7 @@ from bench.realmodel import (
 )
 from bench.realsize import row_memory
 from contract.config import MB
-from plan.plan import auto_figures, check_memory
+from plan.plan import EFFICIENCY, auto_figures, check_memory, simulate
 from plan.profiles import profile
 from plan.sections import block_sizes, plan_trainable_bytes, weight_section
 from runtime.strategy.auto import resolve_auto
@@ -109,3 +109,25 @@ def test_a_row_left_auto_resolves_with_the_plans_activation_peak():
     assert row_activation_peak("flux-dev", "real", auto, "cpu") == 0  # no budget to fit
     card = row_memory("stream_file", "flux-dev", "real", card_bytes=CARD)
     assert row_activation_peak("flux-dev", "real", card, "cuda") == 0  # already in MB
+
+
+def test_the_plans_window_grows_until_no_use_waits_on_a_copy():
+    """NOTE [ Window growth ]: FLUX.1-dev's real config on a 24 GiB card at 55 GB/s. With the
+    window the preset leaves to the runtime, the plan's steps run with 2 blocks (it waits on
+    copies in flight), then 4, then 8, where no use waits and the step is its compute: the
+    all-resident step. The same section with a window of 2 given keeps it, and waits."""
+    spec = REAL_MODELS["flux-dev"]
+    memory = check_memory(preset_memory(spec.preset))
+    assert memory.stagehand.prefetch_window_blocks is None
+    inv = model_inventory("flux-dev", "real")
+    h100 = replace(profile("h100"), vram_bytes=CARD, h2d_gbps=55.0)
+    grown = simulate(inv, memory, h100, EFFICIENCY["gpu"])
+    assert [s.window for s in grown] == [2, 2, 4, 8, 8]
+    assert grown[1].copy_waits > grown[2].copy_waits > 0 == grown[-1].copy_waits
+    assert grown[-1].waits == grown[-1].misses == 0
+    assert grown[-1].step_ms == pytest.approx(grown[-1].compute_ms)
+    given = memory.model_copy(deep=True)
+    given.stagehand.prefetch_window_blocks = 2
+    kept = simulate(inv, given, h100, EFFICIENCY["gpu"])
+    assert [s.window for s in kept] == [2, 2, 2]
+    assert kept[-1].copy_waits > 0 and kept[-1].step_ms > grown[-1].step_ms

@@ -276,6 +276,7 @@ def main(argv: list[str]) -> int:
             prefetch_hits=blocks * 2 - stalls,
             prefetch_misses=stalls,
             stall_time_ms=stalls * 40.0,
+            copy_waits=(step * 3) % 4,
             h2d_bytes=int(blocks * 2 * block_mb * 2**20),
             resident_blocks=len(resident),
             vram_allocated_mb=base_mb + len(resident) * block_mb,

@@ -103,8 +103,8 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     assert charts["phases"] == [STEPS] * 4 and charts["loss"] == [STEPS] * 3
     assert charts["spill"] == [STEPS] * 4 and charts["conductor"] == [STEPS] * 5
     # Weights moved per step, live from stagehand/step: H2D GB, block loads, resident blocks,
-    # prefetch misses and host waits (the worker writes no host waits: no points drawn).
-    assert charts["transfers"] == [STEPS] * 5
+    # prefetch misses, host waits (the worker writes none: no points drawn) and copy waits.
+    assert charts["transfers"] == [STEPS] * 6
     h2d = page.evaluate("Array.from(document.getElementById('transfers').data[0].y)")
     assert all(v > 0 for v in h2d)
     records = api.call(
@@ -113,6 +113,8 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     misses = page.evaluate("Array.from(document.getElementById('transfers').data[3].y)")
     assert misses == [r["prefetch_misses"] for r in records] and max(misses) > 0
     assert page.evaluate("document.getElementById('transfers').data[4].name") == "host waits"
+    copy_waits = page.evaluate("Array.from(document.getElementById('transfers').data[5].y)")
+    assert copy_waits == [r["copy_waits"] for r in records] and max(copy_waits) > 0
     assert all(n > 0 for n in charts["vram"]) and all(n == STEPS for n in charts["host"])
     high = page.evaluate("Array.from(document.getElementById('vram').data[2].y)")
     assert high[0] == 12000 and high[-1] == 10000

@@ -31,7 +31,7 @@ from worker.assets import example_inputs, output_tensor
 
 SPEC = REAL_MODELS["flux-dev"]
 LAG = 6
-STEPS = 3
+STEPS = 4
 
 pytestmark = pytest.mark.sync_device  # the lag is this module's own (LAG)
 
@@ -112,9 +112,33 @@ def test_a_section_with_room_denies_no_prefetch(with_room):
         assert c["prefetch_misses"] == 0 and 0 < c["prefetch_hits"] <= c["blocks_loaded"]
         assert "contention" not in records[step]["rules_fired"]
         assert records[step]["vram_headroom_mb"] > 0
-    # Steady (step 2): every load of the step is a hit of the step. Step 1 also loads the
-    # next step's first blocks ahead, past the ones the trace step left on the device.
-    assert counters[2]["prefetch_hits"] == counters[2]["blocks_loaded"]
+    # Step 1's uses waited on copies the lag kept in flight, so the window the preset leaves to
+    # the runtime grew (NOTE [ Window growth ]); steps 2 and 3 run with it.
+    windows = [r["prefetch_window_blocks"] for r in sink.of("stagehand", "step")]
+    assert sink.of("stagehand", "step")[1]["copy_waits"] > 0
+    assert windows == [2, 2, 4, 4]
+    # Settled (step 3): every load of the step is a hit of the step, but a block the deeper
+    # window loaded ahead and the activations' peak at the forward's end evicted before its use
+    # (usage over the high watermark: NOTE [ Eviction policy ]), loaded again.
+    assert counters[3]["prefetch_hits"] == counters[3]["blocks_loaded"] - unused_loads(sink, 3)
+
+
+def unused_loads(sink, step):
+    """Loads of ``step`` evicted in its forward or backward before any use (not the loads ahead
+    for the next step, which the strategy's close evicts)."""
+    loaded: set[int] = set()
+    unused = 0
+    for r in sink.of("stagehand", "block"):
+        if r["step"] != step or r.get("phase") not in ("forward", "backward"):
+            continue
+        if r["event"] == "load":
+            loaded.add(r["block"])
+        elif r["event"] == "enter":
+            loaded.discard(r["block"])
+        elif r["event"] == "evict" and r["block"] in loaded:
+            loaded.discard(r["block"])
+            unused += 1
+    return unused
 
 
 def test_a_section_without_room_still_denies(flux_dev_tiny, with_room):

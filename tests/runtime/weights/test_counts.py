@@ -18,6 +18,7 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
     )
     counts.blocks_loaded, counts.blocks_evicted, counts.prefetch_hits = 4, 3, 2
     counts.prefetch_misses, counts.prefetch_skipped, counts.stall_time_ms = 1, 5, 2.5
+    counts.copy_waits, counts.copy_wait_ms = 3, 1.25
     now = Totals(
         h2d_bytes=164,
         d2h_bytes=30,
@@ -45,6 +46,8 @@ def test_counters_and_record_are_the_step_share_of_the_life_figures():
         **counts.counters(now),
         "prefetch_skipped": 5,
         "stall_time_ms": 2.5,
+        "copy_waits": 3,
+        "copy_wait_ms": 1.25,
         "d2h_bytes": 22,
         "file_read_bytes": 50,
         "host_cache_hits": 3,
