@@ -114,3 +114,68 @@ def test_compute_waits_count_a_double_copy_not_run_when_the_compute_waits():
         waits.wait(event)  # done now: no wait
     assert waits.collect() == (1, 0.0)
     assert waits.collect() == (0, 0.0)  # since the last call
+
+
+class _Clock:
+    """A stand-in CUDA device for ``ComputeWaits``' timing path: events record the device time
+    when the stream reaches them (``t``), a copy's wait moves it on by the copy's remaining
+    time, and the device has reached ``reached`` events so far (``query``)."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.recorded: list = []
+        self.reached = 0
+
+    def event_class(self):
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = clock.t
+                self.index = len(clock.recorded)
+                clock.recorded.append(self)
+
+            def query(self):
+                return self.index < clock.reached
+
+            def synchronize(self):
+                clock.reached = max(clock.reached, self.index + 1)
+
+            def elapsed_time(self, end):
+                assert end.query() and self.query(), "elapsed_time of an event not reached"
+                return end.at - self.at
+
+        return Event
+
+
+class _Copy:
+    """A copy that ends ``late_ms`` after the compute reaches its use."""
+
+    def __init__(self, clock, late_ms):
+        self.clock, self.late_ms = clock, late_ms
+
+    def wait(self, stream=None):
+        self.clock.t += self.late_ms
+
+
+def test_compute_waits_on_cuda_time_the_gap_and_never_read_an_event_not_reached(monkeypatch):
+    """The CUDA path with a stand-in device: a use's wait is the time between the events around
+    the compute stream's wait; gaps at the noise floor are not waits; ``collect(wait=False)``
+    (a step end detected in a forward) reads only the events the device reached and leaves the
+    others to the next call, and ``collect()`` waits for the last one."""
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event_class())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    waits = ComputeWaits("cuda")
+    for late in (0.0, 2.5, 0.05, 1.5):  # ms; 0.05 is under NOISE_MS
+        waits.wait(_Copy(clock, late))
+    clock.reached = 5  # the device passed the first two uses' events and the third's start
+    count, ms = waits.collect(wait=False)
+    assert (count, ms) == (1, 2.5)
+    count, ms = waits.collect()  # the rest: the host waits for the last event
+    assert (count, ms) == (1, 1.5) and clock.reached == len(clock.recorded)
+    assert waits.collect() == (0, 0.0)
