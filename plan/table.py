@@ -125,13 +125,14 @@ def transfer_lines(t: dict[str, Any], bound: dict[str, Any] | None, plan: dict) 
     dev = plan["device"]
     loads = ", ".join(f"{SOURCES.get(k, k)} {n}" for k, n in t["loads_by_source"].items())
     moved = t["h2d_bytes_per_step"]
+    window = t.get("window_blocks", 0)
     lines = [
         f"  H2D/step     {moved / GB:.2f} GB ({moved / GIB:.2f} GiB) in "
         f"{t['block_loads_per_step']} block loads, steady (trace step "
         f"{t['trace_step_h2d_bytes'] / GB:.2f} GB); loads from: {loads or 'none'}",
         f"  misses/step  {t.get('misses_per_step', 0)} demand loads, "
         f"{t.get('waits_per_step', 0)} waits on a copy in flight, prefetch window "
-        f"{t.get('window_blocks', 0)} blocks",
+        f"{window} block{'' if window == 1 else 's'}",
         f"  residency    {t['resident_blocks']} blocks resident "
         f"({t['resident_block_bytes'] / GIB:.2f} GiB), {t['streamed_blocks']} streamed "
         f"({t['streamed_block_bytes'] / GIB:.2f} GiB)",

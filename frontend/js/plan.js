@@ -37,7 +37,7 @@ function transfers(plan) {
   const perStep = h("li", { id: "plan-moved" },
     h("strong", {}, `${moved(t.h2d_bytes_per_step)} H2D per step`),
     ` in ${t.block_loads_per_step} block loads${from ? `, from ${from}` : ""}`,
-    t.block_loads_per_step ? `; ${t.misses_per_step} miss their prefetch (loaded on demand), ${t.waits_per_step} host waits on a copy in flight, prefetch window ${t.window_blocks} blocks` : "");
+    t.block_loads_per_step ? `; ${t.misses_per_step} miss their prefetch (loaded on demand), ${t.waits_per_step} host waits on a copy in flight, prefetch window ${t.window_blocks} block${t.window_blocks === 1 ? "" : "s"}` : "");
   const bound = b ? h("li", { id: "plan-bound" },
     `bound max(compute ${b.compute.toFixed(1)} ms, H2D ${b.h2d.toFixed(1)} ms) = ${b.bound.toFixed(1)} ms; plan ${plan.step_ms.total.toFixed(1)} ms`) : null;
   const a = plan.auto_watermarks;
