@@ -31,7 +31,13 @@ from runtime.strategy.auto import plans_activations
 from worker import loop, records
 from worker.control import Interrupted, StopFlag
 from worker.families import family
-from worker.outputs import folder_problem, latest_checkpoint, load_checkpoint, save_lora
+from worker.outputs import (
+    folder_problem,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_lora,
+)
 from worker.preset import load_preset, validate_preset
 from worker.progress import Progress
 from worker.sampling import Sampler
@@ -86,6 +92,9 @@ class Run:
         self.lora_path: Path | None = None
         self.saved_step: int | None = None  # the step the LoRA at lora_path was saved after
         self.sample_s: float | None = None  # seconds the last samples took to draw
+        # Limits requests that arrived before the strategy was built (stage 1, loading): held
+        # and applied, in order, once it exists (they take effect at its first step).
+        self.held_limits: list[tuple[str | None, dict]] = []
 
     # -- control ------------------------------------------------------------------------------
     def poll_control(self) -> str | None:
@@ -93,17 +102,32 @@ class Run:
         for req in self.control.poll():
             if req.command == STOP:
                 self.stop.set(STOP)
-            elif req.command == LIMITS and self.strategy is not None:
-                try:
-                    self.strategy.set_limits(
-                        req.body.get("limits") or {}, request_id=req.request_id
-                    )
-                except ValueError as exc:  # pydantic.ValidationError is a ValueError
-                    self._rejected(req.request_id, f"invalid limits: {exc}")
+            elif req.command == LIMITS and req.error is None:
+                self.held_limits.append((req.request_id, req.body.get("limits") or {}))
+                if self.strategy is None:
+                    self.progress.line(f"limits request {req.request_id} held until the first step")
             else:
                 why = req.error or f"command {req.command!r} not understood (or no strategy yet)"
                 self._rejected(req.request_id, why)
+        self.apply_held_limits()
         return self.stop.reason if self.stop.requested else None
+
+    def apply_held_limits(self) -> None:
+        """Hand the held limits requests to the strategy, once it exists: each is applied at
+        its next step begin (a ``strategy/limits_applied`` record) or refused (a
+        ``control_rejected`` event naming the field)."""
+        while self.strategy is not None and self.held_limits:
+            request_id, limits = self.held_limits.pop(0)
+            try:
+                self.strategy.set_limits(limits, request_id=request_id)
+            except ValueError as exc:  # pydantic.ValidationError is a ValueError
+                self._rejected(request_id, f"invalid limits: {exc}")
+
+    def refuse_held_limits(self) -> None:
+        """A run that ends before its first step refuses the limits it held, saying why."""
+        for request_id, _ in self.held_limits:
+            self._rejected(request_id, "the run ended before its first step")
+        self.held_limits.clear()
 
     def _rejected(self, request_id: str | None, message: str) -> None:
         self.telemetry.emit(
@@ -230,6 +254,7 @@ class Run:
             mode="training",
             activation_peak=self.planned_peak(preset),
         )
+        self.apply_held_limits()  # before the first step: applied at its begin
         optimizer, scheduler = loop.make_optimizer(preset, trainable)
         if self.resume:
             ckpt = latest_checkpoint(self.run_dir)
@@ -276,13 +301,25 @@ class Run:
         )
         self.stage("train", state.steps_done, preset.max_steps, state.stopped or "done")
         self.close_strategy()
+        if state.stopped and state.steps_done > self.start_step:
+            self.checkpoint_at_stop(state.steps_done, model, optimizer, scheduler)
         return state
+
+    def checkpoint_at_stop(self, step: int, model, optimizer, scheduler) -> None:
+        """A stopped run leaves what its Continue (``--resume``) needs: the checkpoint of the
+        last step trained, unless ``checkpoint_every`` wrote that step's already. A resumed run
+        repeats the losses the run would have had (test_control.py)."""
+        latest = latest_checkpoint(self.run_dir)
+        if latest is not None and latest.name == f"step-{step}":
+            return
+        folder = save_checkpoint(self.run_dir, step, model, optimizer, scheduler)
+        self.progress.line(f"stopped at step {step}: checkpoint {folder.name} to continue from")
 
     def sampler(self) -> Sampler:
         return Sampler(self.run_dir, self.family, self.device, self.telemetry)
 
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
-        self.sampler().final(self.model, preset, data, vae_dir)
+        self.sampler().final(self.model, preset, data, vae_dir, self.steps_done)
 
     def stopped_samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
         """The final samples of a run stopped mid-training, its LoRA saved first. Drawn for a
@@ -324,6 +361,7 @@ class Run:
 
     def finish(self, status: str, timings: dict[str, float]) -> str:
         self.close_strategy()
+        self.refuse_held_limits()
         self.save()
         self.telemetry.step, self.telemetry.phase = self.steps_done or None, None
         lora = str(self.lora_path.relative_to(self.run_dir)) if self.lora_path else None
@@ -352,6 +390,7 @@ class Run:
         problem = folder_problem(self.run_dir, exc) if isinstance(exc, OSError) else None
         message = problem or str(exc)
         self.progress.line(f"failed: {type(exc).__name__}: {message}")
+        self.refuse_held_limits()
         save_error = None
         try:
             if self.run_dir.is_dir():  # saving into a removed folder would make a new one

@@ -47,11 +47,19 @@ class Sampler:
             self.draw(model, preset, data, vae_dir, step=step, strategy=strategy)
 
     def final(
-        self, model: torch.nn.Module, preset: Preset, data: loop.Batchable, vae_dir: Path
+        self,
+        model: torch.nn.Module,
+        preset: Preset,
+        data: loop.Batchable,
+        vae_dir: Path,
+        steps_done: int,
     ) -> None:
         """The end's samples, on the plain model after the strategy is closed (it restores
-        resident weights)."""
-        self.draw(model, preset, data, vae_dir, step=None, strategy=None)
+        resident weights), drawn as inference step ``steps_done`` (the last step trained: a run
+        stopped at 3 of 40 has no record at a step it never ran) and tagged ``sampling=True``
+        like the samples drawn during training, so charts leave the inference step out."""
+        with self.telemetry.tagged(sampling=True):
+            self.draw(model, preset, data, vae_dir, step=None, strategy=None, number=steps_done)
 
     def draw(
         self,
@@ -61,12 +69,14 @@ class Sampler:
         vae_dir: Path,
         step: int | None,
         strategy,
+        number: int | None = None,
     ) -> None:
         """One ``samples/{prefix}-ii.png`` per prompt from ``family.sample``, in eval mode
         under ``torch.no_grad`` (not inference mode mid-run: weights loaded now are used by
         training later): during training (``step``) through the training ``strategy`` as
         inference step ``step``, at the end (None) through ``family.inference_strategy``
-        (closed after; step ``max_steps + 1``), each image with its ``trainer/sample`` record."""
+        (closed after; inference step ``number``), each image with its ``trainer/sample``
+        record."""
         prompts = preset.samples.prompts
         dtype = loop.DTYPES[preset.train_dtype]
         prefix = "sample" if step is None else f"step-{step:06d}"
@@ -89,7 +99,7 @@ class Sampler:
         was_training = model.training
         model.eval()
         try:
-            number = preset.max_steps + 1 if step is None else step
+            number = step if number is None else number
             streamed = strategy is not None
             with (
                 torch.no_grad(),
