@@ -36,6 +36,7 @@ from backend.api.errors import NotFound
 from backend.api.security import SecurityMiddleware
 from backend.executors import Executor
 from backend.executors.factory import make_executor
+from backend.services.adoption import adopt_run_folders
 from backend.services.assets import AssetBuild
 from backend.services.calibration import Calibrator
 from backend.services.hub import Hub
@@ -83,7 +84,11 @@ def plotly_js() -> Path | None:
 async def lifespan(app: FastAPI):
     settings: Settings = app.state.settings
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
-    store = Store(settings.db_path)
+    # Refused here with DatabaseDamaged (path, how to rebuild) unless `workbench serve` has
+    # opened it already (it prints that message instead of uvicorn's traceback).
+    store = app.state.opened_store or Store(settings.db_path, runs_dir=settings.runs_dir)
+    app.state.opened_store = None  # closed at the end of this lifespan: a next one reopens
+    adopt_run_folders(store, settings.runs_dir)  # before the supervisor gives a new id
     names = load_builtins(store, settings.presets_dir)
     log.info("built-in presets: %s", ", ".join(names) or "none")
     hub = Hub(asyncio.get_running_loop())
@@ -133,10 +138,14 @@ def create_app(
     settings: Settings | None = None,
     executor: Executor | None = None,
     probe: SystemProbe | None = None,
+    store: Store | None = None,
 ) -> FastAPI:
     """The app for ``settings`` (defaults from the environment). Services start in lifespan;
     ``executor`` is the one ``settings.executor`` names unless given (already built), ``probe``
-    a ``SystemProbe`` over it unless given (tests pass one that answers without torch)."""
+    a ``SystemProbe`` over it unless given (tests pass one that answers without torch),
+    ``store`` the database already opened and checked (``workbench serve``), else opened in
+    lifespan (``DatabaseDamaged`` from there stops the start). Run folders that the database
+    has no row for are adopted as runs at start (``backend.services.adoption``)."""
     settings = settings or Settings()
     app = FastAPI(
         title="Stagehand Workbench",
@@ -149,6 +158,7 @@ def create_app(
     app.state.settings = settings
     app.state.executor = executor
     app.state.probe = probe
+    app.state.opened_store = store
     errors.install(app, ROUTERS)
     openapi.install(app)
     apidocs.install(app)

@@ -8,6 +8,7 @@ JSON path of the input at fault (``overrides.memory.stagehand.vram_high_watermar
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,6 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
+
+from backend.store import is_damage
 
 log = logging.getLogger("backend.api.errors")
 
@@ -247,6 +250,29 @@ def from_validation_list(errors: list[dict[str, Any]]) -> Invalid:
     return Invalid(_plain(message), field=field, details=_plain(details), code="validation_error")
 
 
+class DatabaseUnavailable(ApiError):
+    """The database file is damaged (HTTP 503 until it is rebuilt from the run folders)."""
+
+    status, code = 503, "database_damaged"
+
+
+async def _database_damaged(request: Request, exc: Exception) -> Response:
+    """SQLite saying the database is damaged or not a database (``backend.store.is_damage``): a
+    503 naming the file and how to rebuild it, not a 500 ``DatabaseError``. Any other
+    ``sqlite3.DatabaseError`` (and any on a websocket) goes on to ``_unhandled``."""
+    if request.scope["type"] != "http" or not is_damage(exc):
+        raise exc
+    settings = request.app.state.settings
+    where = f"{request.method} {request.url.path}"
+    message = (
+        f"the database {settings.db_path} is damaged ({exc}); {where} cannot be answered. The "
+        f"run folders in {settings.runs_dir} are intact: stop the server and start it with "
+        "`workbench serve --rebuild-db` to rebuild the database from them"
+    )
+    log.error("%s", message)
+    return JSONResponse(DatabaseUnavailable(message).body(), status_code=503)
+
+
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return JSONResponse(
@@ -263,4 +289,5 @@ def install(app: FastAPI, routers: Sequence[APIRouter]) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(sqlite3.DatabaseError, _database_damaged)
     app.add_exception_handler(Exception, _unhandled)

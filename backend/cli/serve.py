@@ -1,7 +1,10 @@
 """``workbench serve``: the API and dashboard on http://127.0.0.1:8000 by default.
 
 Binding anything but 127.0.0.1 / localhost / ::1 needs a token (``--token`` or
-``STAGEHAND_WORKBENCH_TOKEN``); without one the server refuses to start (exit code 2).
+``STAGEHAND_WORKBENCH_TOKEN``); without one the server refuses to start (exit code 2). So does a
+damaged, truncated or foreign ``workbench.db`` (``backend.store.DatabaseDamaged``: one message
+naming the file and how to rebuild it, no traceback); ``--rebuild-db`` moves such a file aside
+and starts on a new one, which adopts every run folder (``backend.services.adoption``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from backend.executors import LaunchError
 from backend.executors.factory import make_executor
 from backend.services.redaction import RedactToken
 from backend.services.settings import ENV_PREFIX, Settings, needs_token
+from backend.store import DatabaseDamaged, Store, set_aside
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="CPUs Ray reserves for each worker (default 1; CUDA runs also reserve 1 GPU)",
     )
+    p.add_argument(
+        "--rebuild-db",
+        action="store_true",
+        help="if workbench.db is damaged, move it aside (workbench.db.damaged-<time>) and "
+        "rebuild it from the run folders (a healthy one is kept)",
+    )
     p.add_argument("--no-browser", action="store_true", help="do not open the dashboard")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -91,6 +101,26 @@ def log_config(base: dict, token: str | None = None) -> dict:
         handler.setdefault("filters", []).append("redact_token")
     config["handlers"]["access"]["filters"].append("quiet_asset_polls")
     return config
+
+
+def open_store(settings: Settings, rebuild: bool = False) -> Store:
+    """The database of ``settings``, checked (``PRAGMA quick_check``). With ``rebuild`` a damaged
+    one is moved aside (``backend.store.set_aside``) and a new one opened in its place; a healthy
+    one is kept. Raises ``DatabaseDamaged`` (damaged, without ``rebuild``), or ``OSError`` (the
+    data dir cannot be written, the file cannot be moved)."""
+    try:
+        return Store(settings.db_path, runs_dir=settings.runs_dir)
+    except DatabaseDamaged as exc:
+        if not rebuild:
+            raise
+        aside = set_aside(settings.db_path)
+        print(
+            f"workbench serve: the database {settings.db_path} is damaged ({exc.reason}); moved it "
+            f"to {aside} and rebuilding it from the run folders in {settings.runs_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return Store(settings.db_path, runs_dir=settings.runs_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
+        store = open_store(settings, args.rebuild_db)
+    except (DatabaseDamaged, OSError) as exc:
+        print(f"workbench serve: {exc}", file=sys.stderr)
+        return 2
+    try:
         executor = make_executor(settings)  # an unreachable cluster fails here, not on a run
     except LaunchError as exc:
+        store.close()
         print(f"workbench serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn  # imported here so `workbench --help` stays instant
@@ -138,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_browser and not needs_token(args.host):
         threading.Timer(1.5, webbrowser.open, args=(url,)).start()
     uvicorn.run(
-        create_app(settings, executor),
+        create_app(settings, executor, store=store),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -15,8 +15,14 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from backend.api.errors import Conflict
+
 CONFIG_FILE = "config.json"
 """The run's config in its folder: what the worker trains (``workbench train DIR/config.json``)."""
+
+
+class RunFolderTaken(Conflict):
+    """A new run's folder exists already: it belongs to another run (HTTP 409)."""
 
 
 def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:
@@ -24,8 +30,20 @@ def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:
     file renamed into place). A queued run whose folder has no config yet is not launched
     (``Supervisor._launch_queued``): the row is stored before its folder is written, and a
     supervisor tick in between once failed a run with "could not start the worker: No such
-    file or directory: .../worker.log"."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    file or directory: .../worker.log".
+
+    Raises:
+        RunFolderTaken: ``run_dir`` exists (a new run never writes into another run's folder;
+            ``Store.create_run`` gives no id of an existing folder, this is the last guard).
+    """
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir()
+    except FileExistsError:
+        raise RunFolderTaken(
+            f"the run folder {run_dir} exists already: it holds another run's files, which a "
+            "new run must not overwrite"
+        ) from None
     tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps(config, indent=2))
     os.replace(tmp, run_dir / CONFIG_FILE)

@@ -4,8 +4,10 @@ calibrations and tunes that belong to them."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import sqlite_utils
@@ -17,12 +19,15 @@ class RunTables:
     """The run queries of ``Store`` (``self.db``: this thread's connection)."""
 
     db: sqlite_utils.Database
+    runs_dir: Path | None
 
     def create_run(
         self, name: str, preset: str, config: dict, device: str, group_id: int | None = None
     ) -> int:
-        """A new queued run; its id is above every id ever given (deleted runs' too).
-        ``group_id``: the tune it is a trial of."""
+        """A new queued run; its id is above every id ever given (deleted runs' too) and, with
+        ``runs_dir``, is no existing folder's name there (a database emptied beside old run
+        folders once gave run 1 again, into run 1's folder). ``group_id``: the tune it is a
+        trial of."""
         db = self.db
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
@@ -30,12 +35,46 @@ class RunTables:
                 "UPDATE run_ids SET last = MAX(last, (SELECT IFNULL(MAX(id), 0) FROM runs)) + 1"
             )
             (run_id,) = db.execute("SELECT last FROM run_ids").fetchone()
+            while self.runs_dir is not None and os.path.lexists(self.runs_dir / str(run_id)):
+                run_id += 1
+            db.execute("UPDATE run_ids SET last = ?", [run_id])
             db.execute(
                 "INSERT INTO runs (id, name, preset, config, status, device, created_at,"
                 " group_id) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
                 [run_id, name, preset, json.dumps(config), device, time.time(), group_id],
             )
         return int(run_id)
+
+    def last_run_id(self) -> int:
+        """The highest run id ever given (0 before the first run)."""
+        (last,) = self.db.execute("SELECT last FROM run_ids").fetchone()
+        return int(last)
+
+    def reserve_run_ids(self, up_to: int) -> None:
+        """Never give ids up to ``up_to`` to a new run (a run folder's that has no row)."""
+        self.db.execute("UPDATE run_ids SET last = MAX(last, ?)", [up_to])
+
+    def run_ids(self) -> set[int]:
+        return {int(i) for (i,) in self.db.execute("SELECT id FROM runs")}
+
+    def adopt_run(self, run_id: int, row: dict[str, Any], tags: list[str]) -> None:
+        """Store the row of a run found as a folder only (``backend.services.adoption``), with
+        its given id, and never give that id again. ``row``: columns of ``runs`` (``config``,
+        ``error``, ``summary`` as objects). Raises ``sqlite3.IntegrityError`` when the id has a
+        row."""
+        row = {"id": run_id, **row}
+        for key in ("config", "error", "summary"):
+            if row.get(key) is not None and not isinstance(row[key], str):
+                row[key] = json.dumps(row[key])
+        cols = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        db = self.db
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(f"INSERT INTO runs ({cols}) VALUES ({marks})", list(row.values()))
+            for tag in dict.fromkeys(tags):
+                db.execute("INSERT INTO run_tags (run_id, tag) VALUES (?, ?)", [run_id, tag])
+            db.execute("UPDATE run_ids SET last = MAX(last, ?)", [run_id])
 
     def get_run(self, run_id: int) -> dict | None:
         rows = self.db.execute_returning_dicts("SELECT * FROM runs WHERE id = ?", [run_id])
