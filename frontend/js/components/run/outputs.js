@@ -37,7 +37,10 @@ export class RunOutputs {
     }
   }
 
-  /** The LoRA files (download links) and checkpoints; "Resume" for a run that stopped early. */
+  /**
+   * The LoRA files (download links) and checkpoints; "Continue from step N" for a run that stopped
+   * before its end (a stop saves the checkpoint of its last step: the same run goes on from it).
+   */
   async loadOutputs() {
     const { run } = this.view;
     let out;
@@ -60,7 +63,7 @@ export class RunOutputs {
         } catch (err) {
           showError(this.errors, err, "resume");
         }
-      } }, `Resume from ${last.name}`)
+      } }, `Continue from step ${last.step}`)
       : null;
     if (!lora.length && !ckpts.length) return;
     fill(this.outputsCard,
