@@ -7,6 +7,7 @@ JSON path of the input at fault (``overrides.memory.stagehand.vram_high_watermar
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sqlite3
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
 
+from backend.services.diskfull import condition, free_bytes, is_disk_full
 from backend.store import is_damage
 
 log = logging.getLogger("backend.api.errors")
@@ -107,6 +109,12 @@ class TooLarge(ApiError):
     """The request body is over the limit."""
 
     status, code = 413, "body_too_large"
+
+
+class DiskFull(ApiError):
+    """A write failed because the disk of the data dir is full (HTTP 507 Insufficient Storage)."""
+
+    status, code = 507, "disk_full"
 
 
 def error_body(
@@ -250,6 +258,42 @@ def from_validation_list(errors: list[dict[str, Any]]) -> Invalid:
     return Invalid(_plain(message), field=field, details=_plain(details), code="validation_error")
 
 
+async def _disk_full(request: Request, exc: Exception) -> Response:
+    """sqlite's "database or disk is full" and ``OSError`` ``ENOSPC``: a 507 naming the path and
+    its free bytes, logged once per condition (``backend.services.diskfull``), not a 500 and a
+    traceback per request. Any other error of these classes goes on to the handler registered
+    for a base class (or to ``_unhandled``)."""
+    if request.scope["type"] != "http" or not is_disk_full(exc):
+        return await _next_handler(request, exc)
+    where = f"{request.method} {request.url.path}"
+    data_dir = request.app.state.settings.data_dir
+    disk = condition(data_dir)
+    disk.failed(exc, where)
+    name = getattr(exc, "filename", None)
+    path = name if isinstance(name, str) and name else str(data_dir)
+    what = "the database" if isinstance(exc, sqlite3.Error) else path
+    message = (
+        f"disk full at {path}: {free_bytes(path)} bytes free; {where} could not write {what} "
+        f"({getattr(exc, 'strerror', None) or exc}). Free space under {data_dir} and retry"
+    )
+    return JSONResponse(DiskFull(message).body(), status_code=DiskFull.status)
+
+
+async def _next_handler(request: Request, exc: Exception) -> Response:
+    """The handler of the nearest base class of ``exc`` other than ``_disk_full`` (below
+    ``Exception``, whose handler answers from the outermost middleware); else ``exc`` goes on
+    there."""
+    handlers = request.app.exception_handlers
+    for cls in type(exc).__mro__:
+        if cls is Exception:
+            break
+        handler = handlers.get(cls)
+        if handler is not None and handler is not _disk_full:
+            out = handler(request, exc)
+            return await out if inspect.isawaitable(out) else out
+    raise exc
+
+
 class DatabaseUnavailable(ApiError):
     """The database file is damaged (HTTP 503 until it is rebuilt from the run folders)."""
 
@@ -289,5 +333,7 @@ def install(app: FastAPI, routers: Sequence[APIRouter]) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(sqlite3.OperationalError, _disk_full)
+    app.add_exception_handler(OSError, _disk_full)
     app.add_exception_handler(sqlite3.DatabaseError, _database_damaged)
     app.add_exception_handler(Exception, _unhandled)

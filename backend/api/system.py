@@ -1,13 +1,16 @@
 """``GET /api/system``: device, VRAM and RAM totals, torch and CUDA versions;
 ``GET /api/limits/fields``: the live-limit fields' config paths and watermark pairs;
-``GET /api/overrides/folders``: the preset fields a run's own folder drops."""
+``GET /api/overrides/folders``: the preset fields a run's own folder drops;
+``GET /api/system/disk``: whether writes to the data dir fail for a full disk."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
+from pydantic import BaseModel, Field
 
-from backend.api.deps import ProbeDep
+from backend.api.deps import ProbeDep, SettingsDep
 from backend.api.models import FolderFields, LimitFields, SystemInfo
+from backend.services.diskfull import condition
 from backend.services.limits import limit_fields
 from contract.preset.overrides import bound_fields
 
@@ -17,6 +20,24 @@ router = APIRouter(prefix="/api", tags=["system"])
 @router.get("/system", response_model=SystemInfo)
 def system_info(probe: ProbeDep) -> dict:
     return probe.info()
+
+
+class DiskStatus(BaseModel):
+    """The data dir's disk as the server's writes found it (``backend.services.diskfull``)."""
+
+    full: bool = Field(description="writes under the data dir fail for a full disk")
+    path: str = Field(description="the data dir")
+    free_bytes: int | None = Field(description="bytes free there now; null when unreadable")
+    since: float | None = Field(description="seconds since the epoch of the first failed write")
+    failures: int = Field(description="writes failed since then")
+    message: str | None = Field(description='"disk full at PATH: N bytes free" while full')
+
+
+@router.get("/system/disk", response_model=DiskStatus)
+def disk_status(settings: SettingsDep) -> dict:
+    """Whether writes fail for a full disk; the dashboard shows "disk full at PATH" while they
+    do. Clears when a write succeeds again or 1 MiB was freed there."""
+    return condition(settings.data_dir).status()
 
 
 @router.get("/limits/fields", response_model=LimitFields)

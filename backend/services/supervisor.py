@@ -16,6 +16,10 @@ Cancel: a ``stop`` control file, the executor's SIGTERM after ``stop_grace_s`` (
 ``stop_job``), its SIGKILL after ``term_grace_s`` more. A run without telemetry for
 ``stall_factor`` x its median step time (at least ``stall_min_s``) is "stalled" until records
 flow again.
+
+A run whose worker ended is an ``Ending`` until its final status is stored
+(``backend.services.endings``): a store that cannot be written (a full disk) leaves it pending
+and each tick retries it. While the data dir's disk is full no queued run is launched.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 
 from backend.api.errors import Conflict
 from backend.executors import Executor, Exit, Job, LaunchError
+from backend.services.diskfull import condition, is_disk_full
+from backend.services.endings import Ending, Endings
 from backend.services.outcome import classify
 from backend.services.outcome import log_tail as outcome_log_tail
 from backend.services.run_files import checkpoints, has_config
@@ -82,6 +88,8 @@ class Supervisor:
         """Called with a run's id once its final status is stored (the calibrator's submit)."""
         self.default_device = default_device
         self._workers: dict[int, Job] = {}
+        self.disk = condition(settings.data_dir)
+        self._endings = Endings(self._store_end, self.disk)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,19 +125,19 @@ class Supervisor:
                 gone = Job(run_id, run["job_id"] or str(run["pid"] or ""), "default", run_dir)
                 started_by = run["executor"] or "local"
                 if started_by != self.executor.name:
-                    self._settle(
-                        run_id,
-                        run_dir,
-                        Exit(
-                            None,
-                            f"the run was started by the {started_by} executor and the server "
-                            f"now serves with --executor {self.executor.name}; serve with "
-                            f"--executor {started_by} to follow it",
-                        ),
-                        gone,
-                        cancel_requested=bool(run["cancel_requested_at"]),
-                        gone_at_start=True,
-                        pid=run["pid"],
+                    reason = (
+                        f"the run was started by the {started_by} executor and the server now "
+                        f"serves with --executor {self.executor.name}; serve with --executor "
+                        f"{started_by} to follow it"
+                    )
+                    self._endings.add(
+                        Ending(
+                            gone,
+                            Exit(None, reason),
+                            bool(run["cancel_requested_at"]),
+                            run["pid"],
+                            gone_at_start=True,
+                        )
                     )
                     continue
                 self.tailer.watch(run_id, self.executor.telemetry(run, run_dir))
@@ -139,40 +147,47 @@ class Supervisor:
                     job.cancel_at = run["cancel_requested_at"]
                     self._workers[run_id] = job
                     continue
-                self._settle(
-                    run_id,
-                    run_dir,
-                    Exit(None),
-                    gone,
-                    cancel_requested=bool(run["cancel_requested_at"]),
-                    gone_at_start=True,
-                    pid=run["pid"],
+                self._endings.add(
+                    Ending(
+                        gone,
+                        Exit(None),
+                        bool(run["cancel_requested_at"]),
+                        run["pid"],
+                        gone_at_start=True,
+                    )
                 )
 
     # -- the loop ------------------------------------------------------------------------
     def tick(self) -> None:
+        """Store the ends still pending, watch each live worker, launch queued runs. A write
+        that fails for a full disk is counted on the disk condition (logged once) and the tick
+        goes on with the next run; the launches wait for the disk."""
         with self._lock:
             now = time.time()
+            self._endings.retry_due(now)
             for run_id, job in list(self._workers.items()):
-                node = job.node
-                ended = self.executor.poll(job)
-                if job.node != node:
-                    self.store.update_run(run_id, node=job.node)
-                    self.on_change(run_id)
-                if ended is not None:
-                    del self._workers[run_id]
-                    self._settle(
-                        run_id,
-                        job.run_dir,
-                        ended,
-                        job,
-                        cancel_requested=job.cancel_at is not None,
-                        pid=job.pid,
-                    )
-                    continue
-                self._escalate(job, now)
-                self._check_stall(run_id, now)
-            self._launch_queued()
+                try:
+                    self._watch(run_id, job, now)
+                except Exception as exc:
+                    if not is_disk_full(exc):
+                        raise
+                    self.disk.failed(exc, f"watching run {run_id}")
+            self.disk.refresh()
+            if not self.disk.full:
+                self._launch_queued()
+
+    def _watch(self, run_id: int, job: Job, now: float) -> None:
+        node = job.node
+        ended = self.executor.poll(job)
+        if job.node != node:
+            self.store.update_run(run_id, node=job.node)
+            self.on_change(run_id)
+        if ended is not None:
+            del self._workers[run_id]
+            self._endings.add(Ending(job, ended, job.cancel_at is not None, job.pid))
+            return
+        self._escalate(job, now)
+        self._check_stall(run_id, now)
 
     def _escalate(self, job: Job, now: float) -> None:
         if job.cancel_at is None:
@@ -255,13 +270,17 @@ class Supervisor:
             )
             self.on_change(run_id)
             return False
-        started = self.store.set_status_if(
-            run_id,
-            [RunStatus.QUEUED],
-            status=RunStatus.RUNNING,
-            started_at=time.time(),
-            **self.executor.store_fields(job),
-        )
+        try:
+            started = self.store.set_status_if(
+                run_id,
+                [RunStatus.QUEUED],
+                status=RunStatus.RUNNING,
+                started_at=time.time(),
+                **self.executor.store_fields(job),
+            )
+        except Exception:  # a worker the store does not know of would run twice
+            self.executor.withdraw(job)
+            raise
         if not started:  # cancelled between the query and the launch
             self.executor.withdraw(job)
             return False
@@ -270,6 +289,17 @@ class Supervisor:
         log.info("run %d: %s job %s started", run_id, self.executor.name, job.key)
         self.on_change(run_id)
         return True
+
+    def _store_end(self, e: Ending, ended: Exit) -> None:
+        self._settle(
+            e.job.run_id,
+            e.job.run_dir,
+            ended,
+            e.job,
+            cancel_requested=e.cancel_requested,
+            pid=e.pid,
+            gone_at_start=e.gone_at_start,
+        )
 
     def _settle(
         self,
@@ -329,14 +359,40 @@ class Supervisor:
                 return
             job = self._workers.get(run_id)
             if job is None:
-                run = self.store.get_run(run_id)
-                raise Conflict(
-                    f"run {run_id} is {run['status'] if run else 'gone'}; only queued or running runs can be cancelled"
-                )
+                self._settle_dead(run_id)
+                return
             if job.cancel_at is None:
                 job.cancel_at = time.time()
-                self.store.update_run(run_id, cancel_requested_at=job.cancel_at)
-                self.send_control(run_id, {"command": STOP})
+                try:
+                    self.store.update_run(run_id, cancel_requested_at=job.cancel_at)
+                    self.send_control(run_id, {"command": STOP})
+                except Exception as exc:
+                    if not is_disk_full(exc):
+                        raise
+                    # No stop request reached the worker: it is told by SIGTERM now instead.
+                    self.disk.failed(exc, f"asking run {run_id} to stop")
+                    self.executor.signal(job, signal.SIGTERM)
+                    job.sent_term = True
+
+    def _settle_dead(self, run_id: int) -> None:
+        """Cancel of a run with no live worker: a pending end (or a run left running without a
+        worker) is stored now. Raises the store's error when it still cannot be written (a full
+        disk: the API's 507), ``Conflict`` when the run already ended."""
+        run = self.store.get_run(run_id)
+        status = run["status"] if run else "gone"
+        if run_id not in self._endings and status in ACTIVE:
+            gone = Job(
+                run_id, run["job_id"] or str(run["pid"] or ""), "default", self.run_dir(run_id)
+            )
+            error = self._endings.add(Ending(gone, Exit(None), True, run["pid"]))
+        elif run_id in self._endings:
+            error = self._endings.store(run_id)
+        else:
+            raise Conflict(
+                f"run {run_id} is {status}; only queued or running runs can be cancelled"
+            )
+        if error is not None:
+            raise error
 
     def log_tail(self, run_id: int) -> str | None:
         """The end of the run's worker output (progress lines, warnings): from its executor

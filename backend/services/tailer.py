@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.services.diskfull import condition, is_disk_full
 from backend.services.hub import Hub
 from backend.store import Store
 from contract.wire import decode
@@ -177,12 +178,19 @@ class Tailer:
         return max(len(lines), 1)
 
     def poll_once(self) -> None:
+        """Ingest what each watched file has new. A full disk is counted on the data dir's
+        condition (``backend.services.diskfull``: logged once, not at each poll)."""
+        disk = condition(self.store.path.parent)
         with self._lock:
             for run_id, tail in list(self._tails.items()):
                 try:
-                    self._ingest(run_id, tail)
-                except Exception:
-                    log.exception("ingesting telemetry of run %d failed; will retry", run_id)
+                    if self._ingest(run_id, tail) and disk.full:
+                        disk.succeeded(f"telemetry of run {run_id} stored")
+                except Exception as exc:
+                    if is_disk_full(exc):
+                        disk.failed(exc, f"storing telemetry of run {run_id}")
+                    else:
+                        log.exception("ingesting telemetry of run %d failed; will retry", run_id)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="telemetry-tailer", daemon=True)
