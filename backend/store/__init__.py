@@ -100,8 +100,8 @@ class Store(RunTables, TelemetryTables):
             raise
 
     def check(self) -> None:
-        """``PRAGMA quick_check`` (every page and index entry readable, O(pages): about a
-        second per GB). Raises ``DatabaseDamaged`` with its first findings."""
+        """``PRAGMA quick_check``: every page and index entry readable, O(pages) (0.5 s for a
+        90 MB file of 200k records). Raises ``DatabaseDamaged`` with its first findings."""
         found = [row[0] for row in self.db.execute("PRAGMA quick_check")]
         if found != ["ok"]:
             lines = [line for text in found for line in text.splitlines() if "***" not in line]
