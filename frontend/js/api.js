@@ -4,6 +4,9 @@
 // {"error": {code, message, field, details}}; network failures and non-JSON bodies are mapped
 // onto the same shape so callers have exactly one thing to show. Nothing here swallows errors.
 
+/** Dispatched on `window` when a request answers 507 (the data dir's disk is full). */
+export const DISK_FULL_EVENT = "workbench:disk-full";
+
 export class ApiError extends Error {
   /**
    * @param {number} status HTTP status (0 when the request never got an answer)
@@ -102,6 +105,8 @@ async function request(method, path, body) {
     }
   }
   if (!response.ok) {
+    // 507: a write failed for a full disk; the disk banner (disk.js) checks at once.
+    if (response.status === 507) window.dispatchEvent(new Event(DISK_FULL_EVENT));
     throw new ApiError(response.status, errorBody(response.status, payload, text.slice(0, 300)));
   }
   if (text && payload === null) {
@@ -128,6 +133,8 @@ const enc = encodeURIComponent;
 
 export const api = {
   system: () => request("GET", "/api/system"),
+  /** `{full, path, free_bytes, since, failures, message}`: whether writes fail for a full disk. */
+  disk: () => request("GET", "/api/system/disk"),
   /** The demo-asset build: `{state, running, stages: [{name, state, done, total, unit,
    * elapsed_s, estimate_s, kept, error}], failed_stage, error, estimate_s, blocked_presets}`. */
   assets: () => request("GET", "/api/assets"),

@@ -5,6 +5,7 @@
 
 import { api } from "./api.js";
 import { mountAssetStrip } from "./assets.js";
+import { mountDiskBanner } from "./disk.js";
 import { fill, fmtMB, h, parseHash, showError } from "./ui.js";
 import * as runsPage from "./pages/runs.js";
 import * as newRunPage from "./pages/newrun.js";
@@ -83,5 +84,8 @@ window.addEventListener("unhandledrejection", (event) => {
 
 window.addEventListener("hashchange", route);
 loadSystem();
+const diskBanner = h("div", { id: "disk-banner", class: "disk-banner", role: "alert", hidden: true });
+document.getElementById("system-strip").after(diskBanner);
+mountDiskBanner(diskBanner);
 mountAssetStrip(document.getElementById("asset-strip"));
 route();
