@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from backend.services.calibration import calibration_for
-from backend.store import Store
+from backend.store import DatabaseDamaged, Store
 from contract.plan_inputs import TEXT_LEN, override_problem
 from worker.preset import load_preset
 
@@ -38,7 +38,11 @@ def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | No
     if not (folder / "workbench.db").is_file():
         return plan
 
-    store = Store(folder / "workbench.db")
+    try:
+        store = Store(folder / "workbench.db")
+    except DatabaseDamaged as exc:  # the plan as modelled, saying why it has no calibration
+        print(f"workbench plan: no calibration applied: {exc}", file=sys.stderr)
+        return plan
     try:
         found = calibration_for(store, device, family_of(data))
     finally:

@@ -233,3 +233,16 @@ def test_a_table_damaged_while_serving_answers_503_naming_the_database(tmp_path)
                 assert str(data / "runs") in err["message"]
     finally:
         client.__exit__(None, None, None)
+
+
+def test_workbench_plan_with_a_damaged_database_plans_without_calibration(tmp_path, capsys):
+    """``workbench plan`` reads the server's calibration from ``DATA/workbench.db``: a foreign
+    file there is named on stderr and the plan is the one modelled, not a traceback."""
+    from backend.cli.plan import calibrated
+
+    (tmp_path / "workbench.db").write_text("not a database\n" * 100)
+    plan = {"step_ms": 1.0}
+    assert calibrated(plan, "cpu", {"family": "flux"}, str(tmp_path)) is plan
+    err = capsys.readouterr().err
+    assert err.startswith("workbench plan: no calibration applied: ")
+    assert str(tmp_path / "workbench.db") in err
