@@ -25,9 +25,9 @@ function stageRow(stage) {
   let time = null;
   if (stage.kept) time = "already built, kept";
   else if (stage.state === "running")
-    time = `elapsed ${fmtDuration(stage.elapsed_s)} · about ${fmtDuration(stage.estimate_s)} left`;
+    time = `elapsed ${fmtDuration(stage.elapsed_s)}${stage.estimate_s == null ? " · time left not known yet" : ` · about ${fmtDuration(stage.estimate_s)} left`}`;
   else if (stage.state === "done") time = `done in ${fmtDuration(stage.elapsed_s)}`;
-  else if (stage.state === "pending") time = `estimate ${fmtDuration(stage.estimate_s)}`;
+  else if (stage.state === "pending") time = stage.estimate_s == null ? "waiting" : `estimate ${fmtDuration(stage.estimate_s)}`;
   else time = `${stage.state} after ${fmtDuration(stage.elapsed_s)}`;
   return h("li", { class: "asset-stage", dataset: { stage: stage.name, state: stage.state } },
     h("span", { class: "asset-name" }, stage.name),
@@ -39,7 +39,11 @@ function stageRow(stage) {
 
 function summary(s) {
   if (s.state === "ready") return "ready: the default preset can start.";
-  if (s.state === "building") return `building, about ${fmtDuration(s.estimate_s)} left. Other presets and pipeline folders can start meanwhile; the default preset starts once they are ready.`;
+  const meanwhile = "Other presets and pipeline folders can start meanwhile; the default preset starts once they are ready.";
+  if (s.state === "building" && !s.stages.length) return `starting the build: its stages and the time left show once the build process has begun. ${meanwhile}`;
+  // A build this server has just started (a retry, a resume) has no figures of its own yet.
+  if (s.state === "building" && s.estimate_s == null) return `building; the time left shows once the build process reports it. ${meanwhile}`;
+  if (s.state === "building") return `building, about ${fmtDuration(s.estimate_s)} left. ${meanwhile}`;
   if (s.state === "failed") return `stage "${s.failed_stage}" failed.`;
   if (s.state === "interrupted") return `the build stopped at stage "${s.failed_stage}".`;
   return "not built. Build them to start the default preset.";

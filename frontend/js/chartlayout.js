@@ -99,16 +99,80 @@ export function emptyNote(text) {
 
 // Markers are shapes with their own label: an annotation in data coordinates would widen the
 // autorange by the width of its text. A marker in the right third of `xRange` ([lo, hi], the
-// data's x extent) puts its label on its left, where it is not cut by the plot's edge.
-export function markerShapes(markers, xRange = null) {
+// data's x extent) puts its label on its left, where it is not cut by the plot's edge. Labels
+// whose text would meet (a refusal and a limit change a few seconds apart) go into lanes above
+// the plot: a marker in lane k has its line, and its label, k lanes (MARKER_LANE_PX each)
+// higher, and the figure's top margin grows by the lanes used (labels stay clear of the data).
+const MARKER_CHAR_PX = 6.2; // a 10 px label's widest mean character width
+const MARKER_LANE_PX = 14; // a 10 px label's line, with room
+const MARKER_LANES = 4; // past this many, labels share the highest lane
+const MARKER_GAP_PX = 6;
+
+/**
+ * The lane of each marker's label (0: on the plot's top edge), for labels drawn on `view`
+ * ({lo, hi, width}: the x range shown and the plot's width in px): a label goes into the lowest
+ * lane where it meets no other label, no line of a marker in a higher lane crosses it, and its
+ * own line crosses no label below it. Labels that read rightwards are placed from the right
+ * (those that read leftwards from the left), so that a later label sits above the lines it spans.
+ * @param {Array<{x: number, label: string}>} markers
+ * @param {string[]} anchors "left" or "right" per marker: the side of its line its label reads
+ * @returns {number[]} a lane per marker, in `markers`' order
+ */
+export function markerLanes(markers, anchors, view) {
+  const lanes = markers.map(() => 0);
+  if (!view || !(view.hi > view.lo) || !(view.width > 0)) return lanes;
+  const px = (x) => ((x - view.lo) / (view.hi - view.lo)) * view.width;
+  const placed = []; // {at, left, right, lane} px
+  const key = (i) => (anchors[i] === "right" ? markers[i].x : -markers[i].x);
+  const order = markers.map((_, i) => i).sort((a, b) =>
+    (anchors[a] === "right") - (anchors[b] === "right") || key(a) - key(b));
+  for (const i of order) {
+    const at = px(markers[i].x);
+    const width = String(markers[i].label).length * MARKER_CHAR_PX + 2 * MARKER_GAP_PX;
+    const [left, right] = anchors[i] === "right" ? [at - width, at] : [at, at + width];
+    const clash = (lane) => placed.some((p) =>
+      (p.lane === lane && left < p.right && p.left < right)
+      || (p.lane > lane && left <= p.at && p.at <= right)
+      || (p.lane < lane && p.left <= at && at <= p.right));
+    let lane = 0;
+    while (lane < MARKER_LANES - 1 && clash(lane)) lane += 1;
+    placed.push({ at, left, right, lane });
+    lanes[i] = lane;
+  }
+  return lanes;
+}
+
+/**
+ * The markers as Plotly line shapes with their labels, in lanes where they would meet
+ * (`markerLanes`).
+ * @param {Array<{x: number, label: string, color: string, dash?: string}>} markers
+ * @param {number[]|null} xRange [lo, hi] of the data: a label in its right third reads leftwards
+ * @param {{lo: number, hi: number, width: number, height: number}|null} view the x range shown
+ *   and the plot's size in px; null: every label in the lowest lane, uncut
+ * @returns {{shapes: object[], top: number}} the shapes, and the px the lanes above the lowest
+ *   take (to add to the figure's top margin)
+ */
+export function markerShapes(markers, xRange = null, view = null) {
   const [lo, hi] = xRange || [0, 0];
-  return markers.map((m) => ({
-    type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0, y1: 1,
+  const anchors = markers.map((m) => (hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left"));
+  const known = view && view.hi > view.lo && view.width > 0 && view.height > 0;
+  // A label longer than the room beside its line (a refusal's reason on a phone) is cut there.
+  const labels = markers.map((m, i) => {
+    if (!known) return m.label;
+    const at = ((m.x - view.lo) / (view.hi - view.lo)) * view.width;
+    const room = anchors[i] === "right" ? at : view.width - at;
+    const chars = Math.max(12, Math.floor(room / MARKER_CHAR_PX));
+    return m.label.length > chars ? `${m.label.slice(0, chars - 1)}…` : m.label;
+  });
+  const lanes = known ? markerLanes(markers.map((m, i) => ({ ...m, label: labels[i] })), anchors, view) : markers.map(() => 0);
+  const shapes = markers.map((m, i) => ({
+    type: "line", xref: "x", yref: "paper", x0: m.x, x1: m.x, y0: 0,
+    y1: lanes[i] ? 1 + (lanes[i] * MARKER_LANE_PX) / view.height : 1,
     line: { color: m.color, width: 1.5, dash: m.dash || "dash" },
     label: {
-      text: plotText(m.label), textangle: 0, textposition: "end",
-      xanchor: hi > lo && m.x > lo + (2 / 3) * (hi - lo) ? "right" : "left",
+      text: plotText(labels[i]), textangle: 0, textposition: "end", xanchor: anchors[i],
       font: { size: 10, color: m.color },
     },
   }));
+  return { shapes, top: Math.max(0, ...lanes) * MARKER_LANE_PX };
 }

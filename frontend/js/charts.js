@@ -164,19 +164,40 @@ export class ChartPanel {
     this.revision += 1;
     const notes = this.empty && this.emptyText ? [emptyNote(this.emptyText)] : [];
     const data = this._traces();
-    const shapes = markerShapes(this.markers, this.markers.length ? this._xRange() : null);
     const { range, autorange, ...xaxis } = this.layout.xaxis;
     const shown = this.shownRange();
     xaxis.autorange = !shown;
     if (shown) xaxis.range = [...shown];
     const [lo, hi] = shown || this._xRange() || [0, 0];
+    const area = this._plotArea(lo, hi);
+    const { shapes, top } = markerShapes(this.markers, this.markers.length ? this._xRange() : null, area);
+    this._markerRoom(top);
     if (this.wholeX) Object.assign(xaxis, { tick0: 0, dtick: wholeTicks(hi - lo, this.el.clientWidth || 600) });
     this.layout = { ...this.layout, xaxis, shapes, annotations: notes, datarevision: this.revision };
     Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
+    // The plot's size is known once drawn (automargin makes room for the legend and ticks):
+    // marker labels laid out on a guess of it are laid out again on the size drawn.
+    const drawn = this._plotArea(lo, hi);
+    if (this.markers.length && (drawn.width !== area.width || drawn.height !== area.height)) {
+      const again = markerShapes(this.markers, this._xRange(), drawn);
+      this._markerRoom(again.top);
+      this.layout = { ...this.layout, shapes: again.shapes };
+      Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
+    }
     if (!this.listening && this.el.on) {
       this.listening = true;
       this.el.on("plotly_relayout", (ev) => this._userRange(ev));
     }
+  }
+
+  /** The x range `lo`..`hi` shown on the plot's area, {lo, hi, width, height} (px, from the
+   * figure's size less its margins): where marker labels are laid out. */
+  _plotArea(lo, hi) {
+    const size = this.el._fullLayout?._size; // Plotly's own, once it has drawn
+    if (size) return { lo, hi, width: size.w, height: size.h };
+    const { margin, height } = this.layout;
+    const width = (this.el.clientWidth || this.width || 600) - margin.l - margin.r;
+    return { lo, hi, width, height: height - margin.t - margin.b };
   }
 
   /** A zoom, pan or double-click on the chart: kept as `view`, and given to linked charts. */
@@ -227,8 +248,19 @@ export class ChartPanel {
   /** The layout's title, top margin and height for `title` (chartlayout.js titleFit). */
   _titled(title) {
     const { title: text, extra } = titleFit(title, this.width);
-    const margin = { ...this.layout.margin, t: MARGIN_TOP + extra };
-    this.layout = { ...this.layout, title: text, margin, height: this.titledHeight + extra };
+    this.titleExtra = extra;
+    const top = this.markerTop || 0;
+    const margin = { ...this.layout.margin, t: MARGIN_TOP + extra + top };
+    this.layout = { ...this.layout, title: text, margin, height: this.titledHeight + extra + top };
+  }
+
+  /** `top` px more above the plot, for marker labels in lanes (chartlayout.js markerShapes):
+   * the figure grows by it, the plot keeps its height. */
+  _markerRoom(top) {
+    if (top === (this.markerTop || 0)) return;
+    this.markerTop = top;
+    const margin = { ...this.layout.margin, t: MARGIN_TOP + this.titleExtra + top };
+    this.layout = { ...this.layout, margin, height: this.titledHeight + this.titleExtra + top };
   }
 
   /** Changes the note shown while the chart has no points (e.g. why a source is silent). */

@@ -24,3 +24,10 @@ export function groupSamples(names) {
   for (const list of out.values()) list.sort();
   return out;
 }
+
+/** The prompt a sample file was drawn from: `prompts[ii]` of `…-ii.png` (the worker draws one
+ * image per prompt of the run's `samples.prompts`, in order); undefined when not known. */
+export function samplePrompt(name, prompts) {
+  const m = /-(\d+)\.[a-z]+$/i.exec(name);
+  return m && Array.isArray(prompts) ? prompts[Number(m[1])] : undefined;
+}

@@ -8,7 +8,7 @@
 
 import { api } from "../api.js";
 import { LiveChart } from "../charts.js";
-import { groupSamples, stepText } from "../samples.js";
+import { groupSamples, samplePrompt, stepText } from "../samples.js";
 import { fill, fmtBytes, fmtMB, fmtMs, fmtNum, h, showError, statusBadge } from "../ui.js";
 
 const MAX_RUNS = 6;
@@ -181,6 +181,9 @@ export function mount(root, { params }) {
       return;
     }
     const byRun = runs.map((r, i) => [r, groupSamples((lists[i].data || []).map((a) => a.name))]);
+    // Each image under the prompt it was drawn from, as the run page labels them: side by side,
+    // runs with other prompts would read as the same picture.
+    const prompts = runs.map((r) => r.config?.samples?.prompts || []);
     const steps = [...new Set(byRun.flatMap(([, g]) => [...g.keys()]))].sort((a, b) => a - b);
     if (!steps.length) return;
     const slider = h("input", { type: "range", id: "compare-sample-step", min: "0", max: String(steps.length - 1), step: "1", value: String(steps.length - 1) });
@@ -189,14 +192,17 @@ export function mount(root, { params }) {
     const show = () => {
       const step = steps[Number(slider.value)];
       label.textContent = `${stepText(step)} · ${Number(slider.value) + 1} of ${steps.length}`;
-      fill(rows, byRun.map(([r, groups]) => {
+      fill(rows, byRun.map(([r, groups], i) => {
         const names = groups.get(step) || [];
         return h("div", { class: "compare-sample-row", dataset: { runId: String(r.id) } },
           h("h3", {}, nameOf.get(String(r.id))),
           names.length
             ? h("div", { class: "gallery" }, names.map((name) => {
               const url = api.artifactUrl(r.id, name);
-              return h("figure", {}, h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: name, loading: "lazy" })));
+              const prompt = samplePrompt(name, prompts[i]);
+              return h("figure", {},
+                h("a", { href: url, target: "_blank" }, h("img", { src: url, alt: `${prompt || name}, ${stepText(step)}`, loading: "lazy" })),
+                h("figcaption", {}, prompt || name));
             }))
             : h("p", { class: "muted" }, `no samples at ${stepText(step)}`));
       }));
