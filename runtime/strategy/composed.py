@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from contract.config import MB, LiveLimits, StagehandSection
+from contract.limits import PAIRS
 from contract.records import LIMITS_APPLIED
 from runtime.activations import ActivationRuntime
 from runtime.common.device import own_storage
@@ -275,6 +276,9 @@ class StagehandStrategy(MemoryStrategy):
         for part in self.parts:
             if any(after[f] != before[f] for f in part.limits):
                 part.set_limits({f: after[f] for f in part.limits})
+        if any(after[f] != before[f] for pair in PAIRS for f in pair if f in after):
+            for part in self.parts:  # NOTE [ Live watermarks ] (runtime/weights/policy.py)
+                part.watermarks_changed()
         return {k: [before[k], after[k]] for k in after if after[k] != before[k]}
 
     # -- figures and teardown -------------------------------------------------------------------

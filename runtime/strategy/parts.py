@@ -34,6 +34,7 @@ from contract.limits import (
 from runtime.common.phases import Phase
 from runtime.conductor import ConductorRuntime
 from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
+from runtime.weights.scheduler import BlockScheduler
 
 if TYPE_CHECKING:
     from runtime.activations import ActivationRuntime
@@ -84,6 +85,12 @@ class MemoryPart:
 
     def set_limits(self, merged: dict[str, Any]) -> None:
         """Put ``merged`` (every field of ``limits``, checked) in force."""
+
+    def watermarks_changed(self) -> None:
+        """A live change moved a watermark, this part's or another's (both runtimes read the
+        one device usage), before this STEP_BEGIN's ``begin_step``: what the part derived from
+        the budget is derived again, as at a start with the limits in force (NOTE [ Live
+        watermarks ] in ``runtime/weights/policy.py``)."""
 
     def counters(self) -> dict[str, int]:
         """This step's work, keys of ``runtime.strategy.base.COUNTERS`` (summed over parts)."""
@@ -199,6 +206,14 @@ class WeightsPart(MemoryPart):
             rt.window_grows = False  # the user's window from now on (NOTE [ Window growth ])
         rt.scheduler.prefetch_window = merged["prefetch_window_blocks"]
         rt.transfer.max_inflight = merged["max_inflight_transfers"]
+
+    def watermarks_changed(self) -> None:
+        """The blocks kept and the trace are derived again at ``begin_step`` (an activation
+        watermark moves the usage the weight watermarks are compared with). Not under a fixed
+        schedule (layer offload's ``LayerOrderScheduler``: its order and resident set come
+        from the layers, not from a trace or the watermarks)."""
+        if type(self.runtime.scheduler) is BlockScheduler:
+            self.runtime.settle_due = True
 
     def counters(self) -> dict[str, int]:
         return self.runtime.counters()

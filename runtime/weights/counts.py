@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,22 @@ class Totals:
     resident_blocks: int = 0
     """Blocks on the device now (loaded or loading, layer offload's resident set included): a
     state, not a count, reported as it is rather than as a difference."""
+
+    @classmethod
+    def read(cls, source: Any, transfer: Any, cache: Any, blocks: Iterable[Any]) -> Totals:
+        """The figures now of a weight runtime's checkpoint (``source``, None: module-backed),
+        ``TransferEngine``, ``HostCache`` and blocks."""
+        return cls(
+            h2d_bytes=transfer.h2d_bytes,
+            d2h_bytes=transfer.back.bytes,
+            file_reads=source.reads if source is not None else 0,
+            file_read_bytes=source.read_bytes if source is not None else 0,
+            pageable_copies=transfer.stream.pageable_copies + transfer.back.stream.pageable_copies,
+            host_waits=transfer.host_waits,
+            host_cache_hits=cache.hits,
+            file_reads_avoided=cache.reads_avoided,
+            resident_blocks=sum(block.on_device for block in blocks),
+        )
 
 
 @dataclass

@@ -63,6 +63,27 @@ CUDA), the next step runs with twice the window (``grown_window``), up to the bl
 simulation applies the same rule to its simulated waits (``plan/simulate.py``), so a plan streams
 the steps a run will. A window the user gives (in the preset or as a live limit) is kept as it is.
 
+# NOTE [ Live watermarks ]
+The rules above have more than one steady state for the same watermarks: a block kept on the
+device lies inside the window for free (NOTE [ Prefetch window ]) and the window's blocks are
+kept while usage is under the high watermark, so once every block is on the device the window
+spans the whole order and nothing goes, whatever the low watermark says. Which state a run
+reaches depends on where it came from. A run started with 3/0 MB traces with nothing kept and
+settles where it streams; the same 3/0 set live after 40/30 (every block kept) kept every block
+and moved 0 bytes a step: on the tiny Flux of the tests (4 blocks, the ``default`` preset's
+section) 1,705,984 bytes of H2D a step from the start against 0 live, and on the ``default``
+preset's own model (8 blocks) 4 blocks resident and 2.89 MB a step against 8 and 0.
+
+So a live watermark change re-derives what a start with those watermarks derives: at the next
+step begin (``WeightRuntime.set_watermarks`` marks it due) every loaded block that is not
+resident (layer offload's) is evicted (``stagehand/block`` ``evict`` records, ``reason:
+"limits"``), the trace is dropped (``BlockScheduler.retrace``) and a derived window that grew
+goes back to the derived one (NOTE [ Window growth ]): that step is a trace step under the new
+watermarks, as a run's first step is, and the steps after it follow the same schedule as a run
+started with them (``tests/runtime/weights/test_live_settle.py``: resident blocks, H2D bytes
+and the tracked peak of every steady step equal). The price is that one step's loads: each
+block a demand load, once.
+
 # NOTE [ Bytes being freed ]
 On CUDA an evicted block's bytes count in ``usage()`` until the copy that still reads them ends
 (a module-backed block's copy back, ``DeviceMemory.release_after``): the allocator cannot reuse

@@ -94,16 +94,15 @@ class WeightRuntime:
         self.window_grows = config.prefetch_window_blocks is None
         """The window follows the measured waits (NOTE [ Window growth ] in ``policy.py``): the
         preset left it to the runtime and no live limit has set it since."""
+        self.high_mb = self.low_mb = None
+        self.settle_due = False  # a watermark change (either runtime's) due at the next step begin
         self.set_watermarks(config.vram_high_watermark_mb, config.vram_low_watermark_mb)
         # Pipeline settings the preset left out, from the blocks and the card (defaults.py).
         host = open_host_side(model, found, config, self.device, cuda, vram, mode, checkpoint_dir)
         self.config = config = host.config
         self.pool, self.source, self.blocks = host.pool, host.source, host.blocks
-        self.resident_bytes, self.squareq, self.cache = (
-            host.resident_bytes,
-            host.squareq,
-            host.cache,
-        )
+        self.resident_bytes = host.resident_bytes
+        self.squareq, self.cache = host.squareq, host.cache
         self.mode_reason = host.mode_reason
         """``(weights_mode, weights_mode_reason)`` of the ``stagehand/step`` records."""
         self.memory.track(self.resident_bytes, "weights")
@@ -154,10 +153,12 @@ class WeightRuntime:
 
     # -- knobs ----------------------------------------------------------------------------------
     def set_watermarks(self, high_mb: float, low_mb: float) -> None:
-        """Set the VRAM watermarks (MB). Raises ``ValueError`` naming the field at fault
-        (``Watermarks``)."""
+        """Set the VRAM watermarks (MB); a change after set-up re-derives the blocks kept at
+        the next step begin (NOTE [ Live watermarks ] in ``policy.py``). Raises ``ValueError``
+        naming the field at fault (``Watermarks``)."""
         marks = Watermarks(high_mb, low_mb)
-        self.high_mb, self.low_mb = marks.high_mb, marks.low_mb
+        before, self.high_mb, self.low_mb = (self.high_mb, self.low_mb), marks.high_mb, marks.low_mb
+        self.settle_due |= before[0] is not None and before != (self.high_mb, self.low_mb)
 
     def snapshot(self) -> dict[str, int]:
         """The knobs in force (the user's, under the Conductor's caps) for the Conductor's
@@ -186,6 +187,13 @@ class WeightRuntime:
         if self._owns_memory:
             self.memory.reset_peak()
         self.telemetry.step = step  # a composed strategy sets the same number
+        if self.settle_due:  # NOTE [ Live watermarks ] in policy.py: a trace step, as at a start
+            self.settle_due = False
+            for block in policy.evictable(self.blocks, ()):
+                self._evict(block, reason="limits")
+            self.scheduler.retrace()
+            if self.window_grows:
+                self.scheduler.prefetch_window = self.config.prefetch_window_blocks
         self._prefetch()
 
     def end_step(self) -> None:
@@ -242,18 +250,7 @@ class WeightRuntime:
         return self.counts.counters(self._totals())
 
     def _totals(self) -> Totals:
-        source, transfer = self.source, self.transfer
-        return Totals(
-            h2d_bytes=transfer.h2d_bytes,
-            d2h_bytes=transfer.back.bytes,
-            file_reads=source.reads if source is not None else 0,
-            file_read_bytes=source.read_bytes if source is not None else 0,
-            pageable_copies=transfer.stream.pageable_copies + transfer.back.stream.pageable_copies,
-            host_waits=transfer.host_waits,
-            host_cache_hits=self.cache.hits,
-            file_reads_avoided=self.cache.reads_avoided,
-            resident_blocks=sum(block.on_device for block in self.blocks),
-        )
+        return Totals.read(self.source, self.transfer, self.cache, self.blocks)
 
     def step_metrics(self) -> dict[str, Any]:
         """The last closed step's ``stagehand/step`` fields (docs/contracts.md)."""

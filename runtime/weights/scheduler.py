@@ -94,6 +94,11 @@ class BlockScheduler:
                 return k
         return n + 1
 
+    def retrace(self) -> None:
+        """Forget the traced order: the next step traces it again, as a run's first step does
+        (a live watermark change, NOTE [ Live watermarks ] in ``policy.py``)."""
+        self.order, self.pos, self.current = None, -1, []
+
     def end_step(self) -> bool:
         """Close the running step's record; True when it changed the order (trace or re-trace)."""
         changed = False
