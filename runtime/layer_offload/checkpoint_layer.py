@@ -29,7 +29,10 @@ reference (the rebuild closure), like the peers' kwargs did.
 The wrapper shares its block's ``_parameters``, ``_buffers`` and ``_modules`` dicts instead of
 registering the block as a child: parameter names, ``state_dict`` keys (LoRA files, trainer
 checkpoints, peft) and attribute access (``wrapper.attn``) are the block's own, whether or not
-the wrapper is installed. ``uninstall`` puts the original block back into its list.
+the wrapper is installed. Any other attribute the wrapper lacks is read from the block: models
+ask their blocks about themselves (SDXL's UNet passes ``encoder_hidden_states`` only to a block
+whose ``has_cross_attention`` is true; without it a cross-attention block attended to itself
+and failed on the text width). ``uninstall`` puts the original block back into its list.
 """
 
 from __future__ import annotations
@@ -92,6 +95,20 @@ class OffloadCheckpointLayer(nn.Module):
         self.pageable_copies = 0
         """Host inputs moved to a CUDA device from pageable memory (synchronous copies): the
         layer-offload part's ``pageable_copies`` counts them with the runtimes' own."""
+
+    def __getattr__(self, name: str) -> Any:
+        """The block's attribute where the wrapper has none (NOTE [ Transparent wrapper ]).
+
+        Raises:
+            AttributeError: neither the wrapper nor the block has ``name``.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__.get("layer")
+            if layer is None:
+                raise
+            return getattr(layer, name)
 
     def train(self, mode: bool = True) -> OffloadCheckpointLayer:
         self.layer.train(mode)
