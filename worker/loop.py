@@ -167,9 +167,12 @@ def run_steps(
     between_steps,
     on_step,
     run_dir: Path,
+    after_step=lambda step: None,
 ) -> LoopState:
     """Steps ``start_step + 1 .. max_steps``. ``between_steps()`` returns a stop reason or None;
-    ``on_step(step, loss, step_s)`` reports progress. Checkpoints every ``checkpoint_every``."""
+    ``after_step(step)`` runs as the step's strategy step closes (its counters are the step's:
+    no validation step has run yet); ``on_step(step, loss, step_s)`` reports progress.
+    Checkpoints every ``checkpoint_every``."""
 
     proc = psutil.Process()
     state = LoopState(steps_done=start_step)
@@ -201,6 +204,7 @@ def run_steps(
                 optimizer.zero_grad(set_to_none=True)
         step_s = time.perf_counter() - t0
         state.steps_done = step
+        after_step(step)
 
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):

@@ -31,6 +31,7 @@ from runtime.strategy.auto import plans_activations
 from worker import loop, records
 from worker.control import Interrupted, StopFlag
 from worker.families import family
+from worker.limits_effect import LimitsEffects, StepFigures
 from worker.outputs import (
     folder_problem,
     latest_checkpoint,
@@ -95,6 +96,7 @@ class Run:
         # Limits requests that arrived before the strategy was built (stage 1, loading): held
         # and applied, in order, once it exists (they take effect at its first step).
         self.held_limits: list[tuple[str | None, dict]] = []
+        self.effects = LimitsEffects(self.telemetry.emit)  # what each change did, once settled
 
     # -- control ------------------------------------------------------------------------------
     def poll_control(self) -> str | None:
@@ -122,6 +124,8 @@ class Run:
                 self.strategy.set_limits(limits, request_id=request_id)
             except ValueError as exc:  # pydantic.ValidationError is a ValueError
                 self._rejected(request_id, f"invalid limits: {exc}")
+            else:
+                self.effects.forwarded(request_id)
 
     def refuse_held_limits(self) -> None:
         """A run that ends before its first step refuses the limits it held, saying why."""
@@ -297,6 +301,7 @@ class Run:
             telemetry=self.telemetry,
             between_steps=self.poll_control,
             on_step=on_step,
+            after_step=lambda step: self.effects.step_done(step, StepFigures.of(self.strategy)),
             run_dir=self.run_dir,
         )
         self.stage("train", state.steps_done, preset.max_steps, state.stopped or "done")

@@ -74,6 +74,7 @@ export function mount(root, { parts }) {
     "trainer/dataset_scan": (rec) => showData({ scan: rec }),
     "trainer/sample": (rec) => { if (rec.path) samples.add(rec.path.split("/").pop(), rec.prompt); },
     "strategy/limits_applied": answered,
+    "trainer/limits_effect": (rec) => { if (limits) limits.effect(rec); },
     "trainer/event": (rec) => { if (rec.event === "control_rejected") answered(rec); },
     "trainer/error": (rec) => {
       if (!view.run || view.run.error) return;

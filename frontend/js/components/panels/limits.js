@@ -2,7 +2,9 @@
 // (contract/limits.py), then wait for the worker's answer with the same request_id and say
 // which: a `strategy/limits_applied` record (applied at the next step begin) or a
 // `trainer/event` `control_rejected` one (refused, with the worker's message). The charts
-// draw a marker for either.
+// draw a marker for either. Once the runtimes settle under an applied change, its
+// `trainer/limits_effect` record says what it did: resident blocks, H2D and spill per step and
+// the peak, before -> after (worker/limits_effect.py).
 
 import { api } from "../../api.js";
 import { limitFields } from "../../limitfields.js";
@@ -24,6 +26,8 @@ export class LimitsPanel {
     this.pending = new Map(); // request_id -> list item
     // A busy server can deliver the worker's answer before the PATCH answer: kept here.
     this.early = new Map(); // request_id -> limits_applied or control_rejected record
+    this.items = new Map(); // request_id -> list item, kept for the change's effect
+    this.effects = new Map(); // request_id -> limits_effect record come before its item
     this.inputs = new Map();
     this.fields = limitFields(limits);
     // The values in the run's config (at the API's paths); its limits_applied records move them.
@@ -98,6 +102,7 @@ export class LimitsPanel {
         `${describe(body)}: sent, waiting for the worker…`);
       this.log.prepend(item);
       this.pending.set(requestId, { item, body });
+      this.items.set(requestId, item);
       const early = this.early.get(requestId);
       if (early) {
         this.early.delete(requestId);
@@ -137,6 +142,27 @@ export class LimitsPanel {
       : `applied at step ${rec.step ?? "?"}: ${Object.entries(changed).map(([f, [a, b]]) => `${f} ${a} → ${b}`).join(", ") || "no change"}`;
     entry.item.className = refused ? "refused" : "applied";
     entry.item.textContent = `${describe(entry.body)}: ${text}`;
+    const effect = this.effects.get(rec.request_id);
+    if (effect && !refused) this.effect(effect);
+  }
+
+  /**
+   * What an applied change did once the runtimes settled (`trainer/limits_effect`): a line
+   * under its entry, e.g. "resident blocks 8 → 4, H2D per step 0.00 → 2.89 MB; …".
+   */
+  effect(rec) {
+    const item = this.items.get(rec.request_id);
+    if (!item || item.className !== "applied") {
+      this.effects.set(rec.request_id, rec);
+      return;
+    }
+    this.effects.delete(rec.request_id);
+    let line = item.querySelector(".limits-effect");
+    if (!line) {
+      line = h("div", { class: "limits-effect muted" });
+      item.append(line);
+    }
+    line.textContent = effectText(rec);
   }
 
   /** Puts the values in force into the inputs of `fields` (not the one being typed in). */
@@ -146,6 +172,22 @@ export class LimitsPanel {
       if (entry && document.activeElement !== entry.input) entry.input.value = this.current[field] ?? "";
     }
   }
+}
+
+const mb = (v) => (typeof v === "number" ? v.toFixed(2) : "–");
+const count = (v) => (typeof v === "number" ? String(v) : "–");
+
+/** "resident blocks A → B, H2D per step X → Y MB; spill per step …; peak …" of a limits_effect. */
+export function effectText(rec) {
+  const [r0, r1] = rec.resident_blocks || [];
+  const [h0, h1] = rec.h2d_mb || [];
+  const [s0, s1] = rec.spill_mb || [];
+  const [p0, p1] = rec.vram_peak_mb || [];
+  const when = rec.settled
+    ? `settled by step ${rec.step ?? "?"}`
+    : `not settled ${rec.steps_watched} steps after the change: step ${rec.step ?? "?"}'s figures`;
+  return `resident blocks ${count(r0)} → ${count(r1)}, H2D per step ${mb(h0)} → ${mb(h1)} MB; `
+    + `spill per step ${mb(s0)} → ${mb(s1)} MB; peak ${mb(p0)} → ${mb(p1)} MB (${when})`;
 }
 
 function describe(body) {
