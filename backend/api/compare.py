@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from backend.api.deps import StoreDep, public_run, run_limits
 from backend.api.errors import Invalid, NotFound
 from backend.api.models import MAX_ID, bounded_int
-from backend.api.openapi import errors
+from backend.api.openapi import comma_separated, errors
 from backend.services.presets import normalized
 
 router = APIRouter(prefix="/api", tags=["compare"])
@@ -18,6 +18,10 @@ METRIC_RE = re.compile(
     r"^(?:(trainer|stagehand|activation_stagehand|conductor|strategy)\.)?([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?)$"
 )
 DEFAULT_METRICS = "loss,vram_peak_mb,step_time_ms"
+_METRIC = METRIC_RE.pattern[1:-1]
+METRICS_PATTERN = f"^ *{_METRIC} *(, *{_METRIC} *){{0,19}}$"
+"""What the document states of ``metrics``: 1 to 20 names ``METRIC_RE`` takes, separated by
+commas (the handler also skips empty names and strips other white space)."""
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -83,10 +87,20 @@ def compare(
         Query(
             max_length=200,
             description=f"2 to 6 distinct run ids (1 to {MAX_ID}), comma-separated",
-            json_schema_extra={"pattern": r"^ *[0-9]{1,19} *(, *[0-9]{1,19} *){1,5}$"},
+            json_schema_extra=comma_separated(
+                {"type": "integer", "minimum": 1, "maximum": MAX_ID}, 2, 6
+            ),
         ),
     ],
-    metrics: Annotated[str, Query(max_length=500)] = DEFAULT_METRICS,
+    metrics: Annotated[
+        str,
+        Query(
+            max_length=500,
+            description="1 to 20 metrics, comma-separated: a field of step records, "
+            "optionally qualified by its source (loss,stagehand.h2d_bytes)",
+            json_schema_extra={"pattern": METRICS_PATTERN},
+        ),
+    ] = DEFAULT_METRICS,
 ) -> dict:
     """``{runs, missing, series: {metric: {run_id: [[step, value], ...]}}, config_diff: [{path,
     values, live?}], summary: [{run_id, name, status, ...summary}]}``.

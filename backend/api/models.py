@@ -5,13 +5,10 @@ Field names and shapes are docs/contracts.md's; lists are ``{data, count}``.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
-from fastapi import Path, Query
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     WithJsonSchema,
@@ -19,75 +16,30 @@ from pydantic import (
     model_validator,
 )
 
+from backend.api.fields import (  # RunId, TuneId, Since, bounded_int, NAME_RE: re-exported
+    DEVICE_SCHEMA,
+    MAX_ID,
+    MAX_NOTES_CHARS,
+    MAX_RUN_NAME,
+    MAX_TAG_CHARS,
+    MAX_TAGS,
+    NAME_RE,  # noqa: F401
+    PRESET_NAME_SCHEMA,
+    RUN_NAME_DESCRIPTION,
+    RUN_NAME_SCHEMA,
+    TAG_SCHEMA,
+    RunId,  # noqa: F401
+    Since,  # noqa: F401
+    TuneId,  # noqa: F401
+    bounded_int,  # noqa: F401
+    check_preset_name,
+    check_run_name,
+)
 from contract.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
-from contract.limits import PAIRS, low_above_high
+from contract.limits import PAIRS, PATHS, low_above_high
 from contract.preset import field_error
 from contract.status import RunStatus
 from contract.text import shown_json
-
-MAX_ID = 2**62
-"""Run ids and telemetry seqs: SQLite's INTEGER is a signed 64-bit number; 2**62 leaves room."""
-INTEGER_RE = re.compile(r"^-?[0-9]{1,19}$")
-
-
-def _plain_integer(value: object) -> object:
-    """A path or query integer as the websocket and ``ids`` take it (``bounded_int``): ASCII
-    digits only, so ``1_0``, ``1.0``, `` 1`` and other scripts' digits are refused everywhere
-    instead of read as 10 or 1 by some routes."""
-    if isinstance(value, str) and not INTEGER_RE.match(value):
-        raise ValueError(f"expected a base-10 integer of ASCII digits, got {value[:40]!r}")
-    return value
-
-
-PlainInteger = BeforeValidator(_plain_integer)
-RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="run id, 1 to 2**62"), PlainInteger]
-TuneId = Annotated[int, Path(ge=1, le=MAX_ID, description="tune id, 1 to 2**62"), PlainInteger]
-Since = Annotated[
-    int,
-    Query(ge=-1, le=MAX_ID, description="records with seq above this (-1: from the start)"),
-    PlainInteger,
-]
-
-
-def bounded_int(text: str, low: int, high: int) -> int | None:
-    """``text`` as a base-10 integer in ``[low, high]``, or None (ASCII digits only: Python's
-    ``int`` also takes ``"1_0"`` and other scripts' digits)."""
-    if not INTEGER_RE.match(text):
-        return None
-    value = int(text)
-    return value if low <= value <= high else None
-
-
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-"""Preset names: they double as file names of built-in presets, so no separators or dots first."""
-PRESET_NAME_SCHEMA = {"pattern": NAME_RE.pattern}
-"""What the OpenAPI document states of a preset name (``check_preset_name`` enforces it)."""
-RUN_NAME_DESCRIPTION = "1-100 printable characters without '/', '\\' or '..'"
-MAX_RUN_NAME = 100
-MAX_TAGS = 32
-MAX_TAG_CHARS = 40
-MAX_NOTES_CHARS = 20_000
-
-
-def check_preset_name(value: str) -> str:
-    if not NAME_RE.match(value):
-        raise ValueError(
-            "expected 1-64 characters of letters, digits, '.', '_' or '-', starting with a "
-            f"letter or digit, got {value!r}"
-        )
-    return value
-
-
-def check_run_name(value: str) -> str:
-    """Run names are labels, never paths: no separators, no '..', no control characters."""
-    if not 1 <= len(value) <= MAX_RUN_NAME:
-        raise ValueError(f"expected 1-{MAX_RUN_NAME} characters, got {len(value)}")
-    if any(c in value for c in "/\\") or ".." in value or not value.isprintable():
-        raise ValueError(
-            f"expected a label without '/', '\\', '..' or control characters, got {value!r}"
-        )
-    return value
-
 
 PresetConfig = Annotated[
     dict[str, Any],
@@ -157,13 +109,17 @@ class PresetsPublic(BaseModel):
 class RunCreate(_In):
     preset: str = Field(max_length=64)
     name: str | None = Field(
-        default=None, max_length=MAX_RUN_NAME, description=RUN_NAME_DESCRIPTION
+        default=None,
+        max_length=MAX_RUN_NAME,
+        description=RUN_NAME_DESCRIPTION,
+        json_schema_extra=RUN_NAME_SCHEMA,
     )
     overrides: Overrides = Field(default_factory=dict)
     device: str = Field(
         default=AUTO_DEVICE,
         description='the worker\'s device: "auto" (CUDA when present, else the CPU), "cpu", '
         '"cuda" or "cuda:N"; runs on one device share its --max-parallel slots',
+        json_schema_extra=DEVICE_SCHEMA,
     )
 
     @field_validator("device")
@@ -216,9 +172,14 @@ class DatasetScan(BaseModel):
 
 class RunUpdate(_In):
     notes: str | None = Field(default=None, max_length=MAX_NOTES_CHARS)
-    tags: list[str] | None = Field(default=None, max_length=MAX_TAGS)
+    tags: list[Annotated[str, Field(json_schema_extra=TAG_SCHEMA)]] | None = Field(
+        default=None, max_length=MAX_TAGS
+    )
     name: str | None = Field(
-        default=None, max_length=MAX_RUN_NAME, description=RUN_NAME_DESCRIPTION
+        default=None,
+        max_length=MAX_RUN_NAME,
+        description=RUN_NAME_DESCRIPTION,
+        json_schema_extra=RUN_NAME_SCHEMA,
     )
 
     @field_validator("name")
@@ -308,10 +269,19 @@ class RunsPublic(BaseModel):
 
 class LimitsUpdate(LiveLimits):
     """The ``PATCH /api/runs/{id}/limits`` body: ``LiveLimits`` with strict, finite numbers
-    (``true``, ``"5"`` and ``NaN`` are refused), and a low watermark above its high one reported
-    at the low field with a sentence (NOTE [ Cross-field errors ] in worker/preset/load.py)."""
+    (``true``, ``"5"``, ``NaN`` and ``1.0`` for a whole number are refused), one field at least
+    not null, and a low watermark above its high one reported at the low field with a sentence
+    (NOTE [ Cross-field errors ] in worker/preset/load.py)."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        strict=True,
+        allow_inf_nan=False,
+        json_schema_extra={  # "no limits given" (runs.set_limits), said in JSON Schema
+            "anyOf": [
+                {"required": [f], "properties": {f: {"not": {"type": "null"}}}} for f in PATHS
+            ]
+        },
+    )
 
     @model_validator(mode="after")
     def _pairs(self) -> LimitsUpdate:  # replaces LiveLimits._pairs, which names the model

@@ -165,7 +165,9 @@ def test_the_schema_states_names_and_ids_formats(client):
     run_name = props["RunCreate"]["properties"]["name"]["anyOf"][0]
     assert run_name["maxLength"] == 100
     params = {p["name"]: p for p in doc["paths"]["/api/compare"]["get"]["parameters"]}
-    assert params["ids"]["schema"]["pattern"].startswith("^ *[0-9]{1,19}")
+    ids = params["ids"]
+    assert (ids["style"], ids["explode"], ids["schema"]["type"]) == ("form", False, "array")
+    assert ids["schema"]["items"] == {"type": "integer", "minimum": 1, "maximum": 2**62}
     preset = doc["paths"]["/api/presets/{name}"]["get"]["parameters"][0]["schema"]
     assert preset["pattern"] == NAME_RE.pattern
 
