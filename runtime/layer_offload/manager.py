@@ -11,9 +11,11 @@ with the layer-offload policy instead of traced streaming:
   checkpoint recomputation, and ``_BackwardBegin`` before the layer's backward);
 - after each layer it is evicted at once: the low watermark is 0 and the prefetch window 0, so
   the runtime's ``_done`` (forward hook in forward; in backward when the next layer's backward
-  begins, NOTE [ Backward block boundaries ]) always evicts. With ``enable_async_offloading`` the window is 1: the next layer in layer
-  order (``LayerOrderScheduler``, no trace) is copied while this one computes, at the cost of
-  one more layer on the device;
+  begins, NOTE [ Backward block boundaries ]) always evicts. With ``enable_async_offloading`` the
+  window is 1: the next offloaded layer in layer order (``LayerOrderScheduler``, no trace) is
+  copied while this one computes, at the cost of one more layer on the device; the same blocks
+  are loaded and evicted as with the window at 0 (NOTE [ Layer-order window ] in
+  ``schedule.py``);
 - stale-layer eviction in ``before_layer`` (below).
 
 # NOTE [ Stale layers ]
@@ -95,7 +97,11 @@ class LayerOffloadManager:
         n = len(self.weights.blocks)
         self.n_resident = resident_count(fraction, n)
         self.weights.scheduler = LayerOrderScheduler(
-            n, config.prefetch_window_blocks, training=mode == "training"
+            n,
+            config.prefetch_window_blocks,
+            training=mode == "training",
+            blocks=self.weights.blocks,
+            step_open=lambda: self.weights.steps.open,
         )
         self.stats = {"stale_evictions": 0, "after_layer_forward": 0, "after_layer_recompute": 0}
         """Counters over the manager's life: stale blocks evicted, ``after_layer`` calls."""

@@ -23,12 +23,34 @@ Flux's ``transformer_blocks`` then ``single_transformer_blocks``, the order the 
 them), and backward uses them in reverse. ``LayerOrderScheduler`` is the weight runtime's
 ``BlockScheduler`` with that order fixed from the start, so the prefetch window (the Conductor
 adapter's knob) follows it from step 0 and a step that runs differently never re-traces.
+
+# NOTE [ Layer-order window ]
+``enable_async_offloading`` changes when the offloaded blocks are copied, never which blocks are
+on the device: every offloaded block is loaded and evicted once in forward and once in
+backward (2 x the offloaded count per training step), as with the window at 0. The weight
+runtime's window (NOTE [ Prefetch window ] in ``runtime/weights/policy.py``) walks the blocks
+ahead of the cursor, once around the order, and passes over blocks on the device that were not
+loaded ahead: under the watermarks those are blocks kept for a later use. Under layer offload
+an offloaded block on the device after its use is one the window at 0 evicts (the low
+watermark is 0), and the walk kept it: the last forward block stayed for its backward, the
+wrap-around reached the next step's first offloaded block and kept or loaded it across the step
+end (a block that was used this step loaded ahead of the next and never evicted), so a block
+asked to be offloaded stayed on the device (PixArt-size tiny models, 1 block of 3 offloaded: 1
+load a step where the window at 0 makes 2, and no eviction). ``LayerOrderScheduler.ahead``
+therefore walks this step's order only, from the cursor to its end, and stops at an offloaded
+block still on the device from its use: its next use needs it loaded again, after the
+eviction this use ends with, so no copy can be issued for it or past it yet. Between two steps
+(no step open) nothing is ahead: the next step's first offloaded block is loaded when the step
+begins, and counted in it. The device holds at most the block in use plus ``window`` blocks
+loaded ahead (``LayerOffloadManager.on_device_max``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 
+from runtime.weights.registry import Block
 from runtime.weights.scheduler import BlockScheduler
 
 
@@ -51,12 +73,56 @@ def resident_count(fraction: float, n_blocks: int) -> int:
 
 class LayerOrderScheduler(BlockScheduler):
     """``BlockScheduler`` with the order fixed to layer order (forward, then reverse for a
-    training step's backward); see NOTE [ Layer order ]."""
+    training step's backward); see NOTE [ Layer order ]. Its window walks the open step's order
+    only and stops at an offloaded block still on the device from its use (NOTE [ Layer-order
+    window ]).
 
-    def __init__(self, n_blocks: int, prefetch_window: int, training: bool) -> None:
+    Args:
+        n_blocks: the blocks (``WeightRuntime.blocks``), in registration order.
+        prefetch_window: blocks loaded ahead of their use at most (0: each when used).
+        training: the order is forward then backward (else forward only).
+        blocks: the weight runtime's blocks, whose states the window reads (``on_device``,
+            ``prefetched``, ``resident``); empty: every block is taken as not loaded.
+        step_open: ``step_open() -> bool``: a step is open (``StepBoundaries.open``); None:
+            always.
+
+    Raises:
+        ValueError: ``blocks`` is given and does not hold ``n_blocks`` blocks.
+    """
+
+    def __init__(
+        self,
+        n_blocks: int,
+        prefetch_window: int,
+        training: bool,
+        blocks: Sequence[Block] = (),
+        step_open: Callable[[], bool] | None = None,
+    ) -> None:
         super().__init__(prefetch_window)
+        if blocks and len(blocks) != n_blocks:
+            raise ValueError(f"blocks: expected {n_blocks} blocks, got {len(blocks)}")
         forward = list(range(n_blocks))
         self.order = forward + forward[::-1] if training else forward
+        self.blocks = blocks
+        self.step_open = step_open
+
+    def ahead(self) -> Iterator[int]:
+        """The distinct blocks after the cursor to the end of this step's order, soonest first,
+        up to the first offloaded block on the device that was not loaded ahead (its next use
+        is a reload); nothing while no step is open (NOTE [ Layer-order window ])."""
+        if self.step_open is not None and not self.step_open():
+            return
+        blocks = self.blocks
+        seen: set[int] = set()
+        for index in self.order[self.pos + 1 :]:
+            if index in seen:
+                continue
+            if blocks:
+                block = blocks[index]
+                if block.on_device and not block.prefetched and not block.resident:
+                    return
+            seen.add(index)
+            yield index
 
     def end_step(self) -> bool:
         """Reset the cursor for the next step; the order never changes (returns False)."""
