@@ -20,6 +20,10 @@ OVERRIDES: dict[str, tuple[float, float, str]] = {
     "efficiency": (1e-2, 1.0, "the share of peak TFLOPs a block reaches, 0.01 to 1"),
 }
 """Override name -> (lowest, highest, its unit and bounds in words)."""
+DEVICE_PROFILES = ("cpu", "rtx3090", "rtx4090", "rtx5090", "h100", "h100-pcie")
+"""The device profiles a plan may name: ``cpu`` (this machine's measured profile) and the named
+GPUs of ``plan.profiles.PROFILES`` (tests/contract/test_contract.py holds the two equal). Here, not
+there, so the server's schema can list them without importing the planner (and torch)."""
 TEXT_LEN = (1, 4096)
 """Text tokens a plan's inputs may have: ``data.max_caption_tokens``' bounds."""
 

@@ -18,8 +18,17 @@ from backend.api.deps import SettingsDep, StoreDep, run_row
 from backend.api.errors import Invalid, NotFound
 from backend.api.models import RunId
 from backend.api.openapi import errors
-from backend.services.run_files import ARTIFACT_RE, artifact_files, checkpoints, servable
+from backend.services.run_files import (
+    ARTIFACT_NAME_PATTERN,
+    ARTIFACT_RE,
+    artifact_files,
+    checkpoints,
+    servable,
+)
 from contract.status import RESUMABLE
+
+ArtifactName = Annotated[str, PathParam(max_length=200, pattern=ARTIFACT_NAME_PATTERN)]
+"""A plain file name: a letter or digit, then letters, digits, ``._-``, never ``..``."""
 
 router = APIRouter(prefix="/api/runs", tags=["artifacts"])
 
@@ -76,7 +85,7 @@ def get_lora(
     run_id: RunId,
     store: StoreDep,
     settings: SettingsDep,
-    name: Annotated[str, PathParam(max_length=200)],
+    name: ArtifactName,
 ):
     """One file of the run's ``lora/`` folder (the LoRA weights, its ComfyUI-layout copy), as a
     download named after the run."""
@@ -91,7 +100,7 @@ def get_artifact(
     run_id: RunId,
     store: StoreDep,
     settings: SettingsDep,
-    name: Annotated[str, PathParam(max_length=200)],
+    name: ArtifactName,
 ):
     """One file of the run's ``samples/`` folder, by name only (no paths, no dot-files)."""
     run_row(store, run_id)

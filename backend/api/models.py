@@ -37,6 +37,7 @@ from backend.api.fields import (  # RunId, TuneId, Since, bounded_int, NAME_RE: 
 )
 from contract.config import AUTO_DEVICE, MAX_MB, LiveLimits, check_device
 from contract.limits import PAIRS, PATHS, low_above_high
+from contract.plan_inputs import DEVICE_PROFILES
 from contract.preset import field_error
 from contract.status import RunStatus
 from contract.text import shown_json
@@ -399,7 +400,9 @@ class TuneCreate(_In):
     preset: str = Field(max_length=64)
     budget_mb: float = Field(gt=0, le=MAX_MB, allow_inf_nan=False)
     """The VRAM budget (MB of 2**20 bytes) every trial's predicted peak must fit."""
-    device: str = Field(default="cpu", max_length=32)
+    device: str = Field(
+        default="cpu", max_length=32, json_schema_extra={"enum": list(DEVICE_PROFILES)}
+    )
     """The device profile the trials are planned on (``POST /api/plan``'s)."""
     trial_steps: int = Field(default=3, ge=1, le=100)
     """Steps of each trial after its trace step."""

@@ -15,7 +15,7 @@ from backend.api.errors import Invalid, NotFound
 from backend.api.models import RunId
 from backend.api.openapi import errors
 from backend.services.calibration import calibration_for
-from contract.plan_inputs import OVERRIDES
+from contract.plan_inputs import DEVICE_PROFILES, OVERRIDES
 
 router = APIRouter(prefix="/api", tags=["plan"])
 
@@ -34,7 +34,9 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     preset: dict[str, Any]
-    device: str = Field(default="cpu", max_length=32)
+    device: str = Field(
+        default="cpu", max_length=32, json_schema_extra={"enum": list(DEVICE_PROFILES)}
+    )
     """``cpu`` (this machine: its stored profile, ``plan.profiles.stored_cpu_profile``)
     or a named profile: ``rtx3090``, ``rtx4090``, ``rtx5090``, ``h100`` (SXM5), ``h100-pcie``."""
     vram_gb: float | None = _override("vram_gb")

@@ -13,6 +13,11 @@ from backend.api.models import RunId, Since, TelemetryPage
 from backend.api.openapi import errors
 from backend.services.downsample import PATH_RE, numeric_paths
 
+_PATH = r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*"
+FIELDS_PATTERN = rf"^[ \t]*(?:{_PATH})?[ \t]*(?:,[ \t]*(?:{_PATH})?[ \t]*)*$"
+"""``fields``: dotted names (``downsample.PATH_RE``) separated by commas, spaces and tabs around
+them, empty entries skipped: what the handler reads, declared in the schema and checked there."""
+
 router = APIRouter(prefix="/api/runs", tags=["telemetry"])
 MAX_PAGE = 10_000
 MAX_BUCKETED = 500_000
@@ -28,7 +33,7 @@ def telemetry(
     source: Annotated[str | None, Query(max_length=64)] = None,
     kind: Annotated[str | None, Query(max_length=64)] = None,
     buckets: Annotated[int | None, Query(ge=1, le=10_000)] = None,
-    fields: Annotated[str | None, Query(max_length=2000)] = None,
+    fields: Annotated[str | None, Query(max_length=2000, pattern=FIELDS_PATTERN)] = None,
 ) -> Response:
     """Records with ``seq > since`` in seq order. ``next_since`` is the last seq returned (pass
     it back as ``since`` for the next page); ``count`` is the length of ``data``.

@@ -56,6 +56,11 @@ def has_config(run_dir: Path) -> bool:
 
 ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
+ARTIFACT_NAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9_-]|\.[A-Za-z0-9_-])*\.?$"
+"""``ARTIFACT_RE`` without ``..`` in one pattern without look-around (the API's path schema:
+pydantic's regex engine has none): a dot is never followed by another dot. With a length of at
+most 200 it accepts exactly the names ``ARTIFACT_RE`` matches that hold no ``..``."""
+
 
 def servable(path: Path, run_dir: Path) -> bool:
     """Whether ``path`` is a regular file with one name whose real path is inside ``run_dir``."""

@@ -61,8 +61,8 @@ AWKWARD = [
 
 STATEFUL = {
     ("POST", "/api/pipelines/inspect"): {"path", "transformer_path", "model_type"},
-    ("POST", "/api/plan"): {"preset", "device"},
-    ("POST", "/api/tunes"): {"budget_mb", "device", "overrides"},
+    ("POST", "/api/plan"): {"preset"},
+    ("POST", "/api/tunes"): {"budget_mb", "overrides"},
     ("POST", "/api/tunes/{tune_id}/preset"): {"run_id"},
     ("POST", "/api/data/scan"): {"overrides"},
     ("POST", "/api/runs"): {"overrides"},
@@ -70,19 +70,12 @@ STATEFUL = {
 }
 """Fields whose 422 depends on what exists or on the planner (a folder on disk, a device
 profile, the smallest plan within a budget, a tune's trials, the preset the overrides merge
-into): not varied, and a 422 naming them is the handler's answer, not the schema's. The named
-device profiles live in ``plan.profiles``, which the server imports only in a request."""
+into): not varied, and a 422 naming them is the handler's answer, not the schema's."""
 
-KNOWN_GAPS = {
-    ("GET", "/api/runs/{run_id}/artifacts/{name}"): "name",
-    ("GET", "/api/runs/{run_id}/lora/{name}"): "name",
-    ("GET", "/api/runs/{run_id}/telemetry"): "fields",
-}
-"""Operations that still refuse schema-valid input, in modules outside this change:
-backend/api/artifacts.py checks ``name`` against ``run_files.ARTIFACT_RE`` and ``..`` (its
-schema says only ``maxLength``), backend/api/telemetry.py checks ``fields`` (with ``buckets``)
-against ``downsample.PATH_RE``. Listed so that the test fails once they are fixed, to be taken
-off here."""
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
+"""Operations that still refuse schema-valid input (none: the artifact names, telemetry's
+``fields`` and the plan's and tune's ``device`` declare their patterns and profiles). An entry
+here must be refused, so that the test fails once it is fixed and it is taken off."""
 
 
 # -- the document's structure ------------------------------------------------------------------
@@ -253,7 +246,6 @@ def known(client) -> dict[str, list]:
         "config": [config],
         "path": ["/nonexistent"],
         "budget_mb": [1000.0],
-        "device": ["no-such-device"],
         "buckets": [10],
         "prefetch_window_blocks": [1],
     }

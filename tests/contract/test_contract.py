@@ -98,3 +98,13 @@ def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worke
         for key in path.split("."):
             assert key in node, f"{field}: {path} is not in a run's config"
             node = node[key]
+
+
+def test_the_device_profiles_the_schema_lists_are_the_planners():
+    """``POST /api/plan`` and ``POST /api/tunes`` list their ``device`` values in the schema
+    from ``contract.plan_inputs.DEVICE_PROFILES`` (the server loads without the planner): the
+    same names, in the same order, as ``cpu`` and ``plan.profiles.PROFILES``."""
+    from contract.plan_inputs import DEVICE_PROFILES
+    from plan.profiles import PROFILES
+
+    assert list(DEVICE_PROFILES) == ["cpu", *PROFILES]
