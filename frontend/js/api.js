@@ -157,6 +157,10 @@ export const api = {
   cancelRun: (id) => request("POST", `/api/runs/${enc(id)}/cancel`),
   /** The dataset scan a run would start with. @param {{preset: string, overrides?: object}} body */
   scanData: (body) => request("POST", "/api/data/scan", body),
+  /** What POST /api/runs would refuse in a run request, every problem at once.
+   * @param {{preset: string, overrides?: object}} body
+   * @returns {Promise<{valid: boolean, problems: Array<{field: string, message: string}>}>} */
+  checkRun: (body) => request("POST", "/api/runs/check", body),
   deleteRun: (id) => request("DELETE", `/api/runs/${enc(id)}`),
 
   /**

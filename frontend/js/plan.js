@@ -154,14 +154,15 @@ function curve(el, plan) {
 }
 
 /**
- * @param {{getConfig: () => object|null, getRequest?: () => ({preset: string, overrides: object}|null)}} opts
- *   the config being edited (null when invalid), and the run request it makes (for Tune; null
- *   when it cannot make one, the page having said why)
+ * @param {{getConfig: () => object|null, getRequest?: () => ({preset: string, overrides: object}|null),
+ *   placeError?: (err: Error) => boolean}} opts the config being edited (null when invalid), the
+ *   run request it makes (for Tune; null when it cannot make one, the page having said why), and
+ *   what puts a plan's error beside the fields it names (true: placed, no box shown here)
  * @returns {{el: HTMLElement, setBlocked: (reason: string|null) => void}} the panel, and what
  *   holds Plan and Tune back while the page holds a value it marked invalid (the config would
  *   be planned without it)
  */
-export function planPanel({ getConfig, getRequest }) {
+export function planPanel({ getConfig, getRequest, placeError }) {
   const device = h("select", { id: "plan-device" }, DEVICES.map((d) => h("option", { value: d }, d)));
   const budget = h("input", { id: "tune-budget", type: "text", inputmode: "decimal", placeholder: "MB", size: 8 });
   const trialSteps = h("input", { id: "tune-steps", type: "text", inputmode: "numeric", value: "3", size: 3 });
@@ -197,7 +198,7 @@ export function planPanel({ getConfig, getRequest }) {
       chart.hidden = false;
       curve(chart, plan);
     } catch (err) {
-      showError(errors, err, "plan");
+      if (!placeError || !placeError(err)) showError(errors, err, "plan");
     } finally {
       stop();
       delete btn.dataset.busy;

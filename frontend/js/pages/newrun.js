@@ -3,7 +3,9 @@
 // (components/newrun/json.js), then Start (POST /api/runs with the changes as `overrides`, after
 // a data scan: components/newrun/request.js) or save it as a new preset
 // (components/newrun/presets.js). While a field holds text the page marked invalid, nothing is
-// sent: Start, Check data, Plan, Tune and Save wait, and a note says which fields.
+// sent: Start, Check data, Plan, Tune and Save wait, and a note says which fields. As a field
+// changes (a folder: once left) the server checks the request (components/newrun/checks.js)
+// and every field it refuses shows its error at once; the buttons wait for those too.
 // `#/new?from=ID` opens it prefilled from a past run ("Re-run with changes", with the live
 // limits the run ended with, not those it started with); `#/new?preset=NAME` selects one.
 // "Plan" (plan.js) predicts VRAM and step time of the config on a device profile before Start.
@@ -15,7 +17,8 @@ import { planPanel } from "../plan.js";
 import { pipelinePanel } from "../components/panels/pipeline.js";
 import { KeyFieldsForm } from "../components/newrun/form.js";
 import { JsonEditor } from "../components/newrun/json.js";
-import { RunRequest } from "../components/newrun/request.js";
+import { overridesOf, RunRequest } from "../components/newrun/request.js";
+import { FieldChecks } from "../components/newrun/checks.js";
 import { PresetActions } from "../components/newrun/presets.js";
 
 export function mount(root, { params }) {
@@ -34,19 +37,40 @@ export function mount(root, { params }) {
   const from = params.get("from");
   const title = h("h1", {}, from ? `Re-run ${from} with changes` : "New run");
 
-  const form = new KeyFieldsForm(doc, (path) => {
+  const form = new KeyFieldsForm(doc, (path, how) => {
     // The value changed: an error that named this field no longer holds until asked again.
     clearErrors(errors, null, path);
     json.show();
+    if (how === "typing") checks.cancel(); // a folder is checked once left, not half typed
+    else if (how === "left") checks.now();
+    else checks.schedule();
   });
-  const json = new JsonEditor(doc, () => form.show());
-  const request = new RunRequest({ doc, form, json, errors, presetSel, nameInput, deviceSel, gate });
+  const json = new JsonEditor(doc, () => {
+    form.show();
+    checks.schedule();
+  });
+  const checks = new FieldChecks({
+    // Nothing is asked while a field holds text that did not parse (the request would carry
+    // its last good value) or without a preset.
+    request: () => (form.invalidLabels().length || !json.valid || !presetSel.value ? null
+      : { preset: presetSel.value, overrides: overridesOf(doc.base, doc.config) }),
+    onResult: (problems) => {
+      form.setChecked(problems);
+      json.error.textContent = form.unplaced.map((p) => `${p.field}: ${p.message}`).join("\n");
+      gate();
+    },
+  });
+  const request = new RunRequest({ doc, form, json, errors, presetSel, nameInput, deviceSel, checks, gate });
   const presetActions = new PresetActions({
     doc, json, errors, presetSel, loadPresets,
     selected: () => presets.find((p) => p.name === presetSel.value),
     showApiError: (err, label) => request.showApiError(err, label),
   });
-  const plan = planPanel({ getConfig: () => (json.parse() ? doc.config : null), getRequest: () => request.forTune() });
+  const plan = planPanel({
+    getConfig: () => (json.parse() ? doc.config : null),
+    getRequest: () => request.forTune(),
+    placeError: (err) => request.placePlanError(err),
+  });
 
   root.append(
     h("section", { class: "card" },
@@ -69,14 +93,20 @@ export function mount(root, { params }) {
   root.addEventListener("change", gate);
 
   /** Holds back every button that sends the config while a field holds text the page marked
-   * invalid (its last good value is still in the config: Start would run that one), naming the
-   * fields; and says why the selected preset cannot start while its demo assets build (GET
+   * invalid (its last good value is still in the config: Start would run that one) or a value
+   * the server refused (its check as fields change, or the last Start), naming the fields; and
+   * says why the selected preset cannot start while its demo assets build (GET
    * /api/assets blocked_presets; Start is refused by the server with the same reason, 409
    * assets_not_ready); a pipeline folder (another model) lifts that. */
   function gate() {
     const bad = form.invalidLabels();
     if (!json.valid) bad.push("Full config (JSON)");
-    const reason = bad.length ? `Fix ${bad.join("; ")} first: a run would not get what is typed there.` : null;
+    const refused = form.checkedLabels();
+    const reasons = [
+      bad.length ? `Fix ${bad.join("; ")} first: a run would not get what is typed there.` : "",
+      refused.length ? `Fix ${refused.join("; ")} first: the server refuses ${refused.length > 1 ? "them" : "it"} (see beside each).` : "",
+    ].filter(Boolean);
+    const reason = reasons.length ? reasons.join(" ") : null;
     request.setBlocked(reason);
     plan.setBlocked(reason);
     presetActions.setBlocked(reason);
@@ -118,6 +148,7 @@ export function mount(root, { params }) {
     form.show({ keepInvalid: true });
     json.show();
     gate();
+    checks.now();
   }
 
   function selectPreset(name) {
@@ -187,5 +218,8 @@ export function mount(root, { params }) {
     }
   })();
 
-  return () => offAssets();
+  return () => {
+    offAssets();
+    checks.cancel();
+  };
 }

@@ -2,7 +2,9 @@
 // (`doc.config`), each input bound to one JSON path; a change goes into the config at once, a
 // value that does not parse stays out of it and marks the field invalid (`invalid()`), which
 // holds Start back. A folder field is the run's own model or data: naming one where the preset
-// names none drops the preset's fields bound to it (`useFolder`), as the server does.
+// names none drops the preset's fields bound to it (`useFolder`), as the server does. The
+// server's errors (its checks as fields change, a 422 of Start, Plan or Save) show beside the
+// fields they name (`setChecked`, `place`); one whose value changes loses its error at once.
 
 import { SQUAREQ_FORMATS, STRATEGIES } from "../../contract.js";
 import { limitFields } from "../../limitfields.js";
@@ -82,12 +84,16 @@ function parseField(field, el) {
 export class KeyFieldsForm {
   /**
    * @param {object} doc the page's `{config}`: the config being edited
-   * @param {function(string): void} onChange called with a field's path once its value went
-   *   into `doc.config`
+   * @param {function(string, string): void} onChange called with a field's path once its value
+   *   went into `doc.config`, and how: "typed" (a keystroke), "typing" (a keystroke in a folder
+   *   field: not left yet), "left" (a folder field left with its new value), "set" (a select or
+   *   a checkbox)
    */
   constructor(doc, onChange) {
     this.doc = doc;
     this.onChange = onChange;
+    this.checked = new Map(); // field id -> the server's error shown beside it
+    this.unplaced = []; // the server's {field, message} naming no field of the form
     this.bound = new Map(); // field id -> JSON path
     this.folderFields = {}; // folder path -> the preset fields it drops (GET /api/overrides/folders)
     this.inputs = new Map();
@@ -101,7 +107,10 @@ export class KeyFieldsForm {
       else if (field.type === "folder") input = h("input", { type: "text", placeholder: "/path/to/folder", spellcheck: "false" });
       else input = h("input", { type: "text", placeholder: "default", inputmode: ["text", "list", "watermark"].includes(field.type) ? "text" : "decimal" });
       input.id = `field-${field.id}`;
-      input.addEventListener(field.type === "bool" || field.type === "select" ? "change" : "input", () => this.read(field));
+      const set = field.type === "bool" || field.type === "select";
+      const how = set ? "set" : field.type === "folder" ? "typing" : "typed";
+      input.addEventListener(set ? "change" : "input", () => this.read(field, how));
+      if (field.type === "folder") input.addEventListener("change", () => this.onChange(this.bound.get(field.id), "left"));
       const err = h("div", { class: "field-error", id: `error-${field.id}` });
       this.inputs.set(field.id, { input, err });
       this.el.append(h("label", { class: field.wide ? "field wide" : "field", for: input.id, "data-field": field.id },
@@ -128,10 +137,13 @@ export class KeyFieldsForm {
       if (field.id === except || (keepInvalid && this.invalid.has(field.id))) continue;
       const { input, err } = this.inputs.get(field.id);
       const value = getPath(this.doc.config, this.bound.get(field.id));
+      const was = field.type === "bool" ? input.checked : input.value;
       if (field.type === "bool") input.checked = value === true;
       else if (field.type === "list") input.value = Array.isArray(value) ? value.join(", ") : "";
       else if (field.type === "lines") input.value = Array.isArray(value) ? value.join("\n") : "";
       else input.value = value === undefined || value === null ? "" : String(value);
+      // A new value ("Use this folder", another preset): the error about the old one is gone.
+      if (was !== (field.type === "bool" ? input.checked : input.value)) this.unmark(field.id);
       if (this.invalid.delete(field.id)) {
         err.textContent = "";
         input.classList.remove("invalid");
@@ -161,8 +173,8 @@ export class KeyFieldsForm {
     }
   }
 
-  /** `field`'s input into the config, or its error beside it. */
-  read(field) {
+  /** `field`'s input into the config, or its error beside it; `how` goes to `onChange`. */
+  read(field, how = "typed") {
     const { input, err } = this.inputs.get(field.id);
     const path = this.bound.get(field.id);
     try {
@@ -175,7 +187,8 @@ export class KeyFieldsForm {
       err.textContent = "";
       input.classList.remove("invalid");
       this.invalid.delete(field.id);
-      this.onChange(path);
+      this.checked.delete(field.id);
+      this.onChange(path, how);
     } catch (exc) {
       err.textContent = exc.message;
       input.classList.add("invalid");
@@ -183,26 +196,65 @@ export class KeyFieldsForm {
     }
   }
 
-  /** Takes away the API's errors shown beside the fields; a field whose text did not parse
+  /** Takes away the server's errors shown beside the fields; a field whose text did not parse
    * keeps its own. */
   clear() {
-    for (const [id, { err, input }] of this.inputs) {
-      if (this.invalid.has(id)) continue;
-      err.textContent = "";
-      input.classList.remove("invalid");
+    for (const id of this.inputs.keys()) this.unmark(id);
+    this.checked.clear();
+    this.unplaced = [];
+  }
+
+  /** Takes the server's error away from field `id` (one whose text did not parse keeps its own). */
+  unmark(id) {
+    this.checked.delete(id);
+    if (this.invalid.has(id)) return;
+    const { err, input } = this.inputs.get(id);
+    err.textContent = "";
+    input.classList.remove("invalid");
+  }
+
+  /** The server's problems of the request as it stands (POST /api/runs/check), each beside its
+   * field, in place of those shown before; those naming no field of the form are `unplaced`. */
+  setChecked(problems) {
+    this.clear();
+    for (const { field, message } of problems) {
+      if (!this.place(field, message)) this.unplaced.push({ field, message });
     }
   }
 
-  /** Shows `message` beside the field bound to `path` (or, for a section's path, its first
-   * field: a model-level check such as the watermark order names the section); false when no
-   * field shows it. */
-  place(path, message) {
-    let target = FIELDS.find((f) => this.bound.get(f.id) === path);
-    if (!target) target = FIELDS.find((f) => path && this.bound.get(f.id).startsWith(`${path}.`));
+  /** The labels of the fields the server's errors hold back, then the paths of those naming no
+   * field (a rule of the JSON config). */
+  checkedLabels() {
+    const labels = FIELDS.filter((f) => this.checked.has(f.id) && !this.invalid.has(f.id)).map((f) => f.label);
+    return [...labels, ...this.unplaced.map((p) => p.field)];
+  }
+
+  /** The field that shows problems of `path` (as `place` takes it), or undefined. */
+  target(path) {
+    path = String(path || "").replace(/^(overrides|config|preset)\.?/, "");
+    return FIELDS.find((f) => this.bound.get(f.id) === path)
+      || FIELDS.find((f) => path && this.bound.get(f.id).startsWith(`${path}.`));
+  }
+
+  canPlace(path) {
+    return Boolean(this.target(path));
+  }
+
+  /** Shows `message` beside the field bound to `path` (a JSON path of a request: `overrides.`,
+   * `config.` or `preset.` first is dropped; a section's path goes to its first field: a
+   * model-level check such as the watermark order names the section) and, unless `block` is
+   * false (a Plan's own rule, not the run's), holds the buttons back until the field changes;
+   * false when no field shows it. A field whose text did not parse keeps its own message. */
+  place(path, message, block = true) {
+    const target = this.target(path);
     if (!target) return false;
+    if (this.invalid.has(target.id)) return true;
     const { err, input } = this.inputs.get(target.id);
-    err.textContent = message;
+    const text = String(message).replace(/^[\w.[\]]+: /, ""); // the field is named by its label
+    const shown = this.checked.get(target.id);
+    err.textContent = shown && shown !== text ? `${shown}; ${text}` : text;
     input.classList.add("invalid");
+    if (block) this.checked.set(target.id, err.textContent);
     return true;
   }
 }

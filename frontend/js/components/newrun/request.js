@@ -30,8 +30,9 @@ export function overridesOf(base, config) {
 export class RunRequest {
   /**
    * @param {object} page the page's parts: `doc` (`{base, config}`), `form` (KeyFieldsForm),
-   *   `json` (JsonEditor), `errors`, `presetSel`, `nameInput`, `deviceSel` and `gate()` (what
-   *   holds Start back: fields marked invalid, the demo assets)
+   *   `json` (JsonEditor), `errors`, `presetSel`, `nameInput`, `deviceSel`, `checks`
+   *   (FieldChecks: a check scheduled is dropped when the request is sent) and `gate()` (what
+   *   holds Start back: fields marked invalid or refused by the server, the demo assets)
    */
   constructor(page) {
     this.page = page;
@@ -65,16 +66,30 @@ export class RunRequest {
     json.error.textContent = "";
   }
 
-  /** Puts an API error next to the fields it names (`field` and each `details[].field`). */
+  /** Puts an API error next to the fields it names (`field` and each `details[].field`), and in
+   * a box above under `prefix`. */
   showApiError(err, prefix) {
     const named = [{ field: err.field, message: err.message }, ...err.details.filter((d) => d && d.field)];
     let placed = false;
     for (const { field, message } of named) {
       if (!field) continue;
-      placed = this.page.form.place(field.replace(/^(overrides|config)\.?/, ""), message) || placed;
+      placed = this.page.form.place(field, message) || placed;
     }
     if (!placed || err.field === null) this.page.json.error.textContent = err.describe();
     showError(this.page.errors, err, prefix);
+  }
+
+  /** Puts a Plan's 422 beside the fields it names, in no box: its message lists each problem
+   * as `path: what` (`; ` between them), as the planner words them. Such an error does not hold
+   * Start back (the plan's rules are not the run's). False (nothing placed) when a problem
+   * names no field of the form: the caller shows the error whole. */
+  placePlanError(err) {
+    if (err.status !== 422 || !err.field) return false;
+    const parts = String(err.message).split(/; (?=[\w.[\]]+: )/).map((part) => /^([\w.[\]]+): ([\s\S]*)$/.exec(part));
+    if (parts.some((m) => !m || !this.page.form.canPlace(m[1]))) return false;
+    for (const [, field, message] of parts) this.page.form.place(field, message, false);
+    this.page.gate();
+    return true;
   }
 
   body() {
@@ -110,6 +125,7 @@ export class RunRequest {
    * under `label`: what the user asked for, Check data or Start). */
   async scanData(body = null, label = "check data") {
     if (this.blocked) return null;
+    this.page.checks.cancel(); // the scan's answer says the same of this request
     this.clearFieldErrors();
     if (!body) {
       clearErrors(this.page.errors);
@@ -143,6 +159,7 @@ export class RunRequest {
 
   async start() {
     if (this.blocked) return;
+    this.page.checks.cancel(); // Start's answer says the same of this request
     this.clearFieldErrors();
     clearErrors(this.page.errors); // a new attempt: the last one's errors come back if they still hold
     if (!this.page.json.parse()) return;
