@@ -1,6 +1,8 @@
 """SquareQ on CUDA (skipped without it; ``./dev gpu-check tests`` runs it on a lent GPU): the
 image's H2D copy and its dequantization run on the transfer stream, the compute stream waits on
-the load's event, nothing waits on the host, and the numbers equal the dequantized model's."""
+the load's event, nothing waits on the host, and the numbers equal the dequantized model's.
+Every test runs under the trainer's cuDNN SDPA guard (``tests/runtime/conftest.py``) but
+``test_cuda_squareq_bf16_with_cudnn_sdp_on``, which keeps cuDNN SDPA on."""
 
 import pytest
 import torch
@@ -33,9 +35,14 @@ def _train_cuda(model, runtime=None, steps=3):
     return losses, grads
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_squareq_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, dtype):
+def _nonfinite(grads: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the gradients holding a NaN or an infinity."""
+    return sorted(name for name, g in grads.items() if not torch.isfinite(g).all())
+
+
+def _check_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, dtype):
+    """Three AdamW steps of the dequantized model and of the SquareQ runtime: step 0's
+    gradients finite in both, then losses and every gradient of every step equal."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     reference = make_model("flux", tiny_flux).to(dtype)
@@ -44,12 +51,43 @@ def test_cuda_squareq_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, 
     model = make_model("flux", tiny_flux).to(dtype)
     squareq = {"format": fmt, "cache_dir": str(tmp_path)}
     runtime = WeightRuntime(model, config(squareq=squareq), device="cuda", checkpoint_dir=tiny_flux)
-    loss_b, grads_b = _train_cuda(model, runtime)
+    try:
+        loss_b, grads_b = _train_cuda(model, runtime)
+    finally:
+        runtime.close()
+    # A non-finite gradient at step 0 shows only as a NaN loss at step 1 (AdamW carries it into
+    # the weights): name where it began, and whether cuDNN SDPA was on (NOTE [ cuDNN SDPA guard ]).
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    for label, grads in (("dequantized model", grads_a), ("SquareQ runtime", grads_b)):
+        bad = _nonfinite(grads[0])
+        assert not bad, (
+            f"step 0: {len(bad)} of {len(grads[0])} gradients of the {label} are not finite "
+            f"(cuDNN SDPA enabled: {cudnn}), first {bad[:4]}"
+        )
     assert loss_a == loss_b
     for ga, gb in zip(grads_a, grads_b, strict=True):
         for name in ga:
             assert torch.equal(ga[name], gb[name]), name
-    runtime.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_squareq_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, dtype):
+    """Under the trainer's attention guard (the conftest's ``_cudnn_sdp_guard``)."""
+    _check_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, dtype)
+
+
+@pytest.mark.cudnn_sdp("on")
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_cuda_squareq_bf16_with_cudnn_sdp_on(tiny_flux, tmp_path, fmt):
+    """The bf16 case as the H200 run had it, before the GPU tests ran under the guard: cuDNN
+    SDPA left to PyTorch's choice, which on sm90/sm100 with torch >= 2.11 is to run it (for
+    fp16/bf16 only: ``check_dtypes_low_precision`` in ``sdp_utils.cpp``; the fp32 cases never
+    take cuDNN). That run's losses were ``[0.2637, nan,
+    nan]`` against ``[0.2637, 0.2734, 0.3828]``. A failure here with step 0's gradients not
+    finite, while the guarded case passes, is the cuDNN SDPA defect the guard keeps out of runs
+    (``./dev gpu-check diagnose``, docs/perf-gpu.md)."""
+    _check_trains_as_the_dequantized_model(tiny_flux, tmp_path, fmt, torch.bfloat16)
 
 
 def test_dequant_on_the_copy_stream_without_host_syncs(tmp_path):

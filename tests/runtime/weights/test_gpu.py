@@ -6,6 +6,7 @@ import torch
 
 from runtime.common import ListSink, Telemetry
 from runtime.weights import WeightRuntime
+from tests.runtime import exact
 from worker.assets import example_inputs, output_tensor
 
 from ._train import Wide, config, make_model
@@ -54,6 +55,40 @@ def test_cuda_parity(tiny_flux, method, checkpointing):
         for name in ga:
             assert torch.equal(ga[name], gb[name]), name
     runtime.close()
+
+
+def test_cuda_bf16_streams_as_the_plain_model(tiny_flux):
+    """bf16 LoRA training under the weight runtime (no SquareQ), the dtype a run on the GPU
+    trains in (the other training tests here are fp32, where SDPA never takes cuDNN), under the
+    trainer's attention guard: step 0's gradients finite in both runs (a non-finite one shows
+    only as a NaN loss at step 1), then losses and every gradient equal the plain model's.
+    ``./dev gpu-check diagnose`` runs it with cuDNN SDPA on: SquareQ's bf16 case without
+    SquareQ."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    bf16 = {"ordinary": True, "dtype": torch.bfloat16}  # from_pretrained(torch_dtype=bf16)
+    reference = exact.make_model("flux", tiny_flux, "lora", **bf16).cuda()
+    loss_a, grads_a = _train_cuda(reference)
+    model = exact.make_model("flux", tiny_flux, "lora", **bf16)
+    runtime = WeightRuntime(model, config(), device="cuda", checkpoint_dir=tiny_flux)
+    try:
+        loss_b, grads_b = _train_cuda(model, runtime)
+        work = runtime.counters()
+    finally:
+        runtime.close()
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    for label, grads in (("plain model", grads_a), ("weight runtime", grads_b)):
+        assert grads[0] and all(g.dtype == torch.bfloat16 for g in grads[0].values())
+        bad = sorted(n for n, g in grads[0].items() if not torch.isfinite(g).all())
+        assert not bad, (
+            f"step 0: {len(bad)} of {len(grads[0])} gradients of the {label} are not finite "
+            f"(cuDNN SDPA enabled: {cudnn}), first {bad[:4]}"
+        )
+    assert work["blocks_loaded"] > 0 and work["blocks_evicted"] > 0  # it really streamed
+    assert loss_a == loss_b
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), name
 
 
 def test_cuda_block_views_are_aligned_as_ordinary_tensors(tiny_flux):
