@@ -26,6 +26,12 @@ the step records of higher steps written before it are of the discarded run, and
 drawn once, from its newest records (charts and Compare's series)."""
 RUN_FINISHED = Record("trainer", "run_finished")
 """How the run ended (``status``); the supervisor's exit rules read it."""
+OOM_RECOVERY = Record("trainer", "oom_recovery")
+"""One per out-of-memory recovery: the step that failed (``phase``, ``attempt``, device bytes at
+the failure and the card's), the limits before and after; the rerun's ``limits_applied`` record
+has ``request_id`` ``OOM_REQUEST``. The summary counts them, later plans learn from them."""
+OOM_REQUEST = "oom"
+"""The ``request_id`` of the ``strategy/limits_applied`` record of a recovery's lowered limits."""
 LIMITS_APPLIED = Record("strategy", "limits_applied")
 """Live limits the worker applied (``changed``: field -> [old, new]): the limits in force."""
 WEIGHTS_STEP = Record("stagehand", "step")

@@ -221,6 +221,9 @@ class RunSummary(BaseModel):
     weights_squareq: str | None = None
     """The last ``squareq/step`` record's ``note`` (format, bytes saved, dequantization, worst
     layer's error) when the run kept frozen weights in 8 bits, else None."""
+    recoveries: int | None = None
+    """Out-of-memory recoveries: the run's ``trainer/oom_recovery`` records (each lowered its
+    limits and ran the step again); None in a summary stored before they were counted."""
 
 
 class RunError(BaseModel):

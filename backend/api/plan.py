@@ -14,7 +14,7 @@ from backend.api.deps import CalibratorDep, StoreDep, run_row
 from backend.api.errors import Invalid, NotFound
 from backend.api.models import RunId
 from backend.api.openapi import errors
-from backend.services.calibration import calibration_for
+from backend.services.calibration import calibration_for, recovery_for
 from contract.plan_inputs import DEVICE_PROFILES, OVERRIDES
 
 router = APIRouter(prefix="/api", tags=["plan"])
@@ -60,6 +60,10 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
     the median of their ratios within bounds is applied and ``calibration`` says from which
     runs and which ratios were refused (``backend.services.calibration.calibration_for``,
     ``plan.feedback.apply``; ``calibration.uncalibrated`` keeps the raw figures).
+    When runs of the device and family ran out of memory and went on with lower limits, the
+    preset's limits are capped at the lowest they went on with before it is planned, and
+    ``recovery`` says which runs, what was capped and a ``note`` (``plan.recovery``, NOTE
+    [ Limits a recovery taught ]).
 
     Raises:
         Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
@@ -67,7 +71,11 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
     """
     from plan import PlanInputError, plan_preset, profile  # lazy: the server starts without torch
     from plan.feedback import apply, family_of  # lazy: the server starts without torch
+    from plan.recovery import cap_limits, recovery_of  # lazy: as plan.feedback
 
+    family = family_of(body.preset)
+    learnt = recovery_for(store, body.device, family)
+    preset, capped = cap_limits(body.preset, learnt) if learnt else (body.preset, {})
     try:
         vram = int(body.vram_gb * 2**30) if body.vram_gb else None
         dev = profile(
@@ -78,7 +86,7 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
             disk_gbps=body.disk_gbps,
         )
         name = str(body.preset.get("name") or "(new run)")
-        out = plan_preset(body.preset, dev, name=name).to_dict()
+        out = plan_preset(preset, dev, name=name).to_dict()
     except PlanInputError as exc:
         message = str(exc)
         match = _FIELD.match(message)
@@ -96,7 +104,9 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
         # A preset that validates yet names what cannot be built (a factory size, a folder's
         # config): still the input's fault, never a server error.
         raise Invalid(f"preset: cannot plan it: {exc}", field="preset") from None
-    calibration = calibration_for(store, body.device, family_of(body.preset))
+    if learnt:
+        out["recovery"] = recovery_of(learnt, capped)
+    calibration = calibration_for(store, body.device, family)
     return apply(out, calibration) if calibration else out
 
 

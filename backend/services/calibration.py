@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.store import Store
-from contract.records import LIMITS_APPLIED, RUN_STARTED
+from contract.records import LIMITS_APPLIED, OOM_REQUEST, RUN_STARTED
 
 log = logging.getLogger("backend.services.calibration")
 
@@ -37,6 +37,29 @@ def calibration_for(store: Store, device: str, family: str) -> dict | None:
     from plan.feedback import RUNS, combine  # lazy: the server starts without torch
 
     return combine(store.calibrations_of(device, family, RUNS))
+
+
+def recovery_for(store: Store, device: str, family: str) -> dict | None:
+    """What a plan of ``device`` (a profile name) and ``family`` learns from the newest runs of
+    them that ran out of memory and recovered (``trainer/oom_recovery`` records): the lowest
+    limits they went on with (``plan.recovery.learnt_limits``), or None when there is none."""
+    from plan.feedback import family_of, profile_name  # lazy: the server starts without torch
+    from plan.recovery import RECOVERY_RUNS, learnt_limits  # lazy: as plan.feedback
+
+    by_run: dict[int, list[dict]] = {}
+    for run_id, rec in store.oom_recoveries():  # newest run first
+        by_run.setdefault(run_id, []).append(rec)
+    runs = []
+    for run_id, records in by_run.items():
+        run = store.get_run(run_id)
+        if run is None or family_of(run["config"]) != family:
+            continue
+        started = store.last_record(run_id, *RUN_STARTED) or {}
+        if profile_name(started.get("device"), started.get("device_name")) == device:
+            runs.append((run_id, records))
+        if len(runs) == RECOVERY_RUNS:
+            break
+    return learnt_limits(device, family, runs)
 
 
 AUTO_REQUEST = "auto"
@@ -62,6 +85,11 @@ def skip_reason(store: Store, run: dict) -> str | None:
         return f"its device ({device}) has no plan profile to calibrate"
     for _, line in store.telemetry_lines(run["id"], -1, 10_000, *LIMITS_APPLIED):
         rec = json.loads(line)
+        if rec.get("changed") and rec.get("request_id") == OOM_REQUEST:
+            return (
+                f"it ran out of memory and lowered its limits (step {rec.get('step')}): its "
+                "peak and step time mix two configs"
+            )
         if rec.get("changed") and rec.get("request_id") != AUTO_REQUEST:
             return (
                 f"its limits were changed while it ran (step {rec.get('step')}): its peak and "

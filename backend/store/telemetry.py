@@ -15,7 +15,7 @@ from typing import Any
 import sqlite_utils
 
 from backend.services.downsample import ROLLUP_MIN_RECORDS, Chunk, fold, merge_chunks
-from contract.records import RESUMED, RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
+from contract.records import OOM_RECOVERY, RESUMED, RUN_FINISHED, RUN_STARTED, SQUAREQ_STEP
 
 
 def _write_chunks(db, run_id: int, source: str, kind: str, chunks: list[Chunk]) -> None:
@@ -368,6 +368,10 @@ class TelemetryTables:
             "AND source IN ('stagehand', 'activation_stagehand') AND kind = 'step'",
             [run_id],
         ).fetchone()
+        (recoveries,) = q(
+            "SELECT COUNT(*) FROM telemetry WHERE run_id = ? AND source = ? AND kind = ?",
+            [run_id, *OOM_RECOVERY],
+        ).fetchone()
         started = self.last_record(run_id, *RUN_STARTED) or {}
         finished = self.last_record(run_id, *RUN_FINISHED) or {}
         # The training stage's weight-streaming mode: the last one recorded (stage 1's text
@@ -386,4 +390,17 @@ class TelemetryTables:
             "weights_mode": weights.get("weights_mode"),
             "weights_mode_reason": weights.get("weights_mode_reason"),
             "weights_squareq": squareq.get("note"),
+            "recoveries": recoveries,
         }
+
+    def oom_recoveries(self) -> list[tuple[int, dict]]:
+        """``(run_id, record)`` of every ``trainer/oom_recovery`` record (parsed) of every run,
+        newest run first, in seq order within a run: what later plans learn from
+        (``backend.services.calibration.recovery_for``). One index probe per run."""
+        rows = self.db.execute(
+            "SELECT r.id, t.data FROM runs r JOIN telemetry t INDEXED BY"
+            " idx_telemetry_run_id_source_kind_seq ON t.run_id = r.id AND t.source = ?"
+            " AND t.kind = ? ORDER BY r.id DESC, t.seq",
+            list(OOM_RECOVERY),
+        )
+        return [(run_id, json.loads(data)) for run_id, data in rows]
