@@ -21,15 +21,21 @@ cp1252 (or Latin-1) with a warning naming the file; an image without a caption t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contract.safe_read import NotRegularFile, open_regular, read_prefix
 from contract.text import shown
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")
 """Clips the video families (Wan, LTX-2) take, scanned with ``videos=True``."""
+MAX_CAPTION_BYTES = 64 << 10
+"""Bytes of a caption file read, 64 KiB: the text encoders read a few hundred tokens (CLIP 77, T5
+and Qwen 512), a few KB of text. A longer caption is cut with a warning instead of read whole (a
+1 GB caption took the server from 0.73 to 2.8 GB, issue 54)."""
 LISTED_IN_ERRORS = 20
 """Files an error message names; the ``trainer/dataset_scan`` record lists all of them."""
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -130,10 +136,13 @@ def image_problem(path: Path) -> str | None:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        if path.stat().st_size == 0:
-            return "empty file (0 bytes)"
-        with Image.open(path) as img:
-            img.load()  # decodes every byte: a truncated file fails here, not in stage 1
+        with open_regular(path) as f:  # a FIFO or device is named, never waited on
+            if os.fstat(f.fileno()).st_size == 0:
+                return "empty file (0 bytes)"
+            with Image.open(f) as img:
+                img.load()  # decodes every byte: a truncated file fails here, not in stage 1
+    except NotRegularFile as exc:
+        return exc.strerror
     except UnidentifiedImageError:
         return "not an image Pillow can read"
     # Pillow reports a damaged file with OSError, SyntaxError, ValueError, EOFError, zlib and
@@ -148,10 +157,13 @@ def clip_problem(path: Path) -> str | None:
     import av
 
     try:
-        if path.stat().st_size == 0:
-            return "empty file (0 bytes)"
-        with av.open(str(path)) as container:
-            next(container.decode(video=0))
+        with open_regular(path) as f:  # a FIFO or device is named, never waited on
+            if os.fstat(f.fileno()).st_size == 0:
+                return "empty file (0 bytes)"
+            with av.open(f) as container:
+                next(container.decode(video=0))
+    except NotRegularFile as exc:
+        return exc.strerror
     except StopIteration:
         return "clip has no video frame"
     # FFmpeg's errors, a container without a video stream (IndexError), a damaged header...
@@ -162,19 +174,36 @@ def clip_problem(path: Path) -> str | None:
 
 def read_caption(path: Path) -> tuple[str, str | None]:
     """``(caption, warning)`` of a caption file: UTF-8 (a BOM is dropped); otherwise UTF-16 with
-    a BOM, cp1252 or Latin-1, with a warning saying which.
+    a BOM, cp1252 or Latin-1, with a warning saying which. At most ``MAX_CAPTION_BYTES`` are
+    read: a longer file is cut there (at a character's start), with a warning giving its size.
 
     Raises:
+        NotRegularFile: the file is a FIFO, device or socket (an ``OSError``; never opened).
         OSError: the file cannot be read.
     """
-    raw = path.read_bytes()
+    raw, size = read_prefix(path, MAX_CAPTION_BYTES)
+    cut = None
+    if size > len(raw):
+        cut = (
+            f"{size} bytes: only the first {len(raw)} are read (the text encoders read a few "
+            "hundred tokens); shorten the caption"
+        )
+    text, warning = _decode(raw, cut is not None)
+    return text, "; ".join(w for w in (cut, warning) if w) or None
+
+
+def _decode(raw: bytes, cut: bool) -> tuple[str, str | None]:
+    """``read_caption``'s text and encoding warning of ``raw``; a ``cut`` prefix may end inside
+    a UTF-8 character, which is dropped."""
     try:
         return raw.decode("utf-8-sig").strip(), None
     except UnicodeDecodeError as exc:
+        if cut and exc.end == len(raw) and exc.reason == "unexpected end of data":
+            return raw[: exc.start].decode("utf-8-sig").strip(), None
         where = f"byte 0x{raw[exc.start]:02x} at offset {exc.start}"
     if raw[:2] in _UTF16_BOMS:
         encoding = "UTF-16"
-        text = raw.decode("utf-16")
+        text = raw.decode("utf-16", errors="replace")  # a cut may split a character
     else:
         try:
             encoding, text = "cp1252", raw.decode("cp1252")
@@ -275,7 +304,7 @@ def _add_sample(
             name = shown(str(frame.relative_to(scan.folder)))
             scan.skipped.append(Skipped(name, shown(problem), bad=True))
             return
-    if cap.is_file():
+    if cap.exists() and not cap.is_dir():  # a FIFO or device caption is named, not waited on
         try:
             caption, warning = read_caption(cap)
         except OSError as exc:

@@ -20,6 +20,9 @@ tensor.rs``: ``read_metadata`` and ``Metadata::validate``) and names the file in
   them by name).
 
 A file ``safetensors.safe_open`` refuses is refused here too, before a byte of data is read.
+Only a regular file is opened (a FIFO named ``x.safetensors`` would block ``open`` forever) and
+the header's JSON may nest at most ``contract.safe_read.MAX_JSON_DEPTH`` levels (``json.loads``
+raised ``RecursionError`` on 100k levels): ``contract.safe_read``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import os
 import struct
 from pathlib import Path
 from typing import Any
+
+from contract.safe_read import JsonTooDeep, loads, open_regular
 
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors library's cap on a header (``MAX_HEADER_SIZE``), in bytes: a sparse file can
@@ -66,10 +71,11 @@ def header_bytes(path: str | os.PathLike[str]) -> tuple[bytes, int]:
     Raises:
         SafetensorsHeaderError: the file is under 8 bytes, or its header length is over
             ``MAX_HEADER_BYTES`` or past the end of the file (names the file and both sizes).
+        contract.safe_read.NotRegularFile: a FIFO, device, socket or folder (never opened).
         OSError: the file cannot be opened or read.
     """
     path = Path(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise SafetensorsHeaderError(
@@ -97,14 +103,15 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
 
     Raises:
         SafetensorsHeaderError: the header is not what the file holds (names the file and, for
-            a tensor's fault, the tensor's key).
+            a tensor's fault, the tensor's key), or nests deeper than ``MAX_JSON_DEPTH``.
+        contract.safe_read.NotRegularFile: a FIFO, device, socket or folder (never opened).
         OSError: the file cannot be opened or read.
     """
     path = Path(path)
     raw, size = header_bytes(path)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, JsonTooDeep) as exc:
         raise SafetensorsHeaderError(
             f"{path}: the {len(raw)}-byte header is not UTF-8 JSON ({exc}); not a safetensors "
             "file (corrupt)"

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contract.safe_read import JsonTooDeep, NotRegularFile, loads, read_prefix
 from runtime.common.safetensors_header import SafetensorsHeaderError, read_header
 from runtime.weights.registry import find_blocks
 from worker.diffusers_classes import diffusers_class
@@ -38,6 +39,9 @@ PIPELINE_FAMILIES: dict[str, str] = {
 DENOISERS = ("transformer", "unet")
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+MAX_JSON_BYTES = 64 << 20
+"""Largest ``model_index.json``, ``config.json`` or safetensors index read, 64 MiB (a sharded
+index of a large model is a few MB): a bigger file is refused, not read into memory."""
 
 
 class PipelineFolderError(ValueError):
@@ -91,13 +95,27 @@ class PipelineInfo:
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``path``; ``PipelineFolderError`` naming the file otherwise."""
-    if not path.is_file():
+    """A JSON object from the regular file ``path`` (``contract.safe_read``: a FIFO or device is
+    never opened, at most ``MAX_JSON_BYTES`` bytes, ``MAX_JSON_DEPTH`` levels of nesting).
+
+    Raises:
+        PipelineFolderError: missing, not a regular file, too large, too deep, not JSON or not
+            an object; names the file and what was expected.
+    """
+    if not path.exists():
         raise PipelineFolderError(f"{path}: not found; expected {what}")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PipelineFolderError(f"{path}: not readable JSON ({exc}); expected {what}") from None
+        raw, size = read_prefix(path, MAX_JSON_BYTES + 1)
+        if size > MAX_JSON_BYTES:
+            raise PipelineFolderError(
+                f"{path}: {size} bytes, over the {MAX_JSON_BYTES} read; expected {what}"
+            )
+        data = loads(raw)
+    except NotRegularFile as exc:
+        raise PipelineFolderError(f"{path}: {exc.strerror}; expected {what}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, JsonTooDeep) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise PipelineFolderError(f"{path}: not readable JSON ({why}); expected {what}") from None
     if not isinstance(data, dict):
         raise PipelineFolderError(f"{path}: a JSON {type(data).__name__}; expected {what}")
     return data
@@ -115,6 +133,8 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         header, _ = read_header(path)
     except SafetensorsHeaderError as exc:
         raise PipelineFolderError(str(exc)) from None
+    except NotRegularFile as exc:
+        raise PipelineFolderError(f"{path}: {exc.strerror}; expected safetensors weights") from None
     except OSError as exc:
         raise PipelineFolderError(f"{path}: not readable ({exc})") from None
     header.pop("__metadata__", None)
@@ -127,11 +147,22 @@ def weight_files(folder: Path) -> list[Path]:
     Raises:
         PipelineFolderError: a shard that the folder's ``*.safetensors.index.json`` names is
             missing (an interrupted download): found here, not when the model loads after
-            stage 1.
+            stage 1; or its ``weight_map`` is not an object of file names (names the key).
     """
     for index in sorted(folder.glob("*.safetensors.index.json")):
-        weight_map = read_json(index, "a safetensors index").get("weight_map")
-        shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        weight_map = read_json(index, "a safetensors index").get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise PipelineFolderError(
+                f"{index}: weight_map is a JSON {type(weight_map).__name__}; expected an object "
+                '{"tensor name": "shard file name"}'
+            )
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise PipelineFolderError(
+                    f"{index}: weight_map[{key!r}] is {repr(shard)[:80]}; expected a shard's "
+                    "file name (a string)"
+                )
+        shards = set(weight_map.values())
         missing = sorted(str(s) for s in shards if not (folder / str(s)).is_file())
         if missing:
             raise PipelineFolderError(
@@ -166,7 +197,8 @@ def detect_family(path: str | Path) -> tuple[str, dict[str, Any]]:
     """``(family, model_index)`` of a pipeline folder.
 
     Raises:
-        PipelineFolderError: no folder, no ``model_index.json``, or an unknown ``_class_name``.
+        PipelineFolderError: no folder, no ``model_index.json`` (or not a JSON object), or a
+            ``_class_name`` that is not one of ``PIPELINE_FAMILIES`` (a list, an object...).
     """
     root = Path(path).expanduser()
     if not root.is_dir():
@@ -177,9 +209,9 @@ def detect_family(path: str | Path) -> tuple[str, dict[str, Any]]:
         "model_index.json, scheduler/, text_encoder*/, tokenizer*/, transformer/ or unet/, vae/)",
     )
     name = index.get("_class_name")
-    if name not in PIPELINE_FAMILIES:
+    if not isinstance(name, str) or name not in PIPELINE_FAMILIES:
         raise PipelineFolderError(
-            f"{root / 'model_index.json'}: _class_name is {name!r}; expected one of "
+            f"{root / 'model_index.json'}: _class_name is {repr(name)[:80]}; expected one of "
             f"{sorted(PIPELINE_FAMILIES)}"
         )
     return PIPELINE_FAMILIES[name], index
@@ -208,11 +240,19 @@ def components_of(root: Path, index: dict[str, Any]) -> list[Component]:
     """Every non-null component of ``model_index.json``, checked against the pipeline class.
 
     Raises:
-        PipelineFolderError: a required component is missing (in the index or on disk), or the
-            index lists one the pipeline class does not take.
+        PipelineFolderError: a required component is missing (in the index or on disk), the
+            index lists one the pipeline class does not take, or an entry is not
+            ``["library", "Class"]`` (names the key).
     """
     required, optional = _expected_components(index["_class_name"])
     where = root / "model_index.json"
+    for key, value in index.items():
+        entry = isinstance(value, list) and len(value) == 2 and value[0] is not None
+        if entry and not all(isinstance(v, str) for v in value):
+            raise PipelineFolderError(
+                f'{where}: {key} is {repr(value)[:80]}; expected ["library", "Class"] (two '
+                "strings, as save_pretrained writes) or [null, null]"
+            )
     listed = {
         k: v
         for k, v in index.items()
@@ -264,9 +304,12 @@ def find_streamed_blocks(
     try:
         with torch.device("meta"):
             model = cls.from_config(config)
-    except (TypeError, ValueError) as exc:
+    # A config.json from_config cannot take fails with whatever its values trip (TypeError,
+    # KeyError, ZeroDivisionError...): each is this file's fault.
+    except Exception as exc:  # noqa: BLE001
         raise PipelineFolderError(
-            f"{root / name / 'config.json'}: does not build a {cls.__name__} ({exc})"
+            f"{root / name / 'config.json'}: does not build a {cls.__name__} "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
     dtype_bytes = DTYPE_BYTES.get(_dominant(tensors), 4)
     blocks = []
@@ -329,7 +372,8 @@ def inspect_pipeline(
     )
     info.blocks = find_streamed_blocks(root, index, tensors, block_pattern)
     second = index.get("transformer_2")
-    if isinstance(second, list) and second[0] is not None and index.get("boundary_ratio"):
+    entry = isinstance(second, list) and len(second) == 2 and second[0] is not None
+    if entry and index.get("boundary_ratio"):
         info.experts = ["high_noise", "low_noise"]
     return info
 
