@@ -1,6 +1,8 @@
 """``POST /api/pipelines/inspect``: what a diffusers pipeline folder holds, before a run starts
 (family, each component's class, parameter count and dtype, the blocks the weight runtime will
-stream and their size). Reads JSON and safetensors headers only; no weights are loaded."""
+stream and their size). Reads JSON and safetensors headers only (regular files only, the JSON's
+nesting bounded: ``contract.safe_read``); no weights are loaded. The read runs in one of the
+server's folder-read slots, under its time limit (``backend.services.folder_reads``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.errors import Invalid
+from backend.services.folder_reads import READS, RESPONSES
 from contract.preset import MODEL_TYPES
 
 router = APIRouter(prefix="/api/pipelines", tags=["pipelines"])
@@ -36,29 +39,44 @@ def _expanded(path: str) -> str:
     return str(Path(path).expanduser())
 
 
-@router.post("/inspect")
+@router.post("/inspect", responses=RESPONSES)
 def inspect(body: PipelineInspect) -> dict:
     """What the pipeline folder ``path`` holds (``worker.pipelines.inspect_pipeline``).
 
     Raises:
-        Invalid (422): not a pipeline folder, or a path the file system refuses (a name over
-            its 255-byte limit, no permission), naming ``path`` or ``transformer_path``.
+        Invalid (422): not a pipeline folder (a file of it malformed, too deep, or not a
+            regular file: names the file and key), or a path the file system refuses (a name
+            over its 255-byte limit, no permission), naming ``path`` or ``transformer_path``.
+        Busy (503): every folder-read slot is taken.
+        ReadTimeout (504): the folder did not answer within the time limit.
     """
+    from worker.diffusers_classes import diffusers_class  # lazy: the server starts without torch
     from worker.pipelines import (  # lazy: the server starts without torch
         PipelineFolderError,
         inspect_pipeline,
         trainable,
     )
+    from worker.pipelines.folder import detect_family  # lazy: the server starts without torch
 
     try:
-        info = inspect_pipeline(
-            body.path,
-            model_type=body.model_type,
-            aliases=MODEL_TYPES,
-            transformer_path=body.transformer_path,
+        _, index = READS.run(lambda: detect_family(body.path), path=body.path, field="path")
+        # Outside the time limit: diffusers imports a pipeline's modules on its first use, which
+        # took over 30 s on a loaded 2-core machine; no file of the folder is read here.
+        diffusers_class(index["_class_name"])
+        info = READS.run(
+            lambda: inspect_pipeline(
+                body.path,
+                model_type=body.model_type,
+                aliases=MODEL_TYPES,
+                transformer_path=body.transformer_path,
+            ),
+            path=body.path,
+            field="path",
         )
     except PipelineFolderError as exc:
         raise Invalid(str(exc), field=_field(str(exc))) from None
+    except AttributeError as exc:  # diffusers_class: a pipeline class this diffusers lacks
+        raise Invalid(f"path: {body.path}/model_index.json names {exc}", field="path") from None
     except OSError as exc:  # a name the file system refuses (ENAMETOOLONG, EACCES, ELOOP...)
         name = str(exc.filename or body.path)
         single = body.transformer_path
