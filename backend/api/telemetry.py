@@ -16,7 +16,8 @@ from backend.services.downsample import PATH_RE, numeric_paths
 _PATH = r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*"
 FIELDS_PATTERN = rf"^[ \t]*(?:{_PATH})?[ \t]*(?:,[ \t]*(?:{_PATH})?[ \t]*)*$"
 """``fields``: dotted names (``downsample.PATH_RE``) separated by commas, spaces and tabs around
-them, empty entries skipped: what the handler reads, declared in the schema and checked there."""
+them, empty entries skipped: what the handler reads and checks (naming the entry at fault),
+declared in the schema."""
 
 router = APIRouter(prefix="/api/runs", tags=["telemetry"])
 MAX_PAGE = 10_000
@@ -33,7 +34,10 @@ def telemetry(
     source: Annotated[str | None, Query(max_length=64)] = None,
     kind: Annotated[str | None, Query(max_length=64)] = None,
     buckets: Annotated[int | None, Query(ge=1, le=10_000)] = None,
-    fields: Annotated[str | None, Query(max_length=2000, pattern=FIELDS_PATTERN)] = None,
+    fields: Annotated[
+        str | None,
+        Query(max_length=2000, json_schema_extra={"pattern": FIELDS_PATTERN}),
+    ] = None,
 ) -> Response:
     """Records with ``seq > since`` in seq order. ``next_since`` is the last seq returned (pass
     it back as ``since`` for the next page); ``count`` is the length of ``data``.
@@ -56,8 +60,8 @@ def telemetry(
     source, kind = source or None, kind or None
     if buckets:
         if fields:
-            paths = [f.strip() for f in fields.split(",") if f.strip()]
-            bad = [f for f in paths if not PATH_RE.match(f)]
+            paths = [f.strip(" \t") for f in fields.split(",") if f.strip(" \t")]
+            bad = [f for f in paths if not PATH_RE.fullmatch(f)]
             if bad:
                 raise Invalid(
                     f"fields: found {bad[0]!r}, expected dotted names of [A-Za-z0-9_] parts"

@@ -11,6 +11,7 @@ import copy
 import importlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,69 @@ def run_config(store: Store, preset: str, overrides: dict[str, Any]) -> dict[str
     if stored is None:
         raise NotFound(f"no preset named {preset!r}", field="preset")
     merged = apply_overrides(stored["config"], overrides)
-    return validate_config(merged, "overrides" if overrides else "preset")
+    try:
+        return validate_config(merged, "overrides" if overrides else "preset")
+    except Invalid as exc:  # every problem at once: the folders' too (request_problems)
+        named = {d.get("field") for d in exc.details if isinstance(d, dict)} | {exc.field}
+        more = [p for p in request_problems(stored["config"], overrides) if p["field"] not in named]
+        if not more:
+            raise
+        details = [*(exc.details or [{"field": exc.field, "message": exc.message}]), *more]
+        raise Invalid(exc.message, field=exc.field, details=details, code=exc.code) from None
+
+
+FOLDER_SECTIONS = ("model", "data", "text_encoder")
+"""The top-level keys that hold the folders a run reads (``Preset.folders``): the sections kept
+as given when the folders are checked past other sections' problems."""
+
+_TOP = re.compile(r"^([^.\[]+)")
+
+
+def _problems(config: dict[str, Any], prefix: str) -> list[dict[str, str]]:
+    """Every problem ``validate_config`` finds in ``config`` (one round: the schema's, else the
+    folders'), as ``{field, message}``."""
+    try:
+        validate_config(config, prefix)
+    except Invalid as exc:
+        listed = [d for d in exc.details if isinstance(d, dict) and d.get("field")]
+        return listed or [{"field": exc.field or prefix, "message": exc.message}]
+    return []
+
+
+def _top_key(field: str, prefix: str) -> str | None:
+    """``overrides.memory.stagehand.x`` -> ``memory`` (None for the prefix itself)."""
+    match = _TOP.match(field.removeprefix(prefix).lstrip("."))
+    return match.group(1) if match else None
+
+
+def request_problems(stored: dict[str, Any], overrides: dict[str, Any]) -> list[dict[str, str]]:
+    """The problems of a run of the preset config ``stored`` with ``overrides``: the schema's
+    (every one) and the folders'. ``validate_config`` checks the folders only once the schema
+    holds, which made a form show a missing folder one Start after a bad step count; here the
+    folders are checked too with each section at fault put back as the preset has it (the
+    folder sections kept as given). ``POST /api/runs`` (``run_config``) and ``POST
+    /api/runs/check`` answer with these.
+
+    Returns:
+        ``[{field, message}]``, ``field`` a JSON path under ``overrides`` (``preset`` when there
+        are no overrides); empty when ``POST /api/runs`` would take the request.
+    """
+    prefix = "overrides" if overrides else "preset"
+    merged = apply_overrides(stored, overrides)
+    problems = _problems(merged, prefix)
+    at_fault = {_top_key(p["field"], prefix) for p in problems}
+    if not problems or None in at_fault or at_fault & set(FOLDER_SECTIONS):
+        return problems
+    repaired = copy.deepcopy(merged)
+    for key in at_fault:
+        if key in stored:
+            repaired[key] = copy.deepcopy(stored[key])
+        else:
+            repaired.pop(key, None)
+    named = {p["field"] for p in problems}
+    more = [p for p in _problems(repaired, prefix) if p["field"] not in named]
+    # Only the folders' problems: anything else came from the sections put back.
+    return problems + [p for p in more if _top_key(p["field"], prefix) in FOLDER_SECTIONS]
 
 
 def normalized(config: dict[str, Any]) -> dict[str, Any]:
