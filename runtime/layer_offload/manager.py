@@ -12,10 +12,10 @@ with the layer-offload policy instead of traced streaming:
 - after each layer it is evicted at once: the low watermark is 0 and the prefetch window 0, so
   the runtime's ``_done`` (forward hook in forward; in backward when the next layer's backward
   begins, NOTE [ Backward block boundaries ]) always evicts. With ``enable_async_offloading`` the
-  window is 1: the next offloaded layer in layer order (``LayerOrderScheduler``, no trace) is
-  copied while this one computes, at the cost of one more layer on the device; the same blocks
-  are loaded and evicted as with the window at 0 (NOTE [ Layer-order window ] in
-  ``schedule.py``);
+  window is 1: the next offloaded layer in call order (``LayerOrderScheduler``: layer order,
+  learned from a step whose calls left it, NOTE [ Layer order ]) is copied while this one
+  computes, at the cost of one more layer on the device; the same blocks are loaded and
+  evicted as with the window at 0 (NOTE [ Layer-order window ] in ``schedule.py``);
 - stale-layer eviction in ``before_layer`` (below).
 
 # NOTE [ Stale layers ]
