@@ -20,7 +20,10 @@ sides import it:
   into a preset (``merge_overrides``);
 - ``contract.config``: the memory config schema (``MemoryConfig``, the runtimes' sections,
   ``LiveLimits``) that presets, the planner and the runtimes read;
-- ``contract.cache``: the cache folder the server and the worker share.
+- ``contract.cache``: the cache folder the server and the worker share;
+- ``contract.safe_read``: how the server and the worker read what a user hands them (model
+  folders' JSON and safetensors headers, captions, request bodies): regular files only, a
+  bounded prefix, JSON nested at most ``MAX_JSON_DEPTH`` levels.
 
 The standard library and pydantic only (the schemas): no torch, nothing else of the project
 (``tests/test_layers.py`` holds it to that), so the server imports it without the runtimes and a reader finds the whole

@@ -30,11 +30,11 @@ import stat
 from typing import Any, BinaryIO
 
 MAX_JSON_DEPTH = 32
-"""Deepest nesting of objects and arrays a JSON file of a model folder may have: a safetensors
-header nests 3 levels, a ``config.json`` or ``model_index.json`` 2 or 3."""
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-"""A JSON string, removed before counting brackets (brackets inside it do not nest)."""
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+"""Deepest nesting of objects and arrays a JSON file of a model folder or a request body may
+have: a safetensors header nests 3 levels, a ``config.json`` or ``model_index.json`` 2 or 3, a
+preset 5."""
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+"""A JSON string (brackets inside it do not nest) or one bracket."""
 _KINDS = (
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -97,19 +97,21 @@ def read_prefix(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, in
         return f.read(max_bytes), size
 
 
-def json_depth_over(raw: bytes, limit: int) -> bool:
-    """Whether the JSON text ``raw`` nests objects and arrays more than ``limit`` levels deep,
-    found without recursion: strings removed, then one innermost level of brackets removed per
-    pass (each pass is one ``bytes.replace``, at most ``limit`` of them). Unbalanced brackets
-    are left for the parser to refuse."""
-    brackets = _STRING.sub(b"", raw).translate(None, delete=_NOT_BRACKETS)
-    brackets = brackets.replace(b"{", b"[").replace(b"}", b"]")
-    for _ in range(limit):
-        inner = brackets.replace(b"[]", b"")
-        if inner == brackets:
-            return False  # empty, or only brackets without a partner (not JSON)
-        brackets = inner
-    return b"[]" in brackets
+def json_depth_over(body: bytes, limit: int) -> bool:
+    """Whether the JSON text ``body`` nests objects and arrays more than ``limit`` levels deep,
+    counted in one pass without recursion and without parsing (brackets inside strings do not
+    count; text that is not JSON is left to the parser to refuse). The server's request bodies
+    (``backend/api/security.py``) and the files read here share it."""
+    depth = 0
+    for match in _JSON_TOKEN.finditer(body):
+        token = match.group()
+        if token in (b"{", b"["):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"}", b"]"):
+            depth -= 1
+    return False
 
 
 def loads(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:

@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.api.errors import error_body
+from contract.safe_read import MAX_JSON_DEPTH, json_depth_over
 
 COOKIE = "workbench_token"
-MAX_JSON_DEPTH = 32
-"""Deepest nesting of objects and arrays a JSON body may have (a preset nests 5 levels)."""
-_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-"""A JSON string (skipped whole: brackets inside it do not nest) or one bracket."""
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -233,19 +229,3 @@ class SecurityMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
-
-
-def json_depth_over(body: bytes, limit: int) -> bool:
-    """Whether the JSON text ``body`` nests objects and arrays more than ``limit`` levels deep,
-    counted in one pass without recursion and without parsing (brackets inside strings do not
-    count; text that is not JSON is left to the parser to refuse)."""
-    depth = 0
-    for match in _JSON_TOKEN.finditer(body):
-        token = match.group()
-        if token in (b"{", b"["):
-            depth += 1
-            if depth > limit:
-                return True
-        elif token in (b"}", b"]"):
-            depth -= 1
-    return False

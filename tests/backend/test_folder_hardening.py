@@ -334,11 +334,12 @@ def test_safe_read_refuses_what_is_not_a_regular_file_and_json_too_deep(tmp_path
         assert str(info.value) == f"{path}: {kind}, not a regular file"
     (tmp_path / "f").write_bytes(b"0123456789")
     assert read_prefix(tmp_path / "f", 4) == (b"0123", 10)
-    # Depth counts objects and arrays, not brackets inside strings; unbalanced text is the
-    # parser's to refuse.
+    # Depth counts objects and arrays, not brackets inside strings; text opened deeper than
+    # the limit is refused before the parser sees it, closing brackets alone are the parser's.
     assert not json_depth_over(b'{"a": [[1]], "b": "[[[[[[["}', 3)
     assert json_depth_over(b'{"a": [[{}]]}', 3)
-    assert not json_depth_over(b"[[[[", 3)
+    assert json_depth_over(b"[[[[", 3)
+    assert not json_depth_over(b"]]]]", 3)
     assert loads(deep(MAX_JSON_DEPTH)) is not None
     with pytest.raises(JsonTooDeep, match=f"nested more than {MAX_JSON_DEPTH} levels deep"):
         loads(deep(MAX_JSON_DEPTH + 1))
