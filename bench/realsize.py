@@ -71,6 +71,7 @@ from contract.config import MemoryConfig
 from plan.sections import planned_activations
 from plan.workload import train_steps
 from runtime.common.attention import apply_attention_backend
+from runtime.common.card import emulate_card
 from runtime.common.telemetry import ListSink, Telemetry
 from runtime.strategy import build_strategy
 from runtime.strategy.auto import plans_activations
@@ -147,21 +148,6 @@ def half_budget(weights: Any) -> int:
     high = low + sum(sizes[: weights.scheduler.window])
     weights.set_watermarks(high / MB, low / MB)
     return 2 * (sum(sizes) - half)
-
-
-def emulate_card(device: torch.device, card_bytes: int) -> float:
-    """Cap the CUDA caching allocator of ``device`` (``cuda`` or ``cuda:N``) at ``card_bytes``
-    (``--card-gb``): ``set_per_process_memory_fraction`` with the card's share of the device's
-    memory, at most 1. Returns that fraction. The allocator wants an integer index (a bare
-    ``torch.device("cuda")`` raises ``ValueError``): a device without one means the current
-    device, as a tensor's ``.to("cuda")`` does. ``mem_get_info`` and the device properties
-    still report the whole card: code that sizes itself from the card must be told
-    ``card_bytes`` too (``row_memory``)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    fraction = min(1.0, card_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
-    return fraction
 
 
 # -- child jobs (bench.child.JOBS) ----------------------------------------------------
@@ -242,8 +228,9 @@ def row_job(job: dict[str, Any]) -> dict[str, Any]:
     spec, size, device = real_model(job["model"]), job["size"], torch.device(job["device"])
     attention = apply_attention_backend("auto", device)  # NOTE [ cuDNN SDPA guard ]
     card = job.get("card_bytes")
-    # The emulated card bounds the streamed rows; ``resident`` (the baseline) keeps the card.
-    if card is not None and device.type == "cuda" and job["row"] != "resident":
+    # The emulated card bounds the streamed rows (on the CPU their tracked bytes: the row's
+    # child process alone); ``resident`` (the baseline) keeps the card.
+    if card is not None and job["row"] != "resident":
         emulate_card(device, card)
     # The driver resolves the section once (``card_section`` measures the model on meta).
     memory = job.get("memory") or row_memory(job["row"], job["model"], size, card)

@@ -17,6 +17,7 @@ from bench.configs import LAYER_OFFLOAD_RSS_NOTE
 from bench.prediction import bench_profile, row_prediction
 from bench.realsize import GB, ROWS, row_activation_peak, row_memory
 from bench.runner import Runner
+from runtime.common.card import GIB, card_gb_problem
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -97,11 +98,10 @@ def run(args: Any, log: Any) -> int:
     base = {"model": args.model, "folder": args.folder, "size": size, "device": device}
     card_gb = getattr(args, "card_gb", None)
     if card_gb is not None:
-        if not 0 < card_gb <= 4096:
-            raise SystemExit(
-                f"workbench bench: --card-gb must be in (0, 4096] GiB, got {card_gb:g}"
-            )
-        base["card_bytes"] = int(card_gb * 2**30)
+        problem = card_gb_problem(card_gb)
+        if problem:
+            raise SystemExit(f"workbench bench: {problem}")
+        base["card_bytes"] = int(card_gb * GIB)
     t0 = time.perf_counter()
     log(f"bench: {args.model} ({size}) weights in {args.folder} ...")
     built = runner.run("realsize_build", base, timeout_s=max(args.timeout, 3600))

@@ -62,6 +62,12 @@ class RestorePlanner:
         """The ``count`` records planned after position ``pos`` (-1: from the start)."""
         return self.plan[pos + 1 : pos + 1 + count]
 
+    def forget(self) -> None:
+        """Drop the kept trace (an aborted step's backward order is partial: NOTE [ Aborted
+        step ] in ``runtime/weights/abort.py``); the next step restores without a plan."""
+        self._trace, self._trace_packs = [], -1
+        self._now, self.plan, self.active = [], [], False
+
     def end_step(self, packs: int) -> None:
         """Keep this step's trace for the next one, if backward consumed anything."""
         if self._now:

@@ -200,6 +200,16 @@ class ActivationRuntime:
             self.telemetry.emit(SOURCE, "step", **self.metrics.record())
         self._step = None
 
+    def abort_step(self) -> None:
+        """Undo a step left by an error (NOTE [ Aborted step ] in ``runtime/weights/abort.py``):
+        ``end_step`` if it is open (every copy finished, every record of the dead graph released,
+        kept bytes untracked), the restore trace dropped, the spill hysteresis off. Tracked
+        activation bytes are 0 after it."""
+        if self._step is not None:
+            self.end_step()
+        self.planner.forget()
+        self.budget.spilling = False
+
     def step_metrics(self) -> dict:
         """The step record's fields (``telemetry.STEP_FIELDS``) of the open or last step."""
         if self._step is not None:
@@ -265,7 +275,11 @@ class ActivationRuntime:
         """Report the kept bytes counted since the last report to ``DeviceMemory``."""
         pending, self._unpublished = self._unpublished, 0
         if pending > 0:
-            self.memory.track(pending, CATEGORY)
+            try:
+                self.memory.track(pending, CATEGORY)
+            except torch.OutOfMemoryError:  # an emulated card: still unreported, end_step
+                self._unpublished += pending  # takes them back with the kept entries
+                raise
         elif pending < 0:
             self.memory.untrack(-pending, CATEGORY)
 

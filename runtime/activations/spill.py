@@ -247,15 +247,17 @@ class SpillTable:
 
     def _restore(self, record: ActivationRecord) -> None:
         t0 = time.perf_counter()
+        if self.track_restored:
+            # A restore is big and rare: report exactly, with what is pending. Before the
+            # record changes state: an emulated card's out-of-memory error leaves it SPILLED.
+            self.publish()
+            self.memory.track(record.nbytes, CATEGORY)
+            record.tracked = record.nbytes
         self.registry.transition(record, S.RESTORING)
         record.device_tensor, record.event = self.transfer.restore_copy(record.buffer)
         metrics = self.metrics
         metrics.activations_restored += 1
         metrics.restore_bytes += record.nbytes
-        if self.track_restored:
-            self.publish()  # a restore is big and rare: report exactly, with what is pending
-            self.memory.track(record.nbytes, CATEGORY)
-            record.tracked = record.nbytes
         if self.transfer.asynchronous:
             self.transfer.h2d_inflight.append(record)
         else:

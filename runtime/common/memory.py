@@ -6,6 +6,12 @@ limit, a defect of the public implementation). On CPU there is no separate devic
 runtimes account for what they place on the compute device themselves (streamed block weights,
 kept saved tensors...) through ``track``/``untrack``; figures are then labelled ``"tracked"``.
 One ``DeviceMemory`` is shared by every runtime of a strategy so their bytes add up.
+
+A card of any size (``workbench train --card-gb``, ``runtime.common.card.emulate_card``): on
+CUDA the caching allocator is capped and raises its own ``torch.OutOfMemoryError``; on the CPU
+the tracked bytes are held under ``capacity_bytes``, and the ``track`` that would cross it raises
+``torch.OutOfMemoryError`` before counting anything, at the allocation that crosses the card as
+CUDA would (the runtimes call ``check_room`` before they change a block's or a record's state).
 """
 
 from __future__ import annotations
@@ -22,13 +28,31 @@ STATS_REUSE_S = 0.0005
 the runtimes' own device bytes did not change (``DeviceMemory._allocator``)."""
 
 
-class DeviceMemory:
-    """VRAM usage of ``device`` in bytes, with its source (``"cuda"`` or ``"tracked"``)."""
+EMULATED_CARD: dict[str, int] = {}
+"""Device type -> the emulated card's bytes (``runtime.common.card.emulate_card``): the capacity
+a ``DeviceMemory`` built without one takes. Process-wide, as CUDA's
+``set_per_process_memory_fraction`` is: every strategy of the worker (stage 1's text encoders,
+training, the end's samples) runs on the one card."""
 
-    def __init__(self, device: torch.device | str) -> None:
+
+class DeviceMemory:
+    """VRAM usage of ``device`` in bytes, with its source (``"cuda"`` or ``"tracked"``).
+
+    ``capacity_bytes``: the card's bytes; None takes the emulated card's (``EMULATED_CARD``), or
+    on CUDA the device's total memory, or on the CPU no limit. Tracked bytes above it raise
+    ``torch.OutOfMemoryError`` (CPU; on CUDA the allocator raises).
+    """
+
+    def __init__(self, device: torch.device | str, capacity_bytes: int | None = None) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.source = "cuda" if self.is_cuda else "tracked"
+        if capacity_bytes is None:
+            capacity_bytes = EMULATED_CARD.get(self.device.type)
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        """The card's bytes (None: unknown, no limit on the CPU); ``card_bytes()`` reads it."""
         self._lock = threading.Lock()
         self._tracked = 0
         self._tracked_peak = 0
@@ -39,9 +63,37 @@ class DeviceMemory:
         self._stats: dict | None = None
         self._stats_key = (-1, 0.0)
 
+    def card_bytes(self) -> int | None:
+        """The card's capacity in bytes: ``capacity_bytes``, else on CUDA the device's total
+        memory; None for a CPU without an emulated card."""
+        if self.capacity_bytes is not None or not self.is_cuda:
+            return self.capacity_bytes
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def check_room(self, nbytes: int) -> None:
+        """Refuse ``nbytes`` more on an emulated CPU card (``capacity_bytes``) as CUDA refuses
+        an allocation: call it before the allocation changes any state. No-op on CUDA (the
+        allocator raises itself) and without a capacity.
+
+        Raises:
+            torch.OutOfMemoryError: tracked bytes plus ``nbytes`` above ``capacity_bytes``; its
+                ``requested_bytes`` and ``in_use_bytes`` give the figures.
+        """
+        cap = self.capacity_bytes
+        if cap is None or self.is_cuda or self._tracked + nbytes <= cap:
+            return
+        raise out_of_memory(nbytes, self._tracked, cap)
+
     def track(self, nbytes: int, category: str = "other") -> None:
-        """Count ``nbytes`` placed on the compute device (tracked on CUDA too, for telemetry)."""
+        """Count ``nbytes`` placed on the compute device (tracked on CUDA too, for telemetry).
+
+        Raises:
+            torch.OutOfMemoryError: on the CPU, the bytes would cross ``capacity_bytes``
+                (``check_room``); nothing is counted then.
+        """
         with self._lock:
+            if nbytes > 0:
+                self.check_room(nbytes)
             self._generation += 1
             self._tracked += nbytes
             self._by_category[category] = self._by_category.get(category, 0) + nbytes
@@ -156,6 +208,18 @@ class DeviceMemory:
             "vram_peak_mb": self.peak_bytes() / MB,
             "vram_source": self.source,
         }
+
+
+def out_of_memory(requested: int, in_use: int, card: int) -> torch.OutOfMemoryError:
+    """The ``torch.OutOfMemoryError`` of an emulated card, worded as CUDA's ("Tried to allocate
+    X MiB ... N MiB free of a G GiB card"), with ``requested_bytes`` and ``in_use_bytes``."""
+    free = max(0, card - in_use)
+    exc = torch.OutOfMemoryError(
+        f"Tried to allocate {requested / 2**20:.2f} MiB: {in_use / 2**20:.2f} MiB in use, "
+        f"{free / 2**20:.2f} MiB free of a {card / 2**30:.4g} GiB card (emulated, tracked)"
+    )
+    exc.requested_bytes, exc.in_use_bytes = requested, in_use
+    return exc
 
 
 HOST_CACHE_BYTES = 256 * 2**20

@@ -128,6 +128,14 @@ class ConductorRuntime:
             return self.hub.step(self.step_record())
         return None
 
+    def abort_step(self) -> int:
+        """After a step left by an error, once the runtimes drained their copies (NOTE
+        [ Aborted step ] in ``runtime/weights/abort.py``): every transfer slot still held is
+        released; returns how many were (0 when the copies handed theirs back)."""
+        if not self._enabled:
+            return 0
+        return self.transfer.release_held()
+
     def _enter(self, phase: Phase) -> None:
         if self._shut:
             raise RuntimeError("the Conductor is shut down")

@@ -164,6 +164,15 @@ class TransferManager:
             fields = {"direction": grant.direction, "slot": grant.id, "inflight": len(held)}
         self._event("slot_release", fields)
 
+    def release_held(self) -> int:
+        """Release every slot still held (an aborted step's: its copies were drained, a slot
+        granted to a load the card refused was never used); returns how many were held."""
+        with self._lock:
+            held = [g for pool in self._held.values() for g in pool.values()]
+        for grant in held:
+            self._release(grant)
+        return len(held)
+
     def reset_counts(self) -> None:
         self.counts = {"grant": 0, "deny": 0}
 

@@ -113,19 +113,40 @@ class MemoryStrategy:
         self._apply_pending_limits()
         self._on_step_begin(step)
         self.phases.leave()
-        ok = False
+        ok, tags = False, {}
         try:
             yield
             ok = True
+        except torch.OutOfMemoryError:
+            tags = {"aborted": True}  # the step's records: an attempt the run will run again
+            raise
         finally:
             self._enter(Phase.STEP_END)
             self.step_ms = (time.perf_counter() - self.phases.step_started) * 1e3
             try:
-                self._on_step_end(step, ok)
+                with self.telemetry.tagged(**tags):
+                    self._on_step_end(step, ok)
             finally:
                 self.telemetry.flush()
                 self.step_index = None
                 self.telemetry.phase = None
+
+    def abort_step(self) -> None:
+        """Undo the step an error left (between steps, after ``step``'s context exited with
+        it): every runtime back to its between-steps state with nothing loaded ahead, as a
+        strategy just built has it (NOTE [ Aborted step ] in ``runtime/weights/abort.py``), and
+        a new peak window. Limits queued with ``set_limits`` apply at the next STEP_BEGIN.
+
+        Raises:
+            PhaseError: called inside a step.
+        """
+        if self.step_index is not None:
+            raise PhaseError(f"abort_step inside step {self.step_index}: call it after the step")
+        self._on_abort()
+        self.memory.reset_peak()
+
+    def _on_abort(self) -> None:
+        pass
 
     def forward(self) -> contextlib.AbstractContextManager[None]:
         return self._timed(Phase.FORWARD)

@@ -211,7 +211,14 @@ class StagehandStrategy(MemoryStrategy):
                 first = first or exc
         if first is not None:
             raise first
-        if self.auto is not None and self.weights is not None and self.auto.measured is not None:
+        if not ok and self.auto is not None:
+            self.auto.measured = None  # a failed step's peak: the recovery's limits stand
+        if (
+            ok
+            and self.auto is not None
+            and self.weights is not None
+            and (self.auto.measured is not None)
+        ):
             # The trace step measured the activation peak: it replaces the planned one,
             # through the live limits (applied at the next STEP_BEGIN, a limits_applied record).
             marks = self.auto.resolve(self.auto.measured)
@@ -222,6 +229,10 @@ class StagehandStrategy(MemoryStrategy):
             }
             if new != {k: self.limits()[k] for k in new}:
                 self.set_limits(new, request_id="auto")
+
+    def _on_abort(self) -> None:
+        for part in reversed(self.parts):  # as end_step: copies drained before slots released
+            part.abort_step()
 
     # -- live limits ----------------------------------------------------------------------------
     def limits(self) -> dict[str, Any]:

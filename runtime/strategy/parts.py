@@ -34,6 +34,7 @@ from contract.limits import (
 from runtime.common.phases import Phase
 from runtime.conductor import ConductorRuntime
 from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
+from runtime.weights.abort import abort_step
 from runtime.weights.scheduler import BlockScheduler
 
 if TYPE_CHECKING:
@@ -70,6 +71,11 @@ class MemoryPart:
 
     def end_step(self) -> None:
         """STEP_END; the step's records are written here."""
+
+    def abort_step(self) -> None:
+        """After ``end_step`` of a step left by an error: back to the between-steps state of a
+        part just built (NOTE [ Aborted step ] in ``runtime/weights/abort.py``); called in the
+        order of ``end_step``."""
 
     def get_limits(self) -> dict[str, Any]:
         """The user's value of each field of ``limits`` (the Conductor's caps not applied)."""
@@ -143,6 +149,9 @@ class ConductorPart(MemoryPart):
     def end_step(self) -> None:
         self.conductor.end_step()
 
+    def abort_step(self) -> None:
+        self.conductor.abort_step()
+
     def counters(self) -> dict[str, int]:
         return self.conductor.counters()
 
@@ -182,6 +191,9 @@ class WeightsPart(MemoryPart):
 
     def end_step(self) -> None:
         self.runtime.end_step()
+
+    def abort_step(self) -> None:
+        abort_step(self.runtime)
 
     def get_limits(self) -> dict[str, Any]:
         rt = self.runtime
@@ -271,6 +283,9 @@ class ActivationsPart(MemoryPart):
 
     def end_step(self) -> None:
         self.runtime.end_step()
+
+    def abort_step(self) -> None:
+        self.runtime.abort_step()
 
     def get_limits(self) -> dict[str, Any]:
         rt = self.runtime

@@ -71,23 +71,23 @@ def trainable_on_device(
     may be read next (a saved LoRA file, the next step's loads)."""
     non_blocking = uses_cuda(device)
     moved: list[ParamSlot] = []
-    for block in blocks:
-        if block.state is BlockState.GPU_READY:
-            # Already on the device, as views of the block buffer: the step updates them there,
-            # so they are copied back at the block's eviction.
-            block.dirty = bool(block.trainable)
-            continue
-        for slot in block.layout:
-            if slot.trainable:
-                slot.param.data = to_device(slot.host, device, non_blocking)
-                if slot.param.grad is not None:
-                    slot.param.grad = to_device(slot.param.grad, device, non_blocking)
-                memory.track(slot.nbytes, "weights")
-                moved.append(slot)
-    # State follows every trainable block parameter (also those whose block is loaded).
     trainable = [s for b in blocks for s in b.layout if s.trainable]
-    _move_state(optimizer, trainable, device, False, non_blocking)
-    try:
+    try:  # an out-of-memory error while moving puts back what moved (the step is retried)
+        for block in blocks:
+            if block.state is BlockState.GPU_READY:
+                # Already on the device, as views of the block buffer: the step updates them
+                # there, so they are copied back at the block's eviction.
+                block.dirty = bool(block.trainable)
+                continue
+            for slot in block.layout:
+                if slot.trainable:
+                    memory.track(slot.nbytes, "weights")  # an emulated card raises here
+                    moved.append(slot)
+                    slot.param.data = to_device(slot.host, device, non_blocking)
+                    if slot.param.grad is not None:
+                        slot.param.grad = to_device(slot.param.grad, device, non_blocking)
+        # State follows every trainable block parameter (also those whose block is loaded).
+        _move_state(optimizer, trainable, device, False, non_blocking)
         yield
     finally:
         for slot in moved:

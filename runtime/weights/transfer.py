@@ -193,6 +193,8 @@ class TransferEngine:
             # from: staging them would wait on the host (below). A prefetch never does; the
             # next prefetch, or the use, loads it (NOTE [ Bytes being freed ] in policy.py).
             return False
+        # An emulated card refuses the block here, before any state changes (DeviceMemory).
+        self.memory.check_room(block.nbytes)
         fill = None
         if image is None:
             fill = self.cache.reserve(block)
