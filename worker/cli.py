@@ -1,4 +1,4 @@
-"""``workbench train PRESET_OR_CONFIG --run-dir DIR [--resume] [--device cpu|cuda]``.
+"""``workbench train PRESET_OR_CONFIG --run-dir DIR [--resume] [--device cpu|cuda] [--card-gb G]``.
 
 The worker the backend launches for each run (``docs/contracts.md``): stage 1 caches text
 embeddings and latents (``encode.py``), stage 2 trains (``loop.py``); everything it reports goes
@@ -22,6 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from contract.config import AUTO_DEVICE, check_device  # noqa: E402
+from runtime.common.card import GIB, card_gb_problem, emulate_card  # noqa: E402
 from runtime.common.memory import cache_host_allocations  # noqa: E402
 from worker.outputs import folder_problem  # noqa: E402
 from worker.run import ActivationPeak, Run  # noqa: E402
@@ -42,6 +43,20 @@ def device_arg(text: str) -> str:
         return check_device(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def card_gb_arg(text: str) -> float:
+    """``--card-gb``'s value: GiB in (0, 4096], the bench's rule (``card_gb_problem``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--card-gb must be a number of GiB, got {text!r}"
+        ) from None
+    problem = card_gb_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,6 +92,14 @@ def main(argv: list[str] | None = None, activation_peak: ActivationPeak | None =
         default=AUTO_DEVICE,
         help='"auto" (CUDA device 0 when present, else the CPU), "cpu", "cuda" or "cuda:N"',
     )
+    parser.add_argument(
+        "--card-gb",
+        type=card_gb_arg,
+        default=None,
+        help="run as on a card of G GiB: on CUDA the allocator is capped "
+        "(set_per_process_memory_fraction), on the CPU the runtimes' tracked device bytes; "
+        "a step out of memory is re-planned and run again (docs/contracts.md, oom_recovery)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     quiet_libraries()
@@ -85,6 +108,8 @@ def main(argv: list[str] | None = None, activation_peak: ActivationPeak | None =
         device = pick_device(args.device)
         if device.type == "cpu":
             cache_host_allocations()  # block loads reuse freed buffers (runtime.common.memory)
+        if args.card_gb is not None:
+            emulate_card(device, int(args.card_gb * GIB))
         run = Run(args.preset, args.run_dir, device, args.resume, activation_peak)
     except OSError as exc:
         print(

@@ -23,6 +23,7 @@ from contract.preset import Preset
 from worker.data import batch_indices
 from worker.families import Family, Text
 from worker.outputs import save_checkpoint
+from worker.recovery import OomRecovery, Rollback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,41 +169,39 @@ def run_steps(
     on_step,
     run_dir: Path,
     after_step=lambda step: None,
+    recovery: OomRecovery | None = None,
 ) -> LoopState:
     """Steps ``start_step + 1 .. max_steps``. ``between_steps()`` returns a stop reason or None;
     ``after_step(step)`` runs as the step's strategy step closes (its counters are the step's:
     no validation step has run yet); ``on_step(step, loss, step_s)`` reports progress.
-    Checkpoints every ``checkpoint_every``."""
+    Checkpoints every ``checkpoint_every``. A step out of device memory is undone and run again
+    under lowered limits (``recovery``: the run's, NOTE [ Out-of-memory recovery ]).
+
+    Raises:
+        OutOfMemoryEnd: a step no lowering made fit (``worker/recovery.py``).
+    """
 
     proc = psutil.Process()
     state = LoopState(steps_done=start_step)
     clip = preset.grad_clip if preset.grad_clip is not None else float("inf")
+    recovery = recovery or OomRecovery(telemetry)
     for step in range(start_step + 1, preset.max_steps + 1):
         reason = between_steps()
         if reason:
             state.stopped = reason
             break
-        g = step_generator(preset.seed, step)
-        rows = batch_rows(data, preset.batch_size, g)
-        x0 = torch.stack([data.latents[i] for i in rows]).to(device, dtype)  # (B, C, [F,] h, w)
-        noise = torch.randn(x0.shape, generator=g).to(device, dtype)
-        # flow: t = sigma (B,) in [0, 1]; ddpm: t = (B,) int timesteps (families.py)
-        x_t, t, target = family.training_pair(x0, noise, g, preset)
-        text = data.text_rows([data.caption_rows[i] for i in rows], device, dtype)
-
-        t0 = time.perf_counter()
-        with strategy.step(step):
-            with strategy.forward():
-                pred = family.predict(model, x_t, t, text)
-                loss = torch.nn.functional.mse_loss(pred.float(), target.float())
-            with strategy.backward():
-                loss.backward()
-            with strategy.optimizer(optimizer):
-                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-        step_s = time.perf_counter() - t0
+        rollback = Rollback(trainable, optimizer, scheduler)
+        attempt = 0
+        while True:  # NOTE [ Out-of-memory recovery ] (worker/recovery.py)
+            try:
+                loss, grad_norm, rows, step_s = train_step(
+                    preset, family, model, trainable, strategy, optimizer, scheduler, data,
+                    step, device, dtype, clip, rollback,
+                )  # fmt: skip
+                break
+            except torch.OutOfMemoryError as exc:
+                attempt += 1
+                recovery.recover(exc, strategy, step, rollback.phase, attempt, rollback.restore)
         state.steps_done = step
         after_step(step)
 
@@ -238,6 +237,55 @@ def run_steps(
         if preset.checkpoint_every and step % preset.checkpoint_every == 0:
             save_checkpoint(run_dir, step, model, optimizer, scheduler)
     return state
+
+
+def train_step(
+    preset: Preset,
+    family: Family,
+    model: torch.nn.Module,
+    trainable: list[torch.nn.Parameter],
+    strategy,
+    optimizer,
+    scheduler,
+    data: Batchable,
+    step: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    clip: float,
+    rollback: Rollback,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], float]:
+    """One training step: its batch, noise and sigmas from ``step_generator(seed, step)``,
+    forward, backward and the optimizer under the strategy's phases. Returns ``(loss,
+    grad_norm, rows, seconds)``. ``rollback.phase`` follows the phase running; its copy of the
+    trainable state is taken before the optimizer phase (``Rollback.before_optimizer``).
+
+    Raises:
+        torch.OutOfMemoryError: the step ran out of device memory (the caller recovers).
+    """
+    g = step_generator(preset.seed, step)
+    rows = batch_rows(data, preset.batch_size, g)
+    x0 = torch.stack([data.latents[i] for i in rows]).to(device, dtype)  # (B, C, [F,] h, w)
+    noise = torch.randn(x0.shape, generator=g).to(device, dtype)
+    # flow: t = sigma (B,) in [0, 1]; ddpm: t = (B,) int timesteps (families.py)
+    x_t, t, target = family.training_pair(x0, noise, g, preset)
+    text = data.text_rows([data.caption_rows[i] for i in rows], device, dtype)
+
+    t0 = time.perf_counter()
+    with strategy.step(step):
+        rollback.phase = "forward"
+        with strategy.forward():
+            pred = family.predict(model, x_t, t, text)
+            loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+        rollback.phase = "backward"
+        with strategy.backward():
+            loss.backward()
+        rollback.before_optimizer()
+        with strategy.optimizer(optimizer):
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), grad_norm, rows, time.perf_counter() - t0
 
 
 VALIDATION_SIGMAS = (0.25, 0.5, 0.75)

@@ -41,6 +41,7 @@ from worker.outputs import (
 )
 from worker.preset import load_preset, validate_preset
 from worker.progress import Progress
+from worker.recovery import OomRecovery, OutOfMemoryEnd
 from worker.sampling import Sampler
 from worker.scan import Sample
 from worker.setup import check_text_dim, family_targets, pipeline_family, resolve_assets
@@ -97,6 +98,7 @@ class Run:
         # and applied, in order, once it exists (they take effect at its first step).
         self.held_limits: list[tuple[str | None, dict]] = []
         self.effects = LimitsEffects(self.telemetry.emit)  # what each change did, once settled
+        self.recovery = OomRecovery(self.telemetry)  # NOTE [ Out-of-memory recovery ]
 
     # -- control ------------------------------------------------------------------------------
     def poll_control(self) -> str | None:
@@ -283,10 +285,27 @@ class Run:
                 if step < preset.max_steps:  # the last step's samples are the final ones
                     draw_samples(step)
 
-        if preset.samples.prompts and self.start_step == 0:
-            draw_samples(0)  # the model before training: what the final samples are set against
+        try:
+            if preset.samples.prompts and self.start_step == 0:
+                draw_samples(0)  # the model before training: what the final samples face
+            state = self.train(preset, model, trainable, optimizer, scheduler, data, on_step)
+        except OutOfMemoryEnd as exc:  # nothing lost: a checkpoint to resume, the LoRA
+            self.close_strategy()
+            saved = ""
+            if self.steps_done > self.start_step:
+                self.checkpoint_at_stop(self.steps_done, model, optimizer, scheduler)
+                self.save()
+                saved = f"; checkpoint step-{self.steps_done} and the LoRA saved (--resume)"
+            raise OutOfMemoryEnd(f"{exc}{saved}") from exc.__cause__
+        self.stage("train", state.steps_done, preset.max_steps, state.stopped or "done")
+        self.close_strategy()
+        if state.stopped and state.steps_done > self.start_step:
+            self.checkpoint_at_stop(state.steps_done, model, optimizer, scheduler)
+        return state
 
-        state = loop.run_steps(
+    def train(self, preset, model, trainable, optimizer, scheduler, data, on_step):
+        """``loop.run_steps`` with the run's control, figures and recovery."""
+        return loop.run_steps(
             preset=preset,
             family=self.family,
             model=model,
@@ -297,18 +316,14 @@ class Run:
             data=data,
             start_step=self.start_step,
             device=self.device,
-            dtype=dtype,
+            dtype=loop.DTYPES[preset.train_dtype],
             telemetry=self.telemetry,
             between_steps=self.poll_control,
             on_step=on_step,
             after_step=lambda step: self.effects.step_done(step, StepFigures.of(self.strategy)),
             run_dir=self.run_dir,
+            recovery=self.recovery,
         )
-        self.stage("train", state.steps_done, preset.max_steps, state.stopped or "done")
-        self.close_strategy()
-        if state.stopped and state.steps_done > self.start_step:
-            self.checkpoint_at_stop(state.steps_done, model, optimizer, scheduler)
-        return state
 
     def checkpoint_at_stop(self, step: int, model, optimizer, scheduler) -> None:
         """A stopped run leaves what its Continue (``--resume``) needs: the checkpoint of the
@@ -321,7 +336,7 @@ class Run:
         self.progress.line(f"stopped at step {step}: checkpoint {folder.name} to continue from")
 
     def sampler(self) -> Sampler:
-        return Sampler(self.run_dir, self.family, self.device, self.telemetry)
+        return Sampler(self.run_dir, self.family, self.device, self.telemetry, self.recovery)
 
     def samples(self, preset: Preset, vae_dir: Path, data: loop.Batchable) -> None:
         self.sampler().final(self.model, preset, data, vae_dir, self.steps_done)
@@ -377,6 +392,7 @@ class Run:
             steps_done=self.steps_done,
             timings_s=timings,
             stop_reason=self.stop.reason,
+            recoveries=self.recovery.recoveries,
         )
         self.progress.line(
             f"{status}: {self.steps_done} steps"

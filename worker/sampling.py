@@ -12,15 +12,18 @@ with one ``trainer/sample`` record. The images are ``Family.sample``'s: a pipeli
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from contract.preset import Preset
+from contract.records import OOM_REQUEST
 from runtime.common.telemetry import Telemetry
 from worker import loop
 from worker.families import Family, SampleSpec
+from worker.recovery import OomRecovery
 
 
 @dataclass
@@ -31,6 +34,32 @@ class Sampler:
     family: Family
     device: torch.device
     telemetry: Telemetry
+    recovery: OomRecovery | None = None
+    """Out-of-memory recovery (the run's): a sample's step out of device memory is undone,
+    the limits lowered and the samples drawn again (NOTE [ Out-of-memory recovery ])."""
+    lowered: dict[str, Any] = field(default_factory=dict)
+    """Limits the recovery lowered for the end's inference strategy (applied to the next one)."""
+
+    def _attempts(self, draw, strategy_of, step: int) -> None:
+        """``draw()`` until it fits: each ``torch.OutOfMemoryError`` goes to the recovery
+        (phase ``"sampling"``) with ``strategy_of(exc)``, torch's RNG put back. Without a
+        recovery the error propagates.
+
+        Raises:
+            OutOfMemoryEnd: no lowering made the samples fit.
+        """
+        rng = torch.get_rng_state()
+        attempt = 0
+        while True:
+            try:
+                return draw()
+            except torch.OutOfMemoryError as exc:
+                if self.recovery is None:
+                    raise
+                attempt += 1
+                strategy = strategy_of(exc)
+                undo = lambda: torch.set_rng_state(rng)  # noqa: E731
+                self.recovery.recover(exc, strategy, step, "sampling", attempt, undo)
 
     def during_training(
         self,
@@ -44,7 +73,11 @@ class Sampler:
         """Samples of ``model`` as trained so far, drawn through ``strategy`` as inference
         step ``step``; their records (and the strategy's) are tagged ``sampling=True``."""
         with self.telemetry.tagged(sampling=True):
-            self.draw(model, preset, data, vae_dir, step=step, strategy=strategy)
+            self._attempts(
+                lambda: self.draw(model, preset, data, vae_dir, step=step, strategy=strategy),
+                lambda exc: strategy,
+                step,
+            )
 
     def final(
         self,
@@ -59,7 +92,13 @@ class Sampler:
         stopped at 3 of 40 has no record at a step it never ran) and tagged ``sampling=True``
         like the samples drawn during training, so charts leave the inference step out."""
         with self.telemetry.tagged(sampling=True):
-            self.draw(model, preset, data, vae_dir, step=None, strategy=None, number=steps_done)
+            self._attempts(
+                lambda: self.draw(
+                    model, preset, data, vae_dir, step=None, strategy=None, number=steps_done
+                ),
+                lambda exc: getattr(exc, "strategy", None),
+                steps_done,
+            )
 
     def draw(
         self,
@@ -96,6 +135,8 @@ class Sampler:
             strategy = self.family.inference_strategy(
                 model, preset.memory, self.device, self.telemetry
             )
+            if strategy is not None and self.lowered:  # a former attempt's recovery
+                strategy.set_limits(self.lowered, request_id=OOM_REQUEST)
         was_training = model.training
         model.eval()
         try:
@@ -107,6 +148,10 @@ class Sampler:
                 strategy.forward() if streamed else nullcontext(),
             ):
                 images = self.family.sample(model, text, spec)
+        except torch.OutOfMemoryError as exc:
+            if own and strategy is not None and self.recovery is not None:
+                exc.strategy = _Closing(strategy, self)  # its limits, lowered for the next one
+            raise
         finally:
             model.train(was_training)
             if own and strategy is not None:
@@ -119,3 +164,22 @@ class Sampler:
         for path, prompt in zip(paths, prompts, strict=True):
             rel = str(path.relative_to(self.run_dir))
             self.telemetry.emit("trainer", "sample", path=rel, prompt=prompt)
+
+
+class _Closing:
+    """The end's inference strategy after an out-of-memory error, as the recovery sees it: its
+    limits and memory are read, the lowered limits kept (``Sampler.lowered``) for the strategy
+    the next attempt builds; it is closed by ``draw``."""
+
+    def __init__(self, strategy, sampler: Sampler) -> None:
+        self.strategy, self.sampler = strategy, sampler
+        self.memory = strategy.memory
+
+    def limits(self) -> dict[str, Any]:
+        return self.strategy.limits()
+
+    def abort_step(self) -> None:
+        """Nothing: ``draw`` closes the strategy (every runtime freed)."""
+
+    def set_limits(self, limits: dict[str, Any], request_id: str | None = None) -> None:
+        self.sampler.lowered.update(limits)
