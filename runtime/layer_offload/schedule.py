@@ -81,7 +81,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from runtime.weights.registry import Block
+from runtime.weights.policy import BlockLike
 from runtime.weights.scheduler import BlockScheduler
 
 
@@ -113,8 +113,9 @@ class LayerOrderScheduler(BlockScheduler):
         n_blocks: the blocks (``WeightRuntime.blocks``), in registration order.
         prefetch_window: blocks loaded ahead of their use at most (0: each when used).
         training: the order is forward then backward (else forward only).
-        blocks: the weight runtime's blocks, whose states the window reads (``on_device``,
-            ``prefetched``, ``resident``); empty: every block is taken as not loaded.
+        blocks: the blocks whose states the window reads (``on_device``, ``prefetched``,
+            ``resident``): the weight runtime's, or a simulation's (``policy.BlockLike``);
+            empty: every block is taken as not loaded and none as loaded ahead.
         step_open: ``step_open() -> bool``: a step is open (``StepBoundaries.open``); None:
             always.
 
@@ -127,7 +128,7 @@ class LayerOrderScheduler(BlockScheduler):
         n_blocks: int,
         prefetch_window: int,
         training: bool,
-        blocks: Sequence[Block] = (),
+        blocks: Sequence[BlockLike] = (),
         step_open: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(prefetch_window)
