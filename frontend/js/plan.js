@@ -99,7 +99,10 @@ function summary(plan) {
       h("li", { id: "plan-profile", title: plan.device.source }, profileText(plan.device)),
       ...transfers(plan),
       quantError(plan),
-      plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null));
+      plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null,
+      // Runs of this family on this card that ran out of memory: the limits planned are capped at
+      // those they went on with (plan/recovery.py).
+      plan.recovery ? h("li", { id: "plan-recovery" }, plan.recovery.note) : null));
 }
 
 /** "profile 0.037 TFLOPs, H2D 2.18 GB/s, memory 3.3 GB/s, 46.2 µs/op, 3813 µs/load; median of 3

@@ -4,7 +4,9 @@
 // first record on x; per-step charts use the step number. A `strategy/limits_applied` record
 // becomes a marker on every chart, at its time or its step (the resolution of "auto" limits at
 // build is none: runwatermarks.js names their figures); a limits request the worker refused
-// (`trainer/event` `control_rejected`) one of another colour. A resumed run's
+// (`trainer/event` `control_rejected`) one of another colour; an out-of-memory recovery
+// (`trainer/oom_recovery`) a third, at the step that failed, saying the run lowered its limits
+// (its rerun's `limits_applied`, request "oom", moves the watermark lines only). A resumed run's
 // `trainer/resumed` record drops from the step charts what the discarded run drew past the
 // checkpoint's step: the resumed worker trains those steps again, and each is drawn once.
 // A "last N steps" window shows the same steps on every chart: the step charts from step
@@ -23,6 +25,7 @@ export { CHART_IDS, drawnWatermark };
 const APPLIED = { color: "#b4235a", dash: "dash" };
 const REFUSED = { color: "#d9480f", dash: "dot" };
 const RESUMED = { color: "#2e9e5b", dash: "dashdot" };
+const OOM = { color: "#c92a2a", dash: "longdash" };
 const REFUSED_LABEL_CHARS = 70;
 
 /** Exponential moving average of `ys` with weight `w` on the past (the first value as is). */
@@ -170,6 +173,8 @@ export class RunCharts {
     // A sampling step's records carry a training step's number: they would draw a second point
     // at that step (the trainer tags them sampling: true).
     if (rec.sampling && rec.kind === "step") return;
+    // An attempt that ran out of memory (`aborted: true`) is run again: its rerun draws the step.
+    if (rec.aborted && rec.kind === "step") return;
     const t = this._t(rec);
     const step = rec.step ?? rec.step_id;
     const c = this.charts;
@@ -261,6 +266,9 @@ export class RunCharts {
       case "strategy/limits_applied":
         this.markLimits(t, step, rec);
         break;
+      case "trainer/oom_recovery":
+        this.markRecovery(t, step, rec);
+        break;
       case "trainer/event":
         if (rec.event === "control_rejected") this.markRefused(t, step, rec);
         break;
@@ -334,11 +342,15 @@ export class RunCharts {
       if (label) this._mark(t, step, label, APPLIED);
       return;
     }
-    const changed = Object.entries(rec.changed || {})
+    const wm = rec.changed || {};
+    if (rec.request_id === "oom") { // the recovery's own marker says so (markRecovery)
+      this.watermarks.draw(t, wm.vram_high_watermark_mb?.[1], wm.vram_low_watermark_mb?.[1]);
+      return;
+    }
+    const changed = Object.entries(wm)
       .map(([field, [, now]]) => `${SHORT[field] || field}=${drawnWatermark(now) ?? "no limit"}`)
       .join(", ");
     this._mark(t, step, `limits: ${changed || "no change"}`, APPLIED);
-    const wm = rec.changed || {};
     this.watermarks.draw(t, wm.vram_high_watermark_mb?.[1], wm.vram_low_watermark_mb?.[1]);
   }
 
@@ -347,6 +359,12 @@ export class RunCharts {
     let label = `refused: ${rec.message || "no reason given"}`;
     if (label.length > REFUSED_LABEL_CHARS) label = `${label.slice(0, REFUSED_LABEL_CHARS - 1)}…`;
     this._mark(t, step, label, REFUSED);
+  }
+
+  /** Marker where the card ran out of memory and the run lowered its limits to go on. */
+  markRecovery(t, step, rec) {
+    const phase = rec.phase ? ` (${rec.phase})` : "";
+    this._mark(t, step, `out of memory at step ${step ?? "?"}${phase}: limits lowered`, OOM);
   }
 
   _mark(t, step, label, { color, dash }) {

@@ -10,7 +10,10 @@ docs/contracts.md: the record envelope, the dataset scan of a ``data.path`` (the
 
 Knobs (environment): ``SYNTH_BLOCKS`` blocks (12), ``SYNTH_STEP_S`` seconds per step (0.3),
 ``SYNTH_BLOCK_MB`` MB per block (900); a preset whose ``description`` holds ``step_s=X`` sets the
-seconds per step of its runs (``step_s=0`` writes a 100k-record run in seconds).
+seconds per step of its runs (``step_s=0`` writes a 100k-record run in seconds), and
+``oom_at=N`` runs out of memory in step N's backward once: a ``trainer/oom_recovery`` record with
+the weight watermarks lowered to 55 %, the rerun's ``strategy/limits_applied`` (request ``oom``),
+then the step (docs/contracts.md; ``run_finished`` counts ``recoveries``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,37 @@ def write_sample(path: Path, step: int) -> None:
     img.save(path)
 
 
+def recover(w: Writer, step: int, limits: dict, peak_mb: float) -> int:
+    """Step ``step`` ran out of memory in its backward at ``peak_mb``: the weight watermarks are
+    lowered to 55 % (``limits`` changed in place) and the rerun's step begin applies them, as
+    the worker's recovery writes it. Returns 1 (one recovery)."""
+    before = {k: limits[k] for k in ("vram_high_watermark_mb", "vram_low_watermark_mb")}
+    after = {k: round(v * 0.55, 1) for k, v in before.items()}
+    w.emit(
+        "trainer",
+        "oom_recovery",
+        step=step,
+        phase="backward",
+        attempt=1,
+        failure_bytes=int(peak_mb * 2**20),
+        card_bytes=24 * 2**30,
+        limits_before=before,
+        limits_after=after,
+        message="CUDA out of memory. Tried to allocate 900.00 MiB",
+    )
+    limits.update(after)
+    changed = {k: [before[k], after[k]] for k in after}
+    w.emit(
+        "strategy",
+        "limits_applied",
+        step=step,
+        phase="step_begin",
+        request_id="oom",
+        changed=changed,
+    )
+    return 1
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[0] != "train" or argv[2] != "--run-dir":
         print("usage: synthetic_worker train CONFIG --run-dir DIR", file=sys.stderr)
@@ -99,6 +133,9 @@ def main(argv: list[str]) -> int:
         "max_inflight_transfers": int(sh.get("max_inflight_transfers", 2)),
     }
     max_steps = int(config.get("max_steps", 50))
+    found = re.search(r"oom_at=([0-9]+)", description)
+    oom_at = int(found.group(1)) if found else None
+    recoveries = 0
     w = Writer(run_dir / wire.TELEMETRY_FILE)
     control = ControlDir(run_dir)
     data = config.get("data") or {}
@@ -148,6 +185,7 @@ def main(argv: list[str]) -> int:
                     status="cancelled",
                     lora_path="lora/pytorch_lora_weights.safetensors",
                     steps_done=step - 1,
+                    recoveries=recoveries,
                 )
                 w.flush()
                 return 0
@@ -165,6 +203,8 @@ def main(argv: list[str]) -> int:
                     request_id=req.request_id,
                     changed=changed,
                 )
+        if step == oom_at:
+            recoveries += recover(w, step, limits, base_mb + blocks * block_mb)
         t_step = time.time()
         stalls = loads = 0
         order = list(range(blocks)) + list(reversed(range(blocks)))
@@ -335,6 +375,7 @@ def main(argv: list[str]) -> int:
         status="succeeded",
         lora_path="lora/pytorch_lora_weights.safetensors",
         steps_done=max_steps,
+        recoveries=recoveries,
     )
     w.flush()
     return 0

@@ -137,6 +137,9 @@ export function mount(root, { params }) {
       { label: "spill", key: "spill_bytes", fmt: fmtBytes },
       { label: "stall", key: "stall_ms", fmt: fmtMs },
       { label: "final loss", key: "final_loss", fmt: fmtNum },
+      // Out-of-memory recoveries (the run lowered its limits and ran the step again): a count, no
+      // percentage against the first run's.
+      { label: "OOM recoveries", key: "recoveries", fmt: (v) => (v == null ? "–" : String(v)), count: true },
       ...(common !== null ? [{ label: `loss at step ${common}`, key: "loss_at", fmt: fmtNum }] : []),
     ];
     const valueOf = (s, key) => (key === "loss_at" ? lossAt(String(s.run_id)) : s[key]);
@@ -151,7 +154,7 @@ export function mount(root, { params }) {
           h("td", {}, r.status ? statusBadge(r.status) : "–"),
           h("td", { class: "num" }, `${s.steps_done ?? "–"}/${s.max_steps ?? "?"}`),
           figures.map((f) => {
-            const delta = i > 0 ? pctDelta(valueOf(s, f.key), valueOf(base, f.key)) : null;
+            const delta = i > 0 && !f.count ? pctDelta(valueOf(s, f.key), valueOf(base, f.key)) : null;
             return h("td", { class: "num", dataset: { figure: f.key } }, f.fmt(valueOf(s, f.key)),
               delta ? h("span", { class: "delta", title: `against ${nameOf.get(String(base.run_id))}` }, ` (${delta})`) : null);
           }));

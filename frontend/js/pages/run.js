@@ -24,7 +24,7 @@ export function mount(root, { parts }) {
   // What the components share: the API's Run, what the records told, the charts once built.
   const view = {
     run: null, charts: null, stopped: false,
-    live: { step: null, maxSteps: null, stepTimes: [], stage: null, ahead: null, figures: newFigures() },
+    live: { step: null, maxSteps: null, stepTimes: [], stage: null, ahead: null, figures: newFigures(), recoveries: 0 },
   };
   let stream = null;
   let limits = null;
@@ -75,6 +75,11 @@ export function mount(root, { parts }) {
     "trainer/sample": (rec) => { if (rec.path) samples.add(rec.path.split("/").pop(), rec.prompt); },
     "strategy/limits_applied": answered,
     "trainer/limits_effect": (rec) => { if (limits) limits.effect(rec); },
+    "trainer/oom_recovery": (rec) => {
+      live.recoveries += 1;
+      if (limits) limits.recovery(rec);
+      return true;
+    },
     "trainer/event": (rec) => { if (rec.event === "control_rejected") answered(rec); },
     "trainer/error": (rec) => {
       if (!view.run || view.run.error) return;

@@ -4,7 +4,9 @@
 // `trainer/event` `control_rejected` one (refused, with the worker's message). The charts
 // draw a marker for either. Once the runtimes settle under an applied change, its
 // `trainer/limits_effect` record says what it did: resident blocks, H2D and spill per step and
-// the peak, before -> after (worker/limits_effect.py).
+// the peak, before -> after (worker/limits_effect.py). A change the run made itself after the
+// card ran out of memory (`trainer/oom_recovery`, then `limits_applied` with request "oom") is
+// listed as the run's, not as a request of the user's.
 
 import { api } from "../../api.js";
 import { limitFields } from "../../limitfields.js";
@@ -28,6 +30,7 @@ export class LimitsPanel {
     this.early = new Map(); // request_id -> limits_applied or control_rejected record
     this.items = new Map(); // request_id -> list item, kept for the change's effect
     this.effects = new Map(); // request_id -> limits_effect record come before its item
+    this.recoveries = new Map(); // step -> its trainer/oom_recovery record (the newest attempt)
     this.inputs = new Map();
     this.fields = limitFields(limits);
     // The values in the run's config (at the API's paths); its limits_applied records move them.
@@ -125,6 +128,10 @@ export class LimitsPanel {
    * in force change) or its `trainer/event` `control_rejected` one (nothing changes).
    */
   answered(rec) {
+    if (rec.request_id === "oom" && rec.kind === "limits_applied") {
+      this.lowered(rec);
+      return;
+    }
     const refused = rec.kind !== "limits_applied";
     const changed = refused ? {} : rec.changed || {};
     for (const [field, [, now]] of Object.entries(changed)) this.current[field] = now;
@@ -163,6 +170,25 @@ export class LimitsPanel {
       item.append(line);
     }
     line.textContent = effectText(rec);
+  }
+
+  /** The card ran out of memory at `rec.step` (`trainer/oom_recovery`): its rerun's
+   * `limits_applied` (request "oom") says by how much the run lowered its limits. */
+  recovery(rec) {
+    this.recoveries.set(rec.step, rec);
+  }
+
+  /** The limits the run lowered itself after running out of memory, as a line of the log:
+   * "lowered by the run after out of memory at step 3 (backward): vram_high_watermark_mb 40 → 22". */
+  lowered(rec) {
+    const changed = rec.changed || {};
+    for (const [field, [, now]] of Object.entries(changed)) this.current[field] = now;
+    this._showCurrent(Object.keys(changed));
+    const failed = this.recoveries.get(rec.step);
+    const phase = failed && failed.phase ? ` (${failed.phase})` : "";
+    const changes = Object.entries(changed).map(([f, [a, b]]) => `${f} ${a} → ${b}`).join(", ");
+    this.log.prepend(h("li", { class: "run-change", "data-request-id": "oom", "data-step": String(rec.step) },
+      `lowered by the run after out of memory at step ${rec.step ?? "?"}${phase}: ${changes || "no change"}`));
   }
 
   /** Puts the values in force into the inputs of `fields` (not the one being typed in). */

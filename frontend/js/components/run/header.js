@@ -78,6 +78,9 @@ export class RunHeader {
     const maxSteps = live.maxSteps ?? s.max_steps;
     const step = live.step ?? s.steps_done ?? 0;
     const doing = this.doingText();
+    // Counted from the records as they come (all of them, the stored ones first); the summary's
+    // count covers a run whose records were not all read.
+    const recoveries = Math.max(live.recoveries || 0, s.recoveries || 0);
     fill(this.facts(),
       fact("step", `${step}/${maxSteps ?? "?"}`, "fact-step"),
       fact("ETA", running ? fmtDuration(this.eta()) : "–", "fact-eta"),
@@ -91,6 +94,7 @@ export class RunHeader {
       fact("mean step", fmtMs(s.mean_step_time_ms), "fact-mean-step"),
       fact("spill", s.spill_bytes != null ? fmtMB(s.spill_bytes / 2 ** 20) : "–", "fact-spill"),
       weightsFact(s),
+      recoveries ? fact("out-of-memory recoveries", String(recoveries), "fact-recoveries") : null,
       run.exit_code != null ? fact("exit code", String(run.exit_code), "fact-exit") : null);
   }
 
