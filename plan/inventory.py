@@ -59,6 +59,9 @@ class BlockInfo:
     and copied per load instead of ``nbytes`` (``runtime.squareq.runtime.image_nbytes``)."""
     input_bytes: int = 0
     """Bytes of the block's tensor inputs: what a checkpointed block keeps from its forward."""
+    saved_inputs: list[int] = field(default_factory=list)
+    """Bytes of each tensor input no earlier block was given: what its checkpoint adds to the
+    kept activations (the runtimes count a storage once: ``temb`` with the first block only)."""
     forward_ops: int = 0
     """ATen operations of its forward (each costs the device a launch, or the host a dispatch)."""
     forward_moved: int = 0
@@ -357,6 +360,7 @@ def inventory(
 
     counter = _SavedCounter(model, len(found))
     shared = SharedTensors()
+    given: dict[int, torch.Tensor] = {}  # id -> a tensor input of an earlier block (held)
     infos = [
         BlockInfo(
             name=b.name,
@@ -376,6 +380,8 @@ def inventory(
             counter.segment = index
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             infos[index].input_bytes = sum(_nbytes(t) for t in tensors)
+            infos[index].saved_inputs = [_nbytes(t) for t in tensors if id(t) not in given]
+            given.update((id(t), t) for t in tensors)
             moved = split_inputs(args, kwargs, shared)[3]
             infos[index].checkpoint_inputs = [_nbytes(t) for t in moved]
 

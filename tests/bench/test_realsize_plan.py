@@ -63,34 +63,40 @@ def test_the_plan_and_a_card_row_resolve_auto_to_the_same_watermarks():
 
 
 def test_a_tiny_card_row_moves_what_the_plan_predicts(tmp_path):
-    """``--size tiny --device cpu --card-gb 24 --only stream_file``: the row runs the section
-    the planner resolves for the real model (scaled to the tiny blocks) and its measured step
-    (the third: warm-up 2) has the blocks on the device, loads, H2D bytes and misses the
-    planner's simulation of that section on the tiny model predicts for the same step."""
+    """``--size tiny --device cpu --card-gb 24 --only stream_file,preset``: each row runs the
+    section the planner resolves for the real model (scaled to the tiny blocks) and its measured
+    step (the third: warm-up 2) has the blocks on the device, loads, H2D bytes and misses the
+    planner's simulation of that section on the tiny model predicts for the same step. The
+    preset row (streaming + activation spill + the Conductor) planned 42 loads and 7,827,456 B
+    against the run's 41 and 7,522,304 before the plan counted activations as the run does
+    (``tests/bench/test_preset_plan_exact.py`` checks it step by step)."""
     out = tmp_path / "card.json"
     argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
     argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
-    assert main([*argv, "--card-gb", "24", "--only", "stream_file"]) == 0
+    assert main([*argv, "--card-gb", "24", "--only", "stream_file,preset"]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    row, plan = rows["stream_file"], rows["stream_file"]["plan"]
     spec = REAL_MODELS["flux-dev"]
     real = card_section(spec, preset_memory(spec.preset), CARD)["stagehand"]
     scale = section_scale(spec, "tiny")
-    section = row["memory_config"]["stagehand"]
-    assert section["vram_high_watermark_mb"] == pytest.approx(
-        real["vram_high_watermark_mb"] * scale
-    )
-    assert plan["watermarks_mb"] == [
-        round(section["vram_high_watermark_mb"], 3),
-        round(section["vram_low_watermark_mb"], 3),
-    ]
-    c = row["counters"]
-    assert 0 < c["blocks_loaded"] < 110 and 0 < c["resident_blocks"] < 57  # not vacuous
-    assert c["blocks_loaded"] == plan["block_loads_per_step"]
-    assert row["h2d_bytes_per_step"] == plan["h2d_bytes_per_step"]
-    assert c["resident_blocks"] == plan["on_device_blocks"]
-    assert c["prefetch_misses"] == plan["misses_per_step"] == 0
-    assert plan["streamed_blocks"] + plan["resident_blocks"] == 57 and plan["step_ms"] > 0
+    for name in ("stream_file", "preset"):
+        row, plan = rows[name], rows[name]["plan"]
+        section = row["memory_config"]["stagehand"]
+        assert section["vram_high_watermark_mb"] == pytest.approx(
+            real["vram_high_watermark_mb"] * scale
+        )
+        assert plan["watermarks_mb"] == [
+            round(section["vram_high_watermark_mb"], 3),
+            round(section["vram_low_watermark_mb"], 3),
+        ]
+        c = row["counters"]
+        assert 0 < c["blocks_loaded"] < 110 and 0 < c["resident_blocks"] < 57  # not vacuous
+        assert c["blocks_loaded"] == plan["block_loads_per_step"], name
+        assert row["h2d_bytes_per_step"] == plan["h2d_bytes_per_step"], name
+        assert c["resident_blocks"] == plan["on_device_blocks"], name
+        assert c["prefetch_misses"] == plan["misses_per_step"] == 0
+        assert plan["streamed_blocks"] + plan["resident_blocks"] == 57 and plan["step_ms"] > 0
+    assert rows["preset"]["h2d_bytes_per_step"] == 7_522_304  # spill_bytes 0: no spill here
+    assert rows["preset"]["counters"]["grants"] == 41  # the Conductor granted every prefetch
     assert rows["resident"]["plan"]["block_loads_per_step"] == 0
 
 
