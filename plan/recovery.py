@@ -125,6 +125,15 @@ def cap_limits(
     return out, changed
 
 
+def _shown(value: object) -> str:
+    """A limit as the note prints it: ``default`` for an absent one, a whole float as an int."""
+    if value is None:
+        return "default"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def recovery_note(learnt: dict[str, Any], capped: dict[str, list[Any]]) -> str:
     """One line: ``a past run (#12) ran out of memory on rtx4090/flux (at step 3, backward);
     limits capped at what it went on with: vram_high_watermark_mb 40000 → 22000``."""
@@ -139,12 +148,10 @@ def recovery_note(learnt: dict[str, Any], capped: dict[str, list[Any]]) -> str:
     who = f"past runs ({runs})" if several else f"a past run ({runs})"
     line = f"{who} ran out of memory on {where} ({at}); "
     if capped:
-        shown = ", ".join(
-            f"{f} {'default' if a is None else a} → {b}" for f, (a, b) in capped.items()
-        )
+        shown = ", ".join(f"{f} {_shown(a)} → {_shown(b)}" for f, (a, b) in capped.items())
         what = "the lowest they" if several else "what it"
         return line + f"limits capped at {what} went on with: {shown}"
-    held = ", ".join(f"{f} {v}" for f, v in learnt["limits"].items())
+    held = ", ".join(f"{f} {_shown(v)}" for f, v in learnt["limits"].items())
     return line + f"this config's limits are at or below what it went on with ({held})"
 
 

@@ -137,7 +137,7 @@ def test_next_plan_of_the_family_on_the_card_is_capped(store, api):
     }
     assert rec["note"] == (
         f"a past run (#{taught}) ran out of memory on rtx4090/flux (at step 3, backward); limits"
-        " capped at what it went on with: vram_high_watermark_mb 1.0 → 0.6,"
+        " capped at what it went on with: vram_high_watermark_mb 1 → 0.6,"
         " vram_low_watermark_mb 0.5 → 0.3, activation_vram_high_watermark_mb 0.5 → 0.25"
     )
     # The capped preset is what was planned: the same plan as a preset with those limits.

@@ -99,5 +99,5 @@ def test_the_capped_preset_is_planned_lower():
     assert low["peak_bytes"]["steady"] < raw["peak_bytes"]["steady"]
     assert recovery_note(learnt, changed) == (
         "a past run (#4) ran out of memory on cpu/flux (at step 2, backward); limits capped at"
-        " what it went on with: vram_high_watermark_mb 100.0 → 0.3, vram_low_watermark_mb 50.0 → 0.3"
+        " what it went on with: vram_high_watermark_mb 100 → 0.3, vram_low_watermark_mb 50 → 0.3"
     )
