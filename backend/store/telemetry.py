@@ -49,7 +49,8 @@ class TelemetryTables:
         ``source``, sampling steps left out."""
         (value,) = self.db.execute(
             "SELECT MAX(json_extract(data, ?)) FROM telemetry WHERE run_id = ? AND source = ?"
-            " AND kind = 'step' AND json_extract(data, '$.sampling') IS NULL",
+            " AND kind = 'step' AND json_extract(data, '$.sampling') IS NULL"
+            " AND json_extract(data, '$.aborted') IS NULL",
             ["$." + path, run_id, source],
         ).fetchone()
         return value
@@ -59,7 +60,8 @@ class TelemetryTables:
         steps left out; None when there is none."""
         row = self.db.execute(
             "SELECT data FROM telemetry WHERE run_id = ? AND source = ? AND kind = 'step'"
-            " AND step = ? AND json_extract(data, '$.sampling') IS NULL ORDER BY seq DESC LIMIT 1",
+            " AND step = ? AND json_extract(data, '$.sampling') IS NULL"
+            " AND json_extract(data, '$.aborted') IS NULL ORDER BY seq DESC LIMIT 1",
             [run_id, source, step],
         ).fetchone()
         return json.loads(row[0]) if row else None
@@ -70,7 +72,8 @@ class TelemetryTables:
         (value,) = self.db.execute(
             "SELECT AVG(json_extract(data, '$.step_time_ms')) FROM telemetry WHERE run_id = ?"
             " AND source = 'trainer' AND kind = 'step' AND step > ?"
-            " AND json_extract(data, '$.sampling') IS NULL",
+            " AND json_extract(data, '$.sampling') IS NULL"
+            " AND json_extract(data, '$.aborted') IS NULL",
             [run_id, step],
         ).fetchone()
         return value
@@ -292,13 +295,15 @@ class TelemetryTables:
 
     def series(self, run_id: int, metric: str, source: str | None) -> list[list[float]]:
         """``[[step, value], ...]`` of ``metric`` (a JSON path below the record) over step records,
-        a sampling step's left out (``sampling: true``: its number is also a training step's), and
+        a sampling step's left out (``sampling: true``: its number is also a training step's), an
+        attempt that ran out of memory (``aborted: true``: its rerun has the step's figures), and
         so are a discarded run's: a record followed by a ``trainer/resumed`` record at a lower
         step (the resumed worker trained that step again: the later record is the one kept)."""
         path = "$." + metric
         where = (
             "run_id = ? AND kind = 'step' AND json_extract(data, ?) IS NOT NULL"
             " AND json_extract(data, '$.sampling') IS NULL"
+            " AND json_extract(data, '$.aborted') IS NULL"
         )
         args: list[Any] = [run_id, path]
         if source:

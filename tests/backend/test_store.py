@@ -186,6 +186,17 @@ def test_summary_peak_vram_per_stage(tmp_path):
         run_id, [row(6, "stagehand", "step", step=0, vram_peak_mb=99.0, sampling=True)], 30
     )
     assert [v for _, v in store.series(run_id, "vram_peak_mb", "stagehand")] == [52.8, 36.0]
+    # So do an attempt's that ran out of memory (its rerun draws the step), here step 1's.
+    store.ingest(
+        run_id,
+        [
+            row(7, "stagehand", "step", step=1, vram_peak_mb=80.0, aborted=True),
+            row(8, "stagehand", "step", step=1, vram_peak_mb=30.0),
+        ],
+        35,
+    )
+    assert [v for _, v in store.series(run_id, "vram_peak_mb", "stagehand")] == [52.8, 36.0, 30.0]
+    assert store.step_record(run_id, "stagehand", 1)["vram_peak_mb"] == 30.0
     store.close()
 
 
