@@ -21,33 +21,62 @@ import os
 import sys
 from typing import Any
 
-from backend.services.calibration import calibration_for
+from backend.services.calibration import calibration_for, recovery_for
 from backend.store import DatabaseDamaged, Store
 from contract.plan_inputs import TEXT_LEN, override_problem
 from worker.preset import load_preset
 
 
-def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
-    """``plan`` with the calibration of ``device`` and the preset's family in the server's
-    database under ``data_dir`` (``backend.services.calibration.calibration_for``) applied (``plan.feedback``), if there is one."""
+def open_data_store(data_dir: str | None) -> Store | None:
+    """The server's database under ``data_dir`` (``$STAGEHAND_WORKBENCH_DATA`` or ``./data``),
+    whose finished runs calibrate a plan and whose recoveries cap its limits; None when there is
+    none, or when it is damaged (named on stderr: the plan is the one modelled)."""
     from pathlib import Path
-
-    from plan.feedback import apply, family_of  # lazy: `workbench plan --help` without torch
 
     folder = Path(data_dir or os.environ.get("STAGEHAND_WORKBENCH_DATA") or "./data")
     if not (folder / "workbench.db").is_file():
-        return plan
-
+        return None
     try:
-        store = Store(folder / "workbench.db")
+        return Store(folder / "workbench.db")
     except DatabaseDamaged as exc:  # the plan as modelled, saying why it has no calibration
         print(f"workbench plan: no calibration applied: {exc}", file=sys.stderr)
+        return None
+
+
+def calibrated(plan: dict[str, Any], device: str, data: dict, data_dir: str | None) -> dict:
+    """``plan`` with the calibration of ``device`` and the preset's family in the server's
+    database under ``data_dir`` (``backend.services.calibration.calibration_for``) applied
+    (``plan.feedback``), if there is one."""
+    from plan.feedback import apply, family_of  # lazy: `workbench plan --help` without torch
+
+    store = open_data_store(data_dir)
+    if store is None:
         return plan
     try:
         found = calibration_for(store, device, family_of(data))
     finally:
         store.close()
     return apply(plan, found) if found else plan
+
+
+def learnt(data: dict, device: str, data_dir: str | None) -> tuple[dict, dict | None]:
+    """The preset ``data`` with its limits capped at the lowest a past run of ``device`` and its
+    family went on with after running out of memory (``POST /api/plan`` does the same:
+    ``plan.recovery``), and the plan's ``recovery`` entry (None when no run recovered)."""
+    from plan.feedback import family_of  # lazy: `workbench plan --help` without torch
+    from plan.recovery import cap_limits, recovery_of  # lazy: as plan.feedback
+
+    store = open_data_store(data_dir)
+    if store is None:
+        return data, None
+    try:
+        found = recovery_for(store, device, family_of(data))
+    finally:
+        store.close()
+    if not found:
+        return data, None
+    capped_data, capped = cap_limits(data, found)
+    return capped_data, recovery_of(found, capped)
 
 
 def bounded(name: str):
@@ -137,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             h2d_gbps=args.h2d_gbps,
             disk_gbps=args.disk_gbps,
         )
+        recovery = None
+        if not args.no_calibration:
+            data, recovery = learnt(data, args.device, args.data_dir)
         plan = plan_preset(
             data,
             dev,
@@ -145,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             efficiency=args.efficiency,
             quant_error="off" if args.no_quant_error else "compute",
         ).to_dict()
+        if recovery is not None:
+            plan["recovery"] = recovery
+            print(f"workbench plan: {recovery['note']}", file=sys.stderr)
         if not args.no_calibration:
             plan = calibrated(plan, args.device, data, args.data_dir)
     except (PlanInputError, OSError, ValueError) as exc:

@@ -167,3 +167,27 @@ def test_plan_takes_the_lowest_limits_of_the_newest_runs(store, api):
         f"past runs (#{new}, #{old}) ran out of memory on rtx4090/flux (#{new} at step 1,"
         f" forward; #{old} at step 2, backward); limits capped at the lowest they went on with:"
     )
+
+
+def test_workbench_plan_caps_the_limits_as_the_api_does(store, api, tmp_path, capsys):
+    """``workbench plan --data-dir DIR`` reads the recoveries of the server's database as
+    ``POST /api/plan`` does: the same capped plan, its ``recovery`` entry in ``--json`` and the
+    note on stderr; ``--no-calibration`` plans the preset as given."""
+    from backend.cli.plan import main as plan_main
+
+    _, config = load_preset("tiny-ci")
+    taught = record_run(store, config, RTX4090, [recovery(3, AFTER)])
+    served = api.post("/api/plan", json={"preset": config, "device": "rtx4090"}).json()
+    data_dir = store.path.parent
+    out = tmp_path / "plan.json"
+    argv = ["tiny-ci", "--device", "rtx4090", "--data-dir", str(data_dir), "--json", str(out)]
+    assert plan_main(argv) in (0, 1)
+    cli = json.loads(out.read_text())
+    assert cli["recovery"]["run_ids"] == [taught]
+    assert cli["recovery"]["capped"] == served["recovery"]["capped"]
+    assert cli["memory"] == served["memory"] and cli["peak_bytes"] == served["peak_bytes"]
+    assert f"a past run (#{taught}) ran out of memory" in capsys.readouterr().err
+    assert plan_main([*argv, "--no-calibration"]) in (0, 1)
+    plain = json.loads(out.read_text())
+    assert "recovery" not in plain
+    assert plain["memory"]["stagehand"]["vram_high_watermark_mb"] == 1.0
