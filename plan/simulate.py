@@ -129,11 +129,18 @@ class Simulation:
             _Block(i, b, staged=b.image_bytes if squareq else b.nbytes)
             for i, b in enumerate(inv.blocks)
         ]
+        self.step_open = False
         if self.layer_offload:
             n = len(self.blocks)
             for block in self.blocks[: resident_count(memory.layer_offload_fraction, n)]:
                 block.resident = block.on_device = True
-            self.scheduler = LayerOrderScheduler(n, sh.prefetch_window_blocks, training=True)
+            self.scheduler = LayerOrderScheduler(
+                n,
+                sh.prefetch_window_blocks,
+                training=True,
+                blocks=self.blocks,
+                step_open=lambda: self.step_open,  # nothing is loaded ahead between steps
+            )
         elif self.streaming:
             self.scheduler = BlockScheduler(sh.prefetch_window_blocks)
         cond = sh.conductor_config if sh is not None else None
@@ -314,6 +321,7 @@ class Simulation:
     def step(self) -> StepResult:
         """Simulate one step; the scheduler's trace carries over to the next call."""
         self.result = r = StepResult()
+        self.step_open = True  # as the runtime's StepBoundaries.open (NOTE [ Layer-order window ])
         self.loaded: set[int] = set()
         on_device = {b.index for b in self.blocks if b.on_device}
         t0 = self.now
@@ -363,6 +371,7 @@ class Simulation:
         if self.streaming:
             traced = self.scheduler.traced
             steady = not self.scheduler.end_step() and traced  # the same order before and after
+            self.step_open = False
             if self.window_grows and steady:  # NOTE [ Window growth ], where the runtime does
                 sched = self.scheduler
                 sched.prefetch_window = grown_window(
