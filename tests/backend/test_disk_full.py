@@ -22,6 +22,7 @@ from inprocess import IdleExecutor, append_records
 
 from backend.services.diskfull import DiskCondition, free_bytes, is_disk_full
 from backend.store import Store
+from tests.fixtures.disk import fill
 
 
 class EndingExecutor(IdleExecutor):
@@ -210,23 +211,6 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=True)
 
 
-def fill(folder) -> os.PathLike:
-    """Fill ``folder``'s filesystem to its last byte with ``folder/filler``."""
-    path = folder / "filler"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        for size in (65536, 4096, 1):
-            try:
-                while True:
-                    os.write(fd, b"\0" * size)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    assert free_bytes(folder) == 0
-    return path
-
-
 def test_a_real_full_tmpfs(api_factory, tmpfs, caplog):
     caplog.set_level(logging.INFO)
     data_dir = tmpfs / "data"
@@ -240,6 +224,7 @@ def test_a_real_full_tmpfs(api_factory, tmpfs, caplog):
     preset = api.get("/api/presets/tiny-ci").json()
 
     filler = fill(tmpfs)
+    assert free_bytes(tmpfs) == 0
     executor.end(run_id, rc=1)
     assert executor.ended.wait(10)
     assert api.get(f"/api/runs/{run_id}").json()["status"] == "running"

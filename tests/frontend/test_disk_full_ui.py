@@ -4,12 +4,12 @@ after a save answered 507, and takes it away once space is freed (a real server 
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 
 import pytest
 
+from tests.fixtures.disk import fill
 from tests.frontend.conftest import PHONE, _start_server, _stop_server, picture
 
 pytestmark = [pytest.mark.browser]
@@ -33,22 +33,6 @@ def full_server(tmp_path):
         if proc is not None:
             _stop_server(proc)
         subprocess.run(["umount", "-l", str(data_dir)], check=True)
-
-
-def fill(folder) -> str:
-    """Fill ``folder``'s filesystem to its last byte; the filler's path."""
-    path = os.path.join(folder, "filler")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        for size in (65536, 4096, 1):
-            try:
-                while True:
-                    os.write(fd, b"\0" * size)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return path
 
 
 SAVE = """async () => {
