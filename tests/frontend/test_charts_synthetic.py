@@ -63,8 +63,7 @@ STEPS = 45
 
 def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     api = Api(synthetic_server)
-    # Long enough that a live limit applied after the charts follow 9 points still finds the run
-    # running on a loaded 2-core machine (30 steps ended first there).
+    # Long enough for the charts' window to follow 9 points after a live limit was applied.
     make_preset(api, "synth-live", steps=STEPS, step_s=0.4)
     run = api.call("POST", "/api/runs", {"preset": "synth-live", "name": "synthetic-live"})
     page.goto(synthetic_server + f"/#/runs/{run['id']}")
@@ -73,6 +72,11 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     first = page.evaluate(vram_len)
     page.wait_for_function(f"{vram_len} > {first}", timeout=30_000)
     assert "source: cuda" in page.evaluate("document.getElementById('vram').layout.title.text")
+    # A live limit, sent while most of the run's steps are still to come (sent near its end,
+    # on a loaded machine, the run could finish before the worker read it).
+    page.fill("#limit-vram_high_watermark_mb", "10000")
+    page.click("#apply-limits")
+    page.wait_for_selector("#limits-log li.applied", timeout=30_000)
     # A "last 5 steps" window follows the live records (the data underneath stays whole).
     page.fill("#chart-window", "5")
     page.press("#chart-window", "Enter")
@@ -84,9 +88,6 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     page.wait_for_function(follows.replace("{n}", "6"), timeout=30_000)
     page.wait_for_function(follows.replace("{n}", "9"), timeout=30_000)
 
-    page.fill("#limit-vram_high_watermark_mb", "10000")
-    page.click("#apply-limits")
-    page.wait_for_selector("#limits-log li.applied", timeout=30_000)
     page.wait_for_selector(".run-header .badge[data-status='succeeded']", timeout=60_000)
     page.wait_for_selector("#samples img")
     # The last step's records may still sit in the charts' batch (drawn once per flush period).
