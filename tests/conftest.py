@@ -45,14 +45,14 @@ def asset_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_flux(asset_cache) -> Path:
-    from worker.assets import build_model
+    from workbench.worker.assets import build_model
 
     return build_model("flux", "tiny", asset_cache)
 
 
 @pytest.fixture(scope="session")
 def tiny_sd3(asset_cache) -> Path:
-    from worker.assets import build_model
+    from workbench.worker.assets import build_model
 
     return build_model("sd3", "tiny", asset_cache)
 
@@ -60,27 +60,27 @@ def tiny_sd3(asset_cache) -> Path:
 @pytest.fixture(scope="session")
 def tiny_video(asset_cache) -> Path:
     """Tiny LTXVideoTransformer3DModel folder (arch name ``ltx``)."""
-    from worker.assets import build_model
+    from workbench.worker.assets import build_model
 
     return build_model("ltx", "tiny", asset_cache)
 
 
 @pytest.fixture(scope="session")
 def tiny_vae(asset_cache) -> Path:
-    from worker.assets import build_model
+    from workbench.worker.assets import build_model
 
     return build_model("vae", "tiny", asset_cache)
 
 
 @pytest.fixture(scope="session")
 def digits_dir(asset_cache) -> Path:
-    from worker.assets import build_digits
+    from workbench.worker.assets import build_digits
 
     return build_digits(asset_cache)
 
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
-    from worker.assets import minilm_path
+    from workbench.worker.assets import minilm_path
 
     return minilm_path()

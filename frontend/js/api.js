@@ -170,7 +170,7 @@ export const api = {
    */
   telemetry: (id, params) => request("GET", `/api/runs/${enc(id)}/telemetry${query(params)}`),
 
-  /** LiveLimits body (contract/config.py); 409 when the run is not running. */
+  /** LiveLimits body (runtime/stagehand/config/memory.py); 409 when the run is not running. */
   setLimits: (id, limits) => request("PATCH", `/api/runs/${enc(id)}/limits`, limits),
 
   /** Live limits: `{preset, now, paths, pairs, history: [{seq, step, time, request_id, changed}]}`. */
@@ -208,5 +208,5 @@ export const api = {
 };
 
 /** Run status names and groups (FINISHED: a run in one of these will not produce more records),
- * served by the server from contract/status.py. */
+ * served by the server from backend/workbench/contract/status.py. */
 export { ACTIVE, FINISHED, RESUMABLE, STATUSES } from "./contract.js";

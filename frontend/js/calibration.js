@@ -3,7 +3,7 @@
 // run's last step (each over its own step's span), their peaks, and a table of the
 // predicted and measured figures with their ratios (what later plans on this device and family
 // are scaled by); with weight streaming, what a steady step moves (block loads, H2D, prefetch
-// misses, host waits: plan/feedback.py TRANSFERS), which scales nothing.
+// misses, host waits: backend/workbench/plan/feedback.py TRANSFERS), which scales nothing.
 
 import { BASE_LAYOUT, PLOT_CONFIG, legendFit } from "./charts.js";
 import { fmtMB, fmtMs, fmtNum, h } from "./ui.js";

@@ -1,5 +1,5 @@
 // The live limits as the dashboard shows them. Which fields there are, their config paths and
-// which are watermarks come from the server (contract/limits.py): `LIMIT_PATHS` and
+// which are watermarks come from the server (runtime/stagehand/config/limits.py): `LIMIT_PATHS` and
 // `LIMIT_PAIRS` of /static/js/contract.js, or a run's GET /api/runs/{id}/limits. Here only what
 // each field is called.
 

@@ -51,10 +51,10 @@ function transfers(plan) {
 
 const pct = (x) => `${(100 * x).toFixed(3)}%`;
 
-/** SquareQ's quantization error of the weights (plan.quant_error, plan/quant_error.py):
+/** SquareQ's quantization error of the weights (workbench.plan.quant_error, backend/workbench/plan/quant_error.py):
  * read from SquareQ's cache only (a request never quantizes), else "not measured: why". */
 function quantError(plan) {
-  const q = plan.quant_error;
+  const q = workbench.plan.quant_error;
   if (!q) return null;
   const head = h("strong", {}, `SquareQ ${q.format}`);
   if (!q.measured) return h("li", { id: "plan-quant-error" }, head, `: ${q.reason}`);
@@ -101,14 +101,14 @@ function summary(plan) {
       quantError(plan),
       plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null,
       // Runs of this family on this card that ran out of memory: the limits planned are capped at
-      // those they went on with (plan/recovery.py).
-      plan.recovery ? h("li", { id: "plan-recovery" }, plan.recovery.note) : null));
+      // those they went on with (backend/workbench/plan/recovery.py).
+      workbench.plan.recovery ? h("li", { id: "plan-recovery" }, workbench.plan.recovery.note) : null));
 }
 
 /** "profile 0.037 TFLOPs, H2D 2.18 GB/s, memory 3.3 GB/s, 46.2 µs/op, 3813 µs/load; median of 3
  * of 3 measurements on this machine (µs/op measured: 44.1, 46.2, 61.9)": the device profile's
  * figures, and for this machine's stored CPU profile how far apart the measurements its median
- * is of were (NOTE [ One CPU profile per machine ] in plan/profiles.py). */
+ * is of were (NOTE [ One CPU profile per machine ] in backend/workbench/plan/profiles.py). */
 function profileText(dev) {
   let text = `profile ${dev.tflops} TFLOPs, H2D ${dev.h2d_gbps} GB/s, memory ${dev.mem_gbps} GB/s`;
   if (dev.tracked) text += `, ${dev.op_us} µs/op, ${dev.load_us} µs/load`;
@@ -123,7 +123,7 @@ function profileText(dev) {
 const RATIO_NAMES = { peak_vram_mb: "VRAM", step_ms: "step", host_ram_mb: "host RAM", pinned_mb: "pinned" };
 
 /** "calibrated by runs #7, #5 on cpu/flux (median): VRAM ×1.004, step ×1.698 (median ×4.900 of
- * 1 run, damped toward 1); refused: run #6 step ×0.047 (outside 0.2–5)" (plan/feedback.py
+ * 1 run, damped toward 1); refused: run #6 step ×0.047 (outside 0.2–5)" (backend/workbench/plan/feedback.py
  * describe; a median of too few runs is applied damped: NOTE [ A lone ratio ]). */
 function calibrationText(cal) {
   const medians = cal.medians || {};

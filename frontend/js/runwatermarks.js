@@ -17,7 +17,7 @@ export const SHORT = {
 };
 
 // "auto" watermarks on a tracked (CPU) device without a cap: no limit, written as this many MB
-// (runtime/strategy/auto.py, NO_BUDGET_MB). Not drawn: it would scale the VRAM chart to 1e9 MB.
+// (runtime/stagehand/strategy/auto.py, NO_BUDGET_MB). Not drawn: it would scale the VRAM chart to 1e9 MB.
 const NO_LIMIT_MB = 1e9;
 
 /** A watermark as the VRAM chart draws it: null (a gap) for "no limit". */

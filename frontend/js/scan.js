@@ -1,4 +1,4 @@
-// The dataset scan (worker/scan.py) as the New run page (POST /api/data/scan) and the
+// The dataset scan (backend/workbench/worker/scan.py) as the New run page (POST /api/data/scan) and the
 // run page (the worker's trainer/dataset_scan record) show it: usable samples, every file left
 // out with its reason (bad ones first), caption warnings, and why a run cannot start.
 

@@ -8,7 +8,7 @@
 
 const BACKOFF_START_MS = 500;
 const BACKOFF_MAX_MS = 10000;
-// docs: backend/api/stream.py. 4400 bad request, 4401 token, 4404 no such run: retrying cannot
+// docs: backend/workbench/api/stream.py. 4400 bad request, 4401 token, 4404 no such run: retrying cannot
 // help. 4408: this client fell too far behind; reconnecting with `since` is the cure.
 const FATAL_CLOSE_CODES = new Set([4400, 4401, 4404]);
 const TOO_SLOW = 4408;

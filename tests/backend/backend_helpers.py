@@ -53,7 +53,7 @@ class Server:
         return [
             sys.executable,
             "-m",
-            "backend.cli",
+            "workbench.cli",
             "serve",
             "--host",
             self.host,

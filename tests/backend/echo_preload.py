@@ -1,5 +1,5 @@
 """Imported by ``tests.backend.echo_worker``: sets an environment variable by default at import,
-as ``worker.cli`` sets ``HF_HUB_OFFLINE`` (a fork server that preloads it must give its children
+as ``workbench.worker.cli`` sets ``HF_HUB_OFFLINE`` (a fork server that preloads it must give its children
 the same environment a cold import gives)."""
 
 import os

@@ -12,10 +12,10 @@ import httpx
 import psutil
 from fastapi.testclient import TestClient
 
-from backend.api.app import create_app
-from backend.executors import Executor, Exit, Job
-from backend.services.settings import Settings
-from backend.services.tailer import JsonlTail
+from workbench.api.app import create_app
+from workbench.executors import Executor, Exit, Job
+from workbench.services.settings import Settings
+from workbench.services.tailer import JsonlTail
 
 
 class IdleExecutor(Executor):
@@ -61,7 +61,7 @@ class IdleExecutor(Executor):
 
 
 class FixedProbe:
-    """A system probe (``backend.services.system.SystemProbe``'s ``start``, ``default_device``, ``info``)
+    """A system probe (``workbench.services.system.SystemProbe``'s ``start``, ``default_device``, ``info``)
     that answers at once for a CPU-only machine, without asking torch in a subprocess (over a
     second of CPU per app). ``test_bad_input.test_system_info`` checks the real one."""
 
@@ -95,7 +95,7 @@ def in_process(data_dir: Path, executor: Executor | None = None, **settings) -> 
     ``http://HOST:8000`` (``settings["host"]``, 127.0.0.1 by default: a loopback Host, as the
     security middleware wants without a token). The executor is an ``IdleExecutor`` unless
     given, the probe a ``FixedProbe``, and no calibration runs. Tests replace a service for
-    their own requests with ``client.app.dependency_overrides`` (``backend.api.deps``). Close
+    their own requests with ``client.app.dependency_overrides`` (``workbench.api.deps``). Close
     it (or use ``with``)."""
     config = Settings(data_dir=data_dir, calibrate=False, **settings)
     executor = executor if executor is not None else IdleExecutor()

@@ -103,7 +103,7 @@ def test_the_server_starts_the_build_and_stops_it_on_shutdown(api_factory, cache
     assert body["stages"][0]["name"] == "digits" and body["stages"][0]["state"] == "running"
     assert "they are building (stage 'digits'" in body["blocked_presets"]["default"]
     api.__exit__(None, None, None)
-    from worker.asset_status import current
+    from workbench.worker.asset_status import current
 
     status = current(cache)
     assert status["state"] == "interrupted" and status["running"] is False

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from inprocess import in_process, raw_request, ws_url
 from starlette.websockets import WebSocketDisconnect
 
-from backend.api.deps import get_probe
-from backend.services.system import SystemProbe
+from workbench.api.deps import get_probe
+from workbench.services.system import SystemProbe
 
 
 @pytest.fixture(scope="module")

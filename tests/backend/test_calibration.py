@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from backend.api.deps import get_calibrator
-from backend.cli.plan import main as plan_main
-from backend.services.calibration import Calibrator
-from backend.store import Store
-from plan import feedback
-from plan.feedback import predicted_figures
-from worker.preset import load_preset
+from workbench.api.deps import get_calibrator
+from workbench.cli.plan import main as plan_main
+from workbench.plan import feedback
+from workbench.plan.feedback import predicted_figures
+from workbench.services.calibration import Calibrator
+from workbench.store import Store
+from workbench.worker.preset import load_preset
 
 GPU = {"device": "cuda:0", "device_name": "NVIDIA GeForce RTX 4090"}
 STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
@@ -26,7 +26,7 @@ STEPS = [  # (vram_peak_mb, step_time_ms, rss_mb, pinned_mb)
     (1.6, 0.25, 710.0, 41.0),
 ]
 """Figures a tiny-ci run on an RTX 4090 could measure: its plan predicts 1.54 MB, 0.18 ms per
-step, 41.6 MB pinned (ratios within plan.feedback.RATIO_BOUNDS)."""
+step, 41.6 MB pinned (ratios within workbench.plan.feedback.RATIO_BOUNDS)."""
 
 
 AUTO = {  # what the strategy writes when it resolves "auto" watermarks at build
@@ -111,7 +111,7 @@ def test_run_calibrates_later_plans_of_its_device_and_family(store, client, tmp_
     assert client.get(f"/api/runs/{run_id}/calibration").json() == cal
 
     out = client.post("/api/plan", json=body).json()
-    # One run: its ratios damped toward 1 (NOTE [ A lone ratio ] in plan/feedback.py).
+    # One run: its ratios damped toward 1 (NOTE [ A lone ratio ] in backend/workbench/plan/feedback.py).
     r = {k: v ** (1 / 3) for k, v in cal["ratios"].items()}
     assert out["calibration"]["ratios"] == pytest.approx(r)
     assert out["calibration"]["medians"] == cal["ratios"]
@@ -256,7 +256,7 @@ def test_a_calibration_pending_when_the_server_stops_is_done_by_the_next(store, 
 
 
 def test_calibration_is_on_unless_the_environment_turns_it_off(monkeypatch, tmp_path):
-    from backend.services.settings import Settings
+    from workbench.services.settings import Settings
 
     monkeypatch.delenv("STAGEHAND_WORKBENCH_CALIBRATE", raising=False)
     assert Settings(data_dir=tmp_path).calibrate is True
@@ -265,7 +265,7 @@ def test_calibration_is_on_unless_the_environment_turns_it_off(monkeypatch, tmp_
 
 
 def test_a_database_from_before_calibration_and_tunes_migrates(tmp_path, monkeypatch):
-    import backend.store as store_module
+    import workbench.store as store_module
 
     monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:6])
     old = Store(tmp_path / "workbench.db")
@@ -324,11 +324,11 @@ def test_a_real_runs_steady_step_moves_what_its_plan_predicts(store, tmp_path):
     import sys
     from pathlib import Path
 
-    from plan.profiles import DeviceProfile
+    from workbench.plan.profiles import DeviceProfile
 
     run_dir = tmp_path / "run"
     repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "backend.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "workbench.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True, timeout=300)
     config = json.loads((run_dir / "config.json").read_text())

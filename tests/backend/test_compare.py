@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.api.compare import config_diff
+from workbench.api.compare import config_diff
 
 
 def test_config_diff_lists_only_differing_paths():

@@ -1,5 +1,5 @@
 """``/static/js/contract.js`` carries what the dashboard must spell as the server does, rendered
-from ``contract`` (``contract.javascript``): no page keeps a list of its own."""
+from ``contract`` (``workbench.contract.javascript``): no page keeps a list of its own."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from contract.config import LiveLimits, MemoryConfig, SquareQConfig
-from contract.limits import PAIRS, PATHS
-from contract.preset import FAMILIES, MODEL_TYPES
-from contract.status import ACTIVE, RESUMABLE, TERMINAL, RunStatus
+from stagehand.config.limits import PAIRS, PATHS
+from stagehand.config.memory import LiveLimits, MemoryConfig, SquareQConfig
+from workbench.contract.preset import FAMILIES, MODEL_TYPES
+from workbench.contract.status import ACTIVE, RESUMABLE, TERMINAL, RunStatus
 
 FRONTEND = Path(__file__).resolve().parents[2] / "frontend" / "js"
 
@@ -38,7 +38,7 @@ def hard_coded(pattern: str) -> list[str]:
 
 
 def test_the_dashboard_takes_the_status_names_from_the_server(api):
-    """The statuses come from ``contract.status`` (a status added to the enum reaches the runs
+    """The statuses come from ``workbench.contract.status`` (a status added to the enum reaches the runs
     filter and every FINISHED check)."""
     found = exports(api)
     assert {k: found[k] for k in ("STATUSES", "ACTIVE", "RESUMABLE", "FINISHED")} == {

@@ -16,13 +16,13 @@ import pytest
 from backend_helpers import assert_error_body, stored_records
 from inprocess import IdleExecutor, append_records, in_process
 
-from backend.cli.serve import main as serve_main
-from backend.cli.serve import open_store
-from backend.services.adoption import adopt_run_folders
-from backend.services.run_files import RunFolderTaken, write_run_config
-from backend.services.settings import Settings
-from backend.services.tailer import JsonlTail
-from backend.store import DatabaseDamaged, Store
+from workbench.cli.serve import main as serve_main
+from workbench.cli.serve import open_store
+from workbench.services.adoption import adopt_run_folders
+from workbench.services.run_files import RunFolderTaken, write_run_config
+from workbench.services.settings import Settings
+from workbench.services.tailer import JsonlTail
+from workbench.store import DatabaseDamaged, Store
 
 CONFIG = {"name": "tiny-ci", "max_steps": 3}
 
@@ -238,7 +238,7 @@ def test_a_table_damaged_while_serving_answers_503_naming_the_database(tmp_path)
 def test_workbench_plan_with_a_damaged_database_plans_without_calibration(tmp_path, capsys):
     """``workbench plan`` reads the server's calibration from ``DATA/workbench.db``: a foreign
     file there is named on stderr and the plan is the one modelled, not a traceback."""
-    from backend.cli.plan import calibrated
+    from workbench.cli.plan import calibrated
 
     (tmp_path / "workbench.db").write_text("not a database\n" * 100)
     plan = {"step_ms": 1.0}

@@ -23,10 +23,10 @@ def test_compose_service_gpu_volumes_port_and_command():
 
     cmd = service["command"]
     assert cmd[:2] == ["workbench", "serve"]
-    from backend.cli import COMMANDS
-    from backend.cli.serve import build_parser
+    from workbench.cli import COMMANDS
+    from workbench.cli.serve import build_parser
 
-    assert COMMANDS["serve"][0] == "backend.cli.serve"
+    assert COMMANDS["serve"][0] == "workbench.cli.serve"
     args = build_parser().parse_args(cmd[2:])  # every flag exists (argparse exits otherwise)
     assert (args.host, args.port, str(args.data_dir)) == ("0.0.0.0", 8000, "/data")
     assert "/data" in targets  # the data dir the command names is a volume
@@ -36,8 +36,8 @@ def test_compose_service_gpu_volumes_port_and_command():
 
 def test_backend_imports_without_torch():
     code = (
-        "import sys, backend, backend.api.app, backend.cli.serve, backend.cli\n"
-        "backend.api.app.create_app()\n"
+        "import sys, backend, workbench.api.app, workbench.cli.serve, workbench.cli\n"
+        "workbench.api.app.create_app()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
@@ -46,13 +46,15 @@ def test_backend_imports_without_torch():
 
 def test_bench_telemetry_is_dispatched_by_the_backend_cli(capsys):
     """``workbench bench --telemetry`` runs the backend's latency benchmark, chosen by
-    backend.cli: the runtime's bench never imports the backend."""
-    from backend import cli
+    workbench.cli: the runtime's bench never imports the backend."""
+    from workbench import cli
 
     with pytest.raises(SystemExit) as stop:
         cli.main(["bench", "--telemetry", "--help"])
     assert stop.value.code == 0
     assert "Telemetry latency benchmark" in capsys.readouterr().out
-    code = "import sys, bench.cli; print(any(m.startswith('backend') for m in sys.modules))"
+    code = (
+        "import sys, workbench.bench.cli; print(any(m.startswith('backend') for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -10,14 +10,14 @@ import signal
 import pytest
 from pydantic import ValidationError
 
-from backend.api.models import RunCreate
-from backend.executors.local import LocalExecutor
-from backend.services.hub import Hub
-from backend.services.settings import Settings
-from backend.services.supervisor import Supervisor
-from backend.services.tailer import Tailer
-from backend.store import Store
-from worker.cli import device_arg, pick_device
+from workbench.api.models import RunCreate
+from workbench.executors.local import LocalExecutor
+from workbench.services.hub import Hub
+from workbench.services.settings import Settings
+from workbench.services.supervisor import Supervisor
+from workbench.services.tailer import Tailer
+from workbench.store import Store
+from workbench.worker.cli import device_arg, pick_device
 
 SLOW = {"name": "slow", "max_steps": 1000, "description": "step_s=5"}
 

@@ -20,9 +20,9 @@ import pytest
 from backend_helpers import wait_for
 from inprocess import IdleExecutor, append_records
 
-from backend.services.diskfull import DiskCondition, free_bytes, is_disk_full
-from backend.store import Store
 from tests.fixtures.disk import fill
+from workbench.services.diskfull import DiskCondition, free_bytes, is_disk_full
+from workbench.store import Store
 
 
 class EndingExecutor(IdleExecutor):
@@ -76,7 +76,7 @@ def db_full(monkeypatch) -> threading.Event:
 
 
 def disk_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name.startswith("backend.services.disk")]
+    return [r.getMessage() for r in caplog.records if r.name.startswith("workbench.services.disk")]
 
 
 def check_507(response, path) -> str:

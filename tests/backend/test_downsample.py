@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.services.downsample import bucketize
+from workbench.services.downsample import bucketize
 
 
 def test_buckets_keep_peaks():

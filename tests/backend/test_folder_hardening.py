@@ -4,7 +4,7 @@ inspection until the API stopped answering; malformed ``model_index.json`` entri
 ``RecursionError``); a 1 GB caption was read whole. Each is now a named answer: a 4xx naming the
 file and key, a time limit on every folder read (504, then 503 when every slot is held), a
 caption cut at ``MAX_CAPTION_BYTES`` with a warning. Real FIFOs and files in temp folders; the
-app runs in-process (``inprocess.in_process``), the worker in-process (``worker.cli.main``)."""
+app runs in-process (``inprocess.in_process``), the worker in-process (``workbench.worker.cli.main``)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import pytest
 from backend_helpers import assert_error_body
 from inprocess import in_process
 
-import backend.api.data
-import backend.api.pipelines
-import worker.pipelines
-import worker.pipelines.folder
-from backend.services.folder_reads import FolderReads
-from contract.preset import PRESETS_DIR
-from contract.preset.merge import merge_overrides
-from contract.safe_read import MAX_JSON_DEPTH, NotRegularFile, json_depth_over, loads
-from worker.scan import MAX_CAPTION_BYTES, scan_folder
+import workbench.api.data
+import workbench.api.pipelines
+import workbench.worker.pipelines
+import workbench.worker.pipelines.folder
+from stagehand.config.safe_read import MAX_JSON_DEPTH, NotRegularFile, json_depth_over, loads
+from workbench.contract.preset import PRESETS_DIR
+from workbench.contract.preset.merge import merge_overrides
+from workbench.services.folder_reads import FolderReads
+from workbench.worker.scan import MAX_CAPTION_BYTES, scan_folder
 
 COMPONENTS = ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 COMPONENTS += ("transformer",)
@@ -38,7 +38,7 @@ ROUTES = ("/api/runs", "/api/presets", "/api/system")
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from worker.diffusers_classes import diffusers_class
+    from workbench.worker.diffusers_classes import diffusers_class
 
     # Imported here, once: a cold import of diffusers' pipelines on a loaded machine can take
     # longer than a folder read's time limit, which is not what these tests are about.
@@ -162,12 +162,12 @@ def test_a_read_that_hangs_is_given_up_and_holds_no_more_than_its_slots(
     def stalled(path):
         entered.append(path)
         release.wait()
-        raise worker.pipelines.PipelineFolderError(f"{path}: released")
+        raise workbench.worker.pipelines.PipelineFolderError(f"{path}: released")
 
     reads = FolderReads(slots=2, timeout_s=0.5)
-    monkeypatch.setattr(backend.api.pipelines, "READS", reads)
-    monkeypatch.setattr(backend.api.data, "READS", reads)
-    monkeypatch.setattr(worker.pipelines.folder, "detect_family", stalled)
+    monkeypatch.setattr(workbench.api.pipelines, "READS", reads)
+    monkeypatch.setattr(workbench.api.data, "READS", reads)
+    monkeypatch.setattr(workbench.worker.pipelines.folder, "detect_family", stalled)
     try:
         for i in range(2):
             resp = answered(client.post, "/api/pipelines/inspect", json={"path": f"/x/{i}"})
@@ -198,8 +198,8 @@ def test_a_read_that_hangs_is_given_up_and_holds_no_more_than_its_slots(
 
 def test_a_scan_that_hangs_answers_504_naming_the_data_path(client, monkeypatch, tmp_path):
     release = threading.Event()
-    monkeypatch.setattr(backend.api.data, "READS", FolderReads(slots=1, timeout_s=0.3))
-    monkeypatch.setattr(backend.api.data, "scan_folder", lambda *a, **k: release.wait())
+    monkeypatch.setattr(workbench.api.data, "READS", FolderReads(slots=1, timeout_s=0.3))
+    monkeypatch.setattr(workbench.api.data, "scan_folder", lambda *a, **k: release.wait())
     body = {"preset": "tiny-ci", "overrides": {"data": {"factory": None, "path": str(tmp_path)}}}
     try:
         err = assert_error_body(answered(client.post, "/api/data/scan", json=body), 504)
@@ -277,7 +277,7 @@ def test_the_data_scan_names_a_malformed_model_index(client, tmp_path):
 def test_a_run_on_a_malformed_folder_fails_naming_the_file_and_key(tmp_path, capsys, monkeypatch):
     """The worker inspects the folder as the API does: its run failed with ``TypeError:
     unhashable type: 'list'``."""
-    from worker.cli import main
+    from workbench.worker.cli import main
 
     monkeypatch.setenv("STAGEHAND_WORKBENCH_CACHE", str(tmp_path / "cache"))
     cases = malformed(tmp_path)
@@ -320,7 +320,7 @@ def test_a_huge_caption_is_cut_with_a_warning_not_read_whole(tmp_path):
 
 
 def test_safe_read_refuses_what_is_not_a_regular_file_and_json_too_deep(tmp_path):
-    from contract.safe_read import JsonTooDeep, read_prefix
+    from stagehand.config.safe_read import JsonTooDeep, read_prefix
 
     os.mkfifo(tmp_path / "fifo")
     for path, kind in (

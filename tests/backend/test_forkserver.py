@@ -1,4 +1,4 @@
-"""The local executor's fork server (``backend.executors.forkserver``): a forked worker starts
+"""The local executor's fork server (``workbench.executors.forkserver``): a forked worker starts
 as its command line would have started it, its exit code is reported, and a fork server serves
 only the environment it imported with. The worker is ``tests.backend.echo_worker`` (light
 preload); real runs through it are the lifecycle and dashboard tests' workers."""
@@ -17,10 +17,10 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from backend.executors import Exit, forkserver
-from backend.executors.forkserver import Forked, ForkServer
-from backend.executors.local import LocalExecutor
-from backend.services.settings import Settings
+from workbench.executors import Exit, forkserver
+from workbench.executors.forkserver import Forked, ForkServer
+from workbench.executors.local import LocalExecutor
+from workbench.services.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "tests.backend.echo_worker"
@@ -221,7 +221,7 @@ def test_a_forked_tiny_run_trains_the_same_lora_as_a_cold_one(tmp_path, monkeypa
     for name in ("cold", "forked"):
         run_dir = tmp_path / name
         run_dir.mkdir()
-        cmd = [sys.executable, "-m", "backend.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
+        cmd = [sys.executable, "-m", "workbench.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
         with (run_dir / "worker.log").open("ab") as out:
             child = forkserver.launch(cmd, env=environ, cwd=REPO, stdout=out)
         assert type(child) is (subprocess.Popen if name == "cold" else Forked)

@@ -13,8 +13,8 @@ import pytest
 from backend_helpers import assert_error_body
 from inprocess import IdleExecutor, append_records, in_process
 
-from backend.api.security import MAX_JSON_DEPTH
-from contract.config import MAX_MB
+from stagehand.config.memory import MAX_MB
+from workbench.api.security import MAX_JSON_DEPTH
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_ids_are_plain_integers_on_every_route(client, raw):
 
 
 def test_the_schema_states_names_and_ids_formats(client):
-    from backend.api.models import NAME_RE
+    from workbench.api.models import NAME_RE
 
     doc = client.get("/openapi.json").json()
     props = doc["components"]["schemas"]
@@ -288,7 +288,7 @@ def test_integer_live_limits_have_an_upper_bound_everywhere_they_are_set(client)
     config and ``/api/plan``."""
     import copy
 
-    from worker.preset import load_preset
+    from workbench.worker.preset import load_preset
 
     _, preset = load_preset("tiny-ci")
     schemas = client.get("/openapi.json").json()["components"]["schemas"]

@@ -7,7 +7,7 @@ def test_hub_batches_for_slow_clients_and_closes_the_hopeless():
     import asyncio
     import concurrent.futures
 
-    from backend.services.hub import Hub, SubscriberState
+    from workbench.services.hub import Hub, SubscriberState
 
     async def scenario():
         hub = Hub(asyncio.get_running_loop(), max_pending=18)

@@ -14,7 +14,7 @@ from backend_helpers import (
     wait_status,
 )
 
-from contract.status import TERMINAL
+from workbench.contract.status import TERMINAL
 
 LONG = {"max_steps": 100000}
 """A run that only ends when it is stopped (steps of tiny-ci take ~0.1 s)."""

@@ -1,8 +1,8 @@
 """A run whose preset says "auto": its starting limits leave those fields out until the worker's
 ``limits_applied`` record (request id "auto") gives the figures they became."""
 
-from backend.services.limits import config_limits, effective_limits
-from contract.limits import watermark_problem
+from stagehand.config.limits import watermark_problem
+from workbench.services.limits import config_limits, effective_limits
 
 AUTO = {"vram_high_watermark_mb": "auto", "vram_low_watermark_mb": "auto"}
 CONFIG = {

@@ -18,11 +18,11 @@ import time
 from backend_helpers import assert_error_body, stored_records, wait_for, wait_status
 from inprocess import IdleExecutor, append_records
 
-from backend.services.limits import config_limits
+from workbench.services.limits import config_limits
 
 
 class PlayedWorker:
-    """Writes a run's records with consecutive ``seq``s, as ``runtime.common.telemetry`` does,
+    """Writes a run's records with consecutive ``seq``s, as ``stagehand.common.telemetry`` does,
     and reads the control requests the server drops into ``DIR/control``."""
 
     def __init__(self, data_dir, run_id: int) -> None:
@@ -42,7 +42,7 @@ class PlayedWorker:
 
 def test_config_limits_are_those_of_the_runtimes_that_are_on():
     # The runtime's defaults where the config says nothing; None: derived by the runtime at
-    # the run's start from its blocks and device (runtime/weights/defaults.py).
+    # the run's start from its blocks and device (runtime/stagehand/weights/defaults.py).
     assert config_limits({}) == {
         "vram_high_watermark_mb": 20000,
         "vram_low_watermark_mb": 16000,

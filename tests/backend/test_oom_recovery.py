@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from backend.services.calibration import Calibrator, recovery_for
-from backend.store import Store
-from worker.preset import load_preset
+from workbench.services.calibration import Calibrator, recovery_for
+from workbench.store import Store
+from workbench.worker.preset import load_preset
 
 RTX4090 = {"device": "cuda:0", "device_name": "NVIDIA GeForce RTX 4090"}
 H100 = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3"}
@@ -173,7 +173,7 @@ def test_workbench_plan_caps_the_limits_as_the_api_does(store, api, tmp_path, ca
     """``workbench plan --data-dir DIR`` reads the recoveries of the server's database as
     ``POST /api/plan`` does: the same capped plan, its ``recovery`` entry in ``--json`` and the
     note on stderr; ``--no-calibration`` plans the preset as given."""
-    from backend.cli.plan import main as plan_main
+    from workbench.cli.plan import main as plan_main
 
     _, config = load_preset("tiny-ci")
     taught = record_run(store, config, RTX4090, [recovery(3, AFTER)])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def test_outcome_from_exit_and_last_records():
-    from backend.services.outcome import classify
+    from workbench.services.outcome import classify
 
     fin = {"seq": 9, "source": "trainer", "kind": "run_finished", "status": "cancelled"}
     err = {

@@ -107,7 +107,7 @@ def test_a_pipeline_header_length_past_its_file_is_a_422_naming_it(client, asset
 def test_plan_cli_refuses_absurd_inputs_naming_the_flag(flag, raw, capsys):
     """Tracebacks (``inf``, ``1e308``, ``--text-len -1``) and "nan ms ... fits: yes" with exit 0
     before; now argparse's usage error, naming the flag, before anything is planned."""
-    from backend.cli.plan import main
+    from workbench.cli.plan import main
 
     with pytest.raises(SystemExit) as done:
         main(["tiny-ci", "--device", "rtx4090", "--no-calibration", flag, raw])
@@ -118,7 +118,7 @@ def test_plan_cli_refuses_absurd_inputs_naming_the_flag(flag, raw, capsys):
 
 
 def test_plan_cli_takes_inputs_at_their_bounds(capsys):
-    from backend.cli.plan import main
+    from workbench.cli.plan import main
 
     args = ["tiny-ci", "--device", "rtx4090", "--no-calibration", "--efficiency", "1"]
     assert main([*args, "--text-len", "1", "--vram-gb", "4096", "--tflops", "1e5"]) == 0
@@ -128,7 +128,7 @@ def test_plan_cli_takes_inputs_at_their_bounds(capsys):
 @pytest.mark.parametrize("field", ["vram_gb", "tflops", "h2d_gbps", "disk_gbps"])
 def test_plan_api_profile_overrides_are_bounded_and_finite(client, field):
     """``1e-300`` overrides planned a 0.0 ms step beside a 1.7e300 ms trace step."""
-    from contract.plan_inputs import OVERRIDES
+    from workbench.contract.plan_inputs import OVERRIDES
 
     low, high, _ = OVERRIDES[field]
     for value in ("1e-300", "NaN", "Infinity", str(high * 2)):
@@ -142,7 +142,7 @@ def test_plan_api_profile_overrides_are_bounded_and_finite(client, field):
 
 
 def test_profile_refuses_overrides_that_are_not_finite():
-    from plan import PlanInputError, profile
+    from workbench.plan import PlanInputError, profile
 
     for value in (float("nan"), float("inf"), 0.0):
         with pytest.raises(PlanInputError, match=r"^tflops must be a finite number > 0"):
@@ -156,7 +156,7 @@ def test_first_cpu_plans_at_once_measure_the_machine_once_and_say_so(client, tmp
     import threading
     import time
 
-    from plan import profiles
+    from workbench.plan import profiles
 
     monkeypatch.setenv("STAGEHAND_WORKBENCH_CACHE", str(tmp_path / "cache"))
     profiles.stored_cpu_profile.cache_clear()

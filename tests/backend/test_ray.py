@@ -22,15 +22,15 @@ from backend_helpers import (
     wait_status,
 )
 
-from contract.status import TERMINAL
+from workbench.contract.status import TERMINAL
 
 pytest.importorskip("ray.job_submission", reason="the [ray] extra is not installed")
 
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 from ray_cluster import RayCluster  # noqa: E402
 
-from backend.executors.ray_jobs import LogStreamTail, exit_of  # noqa: E402
-from contract.wire import STDOUT_MARKER  # noqa: E402
+from stagehand.config.wire import STDOUT_MARKER  # noqa: E402
+from workbench.executors.ray_jobs import LogStreamTail, exit_of  # noqa: E402
 
 LONG = {"max_steps": 100000}
 CHROMIUM = "/usr/bin/chromium"
@@ -194,7 +194,7 @@ class ReplayingClient:
 
 
 def test_log_stream_delivers_each_record_once_across_reconnects_and_restarts(monkeypatch):
-    monkeypatch.setattr("backend.executors.ray_jobs.RECONNECT_S", 0.0)
+    monkeypatch.setattr("workbench.executors.ray_jobs.RECONNECT_S", 0.0)
     records = [{"seq": i, "time": 1.0 + i, "source": "trainer", "kind": "step"} for i in range(40)]
     lines = []
     for rec in records:
@@ -227,7 +227,7 @@ def test_job_status_becomes_the_workers_exit():
 
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "backend.cli", "serve", "--no-browser", *args]
+    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--no-browser", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -259,8 +259,8 @@ def test_the_local_executor_never_imports_ray(tmp_path):
     code = (
         "import sys\n"
         "from fastapi.testclient import TestClient\n"
-        "from backend.api.app import create_app\n"
-        "from backend.services.settings import Settings\n"
+        "from workbench.api.app import create_app\n"
+        "from workbench.services.settings import Settings\n"
         f"with TestClient(create_app(Settings(data_dir={str(tmp_path)!r})), base_url='http://127.0.0.1:8000') as c:\n"
         "    info = c.get('/api/system').json()\n"
         "assert info['executor'] == 'local' and info['cluster'] is None, info\n"
@@ -279,12 +279,12 @@ def test_a_run_of_the_other_executor_is_settled_naming_both(tmp_path):
     to follow it."""
     import asyncio
 
-    from backend.executors.local import LocalExecutor
-    from backend.services.hub import Hub
-    from backend.services.settings import Settings
-    from backend.services.supervisor import Supervisor
-    from backend.services.tailer import Tailer
-    from backend.store import Store
+    from workbench.executors.local import LocalExecutor
+    from workbench.services.hub import Hub
+    from workbench.services.settings import Settings
+    from workbench.services.supervisor import Supervisor
+    from workbench.services.tailer import Tailer
+    from workbench.store import Store
 
     settings = Settings(data_dir=tmp_path)
     store = Store(settings.db_path)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from backend_helpers import assert_error_body
 
-from backend.api.deps import get_assets
 from tests.fixtures.images import captioned_images
+from workbench.api.deps import get_assets
 
 PROMPTS = ["a watercolour fox", "a red boat at dawn"]
 

@@ -27,7 +27,7 @@ def test_other_address_without_token_refuses_to_start(tmp_path):
         [
             sys.executable,
             "-m",
-            "backend.cli",
+            "workbench.cli",
             "serve",
             "--host",
             "127.0.0.2",
@@ -113,7 +113,7 @@ def test_loopback_default_needs_no_token_and_serves_the_dashboard(api):
 
 
 def test_settings_rule():
-    from backend.services.settings import Settings, needs_token
+    from workbench.services.settings import Settings, needs_token
 
     assert not needs_token("127.0.0.1") and not needs_token("localhost") and not needs_token("::1")
     assert needs_token("0.0.0.0") and needs_token("127.0.0.2") and needs_token("192.168.1.5")
@@ -220,7 +220,7 @@ secret in the log line uvicorn writes for them."""
 def test_every_form_of_the_token_is_redacted_from_a_log_record():
     import logging
 
-    from backend.services.redaction import RedactToken
+    from workbench.services.redaction import RedactToken
 
     def shown(msg, args, token=TOKEN):
         record = logging.LogRecord("uvicorn.error", logging.DEBUG, __file__, 1, msg, args, None)

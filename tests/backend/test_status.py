@@ -7,9 +7,7 @@ import json
 import pytest
 from inprocess import IdleExecutor, in_process
 
-from backend.services.run_files import write_run_config
-from backend.store import Store
-from contract.status import (
+from workbench.contract.status import (
     ACTIVE,
     LEGAL_NEXT,
     RESUMABLE,
@@ -18,6 +16,8 @@ from contract.status import (
     RunStatusError,
     check_status_transition,
 )
+from workbench.services.run_files import write_run_config
+from workbench.store import Store
 
 
 def test_every_status_has_its_moves_and_only_an_unfinished_ending_resumes():

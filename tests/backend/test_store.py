@@ -8,8 +8,8 @@ import json
 
 from backend_helpers import rec
 
-from backend.services.downsample import bucketize
-from backend.store import MIGRATIONS, Store
+from workbench.services.downsample import bucketize
+from workbench.store import MIGRATIONS, Store
 
 
 def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
@@ -35,7 +35,7 @@ def test_store_ingest_is_idempotent_and_migrations_run_once(tmp_path):
 def test_sql_buckets_equal_the_python_reference(tmp_path):
     import random
 
-    from backend.services.downsample import numeric_paths
+    from workbench.services.downsample import numeric_paths
 
     rng = random.Random(0)
     store = Store(tmp_path / "db.sqlite")
@@ -69,7 +69,7 @@ def test_sql_buckets_equal_the_python_reference(tmp_path):
 def test_rollups_folded_at_ingest_give_the_extremes_of_long_runs(tmp_path):
     import random
 
-    from backend.services.downsample import CHUNK, ROLLUP_MIN_RECORDS, fold, merge_chunks
+    from workbench.services.downsample import CHUNK, ROLLUP_MIN_RECORDS, fold, merge_chunks
 
     rng = random.Random(1)
     records, kinds = [], []

@@ -7,7 +7,7 @@ import threading
 
 from backend_helpers import file_records, stored_records, wait_status
 
-from contract.status import TERMINAL
+from workbench.contract.status import TERMINAL
 
 
 def follow(ws, stop_after_step: bool = False, timeout: float = 180):

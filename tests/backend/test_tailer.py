@@ -6,8 +6,8 @@ import json
 
 from backend_helpers import rec
 
-from backend.services.tailer import JsonlTail
-from backend.store import Store
+from workbench.services.tailer import JsonlTail
+from workbench.store import Store
 
 
 def test_tail_holds_a_torn_line_until_complete(tmp_path):
@@ -31,7 +31,7 @@ def test_tail_holds_a_torn_line_until_complete(tmp_path):
 
 
 def test_nan_and_infinity_become_null_in_the_stored_line(tmp_path):
-    from backend.services.tailer import parse_line
+    from workbench.services.tailer import parse_line
 
     line = parse_line('{"seq": 3, "kind": "step", "loss": NaN, "x": {"y": -Infinity}, "z": 1}')
     assert json.loads(line.raw) == {

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from bench.cli import main, parse_args
-from bench.configs import CPU_PEER_NOTE
-from bench.probes import overlap_us, union_us
-from bench.report import add_ratios, table, timeline_text
+from workbench.bench.cli import main, parse_args
+from workbench.bench.configs import CPU_PEER_NOTE
+from workbench.bench.probes import overlap_us, union_us
+from workbench.bench.report import add_ratios, table, timeline_text
 
 MAIN_ROWS = [
     "baseline",
@@ -118,7 +118,7 @@ def _check_row(row: dict) -> None:
 def test_top_level_and_main_rows(bench):
     assert [f for f in TOP_FIELDS if f not in bench] == []
     assert bench["kind"] == "bench" and bench["device"]["type"] == "cpu"
-    # The planner's profile of the machine, measured by the bench before its rows (plan.check).
+    # The planner's profile of the machine, measured by the bench before its rows (workbench.plan.check).
     profile = bench["cpu_profile"]
     assert profile["tracked"] is True and profile["tflops"] > 0 and profile["op_us"] > 0
     assert bench["model"]["n_blocks"] == 4 and bench["model"]["param_bytes"] > 0

@@ -1,6 +1,6 @@
 """The layer offload benchmark line runs (figures are printed, not asserted as speeds)."""
 
-from bench.layer_offload import bench_layer_offload
+from workbench.bench.layer_offload import bench_layer_offload
 
 
 def test_bench_line_prints_every_row(asset_cache):

@@ -15,16 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.realmodel import load_lora_model, model_inventory, real_model
-from bench.realsize import build_job, row_memory
-from contract.config import MB
-from plan.plan import EFFICIENCY, check_memory
-from plan.profiles import cpu_profile
-from plan.simulate import Simulation
-from plan.workload import train_steps
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from worker.assets import example_inputs
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from workbench.bench.realmodel import load_lora_model, model_inventory, real_model
+from workbench.bench.realsize import build_job, row_memory
+from workbench.plan.plan import EFFICIENCY, check_memory
+from workbench.plan.profiles import cpu_profile
+from workbench.plan.simulate import Simulation
+from workbench.plan.workload import train_steps
+from workbench.worker.assets import example_inputs
 
 CARD = 24 * 2**30  # --card-gb 24
 STEPS = 3  # the trace step, the step after it, a steady step

@@ -12,15 +12,15 @@ import json
 import pytest
 import torch
 
-from bench.cli import main
-from bench.realmodel import CARD_BYTES, REAL_MODELS, real_model, section_scale
-from bench.realsize import ROWS, emulate_card, row_memory
-from contract.config import MB, StagehandConfig
-from plan.inventory import add_lora, meta_model
-from plan.profiles import profile
-from runtime.weights.auto import margin_bytes
-from runtime.weights.defaults import block_bytes, resolve
-from runtime.weights.registry import find_blocks
+from stagehand.config.memory import MB, StagehandConfig
+from stagehand.weights.auto import margin_bytes
+from stagehand.weights.defaults import block_bytes, resolve
+from stagehand.weights.registry import find_blocks
+from workbench.bench.cli import main
+from workbench.bench.realmodel import CARD_BYTES, REAL_MODELS, real_model, section_scale
+from workbench.bench.realsize import ROWS, emulate_card, row_memory
+from workbench.plan.inventory import add_lora, meta_model
+from workbench.plan.profiles import profile
 
 
 def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():

@@ -9,20 +9,20 @@ from dataclasses import replace
 
 import pytest
 
-from bench.cli import main
-from bench.realmodel import (
+from stagehand.config.memory import MB
+from stagehand.strategy.auto import resolve_auto
+from workbench.bench.cli import main
+from workbench.bench.realmodel import (
     REAL_MODELS,
     card_section,
     model_inventory,
     preset_memory,
     section_scale,
 )
-from bench.realsize import row_memory
-from contract.config import MB
-from plan.plan import EFFICIENCY, auto_figures, check_memory, simulate
-from plan.profiles import profile
-from plan.sections import block_sizes, plan_trainable_bytes, weight_section
-from runtime.strategy.auto import resolve_auto
+from workbench.bench.realsize import row_memory
+from workbench.plan.plan import EFFICIENCY, auto_figures, check_memory, simulate
+from workbench.plan.profiles import profile
+from workbench.plan.sections import block_sizes, plan_trainable_bytes, weight_section
 
 CARD = 24 * 2**30  # --card-gb 24 and --vram-gb 24: both GiB
 
@@ -104,8 +104,8 @@ def test_a_row_left_auto_resolves_with_the_plans_activation_peak():
     """A real-size row on the run's own card keeps ``"auto"`` (no ``--card-gb``): its child
     builds the strategy with the planner's activation estimate, as a run does, which the
     driver computes once; a row resolved for an emulated card, or on the CPU, needs none."""
-    from bench.realsize import row_activation_peak
-    from plan.sections import planned_activations
+    from workbench.bench.realsize import row_activation_peak
+    from workbench.plan.sections import planned_activations
 
     auto = row_memory("stream_file", "flux-dev", "real")
     assert auto["stagehand"]["vram_high_watermark_mb"] == "auto"

@@ -1,12 +1,12 @@
 """The contract read from both sides: what the server writes the worker reads, and the reverse
-(``contract.control``, ``contract.wire``, ``contract.preset.merge``)."""
+(``workbench.contract.control``, ``stagehand.config.wire``, ``workbench.contract.preset.merge``)."""
 
 import json
 import math
 
-from contract.control import LIMITS, STOP, ControlDir, write_request
-from contract.preset.merge import merge_overrides
-from contract.wire import decode, encode
+from stagehand.config.wire import decode, encode
+from workbench.contract.control import LIMITS, STOP, ControlDir, write_request
+from workbench.contract.preset.merge import merge_overrides
 
 
 def test_requests_the_server_writes_are_read_by_the_worker_in_sending_order(tmp_path):
@@ -54,9 +54,14 @@ def test_overrides_merge_key_by_key_and_share_nothing_with_either_side():
 def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worker():
     from pydantic import ValidationError
 
-    from backend.api.models import LimitsUpdate
-    from contract.config import LiveLimits, MemoryConfig, Watermarks
-    from contract.limits import ACTIVATION_PAIR, check_pair, check_watermarks, watermark_problem
+    from stagehand.config.limits import (
+        ACTIVATION_PAIR,
+        check_pair,
+        check_watermarks,
+        watermark_problem,
+    )
+    from stagehand.config.memory import LiveLimits, MemoryConfig, Watermarks
+    from workbench.api.models import LimitsUpdate
 
     sentence = "vram_low_watermark_mb (300.0) must not be above vram_high_watermark_mb (200.0)"
     for refuse in (
@@ -88,7 +93,7 @@ def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worke
         watermark_problem({"vram_low_watermark_mb": 100.0}, {"vram_high_watermark_mb": 200}) is None
     )
     # Every live-limit field's path names a field of the memory section the worker reads.
-    from contract.limits import PATHS
+    from stagehand.config.limits import PATHS
 
     config = MemoryConfig.model_validate(
         {"strategy": "stagehand", "stagehand": {"activation_stagehand": {"enabled": True}}}
@@ -102,9 +107,9 @@ def test_the_watermark_rule_is_the_same_for_the_configs_the_server_and_the_worke
 
 def test_the_device_profiles_the_schema_lists_are_the_planners():
     """``POST /api/plan`` and ``POST /api/tunes`` list their ``device`` values in the schema
-    from ``contract.plan_inputs.DEVICE_PROFILES`` (the server loads without the planner): the
-    same names, in the same order, as ``cpu`` and ``plan.profiles.PROFILES``."""
-    from contract.plan_inputs import DEVICE_PROFILES
-    from plan.profiles import PROFILES
+    from ``workbench.contract.plan_inputs.DEVICE_PROFILES`` (the server loads without the planner): the
+    same names, in the same order, as ``cpu`` and ``workbench.plan.profiles.PROFILES``."""
+    from workbench.contract.plan_inputs import DEVICE_PROFILES
+    from workbench.plan.profiles import PROFILES
 
     assert list(DEVICE_PROFILES) == ["cpu", *PROFILES]

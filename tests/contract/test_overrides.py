@@ -1,10 +1,10 @@
-"""A run's overrides applied to its preset (``contract.preset.overrides.apply_overrides``): which
+"""A run's overrides applied to its preset (``workbench.contract.preset.overrides.apply_overrides``): which
 fields a folder drops, when it drops none, and what null does."""
 
 import copy
 import json
 
-from contract.preset import PRESETS_DIR, apply_overrides
+from workbench.contract.preset import PRESETS_DIR, apply_overrides
 
 
 def preset(name: str) -> dict:

@@ -1,6 +1,6 @@
 """Browser tests of the dashboard: a real backend process, Debian chromium driven by Playwright.
 
-``backend_server`` starts ``python -m backend.cli serve`` on a free port with a temp data dir;
+``backend_server`` starts ``python -m workbench.cli serve`` on a free port with a temp data dir;
 ``synthetic_server`` does the same with ``tests.frontend.synthetic_worker`` as the worker (rich
 telemetry without torch). Screenshots go under the test's tmp folder and are copied to
 ``/tmp/dashboard-shots/`` (override with ``DASHBOARD_SHOTS``) for people to look at.
@@ -98,7 +98,7 @@ def _start_server(data_dir: Path, extra_env: dict[str, str] | None = None):
         [
             sys.executable,
             "-m",
-            "backend.cli",
+            "workbench.cli",
             "serve",
             "--host",
             "127.0.0.1",

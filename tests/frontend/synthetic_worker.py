@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from contract import wire
-from contract.control import LIMITS, STOP, ControlDir
-from worker.scan import scan_folder
+from stagehand.config import wire
+from workbench.contract.control import LIMITS, STOP, ControlDir
+from workbench.worker.scan import scan_folder
 
 
 class Writer:

@@ -1,6 +1,6 @@
 """What a live limits change did, on the live-limits panel of a real tiny-ci run (issue 56):
 once the runtimes settle under an applied change the worker writes a ``trainer/limits_effect``
-record (``worker/limits_effect.py``) and the panel shows it under the change, "resident blocks
+record (``backend/workbench/worker/limits_effect.py``) and the panel shows it under the change, "resident blocks
 A → B, H2D per step X → Y MB; ...", with the figures of the run's own ``stagehand/step`` records
 (the step before the change, and the steady step that settled it)."""
 
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from contract.config import MB
+from stagehand.config.memory import MB
 from tests.frontend.conftest import PHONE, Api, picture
 from tests.frontend.test_live_limits_ui import open_run, start, stop
 

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from backend.api.assets import AssetsPublic
-from backend.services.assets import AssetBuild
 from tests.frontend.conftest import DESKTOP, PHONE, Api, picture
 from tests.frontend.test_chart_details import SETUP, STREAMING
 from tests.frontend.test_hardening import make_preset
+from workbench.api.assets import AssetsPublic
+from workbench.services.assets import AssetBuild
 
 pytestmark = [pytest.mark.browser]
 

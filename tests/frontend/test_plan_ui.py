@@ -20,7 +20,7 @@ def test_plan_panel_before_start(backend_server, page):
     page.select_option("#preset-select", "tiny-ci")
     page.select_option("#plan-device", "rtx4090")
     page.click("#plan-run")
-    # The first plan of a server measures the worker's baseline RSS (plan/baseline.py).
+    # The first plan of a server measures the worker's baseline RSS (backend/workbench/plan/baseline.py).
     page.wait_for_selector("#plan-verdict", timeout=120_000)
     assert page.get_attribute("#plan-verdict", "data-fits") == "true"
     assert "on rtx4090" in page.inner_text("#plan-summary")

@@ -63,7 +63,7 @@ def test_run_page_weights_fact_says_squareq(backend_server, page, tmp_path):
     assert note.startswith("SquareQ int8: blocks held and copied in 8 bits (0.27x")
     # The plan of the same config reads the error table the run's first record carries from
     # the SquareQ cache the run built (same key: nothing quantized in the request).
-    from worker.preset import load_preset
+    from workbench.worker.preset import load_preset
 
     first = api.call("GET", f"/api/runs/{run_id}/telemetry?source=squareq&kind=step")["data"][0]
     _, preset = load_preset("tiny-ci")
@@ -82,8 +82,8 @@ def test_plan_panel_shows_the_quantization_error(backend_server, page, tmp_path)
     """With SquareQ on, the Plan panel shows the quantization error of the model's weights
     once SquareQ's cache holds them (a request never quantizes: before, "not measured"), with
     the figures ``workbench plan`` computed into that cache."""
-    from plan import plan_preset, profile
-    from worker.assets import build_model
+    from workbench.plan import plan_preset, profile
+    from workbench.worker.assets import build_model
 
     build_model("flux", "tiny")  # the folder a tiny-ci run streams (built once in the cache)
     page.goto(backend_server + "/#/new")

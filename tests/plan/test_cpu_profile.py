@@ -1,6 +1,6 @@
 """A plan's ``cpu`` profile is one per machine: the median of its first three measurements,
 stored in the workbench cache (NOTE [ One CPU profile per machine ] in
-``plan/profiles.py``). Measurements are stand-ins here (a real one takes seconds to
+``backend/workbench/plan/profiles.py``). Measurements are stand-ins here (a real one takes seconds to
 minutes): the figures two servers measured on one machine, and a third."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from plan import profiles
+from workbench.plan import profiles
 
 OPS_US = (257.6, 668.5, 300.0)
 """us per operation: the two servers' figures, then a third measurement."""
@@ -92,7 +92,7 @@ def test_every_process_on_a_machine_plans_with_one_bounded_cpu_profile(processes
 def test_the_plan_shows_the_profile_and_its_measurements(processes):
     """``workbench plan`` prints ``profile_line`` under its header (the source: how many
     measurements, stored where); ``POST /api/plan`` returns ``device`` as ``to_dict``."""
-    from plan.table import profile_line
+    from workbench.plan.table import profile_line
 
     new_process, _ = processes
     for _ in range(3):

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from backend.cli.plan import main
-from contract.config import MB
-from plan import PlanInputError, plan_preset, profile
+from stagehand.config.memory import MB
+from workbench.cli.plan import main
+from workbench.plan import PlanInputError, plan_preset, profile
 
 FAMILIES = ["flux", "qwenimage", "wan", "wan22", "zimage", "ltx2", "sd3", "sdxl", "flux2"]
 VIDEO = {"wan": 5, "wan22": 5, "ltx2": 9}
@@ -44,10 +44,10 @@ def test_every_family_plans_with_the_trainers_own_shapes(asset_cache, family):
     """Before: ``TypeError: example_inputs: unsupported model class`` for all but Flux, SD3
     and SDXL (and a Flux-shaped guess for those). The latents the plan feeds are the shape
     the folder's real VAE gives for real pixels through the family's ``encode_pixels``."""
-    from plan.calls import latent_shape
-    from plan.plan import preset_family, preset_model
     from tests.fixtures.pipelines import build_pipeline
-    from worker.preset import validate_preset
+    from workbench.plan.calls import latent_shape
+    from workbench.plan.plan import preset_family, preset_model
+    from workbench.worker.preset import validate_preset
 
     folder = build_pipeline(family, asset_cache)
     data = _preset(folder, family)
@@ -119,7 +119,7 @@ def test_qwen_image_24gb_plans_at_real_size_from_a_sparse_folder(asset_cache, tm
     """Qwen-Image's real config with a 38.9 GB safetensors file that is a hole: the plan has
     the preset description's 60 blocks of 648.2 MB (the LoRA stays resident: H2D-only) and 4096 + 1024 tokens."""
     from tests.fixtures.sparse_pipelines import sparse_pipeline
-    from worker.preset import load_preset
+    from workbench.worker.preset import load_preset
 
     folder = sparse_pipeline("qwenimage", tmp_path / "qwen", asset_cache)
     assert sum(f.stat().st_blocks for f in folder.rglob("*.safetensors")) * 512 < 64 * MB

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from plan import plan_preset, profile
-from plan.baseline import worker_baseline_bytes
-from worker.assets import ENV_VAR
-from worker.preset import load_preset
+from workbench.plan import plan_preset, profile
+from workbench.plan.baseline import worker_baseline_bytes
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.preset import load_preset
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def _run(data: dict, tmp_path: Path) -> list[dict]:
     path.write_text(json.dumps(data))
     run_dir = tmp_path / "run"
     subprocess.run(
-        [sys.executable, "-m", "backend.cli", "train", str(path), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "workbench.cli", "train", str(path), "--run-dir", str(run_dir)],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -41,7 +41,7 @@ def test_host_ram_accounts_for_most_of_a_tiny_ci_run(asset_cache, tmp_path, monk
     """Before: the plan counted pinned pools and tracked bytes only (tiny-ci: 41 MiB of a
     611 MiB RSS). With the worker's baseline (its imports) it is a lower bound within 30%:
     what stage 1 leaves behind (the released text encoder's pages the allocator keeps) is
-    not modelled (``plan/baseline.py``)."""
+    not modelled (``backend/workbench/plan/baseline.py``)."""
     monkeypatch.setenv(ENV_VAR, str(asset_cache))
     name, data = load_preset("tiny-ci")
     rss = _rss_mb(_run(data, tmp_path))

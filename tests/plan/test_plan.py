@@ -16,14 +16,14 @@ import json
 import pytest
 import torch
 
-from backend.cli.plan import main
-from contract.config import MB
-from plan import PlanInputError, plan_model, plan_preset, profile
-from plan.inventory import add_lora, folder_model
-from plan.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
-from runtime.common.telemetry import Telemetry
-from runtime.strategy import build_strategy
-from worker.assets import example_inputs
+from stagehand.common.telemetry import Telemetry
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from workbench.cli.plan import main
+from workbench.plan import PlanInputError, plan_model, plan_preset, profile
+from workbench.plan.inventory import add_lora, folder_model
+from workbench.plan.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
+from workbench.worker.assets import example_inputs
 
 LATENT = (8, 8)
 NEVER_MB = 1_000_000.0
@@ -198,7 +198,9 @@ def test_curve_and_band_follow_the_schedule(tiny_flux, sizes):
     host = out["host"]
     assert host["block_masters_bytes"] == 0
     assert host["host_cache_bytes"] == out["model"]["block_bytes"] > 0
-    worker = host["worker_baseline_bytes"]  # the process itself (plan/baseline.py)
+    worker = host[
+        "worker_baseline_bytes"
+    ]  # the process itself (backend/workbench/plan/baseline.py)
     assert (
         host["ram_peak_bytes"] - worker == host["pinned_bytes"] == 8 * MB + host["host_cache_bytes"]
     )
@@ -272,7 +274,7 @@ def test_flux_dev_12b_from_its_config_on_meta():
     """FLUX.1-dev built from its config values on meta: the blocks the weight runtime streams
     are the flux-dev-24gb preset's derivation (19 x 648.2 MB + 38 x 270.1 MB, 122 MB resident
     without the adapter), and at 1024 px the plan fits 24 GB with the preset's watermarks."""
-    from plan.reference import flux_dev_plan, streaming_memory
+    from workbench.plan.reference import flux_dev_plan, streaming_memory
 
     plan = flux_dev_plan("rtx4090", 1024, streaming_memory(18000, 14000, 16000))
     inv = plan.inventory
@@ -315,7 +317,7 @@ def test_ltx2_19b_from_its_config_on_meta():
     block linear of 588 MiB (the seed's 589 MB file of 2,688 tensors), fed by the trainer's own
     transformer_kwargs; under the seed's memory section (20000/16000) blocks stay on the card
     while usage is under the low watermark, as the seed's run showed (17-20 GB of VRAM)."""
-    from plan.reference import ltx2_plan, ltx2_seed_memory
+    from workbench.plan.reference import ltx2_plan, ltx2_seed_memory
 
     plan = ltx2_plan("rtx4090", ltx2_seed_memory(), targets="all")
     inv = plan.inventory

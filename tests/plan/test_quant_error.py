@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.cli.plan import main
-from plan import plan_preset, profile
-from runtime.squareq import store
+from stagehand.squareq import store
+from workbench.cli.plan import main
+from workbench.plan import plan_preset, profile
 
 TABLE = ("quantized_layers", "rel_rms_mean", "rel_rms_max", "worst_layer", "worst_layers")
 
@@ -57,10 +57,10 @@ def first_record(data: dict) -> dict:
     first ``squareq/step`` record of its weight runtime."""
     import torch
 
-    from runtime.strategy import build_strategy
-    from worker import loop
-    from worker.preset import validate_preset
-    from worker.setup import family_targets, pipeline_family
+    from stagehand.strategy import build_strategy
+    from workbench.worker import loop
+    from workbench.worker.preset import validate_preset
+    from workbench.worker.setup import family_targets, pipeline_family
 
     preset = validate_preset(data)
     family = pipeline_family(preset, torch.device("cpu"))
@@ -158,7 +158,7 @@ def test_cli_table_and_no_quant_error(asset_cache, tmp_path, capsys):
 def test_sparse_folder_is_not_measured(asset_cache, tmp_path, quantized):
     """A folder whose safetensors are holes (the planner's real-size test folders) plans as
     before, its error "not measured" with the file named; nothing is quantized."""
-    from runtime.weights.sources import SafetensorsCheckpoint
+    from stagehand.weights.sources import SafetensorsCheckpoint
     from tests.fixtures.pipelines import build_pipeline
     from tests.fixtures.sparse_pipelines import DTYPES, write_sparse_safetensors
 
@@ -183,9 +183,9 @@ def test_sparse_folder_is_not_measured(asset_cache, tmp_path, quantized):
 def test_fp8_checkpoint_has_no_source_to_compare(asset_cache, tmp_path, quantized):
     """A checkpoint storing its block linear weights in float8_e4m3fn streams them as stored:
     the plan counts them apart (no higher-precision source to measure against)."""
-    from plan.table import quant_lines
     from tests.fixtures.pipelines import build_pipeline
     from tests.runtime.test_squareq_prequantized import fp8_folder
+    from workbench.plan.table import quant_lines
 
     folder = tmp_path / "flux"
     shutil.copytree(

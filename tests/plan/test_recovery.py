@@ -1,4 +1,4 @@
-"""Limits learnt from out-of-memory recoveries (plan/recovery.py, NOTE [ Limits a recovery
+"""Limits learnt from out-of-memory recoveries (backend/workbench/plan/recovery.py, NOTE [ Limits a recovery
 taught ]): the lowest ``limits_after`` of the newest runs, and a preset's limits capped there
 before it is planned; the capped preset plans as one written with those limits."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import copy
 
-from plan import plan_preset, profile
-from plan.recovery import RECOVERY_RUNS, cap_limits, learnt_limits, recovery_note
-from worker.preset import load_preset
+from workbench.plan import plan_preset, profile
+from workbench.plan.recovery import RECOVERY_RUNS, cap_limits, learnt_limits, recovery_note
+from workbench.worker.preset import load_preset
 
 
 def rec(step: int, **after) -> dict:

@@ -9,16 +9,16 @@ import json
 import pytest
 import torch
 
-from backend.cli.plan import main
-from contract.config import MB
-from plan import plan_model, profile
-from plan.inventory import add_lora, folder_model
-from plan.table import table
-from plan.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
-from runtime.common.telemetry import Telemetry
-from runtime.strategy import build_strategy
-from worker.assets import example_inputs
-from worker.preset import load_preset
+from stagehand.common.telemetry import Telemetry
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from workbench.cli.plan import main
+from workbench.plan import plan_model, profile
+from workbench.plan.inventory import add_lora, folder_model
+from workbench.plan.table import table
+from workbench.plan.workload import LORA_RANK, LORA_TARGETS, load_model, train_steps
+from workbench.worker.assets import example_inputs
+from workbench.worker.preset import load_preset
 
 LATENT = (8, 8)
 
@@ -107,7 +107,7 @@ def test_loads_come_from_where_the_runtime_reads_them(tiny_flux):
 def test_layer_offload_residency_and_bound(tiny_flux):
     """Layer offload at 0.5 keeps the first half of the blocks: the plan says how many and
     how many bytes stay, and bounds the step by max(compute, bytes / H2D)."""
-    from runtime.layer_offload.schedule import resident_count
+    from stagehand.layer_offload.schedule import resident_count
 
     memory = {
         "strategy": "layer_offload",
@@ -154,8 +154,8 @@ def test_auto_watermarks_keep_what_fits_and_move_twice_the_rest(tiny_flux):
     """``"auto"`` weight watermarks from the plan's own figures (the runtime's rule): a bigger
     card keeps more blocks resident and moves fewer bytes, a streamed block at most twice a
     step (once in forward, once in backward; the blocks at the turns are reused)."""
-    from plan import PlanInputError
-    from runtime.weights.auto import auto_watermarks
+    from stagehand.weights.auto import auto_watermarks
+    from workbench.plan import PlanInputError
 
     model, inputs = _meta(tiny_flux)
     memory = _stream(tiny_flux, 2.5)
@@ -197,11 +197,11 @@ def test_tiny_real_size_row_h2d_predicted_within_5_percent(tmp_path):
     """The real-size bench's tiny FLUX.1-dev row ``stream_half`` (57 blocks, a budget that
     holds half the blocks' bytes): the plan's H2D bytes and block loads per steady step
     against the run's counters (bytes only: a tracked profile without rates)."""
-    from bench.realmodel import build_weights, load_lora_model, real_model
-    from bench.realsize import half_budget, row_memory
-    from plan.inventory import meta_model
-    from plan.profiles import DeviceProfile
-    from runtime.common.telemetry import ListSink
+    from stagehand.common.telemetry import ListSink
+    from workbench.bench.realmodel import build_weights, load_lora_model, real_model
+    from workbench.bench.realsize import half_budget, row_memory
+    from workbench.plan.inventory import meta_model
+    from workbench.plan.profiles import DeviceProfile
 
     spec, size = real_model("flux-dev"), "tiny"
     build_weights(spec, tmp_path, size, "cpu")

@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 
-from contract.config import MB
-from contract.preset.merge import merge_overrides
-from plan import PlanInputError, plan_preset, profile
-from plan.tune import limits_text, pareto, propose, trial_overrides
-from plan.tune_cli import main as tune_main
-from worker.preset import load_preset
+from stagehand.config.memory import MB
+from workbench.contract.preset.merge import merge_overrides
+from workbench.plan import PlanInputError, plan_preset, profile
+from workbench.plan.tune import limits_text, pareto, propose, trial_overrides
+from workbench.plan.tune_cli import main as tune_main
+from workbench.worker.preset import load_preset
 
 
 def _dominated(p, points):
@@ -91,7 +91,7 @@ def _layer_offload_preset() -> dict:
 def test_layer_offload_preset_is_tuned_by_fraction_as_the_plan_predicts():
     """A layer-offload preset: candidates are resident counts 0..N (fractions the runtime maps
     back to them) with and without activation offloading, each predicted as its own plan."""
-    from runtime.layer_offload import resident_count
+    from stagehand.layer_offload import resident_count
 
     data = _layer_offload_preset()
     dev = profile("rtx4090")

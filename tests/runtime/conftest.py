@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from contract.preset.schema import ModelSection
-from runtime.common.attention import SETTINGS, apply_attention_backend
+from stagehand.common.attention import SETTINGS, apply_attention_backend
+from workbench.contract.preset.schema import ModelSection
 
 from .device_double import device_double
 
@@ -74,7 +74,7 @@ def cudnn_sdp_setting(node: pytest.Item) -> str | None:
 @pytest.fixture(autouse=True)
 def _cudnn_sdp_guard(request):
     """A gpu test runs with cuDNN SDPA as a run on the GPU has it: ``apply_attention_backend``
-    with the setting of ``cudnn_sdp_setting`` on device ``cuda``, as ``worker/run.py`` applies
+    with the setting of ``cudnn_sdp_setting`` on device ``cuda``, as ``backend/workbench/worker/run.py`` applies
     it at a run's start (NOTE [ cuDNN SDPA guard ]: ``auto`` turns it off on sm90/sm100 with
     torch >= 2.11). The process-wide flag is put back after the test. Yields the
     ``AttentionChoice`` (None for a test not marked gpu)."""

@@ -1,5 +1,5 @@
 """A device double that behaves like CUDA where the runtimes' bugs live: the test double of the
-device layer (``runtime/common/device.py``).
+device layer (``runtime/stagehand/common/device.py``).
 
 On CPU the "device" is the host: a copy completes the moment it is issued, a kernel runs at once,
 an H2D copy may alias its source, and freed memory keeps its values. Code that forgets an event,
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from runtime.common.device import TransferStream
+from stagehand.common.device import TransferStream
 
 LAGS = (0, 1, 2, 4)
 SLOW = 10**9

@@ -8,7 +8,7 @@ compares two runs with ``torch.equal`` and no tolerance.
 The reference is the plain model with its parameters in ordinary, aligned tensors
 (``own_storage``), as a model moved to a GPU has them: ``from_pretrained`` leaves CPU weights as
 views into the mmap'd safetensors file at unaligned offsets, and on some CPUs a GEMM's last bit
-depends on its inputs' alignment (NOTE [ Exact numbers ] in ``runtime/__init__.py``).
+depends on its inputs' alignment (NOTE [ Exact numbers ] in ``runtime/stagehand/__init__.py``).
 
 Two small diffusers models built here reproduce two gradient defects:
 
@@ -43,9 +43,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.common import own_storage
-from runtime.strategy import MemoryStrategy
-from worker.assets import example_inputs, model_class, output_tensor
+from stagehand.common import own_storage
+from stagehand.strategy import MemoryStrategy
+from workbench.worker.assets import example_inputs, model_class, output_tensor
 
 STEPS = 3
 WEIGHT_DECAY = 0.01

@@ -1,4 +1,4 @@
-"""Shared by the live-settle tests (NOTE [ Live watermarks ] in ``runtime/weights/policy.py``):
+"""Shared by the live-settle tests (NOTE [ Live watermarks ] in ``runtime/stagehand/weights/policy.py``):
 the tiny Flux + LoRA under the ``default`` preset's three runtimes (weight streaming, activation
 spill, the Conductor), trained with limits given at the start or set live, and each step's
 figures on the CPU's tracked counters."""
@@ -12,11 +12,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from contract.limits import PATHS
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.config.limits import PATHS
+from stagehand.strategy import build_strategy
 from tests.runtime import exact
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 DEFAULT = Path(__file__).resolve().parents[2] / "presets" / "default.json"
 STEPS = 6
@@ -39,7 +39,7 @@ class Figures(NamedTuple):
 
 def memory(limits: dict[str, Any]) -> dict[str, Any]:
     """The ``default`` preset's ``memory`` section with ``limits`` (LiveLimits fields, MB) written
-    at their config paths (``contract.limits.PATHS``)."""
+    at their config paths (``stagehand.config.limits.PATHS``)."""
     section = copy.deepcopy(json.loads(DEFAULT.read_text())["memory"])
     section.pop("gradient_checkpointing")  # the model's own (``exact.make_model``), not a field
     for field, value in limits.items():

@@ -10,13 +10,13 @@ from collections import Counter
 import pytest
 import torch
 
-from bench.probes import SYNC_CALLS
-from contract.config import MB
-from runtime.common.nested import in_backward
-from runtime.strategy import build_strategy
-from runtime.weights import WeightRuntime
-from runtime.weights.pool import PinnedPool, Slab
-from worker.assets import output_tensor
+from stagehand.common.nested import in_backward
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from stagehand.weights import WeightRuntime
+from stagehand.weights.pool import PinnedPool, Slab
+from workbench.bench.probes import SYNC_CALLS
+from workbench.worker.assets import output_tensor
 
 from .exact import assert_exact, inputs_for, make_model, train
 from .test_exactness import memory_section

@@ -16,10 +16,10 @@ from functools import partial
 
 import pytest
 
-from runtime.common import DeviceMemory
-from runtime.strategy import build_strategy
-from runtime.weights import WeightRuntime
-from runtime.weights.pool import Slab
+from stagehand.common import DeviceMemory
+from stagehand.strategy import build_strategy
+from stagehand.weights import WeightRuntime
+from stagehand.weights.pool import Slab
 
 from .device_double import LAGS, Device, device_double
 from .exact import assert_exact, build_toy, make_model, train

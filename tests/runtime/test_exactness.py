@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.strategy import build_strategy
+from stagehand.strategy import build_strategy
 
 from .exact import CHECKPOINTING, Run, assert_exact, build_toy, make_model, train
 
@@ -154,7 +154,7 @@ def test_defect_models_train_exactly(folders, references, arch, method, strategy
 )
 def test_tied_weights_train_exactly(folders, references, arch, method, strategy, checkpointing):
     """A layer shared by two blocks and one shared by a block and a resident module stay
-    resident (NOTE [ Shared parameters ] in ``runtime/weights/convert.py``): file-backed, the
+    resident (NOTE [ Shared parameters ] in ``runtime/stagehand/weights/convert.py``): file-backed, the
     frozen tied weight failed at set-up (its second layout read the first one's placeholder)."""
     check(folders, references, arch, method, strategy, checkpointing)
 

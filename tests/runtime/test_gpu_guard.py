@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from contract.preset.schema import ModelSection
 from tests.runtime import conftest as guard
+from workbench.contract.preset.schema import ModelSection
 
 pytest_plugins = ["pytester"]
 
@@ -88,7 +88,7 @@ def test_on_hopper_gpu_tests_run_with_cudnn_sdp_off_and_the_opt_out_keeps_it_on(
     """torch 2.13 on sm90: the preset's default (``auto``) turns cuDNN SDPA off for a gpu test,
     as the trainer does on an H200; the flag is back on after it; a gpu test marked
     ``cudnn_sdp("on")`` runs with it on; a test not marked gpu is left alone."""
-    assert guard.apply_attention_backend.__module__ == "runtime.common.attention"
+    assert guard.apply_attention_backend.__module__ == "stagehand.common.attention"
     torch.backends.cuda.enable_cudnn_sdp(True)  # PyTorch's own default
     calls: list[tuple[str, str]] = []
     seen = run_inner(pytester, monkeypatch, calls)

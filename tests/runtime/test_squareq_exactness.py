@@ -7,7 +7,7 @@ its stages stream, their convolutions stay in the model's dtype), the defect toy
 denoiser of every family's tiny pipeline folder (Flux, SD3, SDXL, Qwen-Image, Wan, Z-Image,
 FLUX.2, LTX-2; Wan 2.2's two experts), called through the trainer's own family adapter
 (``family.training_pair``, ``family.predict``) on inputs of the shapes the planner derives from
-it (``plan.calls``): every family file-backed in fp32 (both formats where the factory
+it (``workbench.plan.calls``): every family file-backed in fp32 (both formats where the factory
 has no folder of its class), once in bf16 and once module-backed, the formats taking turns.
 
 Not vacuous: the blocks really loaded their 8-bit images (``h2d_bytes`` is the images' bytes,
@@ -22,11 +22,11 @@ import json
 import pytest
 import torch
 
-from contract.config import SQUAREQ_FORMATS
-from runtime.squareq.runtime import dequantized_in_place
-from runtime.strategy import build_strategy
-from runtime.weights.registry import find_blocks
-from worker.assets import build_model
+from stagehand.config.memory import SQUAREQ_FORMATS
+from stagehand.squareq.runtime import dequantized_in_place
+from stagehand.strategy import build_strategy
+from stagehand.weights.registry import find_blocks
+from workbench.worker.assets import build_model
 
 from .device_double import SLOW, device_double
 from .exact import STEPS, assert_exact, build_toy, make_model, train
@@ -161,7 +161,7 @@ def test_squareq_under_the_device_double_with_blocks_kept_across_step_ends(
 
 
 PIPELINE_FAMILIES = ["flux", "sd3", "sdxl", "qwenimage", "wan", "zimage", "flux2", "ltx2"]
-"""Every family the trainer trains from a pipeline folder (``worker.pipelines``)."""
+"""Every family the trainer trains from a pipeline folder (``workbench.worker.pipelines``)."""
 
 
 def family_forward(family, dtype=torch.float32, seed_base: int = 100):
@@ -169,12 +169,12 @@ def family_forward(family, dtype=torch.float32, seed_base: int = 100):
     ``model.dtype``) as the trainer's loop makes it
     (``family.training_pair`` then ``family.predict``: a Wan 2.2 expert's sigmas in its range,
     SDXL's integer timesteps) on seeded random latents and text of the shapes the planner
-    derives through the same adapter (``plan.calls.latent_shape``: 32 px, 5 frames
+    derives through the same adapter (``workbench.plan.calls.latent_shape``: 32 px, 5 frames
     for a video family, 8 caption tokens, batch 1, uniform timesteps)."""
     from types import SimpleNamespace
 
-    from plan.calls import latent_shape, pooled_dim
-    from worker.families import Text
+    from workbench.plan.calls import latent_shape, pooled_dim
+    from workbench.worker.families import Text
 
     preset = SimpleNamespace(
         batch_size=1,
@@ -212,7 +212,7 @@ def pipeline_families(asset_cache, tmp_path_factory):
     import shutil
 
     from tests.fixtures.pipelines import build_pipeline
-    from worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
     cache = asset_cache / "trainer-cache"
     bound = {}

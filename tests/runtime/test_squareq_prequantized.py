@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.squareq.formats import dequantize, quantize
-from runtime.squareq.prequantized import PrequantizedCheckpointError
-from runtime.strategy import build_strategy
+from stagehand.squareq.formats import dequantize, quantize
+from stagehand.squareq.prequantized import PrequantizedCheckpointError
+from stagehand.strategy import build_strategy
 
 from .exact import assert_exact, make_model, train
 

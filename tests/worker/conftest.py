@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from contract.preset import PRESETS_DIR
-from contract.preset.merge import merge_overrides
 from tests.runtime.conftest import _device_double, _in_tmp_dir  # noqa: F401
-from worker.assets import ENV_VAR
+from workbench.contract.preset import PRESETS_DIR
+from workbench.contract.preset.merge import merge_overrides
+from workbench.worker.assets import ENV_VAR
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def stage1_steps(recs: list[dict]) -> list[dict]:
 
 def start_worker(preset: Path, run_dir: Path, cache: Path) -> subprocess.Popen:
     env = {**os.environ, ENV_VAR: str(cache), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "backend.cli", "train", str(preset), "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "workbench.cli", "train", str(preset), "--run-dir", str(run_dir)]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -226,7 +226,7 @@ def pipeline_preset(tmp_path: Path, pipeline: Path, data_dir: Path, name="pipe",
 def train_twice(preset: Path, tmp: Path) -> tuple[Path, Path]:
     """Two ``workbench train`` runs of ``preset`` on one asset cache (``tmp/cache``): the second
     must reuse what the first cached. Returns the two run folders."""
-    from worker.cli import main
+    from workbench.worker.cli import main
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV_VAR, str(tmp / "cache"))
@@ -258,7 +258,7 @@ def resume_after(first: Path, step: int) -> tuple[Path, int]:
     record, and ``workbench train DIR/config.json --resume`` runs on the asset cache ``first``
     was trained on (``train_twice``). Returns the resumed run's folder and the last ``seq``
     the killed worker wrote."""
-    from worker.cli import main
+    from workbench.worker.cli import main
 
     resumed = first.parent / f"{first.name}-resumed"
     (resumed / "checkpoints").mkdir(parents=True)

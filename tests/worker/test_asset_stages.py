@@ -1,4 +1,4 @@
-"""The resumable stage runner of the demo-asset build (worker/assets/stages.py) with small stage
+"""The resumable stage runner of the demo-asset build (backend/workbench/worker/assets/stages.py) with small stage
 functions injected: an interrupted build resumes without rebuilding what it finished, a failing
 stage is named with its error and retried from there, two starters never build at once, and the
 status file carries each stage's progress. The last test runs the real stages on a tiny spec."""
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from worker import asset_status
-from worker.asset_status import current, read_status, run_refusal
-from worker.assets import stages as stages_mod
-from worker.assets.cache import build_once, is_complete, spec_hash
-from worker.assets.stages import BuildBusy, Stage, run_stages
+from workbench.worker import asset_status
+from workbench.worker.asset_status import current, read_status, run_refusal
+from workbench.worker.assets import stages as stages_mod
+from workbench.worker.assets.cache import build_once, is_complete, spec_hash
+from workbench.worker.assets.stages import BuildBusy, Stage, run_stages
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def test_a_failing_stage_is_named_and_the_retry_starts_there(tmp_path, capsys):
 _STARTER = """
 import sys, time
 from pathlib import Path
-from worker.assets.stages import BuildBusy, Stage, run_stages
+from workbench.worker.assets.stages import BuildBusy, Stage, run_stages
 root, mark = Path(sys.argv[1]), Path(sys.argv[2])
 
 def build(advance):
@@ -190,8 +190,8 @@ def test_real_stages_on_a_tiny_spec_make_what_the_refusal_checks(tmp_path, monke
     """The real builder (digits, demo VAE, base, samples, factory models) with 2 steps each on
     the tiny transformer at 32 px: a run of that demo is refused before and allowed after, by
     the markers on disk, and a second build keeps every stage."""
-    from worker.demo import DemoSpec
-    from worker.demo_stages import all_stages
+    from workbench.worker.demo import DemoSpec
+    from workbench.worker.demo_stages import all_stages
 
     spec = DemoSpec(
         size="tiny", resolution=32, vae_steps=2, vae_batch=4, base_steps=2, base_batch=4
@@ -230,7 +230,7 @@ def test_real_stages_on_a_tiny_spec_make_what_the_refusal_checks(tmp_path, monke
 def test_an_on_demand_build_waits_for_the_running_one(tmp_path):
     """``build_demo`` (a worker's on-demand build) takes the same lock, waiting for
     ``workbench demo-assets`` to end: it then finds that build's output complete."""
-    from worker.assets.stages import build_lock
+    from workbench.worker.assets.stages import build_lock
 
     mark = tmp_path / "builds.txt"
     proc = _starter(tmp_path, mark, 1.5)

@@ -1,4 +1,4 @@
-"""The local model and data factory (worker/assets)."""
+"""The local model and data factory (backend/workbench/worker/assets)."""
 
 import hashlib
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.assets import (
+from workbench.worker.assets import (
     MODEL_SPECS,
     AssetError,
     build_digits,

@@ -3,13 +3,18 @@ activation peak its plan uses, so it starts with the watermarks ``workbench plan
 
 import json
 
-from backend.cli.train import main
-from plan.activation_peak import planned_activation_peak
-from plan.plan import check_memory, plan_preset
-from plan.profiles import DeviceProfile
-from plan.sections import auto_section, block_sizes, plan_trainable_bytes, planned_activations
-from runtime.strategy.auto import resolve_auto
-from worker.preset import validate_preset
+from stagehand.strategy.auto import resolve_auto
+from workbench.cli.train import main
+from workbench.plan.activation_peak import planned_activation_peak
+from workbench.plan.plan import check_memory, plan_preset
+from workbench.plan.profiles import DeviceProfile
+from workbench.plan.sections import (
+    auto_section,
+    block_sizes,
+    plan_trainable_bytes,
+    planned_activations,
+)
+from workbench.worker.preset import validate_preset
 
 AUTO = {"vram_high_watermark_mb": "auto", "vram_low_watermark_mb": "auto"}
 TRACKED = DeviceProfile("tracked", 0, 1.0, 1.0, "bytes only", tracked=True, synchronous_copies=True)

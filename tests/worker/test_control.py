@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from contract.control import ControlDir
-from worker.control import Interrupted, StopFlag
+from workbench.contract.control import ControlDir
+from workbench.worker.control import Interrupted, StopFlag
 
 LONG = {"max_steps": 100000, "checkpoint_every": None}
 SAMPLES = {"samples": {"prompts": ["a handwritten digit three"], "steps": 2}}

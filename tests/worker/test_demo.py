@@ -1,4 +1,4 @@
-"""The demo's trained models (worker/demo.py), on a reduced build: the tiny transformer
+"""The demo's trained models (backend/workbench/worker/demo.py), on a reduced build: the tiny transformer
 and fewer steps than the demo's, so the figures asserted are what a short training reaches."""
 
 import hashlib
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.demo import (
+from workbench.worker.demo import (
     CoreShare,
     DemoSpec,
     caption_text,
@@ -18,7 +18,7 @@ from worker.demo import (
     pretrain_base,
     sample_check,
 )
-from worker.demo_stages import build_demo
+from workbench.worker.demo_stages import build_demo
 
 # The demo's recipe (its steps, schedules and training sigmas) at 32 px (4x4 latents, 4 packed
 # tokens) on the tiny transformer, with 2/3 of the VAE batch and 5x the base's learning rate (the
@@ -45,7 +45,7 @@ def test_vae_reconstructs_held_out_digits(demo):
     of the random VAE's error, and the latents the trainer caches have zero mean, unit variance."""
     from diffusers import AutoencoderKL
 
-    from worker.assets.digits import digit_pixels
+    from workbench.worker.assets.digits import digit_pixels
 
     report = json.loads((demo / "demo.json").read_text())["vae"]
     assert report["random_held_out_mse"] > 0.3  # a random decoder: colour noise
@@ -64,8 +64,8 @@ def test_base_samples_follow_their_prompts(demo):
     (4 of 40) or more, and the same check on the random-initialised transformer is near chance."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-    from worker.assets.digits import digit_pixels
-    from worker.assets.models import instantiate
+    from workbench.worker.assets.digits import digit_pixels
+    from workbench.worker.assets.models import instantiate
 
     report = json.loads((demo / "demo.json").read_text())
     assert report["base"]["loss_last_10_mean"] < 0.8 * report["base"]["loss_first"]
@@ -86,7 +86,7 @@ def test_base_samples_follow_their_prompts(demo):
 
 
 def test_nearest_class_means_picks_the_digit():
-    from worker.assets.digits import digit_pixels
+    from workbench.worker.assets.digits import digit_pixels
 
     images, labels = digit_pixels(16)
     pixels = torch.from_numpy(images).float().div(127.5).sub(1.0)[:, None]
@@ -107,7 +107,7 @@ def test_build_is_deterministic_and_a_second_call_is_a_no_op(tmp_path):
 
 
 def test_pretrained_is_for_the_flux_factory():
-    from worker.preset import validate_preset
+    from workbench.worker.preset import validate_preset
 
     ok = validate_preset({"model": {"factory": "flux", "size": "tiny", "pretrained": "digits"}})
     assert ok.model.pretrained == "digits"

@@ -1,12 +1,12 @@
-"""``worker/limits_effect.py``: one ``trainer/limits_effect`` record per request once two steps
+"""``backend/workbench/worker/limits_effect.py``: one ``trainer/limits_effect`` record per request once two steps
 after its change step agree; unsettled when they do not within ``MAX_WATCH_STEPS`` or a later
 request replaces the watch."""
 
 from __future__ import annotations
 
-from contract.config import MB
-from runtime.common.telemetry import ListSink, Telemetry
-from worker.limits_effect import KIND, MAX_WATCH_STEPS, LimitsEffects, StepFigures
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.config.memory import MB
+from workbench.worker.limits_effect import KIND, MAX_WATCH_STEPS, LimitsEffects, StepFigures
 
 
 def figures(resident: int, h2d_mb: float, peak: float = 2.0) -> StepFigures:

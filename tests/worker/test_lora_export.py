@@ -30,9 +30,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from worker.loop import attach_adapter
-from worker.outputs import COMFY_FILE, LORA_FILE, save_lora
-from worker.pipelines import adapter_for, inspect_pipeline
+from workbench.worker.loop import attach_adapter
+from workbench.worker.outputs import COMFY_FILE, LORA_FILE, save_lora
+from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
 RANK, ALPHA = 4, 8.0
 FAMILIES = ["flux", "flux2", "sd3", "sdxl", "qwenimage", "wan", "ltx2", "zimage"]

@@ -1,6 +1,6 @@
 """A step out of device memory is re-planned and run again, never lost (issue 57 items 1, 3, 4):
-tiny-ci runs in this process (``worker.run.Run``) on an emulated CPU card (``--card-gb``: the
-runtimes' tracked device bytes), NOTE [ Out-of-memory recovery ] (worker/recovery.py).
+tiny-ci runs in this process (``workbench.worker.run.Run``) on an emulated CPU card (``--card-gb``: the
+runtimes' tracked device bytes), NOTE [ Out-of-memory recovery ] (backend/workbench/worker/recovery.py).
 
 The card is put in place at stage 2 (``CardRun``): stage 1's text encoder (MiniLM, blocks of
 several MB) does not fit a card sized to the tiny Flux, and its figures are not what is tested.
@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
-from contract.config import MB
-from contract.control import write_request
-from contract.limits import PATHS
-from contract.preset import PRESETS_DIR
-from runtime.common.card import emulate_card
-from worker.cli import main
-from worker.run import Run
+from stagehand.common.card import emulate_card
+from stagehand.config.limits import PATHS
+from stagehand.config.memory import MB
+from workbench.contract.control import write_request
+from workbench.contract.preset import PRESETS_DIR
+from workbench.worker.cli import main
+from workbench.worker.run import Run
 
 CPU = torch.device("cpu")
 STEPS = 3

@@ -7,17 +7,17 @@ import pytest
 import torch
 from PIL import Image
 
-from worker.data import (
+from workbench.worker.data import (
     batch_indices,
     buckets,
     group_by_shape,
     load_sample,
     target_size,
 )
-from worker.families import flow_pair, pack_2x2, sample_sigmas, unpack_2x2
-from worker.loop import enable_checkpointing, lr_lambda
-from worker.progress import Progress
-from worker.scan import DataError, scan_folder
+from workbench.worker.families import flow_pair, pack_2x2, sample_sigmas, unpack_2x2
+from workbench.worker.loop import enable_checkpointing, lr_lambda
+from workbench.worker.progress import Progress
+from workbench.worker.scan import DataError, scan_folder
 
 
 def _img(path, w, h, value=255):
@@ -122,7 +122,7 @@ def test_gradient_checkpointing_is_verified_not_swallowed(tiny_flux, tiny_vae):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from worker.preset import validate_preset
+    from workbench.worker.preset import validate_preset
 
     p = validate_preset(
         {
@@ -165,7 +165,7 @@ def test_two_encoder_folders_alike_in_names_sizes_and_times_are_not_one_cache_en
 
     from safetensors.torch import save_file
 
-    from worker.encode import _folder_id, cache_key
+    from workbench.worker.encode import _folder_id, cache_key
 
     for name, value in (("a", 1.0), ("b", 2.0)):
         folder = tmp_path / name

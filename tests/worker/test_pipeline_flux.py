@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.worker.conftest import stage1_steps
-from worker.assets import ENV_VAR
-from worker.cli import main
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +123,8 @@ def test_every_text_encoder_is_released_before_the_transformer_loads(
 
     from transformers import PreTrainedModel
 
-    from runtime.strategy.base import MemoryStrategy
-    from worker import loop
+    from stagehand.strategy.base import MemoryStrategy
+    from workbench.worker import loop
 
     def live() -> list:
         gc.collect()
@@ -164,8 +164,8 @@ def test_flux1_comfyui_copy_round_trips_and_patches_bfl_weights_at_strength():
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     from tests.worker.test_lora_export import comfy_deltas
-    from worker.pipelines.flux import FluxPipelineFamily
-    from worker.pipelines.flux_comfy import kohya_flux_state_dict
+    from workbench.worker.pipelines.flux import FluxPipelineFamily
+    from workbench.worker.pipelines.flux_comfy import kohya_flux_state_dict
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(

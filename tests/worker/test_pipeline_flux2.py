@@ -13,7 +13,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.outputs import COMFY_FILE
+from workbench.worker.outputs import COMFY_FILE
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_flux2_text_latents_and_predict_are_the_pipelines(flux2_run, flux2_pipel
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
     from safetensors.torch import load_file
 
-    from worker.families import Text
-    from worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.families import Text
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
     adapter = adapter_for(inspect_pipeline(flux2_pipeline_dir), tmp_path, torch.float32)
     pipe = Flux2KleinPipeline.from_pretrained(flux2_pipeline_dir, dtype=torch.float32)
@@ -150,7 +150,7 @@ def test_flux2_folders_that_do_not_fit_are_named(flux2_pipeline_dir, tmp_path):
     (``Flux2Pipeline``) folder; a token limit the chat template alone fills."""
     import shutil
 
-    from worker.pipelines import (
+    from workbench.worker.pipelines import (
         PipelineFolderError,
         adapter_for,
         inspect_pipeline,

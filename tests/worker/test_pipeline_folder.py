@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from contract.preset import MODEL_TYPES
-from worker.pipelines import (
+from workbench.contract.preset import MODEL_TYPES
+from workbench.worker.pipelines import (
     PipelineFolderError,
     adapter_for,
     inspect_pipeline,
     inspect_preset,
 )
-from worker.pipelines.folder import safetensors_header, tensors_of, weight_files
-from worker.preset import validate_preset
+from workbench.worker.pipelines.folder import safetensors_header, tensors_of, weight_files
+from workbench.worker.preset import validate_preset
 
 
 @pytest.fixture
@@ -200,7 +200,7 @@ def test_predict_is_one_euler_step_of_the_pipeline(flux_pipeline_dir, tmp_path):
     guidance and timestep scaling are the pipeline's."""
     from diffusers import FluxPipeline
 
-    from worker.families import Text
+    from workbench.worker.families import Text
 
     adapter = _bound(flux_pipeline_dir, tmp_path)
     pipe = FluxPipeline.from_pretrained(flux_pipeline_dir, dtype=torch.float32)
@@ -246,8 +246,8 @@ def test_bad_input_through_workbench_train_is_the_error_record(
     flux_copy, wide_images, tmp_path, monkeypatch, pipe_io
 ):
     """The error reaches the run's last record, before anything is cached or trained."""
-    from worker.assets import ENV_VAR
-    from worker.cli import main
+    from workbench.worker.assets import ENV_VAR
+    from workbench.worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
     cases = {
@@ -292,8 +292,8 @@ def test_a_header_length_past_the_file_is_named(flux_copy):
 def test_a_header_length_past_the_file_is_the_runs_error_record(
     flux_copy, wide_images, tmp_path, monkeypatch, pipe_io
 ):
-    from worker.assets import ENV_VAR
-    from worker.cli import main
+    from workbench.worker.assets import ENV_VAR
+    from workbench.worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
     shard = huge_header(flux_copy)
@@ -309,8 +309,8 @@ def test_resolution_the_latent_patches_do_not_divide_is_named(
 ):
     """The error was only "flux packs 2x2 latent patches: latent h, w (25, 25) must be even",
     after the text encoders ran."""
-    from worker.assets import ENV_VAR
-    from worker.cli import main
+    from workbench.worker.assets import ENV_VAR
+    from workbench.worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
     data = {"path": str(wide_images), "bucketing": False}
@@ -338,8 +338,8 @@ def test_single_file_transformer_trains_streamed_from_its_converted_copy(
     changes the first loss), streamed from the copy converted into the cache."""
     from diffusers import FluxTransformer2DModel
 
-    from worker.assets import ENV_VAR
-    from worker.cli import main
+    from workbench.worker.assets import ENV_VAR
+    from workbench.worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
     model = FluxTransformer2DModel.from_pretrained(flux_pipeline_dir / "transformer")

@@ -5,10 +5,10 @@ tiny LTX-2), recorded with its reason in ``trainer/run_started``; an explicit va
 import pytest
 
 from tests.worker.conftest import write_clip
-from worker.assets import ENV_VAR
-from worker.cli import main
-from worker.clips import _frames, default_frames, frame_count
-from worker.scan import scan_folder
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
+from workbench.worker.clips import _frames, default_frames, frame_count
+from workbench.worker.scan import scan_folder
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.assets import ENV_VAR
-from worker.cli import main
-from worker.outputs import COMFY_FILE
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
+from workbench.worker.outputs import COMFY_FILE
 
 
 def _preset(pipe_io, tmp, folder, clips, name="ltx2", **over):
@@ -51,7 +51,7 @@ def test_ltx2_trains_on_clips_with_every_runtime_on_and_reuses_the_cache(ltx2_ru
 
 
 def _generate(pipe):
-    from worker.pipelines.ltx2 import PLAIN_SAMPLING
+    from workbench.worker.pipelines.ltx2 import PLAIN_SAMPLING
 
     return pipe(
         "a photo of the digit seven",
@@ -103,9 +103,9 @@ def test_ltx2_parts_match_the_pipeline(ltx2_pipeline_dir, tmp_path):
     from diffusers import LTX2Pipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
-    from worker.families import Text
-    from worker.pipelines import adapter_for, inspect_pipeline
-    from worker.pipelines.ltx2 import PLAIN_SAMPLING, PassThroughConnectors, _gemma_pass
+    from workbench.worker.families import Text
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.pipelines.ltx2 import PLAIN_SAMPLING, PassThroughConnectors, _gemma_pass
 
     info = inspect_pipeline(ltx2_pipeline_dir)
     assert [b.name for b in info.blocks] == [f"transformer_blocks.{i}" for i in range(3)]
@@ -160,7 +160,7 @@ def test_bad_ltx2_input_is_named(ltx2_pipeline_dir, wide_clips, tmp_path, monkey
     import json
     import shutil
 
-    from worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from workbench.worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
 
     folder = shutil.copytree(ltx2_pipeline_dir, tmp_path / "bad-pipe")
     config = folder / "transformer" / "config.json"

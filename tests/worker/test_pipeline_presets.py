@@ -2,24 +2,24 @@
 models' block sizes (configs built on the meta device, blocks chosen by ``find_blocks``).
 
 All but ltx2-24gb (which mirrors its seed) leave the pipeline settings out: the weight runtime
-derives them from the blocks it streams and the card (``runtime.weights.defaults.resolve``), so
+derives them from the blocks it streams and the card (``stagehand.weights.defaults.resolve``), so
 these tests derive them the same way, from the blocks of a run (the trainer's LoRA attached, as
-``worker/run.py`` does before building the strategy) on a 24 GB card."""
+``backend/workbench/worker/run.py`` does before building the strategy) on a 24 GB card."""
 
 import re
 
 import pytest
 import torch
 
-from contract.config import StagehandConfig
-from plan.profiles import profile
-from runtime.strategy.auto import resolve_auto
-from runtime.weights.defaults import block_bytes, resolve
-from runtime.weights.registry import find_blocks
-from worker.loop import attach_adapter
-from worker.pipelines import ADAPTERS
-from worker.preset import load_preset, validate_preset
-from worker.setup import family_targets
+from stagehand.config.memory import StagehandConfig
+from stagehand.strategy.auto import resolve_auto
+from stagehand.weights.defaults import block_bytes, resolve
+from stagehand.weights.registry import find_blocks
+from workbench.plan.profiles import profile
+from workbench.worker.loop import attach_adapter
+from workbench.worker.pipelines import ADAPTERS
+from workbench.worker.preset import load_preset, validate_preset
+from workbench.worker.setup import family_targets
 
 MB = 1024**2
 CARD = profile("rtx4090").vram_bytes  # a 24 GB card (24 GiB)

@@ -13,7 +13,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.outputs import COMFY_FILE
+from workbench.worker.outputs import COMFY_FILE
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,8 @@ def test_qwenimage_parts_match_the_pipeline(qwenimage_pipeline_dir, tmp_path):
     from diffusers import QwenImagePipeline
 
     from tests.fixtures.tiny_tokenizers import QWEN_TEMPLATE
-    from worker.families import Text
-    from worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from workbench.worker.families import Text
+    from workbench.worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
 
     info = inspect_pipeline(qwenimage_pipeline_dir)
     assert info.family == "qwenimage"

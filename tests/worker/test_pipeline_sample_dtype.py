@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.families import SampleSpec, Text
-from worker.pipelines import adapter_for, inspect_pipeline
-from worker.pipelines.base import load_component
+from workbench.worker.families import SampleSpec, Text
+from workbench.worker.pipelines import adapter_for, inspect_pipeline
+from workbench.worker.pipelines.base import load_component
 
 
 @pytest.mark.parametrize("fixture", ["flux_pipeline_dir", "sd3_pipeline_dir"])

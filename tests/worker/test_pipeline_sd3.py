@@ -13,7 +13,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.outputs import COMFY_FILE
+from workbench.worker.outputs import COMFY_FILE
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_sd3_text_and_predict_are_the_pipelines(sd3_run, sd3_pipeline_dir, tmp_p
     from diffusers import StableDiffusion3Pipeline
     from safetensors.torch import load_file
 
-    from worker.families import Text
-    from worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.families import Text
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
     adapter = adapter_for(inspect_pipeline(sd3_pipeline_dir), tmp_path, torch.float32)
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline_dir, dtype=torch.float32)
@@ -145,7 +145,7 @@ def test_sd3_transformer_that_does_not_fit_is_named(
 ):
     import shutil
 
-    from worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from workbench.worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
 
     folder = shutil.copytree(sd3_pipeline_dir, tmp_path / "copy")
     config = json.loads((folder / "transformer" / "config.json").read_text())

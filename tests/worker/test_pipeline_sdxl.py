@@ -13,7 +13,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.outputs import COMFY_FILE
+from workbench.worker.outputs import COMFY_FILE
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_sdxl_text_time_ids_and_targets_are_the_pipelines(sdxl_run, sdxl_pipelin
     from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import load_file
 
-    from worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
     adapter = adapter_for(inspect_pipeline(sdxl_pipeline_dir), tmp_path, torch.float32)
     pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_pipeline_dir, dtype=torch.float32)
@@ -135,7 +135,7 @@ def test_sdxl_text_time_ids_and_targets_are_the_pipelines(sdxl_run, sdxl_pipelin
     assert torch.allclose(target, a.sqrt() * noise - (1 - a).sqrt() * x0, atol=1e-6)
     assert adapter.validation_pair(x0, noise, 0.75)[1].tolist() == [749, 749]
     adapter.check_validation()  # DDPM with a validation loss, unlike the factory UNet family
-    from worker.families import family
+    from workbench.worker.families import family
 
     with pytest.raises(ValueError, match="validation_every: the unet family has no flow valid"):
         family("unet").check_validation()
@@ -146,7 +146,7 @@ def test_the_real_sdxl_unet_streams_its_seven_stages():
     count): the weight runtime streams its 3 down, 3 up and mid blocks, found from the model."""
     from diffusers import UNet2DConditionModel
 
-    from runtime.weights.registry import find_blocks
+    from stagehand.weights.registry import find_blocks
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(
@@ -190,7 +190,7 @@ def test_the_real_sdxl_unet_streams_its_seven_stages():
 def test_sdxl_unet_that_does_not_fit_is_named(sdxl_pipeline_dir, tmp_path, field, value, message):
     import shutil
 
-    from worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from workbench.worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
 
     folder = shutil.copytree(sdxl_pipeline_dir, tmp_path / "copy")
     config = json.loads((folder / "unet" / "config.json").read_text())

@@ -13,9 +13,9 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.assets import ENV_VAR
-from worker.cli import main
-from worker.outputs import COMFY_FILE
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
+from workbench.worker.outputs import COMFY_FILE
 
 
 def _preset(pipe_io, tmp, folder, clips, name="wan", **over):
@@ -95,8 +95,8 @@ def test_wan_parts_match_the_pipeline(wan_pipeline_dir, tmp_path):
     what ``__call__`` decodes."""
     from diffusers import WanPipeline
 
-    from worker.families import Text
-    from worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.families import Text
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
     adapter = adapter_for(inspect_pipeline(wan_pipeline_dir), tmp_path, torch.float32)
     pipe = WanPipeline.from_pretrained(wan_pipeline_dir, dtype=torch.float32)
@@ -138,8 +138,8 @@ def test_wan22_trains_one_expert_in_its_sigma_range(
     from diffusers import WanPipeline
     from safetensors import safe_open
 
-    from worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
-    from worker.preset import validate_preset
+    from workbench.worker.pipelines import PipelineFolderError, adapter_for, inspect_pipeline
+    from workbench.worker.preset import validate_preset
 
     info = inspect_pipeline(wan22_pipeline_dir)
     assert info.experts == ["high_noise", "low_noise"]

@@ -13,7 +13,7 @@ from tests.worker.conftest import (
     assert_streamed_and_spilled,
     stage1_steps,
 )
-from worker.outputs import COMFY_FILE
+from workbench.worker.outputs import COMFY_FILE
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,8 @@ def test_zimage_predict_is_one_euler_step_of_the_pipeline(zimage_pipeline_dir, t
     x - predict(x, 1); the static shift of 3 is the scheduler's."""
     from diffusers import ZImagePipeline
 
-    from worker.families import Text
-    from worker.pipelines import adapter_for, inspect_pipeline
+    from workbench.worker.families import Text
+    from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
     adapter = adapter_for(inspect_pipeline(zimage_pipeline_dir), tmp_path, torch.float32)
     pipe = ZImagePipeline.from_pretrained(zimage_pipeline_dir, dtype=torch.float32)

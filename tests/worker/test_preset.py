@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from contract.preset import PRESETS_DIR, Preset, PresetError
-from worker.preset import list_presets, load_preset, validate_preset
+from workbench.contract.preset import PRESETS_DIR, Preset, PresetError
+from workbench.worker.preset import list_presets, load_preset, validate_preset
 
 # Copied from the LTX-2 bf16 on 24 GB case study (verbatim).
 LTX2_SEED = """{
@@ -328,7 +328,7 @@ def test_preset_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, worker.preset; print('torch' in sys.modules)"
+    code = "import sys, workbench.worker.preset; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

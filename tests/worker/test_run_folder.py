@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from worker.cli import main
+from workbench.worker.cli import main
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_a_file_gone_while_the_folder_is_being_removed_names_the_removed_folder(
     """``shutil.rmtree`` empties a folder before removing it: a worker that meets the missing
     ``control/`` first still reports the folder removed (it waits for the removal to finish),
     and a file removed from a folder that stays is named as such."""
-    from worker import outputs
+    from workbench.worker import outputs
 
     run_dir = tmp_path / "run"
     (run_dir / "control").mkdir(parents=True)

@@ -8,9 +8,9 @@ import torch
 from PIL import Image
 
 from tests.worker.messy_data import BAD, LEFT_OUT, USABLE, WARNED, build_messy
-from worker.clips import load_clip
-from worker.data import load_image, load_sample, to_rgb
-from worker.scan import DataError, Sample, read_caption, scan_folder
+from workbench.worker.clips import load_clip
+from workbench.worker.data import load_image, load_sample, to_rgb
+from workbench.worker.scan import DataError, Sample, read_caption, scan_folder
 
 
 def _reasons(scan, bad: bool) -> dict[str, str]:
@@ -156,7 +156,7 @@ def test_video_families_read_images_as_the_image_families_do(tmp_path):
 
 
 def test_messy_folder_trains_with_every_bad_file_named(cache_env, tmp_path, make_preset, run_io):
-    from worker.cli import main
+    from workbench.worker.cli import main
 
     folder = build_messy(tmp_path / "messy")
     preset = make_preset(
@@ -181,7 +181,7 @@ def test_messy_folder_trains_with_every_bad_file_named(cache_env, tmp_path, make
 def test_a_run_that_cannot_use_its_data_fails_before_any_model_loads(
     cache_env, tmp_path, make_preset, run_io, policy
 ):
-    from worker.cli import main
+    from workbench.worker.cli import main
 
     folder = build_messy(tmp_path / "messy")
     if policy == "skip":  # nothing usable left

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.squareq.formats import dequantize, quantize
-from runtime.squareq.prequantized import row_scales
-from runtime.strategy import build_strategy
-from worker.pipelines import PipelineFolderError, inspect_pipeline
-from worker.pipelines.folder import tensors_of, weight_files
-from worker.pipelines.single_file import convert_single_file
+from stagehand.squareq.formats import dequantize, quantize
+from stagehand.squareq.prequantized import row_scales
+from stagehand.strategy import build_strategy
+from workbench.worker.pipelines import PipelineFolderError, inspect_pipeline
+from workbench.worker.pipelines.folder import tensors_of, weight_files
+from workbench.worker.pipelines.single_file import convert_single_file
 
 from ..runtime.exact import assert_exact, make_model, train
 
@@ -280,8 +280,8 @@ def test_preset_with_squareq_trains_from_fp8_single_file(
     """The trainer passes SquareQ's state to the conversion: a preset with
     ``memory.stagehand.squareq`` trains from a ComfyUI-style file, its block weights streamed
     as stored (``squareq/step``: no weight quantized again)."""
-    from worker.assets import ENV_VAR
-    from worker.cli import main
+    from workbench.worker.assets import ENV_VAR
+    from workbench.worker.cli import main
 
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
     single = tmp_path / "sd3-fp8.safetensors"
@@ -309,8 +309,8 @@ def test_scaled_fp8_folder_without_file_backed_squareq_is_refused_naming_model_p
     key and the scale; with file-backed SquareQ it binds."""
     import shutil
 
-    from worker.preset import load_preset, validate_preset
-    from worker.setup import pipeline_family
+    from workbench.worker.preset import load_preset, validate_preset
+    from workbench.worker.setup import pipeline_family
 
     folder = tmp_path / "pipe"
     shutil.copytree(sd3_pipeline_dir, folder)

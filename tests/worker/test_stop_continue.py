@@ -1,7 +1,7 @@
 """A stopped run can be continued, and no record of it lies past the step it stopped at; a
 limits request sent while the worker starts is held and applied at the first step.
 
-The runs are tiny-ci in this process (``worker.run.Run``), with a real control folder: the stop
+The runs are tiny-ci in this process (``workbench.worker.run.Run``), with a real control folder: the stop
 request is written once the wanted number of steps ran (a subclass's ``poll_control``), so the
 step a run stops at does not depend on timing."""
 
@@ -9,9 +9,9 @@ import json
 
 import torch
 
-from contract.control import write_request
-from worker.cli import main
-from worker.run import Run
+from workbench.contract.control import write_request
+from workbench.worker.cli import main
+from workbench.worker.run import Run
 
 SAMPLES = {"samples": {"prompts": ["a handwritten digit three"], "steps": 2}}
 

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from worker.assets import ENV_VAR
-from worker.cli import main
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
 
 
 def _losses(recs, of):
@@ -130,7 +130,7 @@ def test_saved_lora_loads_back_with_diffusers_and_changes_the_output(tiny_run, t
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import load_file
 
-    from worker.assets import example_inputs, output_tensor
+    from workbench.worker.assets import example_inputs, output_tensor
 
     model = FluxTransformer2DModel.from_pretrained(tiny_flux).eval()
     inputs = example_inputs(model, batch_size=1, seed=0, latent_hw=(8, 8))
@@ -157,7 +157,7 @@ def test_corrupt_model_folder_writes_the_error_record(
     preset = make_preset(
         model={"factory": None, "path": str(bad), "vae_path": str(vae)},
     )
-    from worker.assets import build_model
+    from workbench.worker.assets import build_model
 
     shutil.copytree(build_model("vae", "tiny"), vae)
     run_dir = tmp_path / "failed"
@@ -183,10 +183,10 @@ def test_invalid_preset_file_exits_nonzero_with_path_named_error(
 def test_sample_prompts_use_their_own_text_rows(cache_env, make_preset, tmp_path):
     """Stage 1 caches each distinct text once: a prompt that is also a caption shares that
     caption's row, another prompt gets a row after the captions; samples are drawn from those."""
-    from worker.families import family
-    from worker.preset import load_preset, validate_preset
-    from worker.run import Run
-    from worker.setup import resolve_assets
+    from workbench.worker.families import family
+    from workbench.worker.preset import load_preset, validate_preset
+    from workbench.worker.run import Run
+    from workbench.worker.setup import resolve_assets
 
     prompts = ["a handwritten digit seven", "a red bicycle", "a handwritten digit three"]
     path = make_preset("rows", samples={"prompts": prompts}, data={"limit": 10})

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from contract.preset import PRESETS_DIR, PresetError
-from worker.assets import ENV_VAR
-from worker.cli import main
-from worker.families import Text, family
-from worker.preset import load_preset, validate_preset
+from workbench.contract.preset import PRESETS_DIR, PresetError
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
+from workbench.worker.families import Text, family
+from workbench.worker.preset import load_preset, validate_preset
 
 
 def _write(tmp_path, name: str, **over) -> str:
@@ -58,7 +58,7 @@ def test_unet_tiny_preset_validates():
 def test_unet_loss_is_ddpm_noise_prediction(prediction):
     from types import SimpleNamespace
 
-    from worker.assets import instantiate
+    from workbench.worker.assets import instantiate
 
     unet = instantiate("unet", "tiny")
     fam = family("unet")
@@ -151,7 +151,7 @@ def test_unet_tiny_trains_end_to_end(unet_run, cache_env, tmp_path, run_io):
 def test_unet_lora_loads_back_and_changes_output(unet_run, cache_env):
     from diffusers import UNet2DConditionModel
 
-    from worker.assets import build_model, example_inputs
+    from workbench.worker.assets import build_model, example_inputs
 
     lora = unet_run / "lora" / "pytorch_lora_weights.safetensors"
     unet = UNet2DConditionModel.from_pretrained(build_model("unet", "tiny")).eval()

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from contract.config import ActivationStagehandConfig
-from runtime.activations import ActivationRuntime
+from stagehand.activations import ActivationRuntime
+from stagehand.config.memory import ActivationStagehandConfig
 
 pytestmark = pytest.mark.gpu
 

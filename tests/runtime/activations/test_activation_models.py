@@ -9,11 +9,11 @@ must add up.
 import pytest
 import torch
 
-from bench.activations import lora_model, train_steps
-from contract.config import MB, ActivationStagehandConfig
-from runtime.activations import ActivationRuntime
-from runtime.common.memory import DeviceMemory
-from runtime.common.telemetry import ListSink, Telemetry
+from stagehand.activations import ActivationRuntime
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.config.memory import MB, ActivationStagehandConfig
+from workbench.bench.activations import lora_model, train_steps
 
 pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
 

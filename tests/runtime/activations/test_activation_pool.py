@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from contract.config import MB, ActivationStagehandConfig
-from runtime.activations import ActivationRuntime, CPUSpillBackend
+from stagehand.activations import ActivationRuntime, CPUSpillBackend
+from stagehand.config.memory import MB, ActivationStagehandConfig
 
 KB = 1024
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bench.activations import lora_model, train_steps
-from contract.config import ActivationStagehandConfig
-from runtime.activations import ActivationRuntime
+from stagehand.activations import ActivationRuntime
+from stagehand.config.memory import ActivationStagehandConfig
+from workbench.bench.activations import lora_model, train_steps
 
 STEPS = 3
 

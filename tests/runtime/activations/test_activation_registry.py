@@ -6,8 +6,7 @@ import pydantic
 import pytest
 import torch
 
-from contract.config import MB, ActivationStagehandConfig, StagehandSection
-from runtime.activations import (
+from stagehand.activations import (
     ActivationBudgetManager,
     ActivationRegistry,
     ActivationRuntime,
@@ -15,7 +14,8 @@ from runtime.activations import (
     ActivationStateError,
     ActivationTransferEngine,
 )
-from runtime.common.memory import DeviceMemory
+from stagehand.common.memory import DeviceMemory
+from stagehand.config.memory import MB, ActivationStagehandConfig, StagehandSection
 
 S = ActivationState
 SMALL_POOL = {"pinned_pool_classes_mb": (0.0625,), "slabs_per_class": 4}

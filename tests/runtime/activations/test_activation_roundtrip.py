@@ -7,8 +7,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contract.config import ActivationStagehandConfig
-from runtime.activations import (
+from stagehand.activations import (
     STEP_FIELDS,
     ActivationRuntime,
     ActivationState,
@@ -16,8 +15,9 @@ from runtime.activations import (
     ChecksumError,
     SpilledTensor,
 )
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.conductor.transfer import TransferManager
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.conductor.transfer import TransferManager
+from stagehand.config.memory import ActivationStagehandConfig
 
 SPILL_ALL = {
     "vram_high_watermark_mb": 0,

@@ -5,16 +5,16 @@ without gradient checkpointing. Gradients must equal those of the model without 
 import pytest
 import torch
 
-from bench.activations import lora_model, train_steps
-from contract.config import ActivationStagehandConfig, StagehandConfig
-from runtime.activations import ActivationRuntime
-from runtime.common.memory import DeviceMemory
-from runtime.common.saved_tensors import SavedTensorRouter
-from worker.assets import example_inputs, output_tensor
+from stagehand.activations import ActivationRuntime
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.saved_tensors import SavedTensorRouter
+from stagehand.config.memory import ActivationStagehandConfig, StagehandConfig
+from workbench.bench.activations import lora_model, train_steps
+from workbench.worker.assets import example_inputs, output_tensor
 
 pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
 
-weights_runtime = pytest.importorskip("runtime.weights")
+weights_runtime = pytest.importorskip("stagehand.weights")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

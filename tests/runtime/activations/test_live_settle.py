@@ -1,4 +1,4 @@
-"""NOTE [ Live watermarks ] (``runtime/weights/policy.py``): activation (spill) watermarks set
+"""NOTE [ Live watermarks ] (``runtime/stagehand/weights/policy.py``): activation (spill) watermarks set
 live reach the steady state a run started with them reaches, the weight runtime's included:
 both runtimes compare the one device usage with their watermarks, so spilling more or less
 moves what the weight watermarks keep. On the tiny Flux under the ``default`` preset's
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.strategy import build_strategy
 from tests.runtime import exact
 from tests.runtime.live_settle import STEADY, train
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 WEIGHTS = {"vram_high_watermark_mb": 2.25, "vram_low_watermark_mb": 1.0}
 SPILL = {"activation_vram_high_watermark_mb": 0.05, "activation_vram_low_watermark_mb": 0.0}

@@ -4,12 +4,12 @@ runtime's placement: resident weights in ordinary allocations, block views at ``
 
 import torch
 
-from runtime.common import own_storage
-from runtime.common.device import CPU_ALIGN
-from runtime.weights import WeightRuntime
-from runtime.weights.registry import ALIGN
+from stagehand.common import own_storage
+from stagehand.common.device import CPU_ALIGN
+from stagehand.weights import WeightRuntime
+from stagehand.weights.registry import ALIGN
 from tests.runtime.weights._train import config
-from worker.assets import example_inputs, model_class
+from workbench.worker.assets import example_inputs, model_class
 
 
 def _misaligned(model: torch.nn.Module) -> list[str]:

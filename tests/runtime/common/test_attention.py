@@ -4,7 +4,7 @@ application (process-wide: each test restores the flag)."""
 import pytest
 import torch
 
-from runtime.common.attention import apply_attention_backend, choose_cudnn_sdp, torch_release
+from stagehand.common.attention import apply_attention_backend, choose_cudnn_sdp, torch_release
 
 
 @pytest.fixture(autouse=True)

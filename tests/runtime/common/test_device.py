@@ -1,8 +1,8 @@
-"""The device layer's own rules (``runtime/common/device.py``)."""
+"""The device layer's own rules (``runtime/stagehand/common/device.py``)."""
 
 import torch
 
-from runtime.common.device import same_device
+from stagehand.common.device import same_device
 
 
 def test_a_cuda_device_without_an_index_is_the_current_one(monkeypatch):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from runtime.common import host_ram as module
-from runtime.common.host_ram import host_ram
+from stagehand.common import host_ram as module
+from stagehand.common.host_ram import host_ram
 
 GIB = 2**30
 MACHINE = (200 * GIB, 256 * GIB)  # (available, total)

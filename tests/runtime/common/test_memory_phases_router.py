@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from contract.config import MB
-from runtime.common.memory import DeviceMemory
-from runtime.common.phases import Phase, PhaseError, check_transition
-from runtime.common.saved_tensors import SavedTensorRouter
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.phases import Phase, PhaseError, check_transition
+from stagehand.common.saved_tensors import SavedTensorRouter
+from stagehand.config.memory import MB
 
 
 def test_tracked_memory_counts_categories_and_peak():
@@ -34,7 +34,7 @@ def test_untracking_more_than_tracked_raises():
 def test_cuda_figures_read_the_allocator_once_per_change(monkeypatch):
     """On CUDA one read of the allocator's statistics serves every figure until the runtimes'
     own bytes change or ``STATS_REUSE_S`` passed (the allocator read stands in for CUDA)."""
-    from runtime.common import memory as memory_module
+    from stagehand.common import memory as memory_module
 
     reads = []
 

@@ -1,4 +1,4 @@
-"""The one walker over nested structures (``runtime.common.nested``): every tensor found, and
+"""The one walker over nested structures (``stagehand.common.nested``): every tensor found, and
 the structure rebuilt with the same types around the replaced tensors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import OrderedDict, namedtuple
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from runtime.common.nested import flatten, in_backward
+from stagehand.common.nested import flatten, in_backward
 
 Pair = namedtuple("Pair", "first second")
 

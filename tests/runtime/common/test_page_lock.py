@@ -12,7 +12,7 @@ import mmap
 import pytest
 import torch
 
-from runtime.common import device
+from stagehand.common import device
 
 
 class FakeCudart:

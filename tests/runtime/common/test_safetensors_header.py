@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from runtime.common.safetensors_header import (
+from stagehand.common.safetensors_header import (
     SafetensorsHeaderError,
     header_bytes,
     read_header,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from runtime.common.telemetry import JsonlSink, ListSink, Telemetry
+from stagehand.common.telemetry import JsonlSink, ListSink, Telemetry
 
 
 def test_envelope_and_increasing_seq():

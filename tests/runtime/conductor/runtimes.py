@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from contract.config import ActivationStagehandConfig, StagehandConfig
-from runtime.activations import ActivationRuntime
-from runtime.common.memory import DeviceMemory
-from runtime.common.telemetry import Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.activations import ActivationRuntime
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.telemetry import Telemetry
+from stagehand.config.memory import ActivationStagehandConfig, StagehandConfig
+from stagehand.weights import WeightRuntime
 
 
 class Blocks(torch.nn.Module):

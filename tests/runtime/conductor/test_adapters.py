@@ -2,13 +2,13 @@
 are never written, so a live change survives a cap, and detach clears every cap. Tested on the
 real runtimes (``runtimes.py``)."""
 
-from contract.config import ConductorConfig
-from runtime.common.memory import DeviceMemory
-from runtime.common.phases import Phase
-from runtime.conductor.policy import RuntimeLimitHints
-from runtime.conductor.runtime import ConductorRuntime
-from runtime.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
-from runtime.weights.scheduler import BlockScheduler
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.phases import Phase
+from stagehand.conductor.policy import RuntimeLimitHints
+from stagehand.conductor.runtime import ConductorRuntime
+from stagehand.config.memory import ConductorConfig
+from stagehand.strategy.adapters import ActStagehandConductorAdapter, StagehandConductorAdapter
+from stagehand.weights.scheduler import BlockScheduler
 from tests.runtime.conductor.runtimes import activation_runtime, weight_runtime
 
 
@@ -107,9 +107,9 @@ def test_a_full_step_through_the_conductor_then_shutdown_clears_every_cap():
 
 
 def test_slots_of_finished_copies_are_reclaimed_before_a_full_pool_denies():
-    from contract.config import StagehandConfig
-    from runtime.common.telemetry import Telemetry
-    from runtime.weights import WeightRuntime
+    from stagehand.common.telemetry import Telemetry
+    from stagehand.config.memory import StagehandConfig
+    from stagehand.weights import WeightRuntime
     from tests.runtime.conductor.runtimes import Blocks
     from tests.runtime.device_double import device_double
 

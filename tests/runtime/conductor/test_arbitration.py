@@ -4,11 +4,11 @@ freed) before the activation runtime spills (2)."""
 
 import pytest
 
-from contract.config import MB
-from runtime.conductor.arbitration import auto_limits
-from runtime.strategy import build_strategy
-from runtime.weights.defaults import block_bytes
-from runtime.weights.registry import find_blocks
+from stagehand.conductor.arbitration import auto_limits
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from stagehand.weights.defaults import block_bytes
+from stagehand.weights.registry import find_blocks
 from tests.runtime import exact
 
 from ..strategy.test_auto import _memory, _train

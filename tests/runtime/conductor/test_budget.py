@@ -1,12 +1,12 @@
-"""BudgetManager: the mode x priority table of runtime/conductor/budget.py, case by case."""
+"""BudgetManager: the mode x priority table of runtime/stagehand/conductor/budget.py, case by case."""
 
 import pytest
 
-from contract.config import MB, ConductorConfig
-from runtime.common.memory import DeviceMemory
-from runtime.common.phases import Phase
-from runtime.conductor.budget import BudgetManager
-from runtime.conductor.types import BudgetMode, DenialReason, GrantOutcome, Priority
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.phases import Phase
+from stagehand.conductor.budget import BudgetManager
+from stagehand.conductor.types import BudgetMode, DenialReason, GrantOutcome, Priority
+from stagehand.config.memory import MB, ConductorConfig
 
 # soft 1000 / hard 1200 MB, background limit 0.8 x 1000 = 800 MB; pinned budget 500 MB.
 CONFIG = ConductorConfig(

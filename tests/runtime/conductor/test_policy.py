@@ -3,13 +3,13 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contract.config import MB, ConductorConfig
-from runtime.common.memory import DeviceMemory
-from runtime.common.phases import Phase
-from runtime.conductor.policy import HeuristicPolicyBridge, RuntimeLimitHints
-from runtime.conductor.runtime import ConductorRuntime
-from runtime.conductor.types import DenialReason
-from runtime.strategy.adapters import StagehandConductorAdapter
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.phases import Phase
+from stagehand.conductor.policy import HeuristicPolicyBridge, RuntimeLimitHints
+from stagehand.conductor.runtime import ConductorRuntime
+from stagehand.conductor.types import DenialReason
+from stagehand.config.memory import MB, ConductorConfig
+from stagehand.strategy.adapters import StagehandConductorAdapter
 from tests.runtime.conductor.runtimes import weight_runtime
 
 CONFIG = ConductorConfig(

@@ -1,6 +1,6 @@
 """The Conductor denies prefetch only when there is no room.
 
-A FLUX.1-dev transformer scaled to tiny widths (all 57 blocks kept: ``bench.realmodel``)
+A FLUX.1-dev transformer scaled to tiny widths (all 57 blocks kept: ``workbench.bench.realmodel``)
 trains LoRA steps under ``presets/flux-dev-24gb.json``'s memory section, its MB figures scaled by
 the ratio of the largest blocks, on a device that lags the host by 6 operations: the block copies
 end well after the runtime issued them, as on a GPU whose reads are slower than compute. Before
@@ -15,7 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.realmodel import (
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.strategy import build_strategy
+from tests.runtime.device_double import device_double
+from workbench.bench.realmodel import (
     REAL_MODELS,
     build_weights,
     card_section,
@@ -24,10 +27,7 @@ from bench.realmodel import (
     scale_section,
     section_scale,
 )
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from tests.runtime.device_double import device_double
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 SPEC = REAL_MODELS["flux-dev"]
 LAG = 6

@@ -2,14 +2,14 @@
 
 import pytest
 
-from contract.config import MB, ConductorConfig
-from runtime.common.memory import DeviceMemory
-from runtime.common.phases import PhaseError
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.conductor.runtime import ConductorRuntime
-from runtime.conductor.telemetry import STEP_FIELDS
-from runtime.conductor.types import DenialReason
-from runtime.strategy.adapters import StagehandConductorAdapter
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.phases import PhaseError
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.conductor.runtime import ConductorRuntime
+from stagehand.conductor.telemetry import STEP_FIELDS
+from stagehand.conductor.types import DenialReason
+from stagehand.config.memory import MB, ConductorConfig
+from stagehand.strategy.adapters import StagehandConductorAdapter
 from tests.runtime.conductor.runtimes import weight_runtime
 
 

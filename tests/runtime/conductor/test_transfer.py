@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from runtime.conductor.transfer import TransferManager
-from runtime.conductor.types import DenialReason, Priority
+from stagehand.conductor.transfer import TransferManager
+from stagehand.conductor.types import DenialReason, Priority
 
 
 def test_pools_are_separate_and_exhaustion_is_typed():

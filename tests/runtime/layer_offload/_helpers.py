@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tests.runtime import exact
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 
 def make_model(arch: str, path: Path) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """``enable_async_offloading`` changes when the offloaded blocks are copied, never which blocks
-are offloaded (NOTE [ Layer-order window ] in ``runtime/layer_offload/schedule.py``).
+are offloaded (NOTE [ Layer-order window ] in ``runtime/stagehand/layer_offload/schedule.py``).
 
 At ``layer_offload_fraction`` 0.5, on the denoiser of every family's tiny pipeline folder
 (``tests/fixtures``: Flux, SD3, Qwen-Image, Wan, Z-Image, FLUX.2, LTX-2, called through the
@@ -27,8 +27,8 @@ import diffusers
 import pytest
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.strategy import build_strategy
+from stagehand.common import ListSink, Telemetry
+from stagehand.strategy import build_strategy
 from tests.fixtures.pipelines import build_pipeline
 from tests.runtime.device_double import SLOW, device_double
 from tests.runtime.exact import (
@@ -40,7 +40,7 @@ from tests.runtime.exact import (
     train,
 )
 from tests.runtime.test_squareq_exactness import PIPELINE_FAMILIES, family_forward
-from worker.pipelines import adapter_for, inspect_pipeline
+from workbench.worker.pipelines import adapter_for, inspect_pipeline
 
 from ._helpers import layer_offload
 

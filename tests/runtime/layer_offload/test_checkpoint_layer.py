@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.layer_offload.checkpoint_layer import OffloadCheckpointLayer, install, uninstall
+from stagehand.layer_offload.checkpoint_layer import OffloadCheckpointLayer, install, uninstall
 
 
 @dataclasses.dataclass(frozen=True)

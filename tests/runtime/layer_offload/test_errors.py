@@ -4,9 +4,9 @@ import pydantic
 import pytest
 import torch
 
-from contract.config import MemoryConfig
-from runtime.layer_offload import resident_count
-from runtime.strategy import build_strategy
+from stagehand.config.memory import MemoryConfig
+from stagehand.layer_offload import resident_count
+from stagehand.strategy import build_strategy
 
 from ._helpers import layer_offload, make_model
 

@@ -6,8 +6,8 @@ import gc
 import pytest
 import torch
 
-from runtime.layer_offload.checkpoint_layer import OffloadCheckpointLayer
-from runtime.strategy import build_strategy
+from stagehand.layer_offload.checkpoint_layer import OffloadCheckpointLayer
+from stagehand.strategy import build_strategy
 
 from ._helpers import layer_offload, make_model, train
 

@@ -1,10 +1,10 @@
-"""Folders import each other one way: ``runtime.strategy`` uses ``runtime.layer_offload``, never
+"""Folders import each other one way: ``stagehand.strategy`` uses ``stagehand.layer_offload``, never
 the reverse."""
 
 import ast
 from pathlib import Path
 
-import runtime.layer_offload
+import stagehand.layer_offload
 
 
 def _imported(path: Path) -> set[str]:
@@ -18,9 +18,9 @@ def _imported(path: Path) -> set[str]:
 
 
 def test_layer_offload_imports_nothing_of_the_strategies():
-    files = sorted(Path(runtime.layer_offload.__file__).parent.glob("*.py"))
+    files = sorted(Path(stagehand.layer_offload.__file__).parent.glob("*.py"))
     assert len(files) >= 5
     found = {
-        f.name: sorted(n for n in _imported(f) if n.startswith("runtime.strategy")) for f in files
+        f.name: sorted(n for n in _imported(f) if n.startswith("stagehand.strategy")) for f in files
     }
     assert found == {f.name: [] for f in files}

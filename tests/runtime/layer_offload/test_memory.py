@@ -3,8 +3,8 @@ the resident layers + one layer + one layer's activations (CPU: DeviceMemory tra
 
 import pytest
 
-from contract.config import MB
-from runtime.strategy import build_strategy
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
 
 from ._helpers import layer_offload, make_model, train
 

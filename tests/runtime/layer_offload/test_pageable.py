@@ -5,9 +5,9 @@ are, page-locked whenever the pool is; ``test_gpu.py`` checks the count on CUDA.
 
 import torch
 
-import runtime.activations.pool as pool_module
-from runtime.activations.pool import CPUSpillBackend
-from runtime.strategy import build_strategy
+import stagehand.activations.pool as pool_module
+from stagehand.activations.pool import CPUSpillBackend
+from stagehand.strategy import build_strategy
 
 from ._helpers import layer_offload, make_model, train
 

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from contract.config import MB
-from runtime.common import ListSink, Telemetry
-from runtime.layer_offload import OffloadCheckpointLayer
-from runtime.strategy import build_strategy
+from stagehand.common import ListSink, Telemetry
+from stagehand.config.memory import MB
+from stagehand.layer_offload import OffloadCheckpointLayer
+from stagehand.strategy import build_strategy
 
 from ._helpers import assert_same_training, layer_offload, make_model, train
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import _StopRecomputationError, set_checkpoint_early_stop
 
-from runtime.common import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from worker.assets import example_inputs, output_tensor
+from stagehand.common import ListSink, Telemetry
+from stagehand.strategy import build_strategy
+from workbench.worker.assets import example_inputs, output_tensor
 
 from ._helpers import assert_same_training, layer_offload, make_model, train
 

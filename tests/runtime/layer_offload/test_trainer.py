@@ -2,9 +2,9 @@
 
 import json
 
-from contract.preset import PRESETS_DIR
-from worker.assets import ENV_VAR
-from worker.cli import main
+from workbench.contract.preset import PRESETS_DIR
+from workbench.worker.assets import ENV_VAR
+from workbench.worker.cli import main
 
 SEED_MEMORY = {  # presets/flux-2048-layer-offload.json's memory section
     "strategy": "layer_offload",

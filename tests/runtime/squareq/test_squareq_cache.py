@@ -13,7 +13,7 @@ import struct
 
 import pytest
 
-from runtime.squareq import checksum, store
+from stagehand.squareq import checksum, store
 from tests.runtime.squareq.test_squareq_runtime import runtime
 from tests.runtime.weights._train import train
 
@@ -216,10 +216,10 @@ def test_the_device_branch_writes_the_bytes_and_errors_of_the_cpu_one(tiny_flux,
     writes the same file and the same errors as the CPU's path, in bf16."""
     import torch
 
-    from runtime.squareq.runtime import cache_entries
-    from runtime.weights import find_blocks
-    from runtime.weights.convert import register_blocks
-    from runtime.weights.sources import SafetensorsCheckpoint
+    from stagehand.squareq.runtime import cache_entries
+    from stagehand.weights import find_blocks
+    from stagehand.weights.convert import register_blocks
+    from stagehand.weights.sources import SafetensorsCheckpoint
     from tests.runtime.weights._train import make_model
 
     model = make_model("flux", tiny_flux).to(torch.bfloat16)

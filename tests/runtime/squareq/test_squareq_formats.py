@@ -4,8 +4,8 @@ deterministic, a zero row survives, and the error table names the worst layer.""
 import pytest
 import torch
 
-from contract.config import SQUAREQ_FORMATS
-from runtime.squareq.formats import (
+from stagehand.config.memory import SQUAREQ_FORMATS
+from stagehand.squareq.formats import (
     CPU_CHUNK_ELEMENTS,
     FORMATS,
     QMAX,
@@ -16,7 +16,7 @@ from runtime.squareq.formats import (
     quantize,
     relative_rms,
 )
-from runtime.squareq.image import pack, packed_bytes, unpack
+from stagehand.squareq.image import pack, packed_bytes, unpack
 
 
 def weight(rows=48, cols=80, dtype=torch.bfloat16, seed=0):
@@ -26,7 +26,7 @@ def weight(rows=48, cols=80, dtype=torch.bfloat16, seed=0):
 
 
 def test_every_format_a_config_names_is_implemented():
-    """The names are ``contract.config.SQUAREQ_FORMATS`` (the Literal a config is checked
+    """The names are ``stagehand.config.memory.SQUAREQ_FORMATS`` (the Literal a config is checked
     against); ``FORMATS`` holds one storage dtype per name, in the same order."""
     assert tuple(FORMATS) == SQUAREQ_FORMATS == ("int8", "fp8_e4m3")
     assert QMAX == {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -131,7 +131,7 @@ def test_packed_entry_round_trips():
 
 
 def test_error_table_names_the_worst_layer():
-    from runtime.squareq.formats import LayerError
+    from stagehand.squareq.formats import LayerError
 
     table = error_table(
         [
@@ -152,8 +152,8 @@ def test_block_image_fills_mixed_dtype_layouts_bit_exactly(fmt):
     block mixing bf16 and fp32 linears, biases and a norm."""
     from torch import nn
 
-    from runtime.squareq.image import BlockImage
-    from runtime.weights.registry import Block, build_layout
+    from stagehand.squareq.image import BlockImage
+    from stagehand.weights.registry import Block, build_layout
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(80, 48), nn.LayerNorm(48), nn.Linear(48, 40).float())
@@ -204,7 +204,7 @@ def test_quantize_is_its_rule_computed_plainly_in_fp32(fmt, dtype):
 
 def test_relative_rms_in_chunks_is_the_whole_weight_figure(monkeypatch):
     """Chunked, with the difference in fp32, it is the one-pass fp64 figure up to summation order."""
-    import runtime.squareq.formats as formats
+    import stagehand.squareq.formats as formats
 
     w = weight(64, 96, dtype=torch.float32)
     restored = dequantize(*quantize(w, "int8"), torch.float32)

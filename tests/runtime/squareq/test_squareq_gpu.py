@@ -7,11 +7,11 @@ Every test runs under the trainer's cuDNN SDPA guard (``tests/runtime/conftest.p
 import pytest
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.squareq.runtime import dequantized_in_place
-from runtime.weights import WeightRuntime, find_blocks
+from stagehand.common import ListSink, Telemetry
+from stagehand.squareq.runtime import dequantized_in_place
+from stagehand.weights import WeightRuntime, find_blocks
 from tests.runtime.weights._train import Wide, config, make_model
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 pytestmark = pytest.mark.gpu
 
@@ -141,7 +141,7 @@ def test_dequant_on_the_copy_stream_without_host_syncs(tmp_path):
 def test_the_cache_quantized_on_the_gpu_is_the_cpus_byte_for_byte(tiny_flux, tmp_path, fmt):
     """NOTE [ Quantizing on the GPU ]: a CUDA runtime quantizes its cache there; the bytes are
     those the CPU writes (bf16 weights), so a cache does not depend on where it was made."""
-    from runtime.squareq import store
+    from stagehand.squareq import store
 
     files = []
     for device in ("cpu", "cuda"):

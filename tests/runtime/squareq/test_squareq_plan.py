@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from contract.config import MB
-from plan.plan import check_memory
-from plan.reference import flux_dev_plan, streaming_memory
-from plan.sections import block_sizes, weight_section
+from stagehand.config.memory import MB
+from workbench.plan.plan import check_memory
+from workbench.plan.reference import flux_dev_plan, streaming_memory
+from workbench.plan.sections import block_sizes, weight_section
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from contract.config import MemoryConfig, StagehandConfig
-from runtime.common import ListSink, Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.common import ListSink, Telemetry
+from stagehand.config.memory import MemoryConfig, StagehandConfig
+from stagehand.weights import WeightRuntime
 from tests.runtime.weights._train import config, make_model, train
 
 
@@ -88,7 +88,7 @@ def test_host_cache_and_copies_carry_the_images(tiny_flux, tmp_path):
 def test_conductor_registers_the_squareq_adapter_and_its_staging(tiny_flux, tmp_path):
     """The third adapter: its device staging (one image per copy in flight) is a VRAM
     reservation owned by ``squareq``, and its snapshot is in the Conductor's records."""
-    from runtime.strategy import build_strategy
+    from stagehand.strategy import build_strategy
     from tests.runtime.exact import train as train_exact
 
     model = make_model("flux", tiny_flux)

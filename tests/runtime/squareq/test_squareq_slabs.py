@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from contract.config import MB, StagehandConfig
-from plan.inventory import add_lora, meta_model
-from plan.plan import plan_model
-from plan.profiles import profile
-from plan.reference import FLUX_LORA_TARGETS
-from runtime.weights import WeightRuntime, setup
-from runtime.weights.defaults import block_bytes, resolve, staged_sizes
-from runtime.weights.registry import find_blocks
-from worker.assets import example_inputs
+from stagehand.config.memory import MB, StagehandConfig
+from stagehand.weights import WeightRuntime, setup
+from stagehand.weights.defaults import block_bytes, resolve, staged_sizes
+from stagehand.weights.registry import find_blocks
+from workbench.plan.inventory import add_lora, meta_model
+from workbench.plan.plan import plan_model
+from workbench.plan.profiles import profile
+from workbench.plan.reference import FLUX_LORA_TARGETS
+from workbench.worker.assets import example_inputs
 
 CONFIG = {  # FLUX's layout at 512 wide: ~7.5 MB blocks in bf16, several slabs' worth
     "patch_size": 1,

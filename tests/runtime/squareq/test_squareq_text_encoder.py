@@ -5,12 +5,12 @@ dequantized weights resident (the real MiniLM, file-backed, inference mode)."""
 import pytest
 import torch
 
-from contract.config import MemoryConfig
-from runtime.common import ListSink, Telemetry, own_storage
-from runtime.squareq.runtime import dequantized_in_place
-from runtime.weights import WeightRuntime, find_blocks
+from stagehand.common import ListSink, Telemetry, own_storage
+from stagehand.config.memory import MemoryConfig
+from stagehand.squareq.runtime import dequantized_in_place
+from stagehand.weights import WeightRuntime, find_blocks
 from tests.runtime.weights._train import config
-from worker.assets import load_text_encoder
+from workbench.worker.assets import load_text_encoder
 
 TEXTS = ["a handwritten digit seven", "the number three, drawn in ink"]
 

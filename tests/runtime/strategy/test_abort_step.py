@@ -1,21 +1,21 @@
 """A step left by an out-of-memory error is undone (``MemoryStrategy.abort_step``), on the tiny
 Flux under the three runtimes with an emulated card; the lowering rule's numbers; the card itself.
 
-NOTE [ Aborted step ] (runtime/weights/abort.py), NOTE [ Lowering rule ]
-(runtime/strategy/recovery.py)."""
+NOTE [ Aborted step ] (runtime/stagehand/weights/abort.py), NOTE [ Lowering rule ]
+(runtime/stagehand/strategy/recovery.py)."""
 
 import pytest
 import torch
 
-from contract.config import MB
-from runtime.common.card import emulate_card
-from runtime.common.memory import DeviceMemory
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from runtime.strategy.recovery import MARGIN_FRACTION, lowered_limits, requested_bytes
-from runtime.weights.registry import BlockState
+from stagehand.common.card import emulate_card
+from stagehand.common.memory import DeviceMemory
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from stagehand.strategy.recovery import MARGIN_FRACTION, lowered_limits, requested_bytes
+from stagehand.weights.registry import BlockState
 from tests.runtime import exact
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 # The tiny Flux (8 blocks of ~0.43 MB, ~0.4 MB resident): every block kept (40/30 MB), spill
 # above 0.1 MB, the Conductor on: all three runtimes hold something mid-step.

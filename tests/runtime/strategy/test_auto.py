@@ -6,15 +6,15 @@ import pydantic
 import pytest
 import torch
 
-from contract.config import MB, ConductorConfig, MemoryConfig, StagehandSection
-from runtime.common import ListSink, Telemetry
-from runtime.conductor.arbitration import AUTO_PRESSURE_THRESHOLD
-from runtime.strategy import build_strategy
-from runtime.strategy.auto import trainable_bytes
-from runtime.weights.defaults import block_bytes
-from runtime.weights.registry import find_blocks
+from stagehand.common import ListSink, Telemetry
+from stagehand.conductor.arbitration import AUTO_PRESSURE_THRESHOLD
+from stagehand.config.memory import MB, ConductorConfig, MemoryConfig, StagehandSection
+from stagehand.strategy import build_strategy
+from stagehand.strategy.auto import trainable_bytes
+from stagehand.weights.defaults import block_bytes
+from stagehand.weights.registry import find_blocks
 from tests.runtime import exact
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 AUTO = {"vram_high_watermark_mb": "auto", "vram_low_watermark_mb": "auto"}
 CAP_MB = 4.0  # a tracked budget on the CPU device: the Conductor's soft cap

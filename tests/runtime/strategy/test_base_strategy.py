@@ -2,9 +2,9 @@ import pydantic
 import pytest
 import torch
 
-from runtime.common.phases import PhaseError
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
+from stagehand.common.phases import PhaseError
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.strategy import build_strategy
 
 
 def _strategy():

@@ -5,13 +5,13 @@ import itertools
 import pytest
 import torch
 
-from contract.config import MemoryConfig
-from runtime.common.telemetry import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from runtime.strategy.base import COUNTERS
-from runtime.strategy.composed import StagehandStrategy
+from stagehand.common.telemetry import ListSink, Telemetry
+from stagehand.config.memory import MemoryConfig
+from stagehand.strategy import build_strategy
+from stagehand.strategy.base import COUNTERS
+from stagehand.strategy.composed import StagehandStrategy
 from tests.runtime import exact
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 # Sized to the tiny Flux (8 blocks of ~0.43 MB, ~0.4 MB resident): prefetch happens (high
 # watermark 2 MB), activations spill (0.1 MB), the Conductor's caps are never the limit.

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from contract.config import StagehandConfig
+from stagehand.config.memory import StagehandConfig
 from tests.runtime import exact
-from worker.assets import output_tensor
+from workbench.worker.assets import output_tensor
 
 
 def make_model(

@@ -1,9 +1,9 @@
-"""The ``"auto"`` watermark rule (NOTE [ Auto watermarks ] in ``runtime/weights/auto.py``)."""
+"""The ``"auto"`` watermark rule (NOTE [ Auto watermarks ] in ``runtime/stagehand/weights/auto.py``)."""
 
 import pytest
 
-from contract.config import MB
-from runtime.weights.auto import auto_watermarks, margin_bytes
+from stagehand.config.memory import MB
+from stagehand.weights.auto import auto_watermarks, margin_bytes
 
 GiB = 2**30
 

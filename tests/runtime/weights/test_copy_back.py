@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from runtime.weights.errors import FrozenParameterError
+from stagehand.common import ListSink, Telemetry
+from stagehand.strategy import build_strategy
+from stagehand.weights.errors import FrozenParameterError
 from tests.runtime import exact
 from tests.runtime.test_exactness import memory_section
 

@@ -1,7 +1,7 @@
 """The weight runtime's step counts: life figures become the step's share."""
 
-from runtime.strategy.base import COUNTERS
-from runtime.weights.counts import StepCounts, Totals
+from stagehand.strategy.base import COUNTERS
+from stagehand.weights.counts import StepCounts, Totals
 
 
 def test_counters_and_record_are_the_step_share_of_the_life_figures():

@@ -1,4 +1,4 @@
-"""Pipeline settings a preset leaves out (``runtime/weights/defaults.py``): derived from the
+"""Pipeline settings a preset leaves out (``runtime/stagehand/weights/defaults.py``): derived from the
 blocks and the card, the same in the runtime and the planner, given ones kept."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contract.config import MB, StagehandConfig
-from plan.inventory import add_lora, meta_model
-from plan.profiles import profile
-from plan.reference import FLUX_DEV_CONFIG, FLUX_LORA_TARGETS, flux_dev_plan
-from runtime.weights import WeightRuntime
-from runtime.weights.defaults import CPU, Pipeline, block_bytes, pipeline, resolve
-from runtime.weights.registry import find_blocks
+from stagehand.config.memory import MB, StagehandConfig
+from stagehand.weights import WeightRuntime
+from stagehand.weights.defaults import CPU, Pipeline, block_bytes, pipeline, resolve
+from stagehand.weights.registry import find_blocks
+from workbench.plan.inventory import add_lora, meta_model
+from workbench.plan.profiles import profile
+from workbench.plan.reference import FLUX_DEV_CONFIG, FLUX_LORA_TARGETS, flux_dev_plan
 
 from ._train import make_model
 

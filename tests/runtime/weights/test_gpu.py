@@ -4,10 +4,10 @@ no host synchronisation in the forward hot path. Skipped without CUDA."""
 import pytest
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.common import ListSink, Telemetry
+from stagehand.weights import WeightRuntime
 from tests.runtime import exact
-from worker.assets import example_inputs, output_tensor
+from workbench.worker.assets import example_inputs, output_tensor
 
 from ._train import Wide, config, make_model
 

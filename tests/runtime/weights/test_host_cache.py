@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from contract.config import MB
-from runtime.common import ListSink, Telemetry
-from runtime.strategy import build_strategy
-from runtime.weights import host_cache
-from runtime.weights.host_cache import HostCache, cache_budget, ram_margin
-from runtime.weights.readers import Readers
-from runtime.weights.sources import SafetensorsCheckpoint, split_plan
+from stagehand.common import ListSink, Telemetry
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from stagehand.weights import host_cache
+from stagehand.weights.host_cache import HostCache, cache_budget, ram_margin
+from stagehand.weights.readers import Readers
+from stagehand.weights.sources import SafetensorsCheckpoint, split_plan
 from tests.runtime import exact
 from tests.runtime.test_exactness import memory_section
 

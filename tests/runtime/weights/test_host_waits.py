@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.common import ListSink, Telemetry
+from stagehand.weights import WeightRuntime
 from tests.runtime.device_double import SLOW, device_double
 
 from ._train import Wide, config

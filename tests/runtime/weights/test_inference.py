@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.common import ListSink, Telemetry, own_storage
-from runtime.weights import BlockDiscoveryError, WeightRuntime, find_blocks
-from worker.assets import load_text_encoder
+from stagehand.common import ListSink, Telemetry, own_storage
+from stagehand.weights import BlockDiscoveryError, WeightRuntime, find_blocks
+from workbench.worker.assets import load_text_encoder
 
 from ._train import config
 

@@ -6,10 +6,10 @@ import weakref
 import pytest
 import torch
 
-from runtime.common import DeviceMemory, ListSink, SavedTensorRouter, Telemetry
-from runtime.weights import WeightRuntime
-from runtime.weights.hooks import WeightView
-from worker.assets import example_inputs, output_tensor
+from stagehand.common import DeviceMemory, ListSink, SavedTensorRouter, Telemetry
+from stagehand.weights import WeightRuntime
+from stagehand.weights.hooks import WeightView
+from workbench.worker.assets import example_inputs, output_tensor
 
 from ._train import config, make_model, train
 
@@ -140,11 +140,11 @@ def test_runtimes_without_a_stream_write_the_seeds_jsonl_files(tiny_flux, tmp_pa
     import json
     from pathlib import Path
 
-    from bench.activations import lora_model, train_steps
-    from contract.config import ActivationStagehandConfig, ConductorConfig
-    from runtime.activations import ActivationRuntime
-    from runtime.conductor import ConductorRuntime
-    from runtime.weights.runtime import TELEMETRY_FILE
+    from stagehand.activations import ActivationRuntime
+    from stagehand.conductor import ConductorRuntime
+    from stagehand.config.memory import ActivationStagehandConfig, ConductorConfig
+    from stagehand.weights.runtime import TELEMETRY_FILE
+    from workbench.bench.activations import lora_model, train_steps
 
     assert Path.cwd() == tmp_path
 
@@ -254,7 +254,7 @@ def test_lora_stays_resident_and_frozen_weights_only_move_to_the_device(tiny_flu
 def test_a_read_plan_fills_a_block_as_tensor_by_tensor_reads(tiny_flux):
     """One vectored read per run of tensors contiguous in the file fills the staging buffer with
     the same bytes as one read per tensor; a short read continues where it stopped."""
-    from runtime.weights.sources import SafetensorsCheckpoint, _after
+    from stagehand.weights.sources import SafetensorsCheckpoint, _after
 
     source = SafetensorsCheckpoint(tiny_flux)
     keys = [k for k in source.entries if k.startswith("transformer_blocks.0.")]

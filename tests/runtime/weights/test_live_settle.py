@@ -1,4 +1,4 @@
-"""NOTE [ Live watermarks ] (``runtime/weights/policy.py``): weight watermarks set live reach
+"""NOTE [ Live watermarks ] (``runtime/stagehand/weights/policy.py``): weight watermarks set live reach
 the steady state a run started with them reaches: the same resident blocks, H2D bytes and
 tracked peak in every steady step, on the tiny Flux under the ``default`` preset's runtimes.
 

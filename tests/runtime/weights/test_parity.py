@@ -4,8 +4,8 @@ matrix over models, methods, strategies and checkpointing is ``tests/runtime/tes
 import pytest
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.common import ListSink, Telemetry
+from stagehand.weights import WeightRuntime
 
 from ._train import assert_same_training, config, make_model, train
 

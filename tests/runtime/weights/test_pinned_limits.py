@@ -10,12 +10,12 @@ import mmap
 import pytest
 import torch
 
-from contract.config import MB
-from runtime.common import host_ram as host_ram_module
-from runtime.weights import host_cache
-from runtime.weights.errors import PoolConfigError
-from runtime.weights.host_cache import HostCache, pinned_headroom, weights_mode
-from runtime.weights.pool import PinnedPool
+from stagehand.common import host_ram as host_ram_module
+from stagehand.config.memory import MB
+from stagehand.weights import host_cache
+from stagehand.weights.errors import PoolConfigError
+from stagehand.weights.host_cache import HostCache, pinned_headroom, weights_mode
+from stagehand.weights.pool import PinnedPool
 from tests.runtime.common.test_page_lock import FakeCudart
 
 from .test_host_cache import _run

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from runtime.weights.policy import (
+from stagehand.weights.policy import (
     evictable,
     furthest,
     make_room,
@@ -14,7 +14,7 @@ from runtime.weights.policy import (
     room_for_use,
     window,
 )
-from runtime.weights.scheduler import BlockScheduler
+from stagehand.weights.scheduler import BlockScheduler
 
 TRAIN_4 = [0, 1, 2, 3, 3, 2, 1, 0]  # a training step of 4 blocks: forward, then backward
 TRAIN_3 = [0, 1, 2, 2, 1, 0]

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from runtime.strategy import build_strategy
-from runtime.weights.sources import SafetensorsCheckpoint
+from stagehand.strategy import build_strategy
+from stagehand.weights.sources import SafetensorsCheckpoint
 from tests.runtime import exact
 from tests.runtime.test_exactness import memory_section
 
@@ -89,7 +89,7 @@ def test_one_block_is_read_by_several_readers(tiny_flux, monkeypatch):
     """One block in flight at a time (1 copy slot), its read cut into parts (``split_plan``):
     the parts go to several reader threads, training is exact, and each tensor read counts
     once however many parts it was cut into."""
-    from runtime.weights import transfer
+    from stagehand.weights import transfer
 
     monkeypatch.setattr(transfer, "PART_MIN_BYTES", 4096)
     reference = exact.make_model("flux", tiny_flux, "lora", "non-reentrant", ordinary=True)

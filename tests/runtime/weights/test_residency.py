@@ -5,9 +5,9 @@ backward. Exact on CPU: the tracked bytes are the runtime's own."""
 import pytest
 import torch
 
-from contract.config import MB
-from runtime.common import ListSink, Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.common import ListSink, Telemetry
+from stagehand.config.memory import MB
+from stagehand.weights import WeightRuntime
 from tests.runtime.device_double import device_double
 
 from ._train import Wide, config

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from worker.assets.models import _flux
+from workbench.worker.assets.models import _flux
 
 # 2 double + 26 single blocks at width 384: 270 MB fp32, blocks of 21 and 8.8 MB.
 CONFIG = _flux(384, 6, 2, 26)
@@ -20,9 +20,9 @@ SCRIPT = textwrap.dedent(
     import json, resource, sys
     import torch
     from diffusers import FluxTransformer2DModel
-    from worker.assets import example_inputs, output_tensor
-    from contract.config import StagehandConfig
-    from runtime.weights import WeightRuntime
+    from workbench.worker.assets import example_inputs, output_tensor
+    from stagehand.config.memory import StagehandConfig
+    from stagehand.weights import WeightRuntime
 
     torch.set_num_threads(1)
     folder = sys.argv[1]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from contract.config import MB
-from runtime.common import ListSink, Telemetry
-from runtime.weights import WeightRuntime
+from stagehand.common import ListSink, Telemetry
+from stagehand.config.memory import MB
+from stagehand.weights import WeightRuntime
 from tests.runtime import exact
 
 from ._train import config, make_model, train

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from contract.config import MB, StagehandConfig
-from runtime.weights import (
+from stagehand.config.memory import MB, StagehandConfig
+from stagehand.weights import (
     BlockState,
     BlockStateError,
     BlockTooLargeError,
@@ -20,9 +20,9 @@ from runtime.weights import (
     UnmatchedParameterError,
     WeightRuntime,
 )
-from runtime.weights.errors import StagehandSetupError
-from runtime.weights.registry import Block
-from runtime.weights.sources import SafetensorsCheckpoint
+from stagehand.weights.errors import StagehandSetupError
+from stagehand.weights.registry import Block
+from stagehand.weights.sources import SafetensorsCheckpoint
 
 from ._train import config, make_model
 

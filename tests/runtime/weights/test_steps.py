@@ -1,12 +1,12 @@
-"""Step boundaries on the phase vocabulary (NOTE [ Step boundaries ] in runtime/weights/steps.py):
+"""Step boundaries on the phase vocabulary (NOTE [ Step boundaries ] in runtime/stagehand/weights/steps.py):
 the rule alone, then through the runtime on a tiny model."""
 
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.common.phases import Phase
-from runtime.weights import WeightRuntime
-from runtime.weights.steps import StepBoundaries
+from stagehand.common import ListSink, Telemetry
+from stagehand.common.phases import Phase
+from stagehand.weights import WeightRuntime
+from stagehand.weights.steps import StepBoundaries
 
 from ._train import Wide, config
 

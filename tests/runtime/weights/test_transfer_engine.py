@@ -10,13 +10,13 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from contract.config import MB
-from runtime.common import DeviceMemory
-from runtime.common.device import TransferEvent
-from runtime.strategy import build_strategy
-from runtime.weights.pool import PinnedPool
-from runtime.weights.readers import StagedCopy
-from runtime.weights.transfer import InFlight, TransferEngine
+from stagehand.common import DeviceMemory
+from stagehand.common.device import TransferEvent
+from stagehand.config.memory import MB
+from stagehand.strategy import build_strategy
+from stagehand.weights.pool import PinnedPool
+from stagehand.weights.readers import StagedCopy
+from stagehand.weights.transfer import InFlight, TransferEngine
 from tests.runtime import exact
 from tests.runtime.device_double import device_double
 from tests.runtime.test_exactness import memory_section

@@ -1,4 +1,4 @@
-"""NOTE [ Window growth ] (``runtime/weights/policy.py``): a window the preset leaves to the
+"""NOTE [ Window growth ] (``runtime/stagehand/weights/policy.py``): a window the preset leaves to the
 runtime doubles after a steady step in which a use waited on its prefetched block's copy, until
 none does; a window the user gives stays. On the CPU no copy is ever in flight at its use; under
 the device double (copies run late, in stream order) they are, as on a GPU."""
@@ -10,11 +10,11 @@ import contextlib
 import pytest
 import torch
 
-from runtime.common import ListSink, Telemetry
-from runtime.common.device import ComputeWaits, TransferEvent
-from runtime.strategy.parts import WeightsPart
-from runtime.weights import WeightRuntime
-from runtime.weights.policy import MAX_GROWN_WINDOW, grown_window
+from stagehand.common import ListSink, Telemetry
+from stagehand.common.device import ComputeWaits, TransferEvent
+from stagehand.strategy.parts import WeightsPart
+from stagehand.weights import WeightRuntime
+from stagehand.weights.policy import MAX_GROWN_WINDOW, grown_window
 from tests.runtime.device_double import SLOW, device_double
 
 from ._train import Wide, config
@@ -104,7 +104,7 @@ def test_compute_waits_count_a_double_copy_not_run_when_the_compute_waits():
     waits.wait(TransferEvent(None))
     assert waits.collect() == (0, 0.0)
     with device_double(SLOW):
-        from runtime.common.device import TransferStream
+        from stagehand.common.device import TransferStream
 
         stream = TransferStream("cpu")
         event = stream.record()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.strategy import build_strategy
-from runtime.weights.errors import LostWriteError
+from stagehand.strategy import build_strategy
+from stagehand.weights.errors import LostWriteError
 from tests.runtime import exact
 from tests.runtime.device_double import device_double
 from tests.runtime.test_exactness import memory_section

@@ -16,7 +16,7 @@ const AS = `${SH}.activation_stagehand`;
 // Each form field binds to the first of `paths` present in the preset (the seeds spell the
 // LoRA rank two ways; a model is a folder or a factory). A select's options and the live-limit
 // fields come from the server (/static/js/contract.js): a field with `limits` is followed by
-// the LiveLimits fields of that config section (contract/limits.py).
+// the LiveLimits fields of that config section (runtime/stagehand/config/limits.py).
 const KEY_FIELDS = [
   { id: "model", label: "Model folder (a diffusers pipeline; empty: the preset's model)", paths: ["model.path"], type: "folder", wide: true },
   { id: "data", label: "Data folder (images with .txt captions; empty: the preset's data)", paths: ["data.path"], type: "folder", wide: true },

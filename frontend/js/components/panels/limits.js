@@ -1,10 +1,10 @@
 // Live-limits panel: PATCH /api/runs/{id}/limits with the LiveLimits fields that changed
-// (contract/limits.py), then wait for the worker's answer with the same request_id and say
+// (runtime/stagehand/config/limits.py), then wait for the worker's answer with the same request_id and say
 // which: a `strategy/limits_applied` record (applied at the next step begin) or a
 // `trainer/event` `control_rejected` one (refused, with the worker's message). The charts
 // draw a marker for either. Once the runtimes settle under an applied change, its
 // `trainer/limits_effect` record says what it did: resident blocks, H2D and spill per step and
-// the peak, before -> after (worker/limits_effect.py). A change the run made itself after the
+// the peak, before -> after (backend/workbench/worker/limits_effect.py). A change the run made itself after the
 // card ran out of memory (`trainer/oom_recovery`, then `limits_applied` with request "oom") is
 // listed as the run's, not as a request of the user's.
 
