@@ -54,7 +54,7 @@ const pct = (x) => `${(100 * x).toFixed(3)}%`;
 /** SquareQ's quantization error of the weights (workbench.plan.quant_error, backend/workbench/plan/quant_error.py):
  * read from SquareQ's cache only (a request never quantizes), else "not measured: why". */
 function quantError(plan) {
-  const q = workbench.plan.quant_error;
+  const q = plan.quant_error;
   if (!q) return null;
   const head = h("strong", {}, `SquareQ ${q.format}`);
   if (!q.measured) return h("li", { id: "plan-quant-error" }, head, `: ${q.reason}`);
@@ -102,7 +102,7 @@ function summary(plan) {
       plan.calibration ? h("li", { id: "plan-calibration" }, calibrationText(plan.calibration)) : null,
       // Runs of this family on this card that ran out of memory: the limits planned are capped at
       // those they went on with (backend/workbench/plan/recovery.py).
-      workbench.plan.recovery ? h("li", { id: "plan-recovery" }, workbench.plan.recovery.note) : null));
+      plan.recovery ? h("li", { id: "plan-recovery" }, plan.recovery.note) : null));
 }
 
 /** "profile 0.037 TFLOPs, H2D 2.18 GB/s, memory 3.3 GB/s, 46.2 µs/op, 3813 µs/load; median of 3
