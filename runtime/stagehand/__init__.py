@@ -5,7 +5,11 @@
 A library: it imports itself and third-party packages (torch, safetensors, psutil, pydantic),
 never the workbench (``tests/test_layers.py`` holds it to that). Its configuration, the memory
 section's schema, is ``stagehand.config`` (torch-free). The public API and a whole training loop:
-``docs/runtime.md``.
+``docs/runtime.md``; a runnable one (weight streaming, activation spill and the Conductor on a
+small FLUX transformer): ``runtime/examples/lora_stream.py``. The one call that switches the
+runtime on is ``stagehand.strategy.build_strategy`` (not re-exported here: this module ranks
+below ``stagehand.strategy`` in ``tests/test_layers.py``'s order, and importing it must not
+import torch, as ``import stagehand.config`` runs it).
 
 The call order, once (each step has its reason):
 
