@@ -66,9 +66,8 @@ ORDER: list[tuple[str, tuple[str, ...]]] = [
     # The runtime's configuration, its telemetry wire and how it reads a user's folder: the
     # standard library and pydantic only, so the server and the planner read it without torch.
     ("config", ("stagehand.config",)),
-    # The library's front page (the call order, NOTE [ Exact numbers ]) and the mechanisms every
-    # runtime shares: device, memory, telemetry, the saved-tensor router.
-    ("common", ("stagehand", "stagehand.common")),
+    # The mechanisms every runtime shares: device, memory, telemetry, the saved-tensor router.
+    ("common", ("stagehand.common",)),
     # SquareQ's formats, block images and cache (torch only): the weight runtime stages them.
     ("runtimes", ("stagehand.squareq",)),
     # The runtimes beside each other.
@@ -77,6 +76,9 @@ ORDER: list[tuple[str, tuple[str, ...]]] = [
     ("runtimes", ("stagehand.layer_offload",)),
     # The strategy composes the runtimes into the one object a training loop drives.
     ("strategy", ("stagehand.strategy",)),
+    # The library's front page (the call order, NOTE [ Exact numbers ]) and its one call,
+    # ``stagehand.build_strategy``, loaded from the strategy on first use.
+    ("front", ("stagehand",)),
     # What the worker, the server, the planner and the browser agree on, on the runtime's
     # configuration: torch-free.
     ("contract", ("workbench.contract",)),

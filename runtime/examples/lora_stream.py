@@ -22,8 +22,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 from peft import LoraConfig
 
+from stagehand import build_strategy
 from stagehand.common.telemetry import ListSink, Telemetry
-from stagehand.strategy import build_strategy
 
 MEMORY = {  # the memory section (stagehand.config.memory.MemoryConfig); sizes in MB of 2**20 B
     "strategy": "stagehand",

@@ -7,9 +7,8 @@ never the workbench (``tests/test_layers.py`` holds it to that). Its configurati
 section's schema, is ``stagehand.config`` (torch-free). The public API and a whole training loop:
 ``docs/runtime.md``; a runnable one (weight streaming, activation spill and the Conductor on a
 small FLUX transformer): ``runtime/examples/lora_stream.py``. The one call that switches the
-runtime on is ``stagehand.strategy.build_strategy`` (not re-exported here: this module ranks
-below ``stagehand.strategy`` in ``tests/test_layers.py``'s order, and importing it must not
-import torch, as ``import stagehand.config`` runs it).
+runtime on is ``stagehand.build_strategy`` (``stagehand.strategy.build_strategy``, loaded on
+first use: ``import stagehand.config`` runs this module, and must not import torch).
 
 The call order, once (each step has its reason):
 
@@ -28,7 +27,7 @@ A complete run (tiny Flux transformer, LoRA, blocks evicted after every use)::
     >>> import tempfile, torch
     >>> from diffusers import FluxTransformer2DModel
     >>> from peft import LoraConfig
-    >>> from stagehand.strategy import build_strategy
+    >>> from stagehand import build_strategy
     >>> folder = tempfile.mkdtemp()
     >>> FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
     ...     attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
@@ -83,3 +82,18 @@ alike, checked with ``torch.equal``). What that takes:
 ``tests/runtime/test_exactness.py`` checks it for every strategy; ``./dev test`` runs those tests a
 second time with ``ATEN_CPU_CAPABILITY=default`` (another CPU kernel path).
 """
+
+__all__ = ["MemoryStrategy", "build_strategy"]
+
+
+def __getattr__(name: str):
+    """``stagehand.build_strategy`` and ``stagehand.MemoryStrategy``, imported on first use.
+
+    Raises:
+        AttributeError: ``name`` is neither.
+    """
+    if name in __all__:
+        from stagehand import strategy  # lazy: import stagehand.config runs this, torch-free
+
+        return getattr(strategy, name)
+    raise AttributeError(f"module 'stagehand' has no attribute {name!r}")
