@@ -17,11 +17,10 @@ pytestmark = [pytest.mark.browser]
 
 
 @pytest.fixture(scope="module")
-def flux_folder(asset_cache):
-    """The tiny FluxPipeline folder, built once a session (the plan tests read the same)."""
+def flux_folder(tmp_path_factory):
     from tests.fixtures.pipelines import build_pipeline
 
-    return build_pipeline("flux", asset_cache)
+    return build_pipeline("flux", tmp_path_factory.mktemp("pipelines"))
 
 
 def test_inspect_endpoint_numbers_and_error_shape(backend_server, flux_folder):
