@@ -256,3 +256,20 @@ def picture(target, name: str, **kw) -> None:
 
 def api_of(base: str) -> Api:
     return Api(base)
+
+
+def start_refused(page):
+    """Clicks Start with the page's own field check held unanswered and returns the error box
+    that shows. The page checks the request 350 ms after a field changes and holds Start back
+    once the server names a problem; without the hold, a loaded machine answers that check
+    before the click and Start is never sent. With it, the server's refusal of the request
+    itself is what the box shows. The held checks are dropped once the box is up."""
+    held = []
+    page.route("**/api/runs/check", lambda route: held.append(route))
+    try:
+        page.click("#start-run")
+        return page.wait_for_selector(".page-errors .error-box[data-key='start run']")
+    finally:
+        page.unroute("**/api/runs/check")
+        for route in held:
+            route.abort()

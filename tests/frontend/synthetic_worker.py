@@ -13,7 +13,9 @@ Knobs (environment): ``SYNTH_BLOCKS`` blocks (12), ``SYNTH_STEP_S`` seconds per 
 seconds per step of its runs (``step_s=0`` writes a 100k-record run in seconds), and
 ``oom_at=N`` runs out of memory in step N's backward once: a ``trainer/oom_recovery`` record with
 the weight watermarks lowered to 55 %, the rerun's ``strategy/limits_applied`` (request ``oom``),
-then the step (docs/contracts.md; ``run_finished`` counts ``recoveries``).
+then the step (docs/contracts.md; ``run_finished`` counts ``recoveries``); ``hold_at=N`` waits at
+step N's begin (up to 120 s) for a limits request, so that a test's live limit lands mid-run on a
+machine of any speed.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def main(argv: list[str]) -> int:
     max_steps = int(config.get("max_steps", 50))
     found = re.search(r"oom_at=([0-9]+)", description)
     oom_at = int(found.group(1)) if found else None
+    found = re.search(r"hold_at=([0-9]+)", description)
+    hold_at = int(found.group(1)) if found else None
     recoveries = 0
     w = Writer(run_dir / wire.TELEMETRY_FILE)
     control = ControlDir(run_dir)
@@ -176,7 +180,16 @@ def main(argv: list[str]) -> int:
     reserved = base_mb
     loss = 4.5
     for step in range(1, max_steps + 1):
-        for req in control.poll():
+        requests = control.poll()
+        if step == hold_at:
+            w.flush()
+            deadline = time.monotonic() + 120
+            while not any(r.command in (LIMITS, STOP) for r in requests):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+                requests += control.poll()
+        for req in requests:
             if req.command == STOP:
                 w.emit(
                     "trainer",

@@ -13,9 +13,9 @@ from tests.frontend.conftest import Api
 pytestmark = [pytest.mark.browser]
 
 
-def make_preset(api: Api, name: str, steps: int, step_s: float) -> None:
+def make_preset(api: Api, name: str, steps: int, step_s: float, knobs: str = "") -> None:
     config = copy.deepcopy(api.call("GET", "/api/presets/tiny-ci")["config"])
-    config.update(name=name, max_steps=steps, description=f"synthetic step_s={step_s}")
+    config.update(name=name, max_steps=steps, description=f"synthetic step_s={step_s} {knobs}")
     sh = config["memory"]["stagehand"]
     sh.update(vram_high_watermark_mb=12000, vram_low_watermark_mb=8000)
     api.call("POST", "/api/presets", {"name": name, "config": config})
@@ -63,20 +63,22 @@ STEPS = 45
 
 def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     api = Api(synthetic_server)
-    # Long enough for the charts' window to follow 9 points after a live limit was applied.
-    make_preset(api, "synth-live", steps=STEPS, step_s=0.4)
+    # The worker waits at step 3 for the live limit (on a loaded machine the run could
+    # otherwise end before the limit is sent), then runs long enough for the charts' window to
+    # follow 9 points.
+    make_preset(api, "synth-live", steps=STEPS, step_s=0.25, knobs="hold_at=3")
     run = api.call("POST", "/api/runs", {"preset": "synth-live", "name": "synthetic-live"})
     page.goto(synthetic_server + f"/#/runs/{run['id']}")
     vram_len = "(document.getElementById('vram')?.data?.[0]?.x?.length ?? 0)"
     page.wait_for_function(f"{vram_len} > 0", timeout=60_000)
-    first = page.evaluate(vram_len)
-    page.wait_for_function(f"{vram_len} > {first}", timeout=30_000)
     assert "source: cuda" in page.evaluate("document.getElementById('vram').layout.title.text")
-    # A live limit, sent while most of the run's steps are still to come (sent near its end,
-    # on a loaded machine, the run could finish before the worker read it).
+    # A live limit, sent while the worker holds at step 3.
     page.fill("#limit-vram_high_watermark_mb", "10000")
     page.click("#apply-limits")
     page.wait_for_selector("#limits-log li.applied", timeout=30_000)
+    # The chart grows live as the run goes on.
+    first = page.evaluate(vram_len)
+    page.wait_for_function(f"{vram_len} > {first}", timeout=30_000)
     # A "last 5 steps" window follows the live records (the data underneath stays whole).
     page.fill("#chart-window", "5")
     page.press("#chart-window", "Enter")

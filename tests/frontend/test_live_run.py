@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.frontend.conftest import Api
+from tests.frontend.conftest import Api, start_refused
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def test_new_run_form_shows_api_validation_error_beside_the_field(backend_server
     page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
     page.fill("#field-max_steps", "0")
     assert json.loads(page.input_value("#config-json"))["max_steps"] == 0
-    page.click("#start-run")
+    start_refused(page)
     err = page.wait_for_selector("#error-max_steps:not(:empty)")
     assert "greater than 0" in err.inner_text()
     assert "invalid" in page.get_attribute("#field-max_steps", "class")

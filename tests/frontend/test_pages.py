@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.frontend.conftest import DESKTOP, Api, picture
+from tests.frontend.conftest import DESKTOP, Api, picture, start_refused
 
 pytestmark = [pytest.mark.browser]
 REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
@@ -345,8 +345,7 @@ def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page
     page.goto(synthetic_server + "/#/new")
     page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
     page.fill("#field-max_steps", "0")
-    page.click("#start-run")
-    box = page.wait_for_selector(".page-errors .error-box")
+    box = start_refused(page)
     text = box.inner_text().removeprefix("×").strip()
     # Labelled with what the user asked for: Start (its data scan is part of it).
     assert re.search(
