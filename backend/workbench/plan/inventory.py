@@ -7,7 +7,9 @@ H2D-only rule that keeps a LoRA resident, ``_resident_trainable``), so block byt
 aligned buffer sizes the runtime allocates. One forward on ``meta`` tensors, under a
 ``saved_tensors_hooks`` counter and ``FlopCounterMode``, gives each block's saved activations
 (the tensors autograd keeps, as the activation runtime sees them: parameters and views of
-parameters left out, one entry per distinct storage offset) and its forward FLOPs.
+parameters left out, one entry per distinct storage offset) and its forward FLOPs; the
+operation counter (``workbench.plan.op_counter``) measures each distinct call once, which
+repeated blocks make cheap.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from stagehand.layer_offload.checkpoint_layer import SharedTensors, split_inputs
@@ -30,6 +31,7 @@ from stagehand.weights.convert import _resident_trainable, shared_parameters
 from stagehand.weights.defaults import block_bytes
 from stagehand.weights.registry import Block, build_layout, find_blocks
 from stagehand.weights.sources import SafetensorsCheckpoint
+from workbench.plan.op_counter import OpCounter
 from workbench.worker.assets import output_tensor
 from workbench.worker.diffusers_classes import diffusers_class
 
@@ -230,50 +232,6 @@ class _SavedCounter:
         return tensor
 
 
-_PRODUCTS = {
-    "aten.mm.default",
-    "aten.addmm.default",
-    "aten.bmm.default",
-    "aten.baddbmm.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-    "aten.convolution.default",
-    "aten.convolution_backward.default",
-}
-_FREE = {"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.detach.default"}
-
-
-class _OpCounter(TorchDispatchMode):
-    """Operations and bytes moved per segment (see ``BlockInfo.forward_moved``)."""
-
-    def __init__(self, counter: _SavedCounter) -> None:
-        super().__init__()
-        self.counter = counter
-        self.ops: dict[int | str, int] = {}
-        self.moved: dict[int | str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if name in _FREE or "view" in name or name.startswith("aten.expand"):
-            return out  # metadata only: no kernel runs
-        segment = self.counter.segment
-        self.ops[segment] = self.ops.get(segment, 0) + 1
-        if name not in _PRODUCTS:
-            tensors = [
-                t
-                for t in (
-                    *args,
-                    *(kwargs or {}).values(),
-                    *(out if isinstance(out, tuple) else (out,)),
-                )
-                if isinstance(t, torch.Tensor)
-            ]
-            moved = sum(_nbytes(t) for t in tensors)
-            self.moved[segment] = self.moved.get(segment, 0) + moved
-        return out
-
-
 class _FlashAttention(TorchFunctionMode):
     """Runs ``scaled_dot_product_attention`` as the fused (flash) kernel on ``meta`` tensors.
 
@@ -337,11 +295,13 @@ def inventory(
     *,
     block_pattern: str | None = None,
     resident_trainable_max_fraction: float = 0.1,
+    ops: OpCounter | None = None,
 ) -> Inventory:
     """Measure ``model`` (on ``meta``, with its adapter added) at ``inputs``: one forward, a
     mean-square loss and one backward, all on ``meta``. ``inputs`` is ``model(**inputs)``'s
     keyword arguments (``meta`` tensors), or a callable making the forward
-    (``workbench.plan.calls.family_call``: a pipeline family's own call).
+    (``workbench.plan.calls.family_call``: a pipeline family's own call). ``ops`` counts the
+    operations (default: an ``OpCounter`` measuring each distinct operation once).
 
     Raises:
         BlockDiscoveryError: the weight runtime finds no blocks (``block_pattern``).
@@ -392,7 +352,9 @@ def inventory(
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     flops = FlopCounterMode(display=False)
     attention = _FlashAttention(counter)
-    ops = _OpCounter(counter)
+    ops = OpCounter() if ops is None else ops
+    ops.segment = lambda: counter.segment
+    ops.attach(flops)
     saving = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
     try:
         with flops, attention, ops, saving:
@@ -405,6 +367,7 @@ def inventory(
     total = sum(counts.get("Global", {}).values()) + sum(attention.flops.values())
     forward_ops, forward_moved = sum(ops.ops.values()), sum(ops.moved.values())
     backward_flops = FlopCounterMode(display=False)
+    ops.attach(backward_flops)
     counter.segment = "backward"
     with backward_flops, ops:
         out.backward()
