@@ -13,7 +13,8 @@ with the command's arguments, and the interpreter's own exit (exit code, threads
 Rules:
 
 - The backend itself never imports torch (it stays free of CUDA and OpenMP state). The fork
-  server starts on the first launch, in the background; until it is ready, launches start cold
+  server starts on the first launch (with the server under ``STAGEHAND_WORKBENCH_FORK_SERVER=
+  early``: ``prestart``), in the background; until it is ready, launches start cold
   (``subprocess.Popen``), so no launch ever waits for it.
 - Imports read the environment (``HF_HUB_OFFLINE``, ``OMP_NUM_THREADS``, our own knobs), so a
   fork server serves only launches with the environment it was started with. A launch with
@@ -249,6 +250,15 @@ class ForkServer:
 _lock = threading.Lock()
 _current: ForkServer | None = None
 _retired: list[ForkServer] = []
+
+
+def prestart(env: dict[str, str], cwd: Path) -> None:
+    """Start the fork server for ``env`` now, in the background, unless one is there: the first
+    ``launch`` with ``env`` is then forked too, once it is ready."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = ForkServer(env, cwd, PRELOAD)
 
 
 def launch(

@@ -44,10 +44,16 @@ class LocalExecutor(Executor):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.host = socket.gethostname()
+        if settings.fork_server and settings.fork_server_early:
+            forkserver.prestart(self._env(), Path.cwd())
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        return dict(os.environ, PYTHONUNBUFFERED="1")
 
     def submit(self, run: dict[str, Any], run_dir: Path) -> Job:
         cmd = worker_command(sys.executable, self.settings.worker_module, run, run_dir)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = self._env()
         try:
             with open(run_dir / "worker.log", "ab") as out:
                 child = forkserver.launch(
