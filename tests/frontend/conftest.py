@@ -62,7 +62,9 @@ class Api:
             self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
+            # Minutes, not seconds: a loaded machine's first pipeline inspection imports
+            # diffusers in the server (over 30 s on 2 busy cores).
+            with urllib.request.urlopen(req, timeout=120) as resp:
                 text = resp.read()
                 return json.loads(text) if text else None
         except urllib.error.HTTPError as exc:
@@ -76,7 +78,7 @@ class Api:
                 return run
             if time.monotonic() > deadline:
                 raise AssertionError(f"run {run_id} still {run['status']} after {timeout} s")
-            time.sleep(0.5)
+            time.sleep(0.2)
 
 
 def _free_port() -> int:
@@ -116,10 +118,13 @@ def _start_server(data_dir: Path, extra_env: dict[str, str] | None = None):
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    # Up once it answers a static endpoint: /api/system waits for the torch probe (a subprocess
+    # importing torch: seconds of CPU, half a minute on a loaded machine), which the pages and
+    # tests that read it wait for themselves.
+    deadline = time.monotonic() + 120
     while True:
         try:
-            urllib.request.urlopen(base + "/api/system", timeout=2).read()
+            urllib.request.urlopen(base + "/api/limits/fields", timeout=5).read()
             break
         except (urllib.error.URLError, ConnectionError, OSError):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -142,7 +147,9 @@ def _stop_server(proc: subprocess.Popen) -> None:
 def backend_server(tmp_path_factory):
     """Base URL of a real backend whose runs are real ``workbench train`` workers."""
     root = tmp_path_factory.mktemp("backend")
-    proc, base = _start_server(root / "data")
+    # Its fork server starts with it (its imports overlap the first tests' pages), so that the
+    # first run is forked too, not started cold beside it (~8 s of CPU each).
+    proc, base = _start_server(root / "data", {"STAGEHAND_WORKBENCH_FORK_SERVER": "early"})
     yield base
     _stop_server(proc)
 
@@ -157,6 +164,10 @@ def synthetic_server(tmp_path_factory):
             "STAGEHAND_WORKBENCH_WORKER_MODULE": "tests.frontend.synthetic_worker",
             "SYNTH_STEP_S": "0.25",
             "STAGEHAND_WORKBENCH_CALIBRATE": "1",
+            # Its worker imports no torch: a cold start is ~0.1 s of CPU, where a fork server
+            # would import torch, diffusers, peft and transformers first (~8 s; again after
+            # each edit of a module it imported).
+            "STAGEHAND_WORKBENCH_FORK_SERVER": "0",
         },
     )
     yield base
@@ -203,43 +214,132 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(browser):
-    """A desktop-sized page that fails the test on any uncaught page error."""
-    context = browser.new_context(viewport=DESKTOP)
-    pg = context.new_page()
+@pytest.fixture(scope="session")
+def contexts(browser):
+    """``contexts(viewport, **options)``: the session's browser context of that viewport (and
+    ``new_context`` options), made once. A context costs chromium ~2.5 s of CPU (its renderer
+    starts and compiles the dashboard's scripts and Plotly from nothing); a page in one that
+    already loaded them ~1.2 s. The dashboard keeps nothing in the browser (no cookies, no
+    storage), so pages of one context see each other only through the HTTP cache."""
+    made = {}
+
+    def get(viewport: dict = DESKTOP, **options):
+        key = (tuple(sorted(viewport.items())), tuple(sorted(options.items())))
+        if key not in made:
+            made[key] = browser.new_context(viewport=viewport, **options)
+            # Waits end on what they wait for; a loaded 2-core machine's page can take longer
+            # than Playwright's 30 s to get there.
+            made[key].set_default_timeout(60_000)
+        return made[key]
+
+    yield get
+    for context in made.values():
+        context.close()
+
+
+def _watch_errors(pg) -> list[str]:
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
     pg.page_errors = errors
-    yield pg
-    context.close()
+    return errors
+
+
+@pytest.fixture
+def open_page(contexts):
+    """``open_page(viewport=DESKTOP, **options)``: a new page in the session's context of that
+    viewport, closed at the end of the test, which fails on any uncaught error in it."""
+    opened = []
+
+    def new(viewport: dict = DESKTOP, **options):
+        pg = contexts(viewport, **options).new_page()
+        _watch_errors(pg)
+        opened.append(pg)
+        return pg
+
+    yield new
+    for pg in opened:
+        if not pg.is_closed():
+            pg.close()
+    errors = [e for pg in opened for e in pg.page_errors]
     assert not errors, f"uncaught errors in the page: {errors}"
 
 
 @pytest.fixture
-def shoot(browser, tmp_path):
+def page(open_page):
+    """A desktop-sized page that fails the test on any uncaught page error."""
+    return open_page(DESKTOP)
+
+
+QUIET = """([quietMs, capMs]) => new Promise((resolve) => {
+    let timer = null;
+    const observer = new MutationObserver(() => {
+        clearTimeout(timer);
+        timer = setTimeout(done, quietMs);
+    });
+    function done() { observer.disconnect(); clearTimeout(timer); clearTimeout(cap); resolve(); }
+    const cap = setTimeout(done, capMs);
+    observer.observe(document, {subtree: true, childList: true, attributes: true,
+                                characterData: true});
+    timer = setTimeout(done, quietMs);
+})"""
+"""Resolves once the page's DOM went ``quietMs`` without a change (the charts' flush timers,
+150 ms, have drawn), or after ``capMs`` (a live run's page never goes quiet)."""
+
+
+def settle(pg, cap_s: float = 1.0) -> None:
+    """Until the page has drawn what it was going to (``QUIET``, at most ``cap_s``), its images
+    loaded and its fonts ready: what a screenshot should show."""
+    pg.evaluate(QUIET, [300, int(cap_s * 1000)])
+    # (An image loading="lazy" below the fold loads only once scrolled to.)
+    pg.wait_for_function("[...document.images].every((i) => i.complete || i.loading === 'lazy')")
+    pg.evaluate("document.fonts.ready.then(() => true)")
+
+
+@pytest.fixture(scope="session")
+def _shooters(contexts):
+    """One page per width for ``shoot``, each loading every URL afresh (after about:blank)."""
+    made = {}
+
+    def get(label: str, viewport: dict):
+        if label not in made:
+            made[label] = contexts(viewport).new_page()
+        return made[label]
+
+    return get
+
+
+@pytest.fixture
+def shoot(_shooters, tmp_path):
     """``shoot(url, name)``: full-page screenshots at desktop and 390 px phone width where
     ``TAKE_SHOTS``; otherwise the page loaded at the phone width only (``TAKE_SHOTS``). Either
-    way the page is ready at each width loaded, without an uncaught page error."""
+    way the page is loaded afresh at each width, ready, without an uncaught page error."""
 
     def take(url: str, name: str, ready: str = "body", settle_s: float = 1.0) -> list[Path]:
         out = []
         widths = (("desktop", DESKTOP), ("phone", PHONE)) if TAKE_SHOTS else (("phone", PHONE),)
         for label, viewport in widths:
-            context = browser.new_context(viewport=viewport)
-            pg = context.new_page()
+            pg = _shooters(label, viewport)
+            pg.goto("about:blank")
             errors: list[str] = []
-            pg.on("pageerror", lambda exc, errors=errors: errors.append(str(exc)))
-            pg.goto(url)
-            pg.wait_for_selector(ready)
-            if TAKE_SHOTS:
-                SHOTS.mkdir(parents=True, exist_ok=True)
-                time.sleep(settle_s)  # let the chart flush timers draw
-                path = tmp_path / f"{name}-{label}.png"
-                pg.screenshot(path=str(path), full_page=True)
-                shutil.copy(path, SHOTS / path.name)
-                out.append(path)
-            context.close()
+
+            def seen(exc, errors=errors) -> None:
+                errors.append(str(exc))
+
+            pg.on("pageerror", seen)
+            try:
+                pg.goto(url)
+                pg.wait_for_selector(ready)
+                if TAKE_SHOTS:
+                    SHOTS.mkdir(parents=True, exist_ok=True)
+                    settle(pg, settle_s)  # let the chart flush timers draw
+                    path = tmp_path / f"{name}-{label}.png"
+                    # A live run's page redraws meanwhile: minutes on a loaded machine.
+                    pg.screenshot(path=str(path), full_page=True, timeout=120_000)
+                    shutil.copy(path, SHOTS / path.name)
+                    out.append(path)
+            finally:
+                pg.remove_listener("pageerror", seen)
+                pg.goto("about:blank")  # a live run's page would go on drawing meanwhile
             assert not errors, f"uncaught errors in the page at {label} width: {errors}"
         return out
 

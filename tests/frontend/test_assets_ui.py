@@ -92,7 +92,7 @@ def test_asset_progress_failure_retry_then_default_starts(building_server, page)
         if recs:
             break
         assert time.monotonic() < deadline, api.call("GET", f"/api/runs/{run_id}")
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert recs[0]["model"].endswith("models/flux-small-digits/transformer")
     picture(page, "assets-default-run-desktop", full_page=True)
     api.call("POST", f"/api/runs/{run_id}/cancel")

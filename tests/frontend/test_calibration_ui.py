@@ -36,7 +36,7 @@ def _settled(api: Api, run_id: int) -> None:
             if "calibration_pending" not in str(exc):
                 return
         assert time.monotonic() < deadline, "the calibration stayed pending"
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def _open(page, base: str, run_id: int) -> list[str]:

@@ -237,7 +237,7 @@ FEED_AUTO = f"""async (config) => {{ {SETUP} {AUTO_RECORD}
 
 
 def test_the_toolbar_shows_on_hover_clear_of_the_titles_and_not_on_phones(
-    synthetic_server, page, browser
+    synthetic_server, page, open_page
 ):
     page.goto(synthetic_server + "/#/compare")
     page.wait_for_selector(".picker", state="attached")
@@ -250,10 +250,7 @@ def test_the_toolbar_shows_on_hover_clear_of_the_titles_and_not_on_phones(
     page.hover("#spill")
     picture(page.locator("#spill"), "chart-toolbar-desktop")
     # A phone has no hover: Plotly would show the toolbar all the time, over the title.
-    context = browser.new_context(
-        viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True
-    )
-    phone = context.new_page()
+    phone = open_page({"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     phone.goto(synthetic_server + "/#/compare")
     phone.wait_for_selector(".picker", state="attached")
     phone.evaluate(FEED_AUTO.replace("'1300px'", "'370px'"), AUTO)
@@ -262,4 +259,3 @@ def test_the_toolbar_shows_on_hover_clear_of_the_titles_and_not_on_phones(
     # A title too long for the phone's width goes on two lines, not past the chart's edge.
     assert all(chart["title"][2] <= chart["right"] for chart in boxes), boxes
     picture(phone.locator("#spill"), "chart-toolbar-phone")
-    context.close()

@@ -139,7 +139,7 @@ def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoo
     deadline = time.monotonic() + 60
     while api.call("GET", f"/api/runs/{run['id']}")["last_seq"] < 99_000:
         assert time.monotonic() < deadline, "the backend did not ingest the run's records"
-        time.sleep(0.5)
+        time.sleep(0.2)
     records = api.call("GET", f"/api/runs/{run['id']}")["last_seq"] + 1
     whole = api.call(
         "GET", f"/api/runs/{run['id']}/telemetry?source=stagehand&kind=block&buckets=1"

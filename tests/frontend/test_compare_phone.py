@@ -12,7 +12,7 @@ from tests.frontend.test_hardening import make_preset
 pytestmark = [pytest.mark.browser]
 
 
-def test_config_diff_of_five_runs_is_readable_at_phone_width(synthetic_server, browser):
+def test_config_diff_of_five_runs_is_readable_at_phone_width(synthetic_server, open_page):
     api = Api(synthetic_server)
     make_preset(api, "phone-diff", steps=2, step_s=0)
     text = "a long description of this run, with words enough to wrap over lines "
@@ -24,8 +24,7 @@ def test_config_diff_of_five_runs_is_readable_at_phone_width(synthetic_server, b
         )["id"]
         for i in range(5)
     ]
-    context = browser.new_context(viewport=PHONE)
-    page = context.new_page()
+    page = open_page(PHONE)
     page.goto(f"{synthetic_server}/#/compare?ids={','.join(map(str, ids))}")
     page.wait_for_selector("#config-diff tr[data-path='description']")
     widths = page.eval_on_selector_all(
@@ -35,4 +34,3 @@ def test_config_diff_of_five_runs_is_readable_at_phone_width(synthetic_server, b
     assert len(widths) == 5 and min(widths) >= 80, widths  # before: 47 px, a word cut a line
     assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
     picture(page, "compare-five-runs-phone", full_page=True)
-    context.close()

@@ -43,7 +43,7 @@ SAVE = """async () => {
 }"""
 
 
-def test_disk_full_banner(full_server, page, browser):
+def test_disk_full_banner(full_server, page, open_page):
     base, data_dir = full_server
     page.goto(base)
     page.wait_for_selector("#system-strip .sys-item")
@@ -59,8 +59,7 @@ def test_disk_full_banner(full_server, page, browser):
     )
     picture(page, "disk-full-desktop", full_page=False)
 
-    phone = browser.new_context(viewport=PHONE)
-    small = phone.new_page()
+    small = open_page(PHONE)
     small.goto(base)
     shown = small.wait_for_selector("#disk-banner:not([hidden])", timeout=5000)
     assert f"disk full at {data_dir}" in shown.inner_text()
@@ -68,7 +67,7 @@ def test_disk_full_banner(full_server, page, browser):
     assert box["width"] <= PHONE["width"]  # the long path wraps, no sideways scroll
     assert small.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
     picture(small, "disk-full-phone", full_page=False)
-    phone.close()
+    small.close()
 
     os.remove(filler)
     page.wait_for_selector("#disk-banner", state="hidden", timeout=10_000)

@@ -69,9 +69,9 @@ def _clashes(markers: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("width", [DESKTOP["width"], PHONE["width"]], ids=["desktop", "phone"])
-def test_vram_chart_marker_labels_do_not_cover_each_other(synthetic_server, browser, width):
-    context = browser.new_context(viewport={"width": width, "height": 900})
-    page = context.new_page()
+def test_vram_chart_marker_labels_do_not_cover_each_other(synthetic_server, open_page, width):
+    page = open_page(PHONE if width == PHONE["width"] else DESKTOP)
+    page.set_viewport_size({"width": width, "height": 900})
     page.goto(synthetic_server + "/#/compare")
     page.wait_for_selector("#page")
     setup = SETUP.replace("'1300px'", f"'{width - 20}px'")  # the grid as wide as the page
@@ -87,10 +87,9 @@ def test_vram_chart_marker_labels_do_not_cover_each_other(synthetic_server, brow
     assert all(figure["top"] <= m["top"] and m["bottom"] <= figure["bottom"] for m in markers)
     assert all(figure["left"] <= m["left"] and m["right"] <= figure["right"] for m in markers)
     picture(page.locator("#vram"), f"vram-marker-labels-{'desktop' if width > 700 else 'phone'}")
-    context.close()
 
 
-def test_compare_samples_are_labelled_with_their_prompts(synthetic_server, browser):
+def test_compare_samples_are_labelled_with_their_prompts(synthetic_server, open_page):
     api = Api(synthetic_server)
     make_preset(api, "prompted", steps=2, step_s=0)
     prompts = ["a watercolour fox", "a red boat at dawn"]
@@ -103,8 +102,7 @@ def test_compare_samples_are_labelled_with_their_prompts(synthetic_server, brows
     for run_id in ids:
         api.wait_run(run_id, {"succeeded"}, timeout=60)
     for label, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-        context = browser.new_context(viewport=viewport)
-        page = context.new_page()
+        page = open_page(viewport)
         page.goto(f"{synthetic_server}/#/compare?ids={','.join(map(str, ids))}")
         page.wait_for_selector("#compare-sample-rows figure img")
         rows = page.eval_on_selector_all(
@@ -125,7 +123,7 @@ def test_compare_samples_are_labelled_with_their_prompts(synthetic_server, brows
             ".every((i) => i.complete && i.naturalWidth > 0)"
         )
         picture(page.locator("#compare-samples"), f"compare-sample-prompts-{label}")
-        context.close()
+        page.close()
 
 
 @pytest.fixture
@@ -142,12 +140,13 @@ def just_started(tmp_path):
     return AssetsPublic.model_validate(body).model_dump(mode="json")
 
 
-def test_asset_strip_first_view_says_the_build_is_starting(synthetic_server, browser, just_started):
+def test_asset_strip_first_view_says_the_build_is_starting(
+    synthetic_server, open_page, just_started
+):
     assert just_started["state"] == "building" and just_started["stages"] == []
     assert just_started["estimate_s"] is None
     for label, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-        context = browser.new_context(viewport=viewport)
-        page = context.new_page()
+        page = open_page(viewport)
         page.route(
             "**/api/assets",
             lambda route: route.fulfill(
@@ -161,4 +160,4 @@ def test_asset_strip_first_view_says_the_build_is_starting(synthetic_server, bro
         assert "–" not in text
         assert text.startswith("starting the build: its stages and the time left show once")
         picture(page.locator("#asset-strip"), f"asset-strip-starting-{label}")
-        context.close()
+        page.close()

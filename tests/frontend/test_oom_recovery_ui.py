@@ -35,11 +35,12 @@ def make_preset(api: Api, name: str, steps: int, description: str) -> None:
     api.call("POST", "/api/presets", {"name": name, "config": config})
 
 
-def test_a_recovery_is_marked_listed_and_counted(synthetic_server, page, browser):
+def test_a_recovery_is_marked_listed_and_counted(synthetic_server, page, open_page):
     api = Api(synthetic_server)
-    # Long enough to look at while it runs (the panel shows only then); stopped below.
+    # Long enough to look at while it runs (the panel shows only then); stopped below. A step a
+    # second: its ~75 records a step are drawn live while the pictures are taken.
     # On an RTX 4090 (its run_started record's device_name), so that plans of rtx4090 learn.
-    oom = "synthetic step_s=0.3 oom_at=3 device_name=NVIDIA_GeForce_RTX_4090"
+    oom = "synthetic step_s=1 oom_at=3 device_name=NVIDIA_GeForce_RTX_4090"
     make_preset(api, "synth-oom", steps=2000, description=oom)
     run = api.call("POST", "/api/runs", {"preset": "synth-oom", "name": "oom-once"})["id"]
     page.goto(f"{synthetic_server}/#/runs/{run}")
@@ -64,8 +65,7 @@ def test_a_recovery_is_marked_listed_and_counted(synthetic_server, page, browser
     assert page.inner_text("#fact-recoveries .fact-value") == "1"
     picture(page, "oom-recovery-desktop", full_page=True, timeout=120_000)
 
-    phone = browser.new_context(viewport=PHONE)
-    small = phone.new_page()
+    small = open_page(PHONE)
     small.goto(f"{synthetic_server}/#/runs/{run}")
     small.wait_for_selector(LOGGED, timeout=30_000)
     assert small.inner_text(LOGGED) == LINE
@@ -73,7 +73,7 @@ def test_a_recovery_is_marked_listed_and_counted(synthetic_server, page, browser
         "(window.__runView.charts.flush(), !!document.getElementById('vram').layout.shapes?.length)"
     )
     picture(small, "oom-recovery-phone", full_page=True, timeout=120_000)
-    phone.close()
+    small.close()
 
     api.call("POST", f"/api/runs/{run}/cancel")
     stopped = api.wait_run(run, {"cancelled"}, timeout=60)

@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.browser]
 
 def test_stop_asks_for_confirmation(synthetic_server, page):
     api = Api(synthetic_server)
-    make_preset(api, "stop-confirm", steps=200, step_s=0.3)
+    # Stopped below; 200 steps (a minute) ended first on a loaded machine.
+    make_preset(api, "stop-confirm", steps=2000, step_s=0.3)
     run = api.call("POST", "/api/runs", {"preset": "stop-confirm", "name": "stop me"})
     page.goto(f"{synthetic_server}/#/runs/{run['id']}")
     page.wait_for_selector(".run-header .badge[data-status='running']", timeout=60_000)

@@ -36,7 +36,7 @@ def _wait(api: Api, path: str, done, timeout: float = 120):
     deadline = time.monotonic() + timeout
     while not done(out := api.call("GET", path)):
         assert time.monotonic() < deadline, f"{path}: not done after {timeout} s: {out}"
-        time.sleep(0.5)
+        time.sleep(0.2)
     return out
 
 
@@ -199,5 +199,5 @@ def _wait_calibration(base: str, run_id: int, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while (res := httpx.get(f"{base}/api/runs/{run_id}/calibration")).status_code == 404:
         assert time.monotonic() < deadline, f"no calibration of run {run_id}"
-        time.sleep(0.5)
+        time.sleep(0.2)
     return res.json()
