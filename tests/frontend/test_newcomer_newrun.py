@@ -108,10 +108,12 @@ def test_a_plans_422_goes_beside_the_field_it_names(synthetic_server, page):
         route.continue_()
 
 
-def test_use_this_folder_takes_the_old_folders_error_away_at_once(synthetic_server, page, tmp_path):
+def test_use_this_folder_takes_the_old_folders_error_away_at_once(
+    synthetic_server, page, tmp_path, asset_cache
+):
     from tests.fixtures.pipelines import build_pipeline
 
-    flux = build_pipeline("flux", tmp_path / "pipelines")
+    flux = build_pipeline("flux", asset_cache)  # built once a session
     missing = str(tmp_path / "does-not-exist")
     _open(page, synthetic_server, "tiny-ci")
     page.fill("#field-model", missing)

@@ -17,10 +17,11 @@ pytestmark = [pytest.mark.browser]
 
 
 @pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory):
+def flux_folder(asset_cache):
+    """The tiny FluxPipeline folder, built once a session (the plan tests read the same)."""
     from tests.fixtures.pipelines import build_pipeline
 
-    return build_pipeline("flux", tmp_path_factory.mktemp("pipelines"))
+    return build_pipeline("flux", asset_cache)
 
 
 def test_inspect_endpoint_numbers_and_error_shape(backend_server, flux_folder):
