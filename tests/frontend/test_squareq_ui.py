@@ -55,7 +55,8 @@ def test_run_page_weights_fact_says_squareq(backend_server, page, tmp_path):
     body = {
         "preset": "tiny-ci",
         "name": "squareq",
-        "overrides": {"memory": {"stagehand": {"squareq": squareq}}},
+        # Two steps: the note is the last record's, the error table the first's.
+        "overrides": {"max_steps": 2, "memory": {"stagehand": {"squareq": squareq}}},
     }
     run_id = api.call("POST", "/api/runs", body)["id"]
     api.wait_run(run_id, {"succeeded"})
