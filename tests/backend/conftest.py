@@ -1,7 +1,9 @@
-"""Two ways to serve the app: in-process (``api``, ``api_factory``: a ``TestClient`` over
-``create_app``, no worker started) for the HTTP contract, and real server processes on
-127.0.0.1 with a free port and real ``workbench train`` workers (``server``,
-``server_factory``) where the process is the point."""
+"""Three ways to serve the app: in-process (``api``, ``api_factory``: a ``TestClient`` over
+``create_app``, no worker started) for the HTTP contract; in-process with real ``workbench
+train`` workers forked from this test process's fork server (``local_api``) for runs, their
+exits, signals and telemetry; and real server processes on 127.0.0.1 with a free port and
+workers started cold (``server``, ``server_factory``) where the server's process is the point
+(killed and restarted, its log, its command line)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from backend_helpers import Server, kill_workers  # noqa: E402
-from inprocess import in_process  # noqa: E402
+from inprocess import ForkedExecutor, in_process, warm_fork_server  # noqa: E402
+
+from workbench.services.settings import Settings  # noqa: E402
 
 
 @pytest.fixture
@@ -61,3 +65,22 @@ def api_factory(tmp_path) -> Iterator:
 def api(api_factory) -> TestClient:
     """The app in-process with the default settings and no worker ever started."""
     return api_factory()
+
+
+@pytest.fixture
+def local_api(api_factory, tmp_path) -> Iterator:
+    """``local_api(**settings)``: the app in-process (``api_factory``) over the real local
+    executor, its workers forked from the test process's fork server (``ForkedExecutor``:
+    ready before the first run, so none starts cold), killed after the test."""
+    warm_fork_server()
+    data_dirs: list[Path] = []
+
+    def make(**kw) -> TestClient:
+        data_dir = kw.pop("data_dir", tmp_path / "data")
+        data_dirs.append(data_dir)
+        executor = ForkedExecutor(Settings(data_dir=data_dir))
+        return api_factory(data_dir=data_dir, executor=executor, **kw)
+
+    yield make
+    for data_dir in data_dirs:
+        kill_workers(data_dir)

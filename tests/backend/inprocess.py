@@ -1,10 +1,12 @@
 """The app in-process for tests of the HTTP contract: ``create_app`` over a temp data dir with
 its lifespan run (real store, presets, hub, tailer, supervisor), served by a ``TestClient``,
-over an executor that starts no worker and a probe that answers at once."""
+over an executor that starts no worker and a probe that answers at once; or over the real
+local executor whose workers fork from this test process's fork server (``ForkedExecutor``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import psutil
 from fastapi.testclient import TestClient
 
 from workbench.api.app import create_app
-from workbench.executors import Executor, Exit, Job
+from workbench.executors import Executor, Exit, Job, forkserver
+from workbench.executors.local import LocalExecutor
 from workbench.services.settings import Settings
 from workbench.services.tailer import JsonlTail
 
@@ -58,6 +61,50 @@ class IdleExecutor(Executor):
     def end(self, run_id: int, rc: int = 0) -> None:
         """The job of ``run_id`` exits with ``rc`` (the supervisor's next tick settles it)."""
         self.exits[run_id] = Exit(rc)
+
+
+PYTEST_VAR = "PYTEST_CURRENT_TEST"
+
+
+class ForkedExecutor(LocalExecutor):
+    """The real local executor (real ``workbench train`` workers, launched by
+    ``forkserver.launch``), for an app in this process: its workers fork from one fork server
+    per test process (``warm_fork_server``) instead of each importing torch, diffusers and peft
+    cold (~8 s of CPU) in a test server of its own. It launches with the session's
+    environment: ``PYTEST_CURRENT_TEST`` (pytest names the test there, so each test would need
+    a fork server of its own; no worker reads it) is left out while it submits."""
+
+    def submit(self, run: dict, run_dir: Path) -> Job:
+        test = os.environ.pop(PYTEST_VAR, None)
+        try:
+            return super().submit(run, run_dir)
+        finally:
+            if test is not None:
+                os.environ[PYTEST_VAR] = test
+
+
+def worker_env() -> dict[str, str]:
+    """The environment ``LocalExecutor.submit`` gives a worker, as ``ForkedExecutor`` calls it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop(PYTEST_VAR, None)
+    return env
+
+
+def warm_fork_server(timeout_s: float = 300.0) -> None:
+    """Make ``forkserver``'s current fork server one for ``ForkedExecutor``'s environment and
+    wait until it has imported the worker (once per test process; a later test finds it
+    ready). One it replaces (another environment's, or ended) is retired as ``launch`` retires
+    it. Should it fail, the workers start cold: slower, the same runs."""
+    env = worker_env()
+    with forkserver._lock:
+        current = forkserver._current
+        if current is None or current.env != env or not (current.alive() or current.error):
+            if current is not None:
+                forkserver._retired.append(current)
+            current = forkserver._current = forkserver.ForkServer(
+                env, Path.cwd(), forkserver.PRELOAD
+            )
+    current.ready.wait(timeout_s)
 
 
 class FixedProbe:

@@ -1,4 +1,8 @@
-"""Worker exits and the statuses they give; the queue; cancel; live limits; server restarts."""
+"""Worker exits and the statuses they give; the queue; cancel; live limits; server restarts.
+
+Real ``workbench train`` workers throughout. The app runs in this process (``local_api``: its
+workers forked from the test process's fork server) except where the server's own process is
+the point: a server killed and restarted (``server_factory``)."""
 
 from __future__ import annotations
 
@@ -39,10 +43,9 @@ def wait_steps(client, run_id, n=2):
     wait_for(lambda: steps_stored(client, run_id) >= n, 180, 0.2, f"{n} steps of run {run_id}")
 
 
-def test_stall_sigkill_gives_killed_and_a_failing_worker_gives_failed(server_factory, tmp_path):
+def test_stall_sigkill_gives_killed_and_a_failing_worker_gives_failed(local_api, tmp_path):
     # Stalled after 2 s without telemetry (the default is 20 x the median step, at least 60 s).
-    env = {"STAGEHAND_WORKBENCH_STALL_MIN_S": "2", "STAGEHAND_WORKBENCH_STALL_FACTOR": "1"}
-    client = server_factory(args=("--max-parallel", "2"), env=env).start().client()
+    client = local_api(max_parallel=2, stall_min_s=2, stall_factor=1)
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     bad = create(client, {"model": {"factory": None, "path": str(empty)}})
@@ -82,8 +85,9 @@ def test_stall_sigkill_gives_killed_and_a_failing_worker_gives_failed(server_fac
     assert client.get(f"/api/runs/{bad}/telemetry").status_code == 404
 
 
-def test_queue_cancel_and_live_limits(server):
-    client = server.client()
+def test_queue_cancel_and_live_limits(local_api, tmp_path):
+    client = local_api()
+    data_dir = tmp_path / "data"
     first = create(client, LONG, name="first")
     second = create(client, {"max_steps": 3}, name="second")
     third = create(client, {"max_steps": 3}, name="third")
@@ -157,12 +161,12 @@ def test_queue_cancel_and_live_limits(server):
     assert client.post(f"/api/runs/{first}/cancel").status_code == 200
     done_first = wait_status(client, first, TERMINAL)
     assert done_first["status"] == "cancelled" and done_first["exit_code"] == 0, done_first
-    assert file_records(server.data_dir, first)[-1]["status"] == "cancelled"
+    assert file_records(data_dir, first)[-1]["status"] == "cancelled"
     done_second = wait_status(client, second, TERMINAL)
     assert done_second["status"] == "succeeded", done_second
     assert done_second["started_at"] >= done_first["finished_at"]
     assert client.get(f"/api/runs/{third}").json()["status"] == "cancelled"
-    assert not (server.data_dir / "runs" / str(third) / "telemetry.jsonl").exists()
+    assert not (data_dir / "runs" / str(third) / "telemetry.jsonl").exists()
 
     # Compare the two that ran: aligned series, the config fields that differ or that a run
     # changed while it ran (the config's value, then each change and its step), summary table.
@@ -214,14 +218,15 @@ def test_server_restart_reconciles_without_losing_telemetry(server_factory):
     assert [r["seq"] for r in stored] == list(range(len(in_file)))
 
 
-def test_outputs_download_and_resume_from_a_checkpoint(server):
+def test_outputs_download_and_resume_from_a_checkpoint(local_api, tmp_path):
     """A run stopped before its end lists its checkpoints, resumes from the last as the same
     run (telemetry continuing its seq), finishes, and its LoRA downloads as safetensors."""
     from safetensors.torch import load
 
-    client = server.client()
+    client = local_api()
+    data_dir = tmp_path / "data"
     run_id = create(client, {"max_steps": 400, "checkpoint_every": 4}, name="resumable")
-    run_dir = server.data_dir / "runs" / str(run_id)
+    run_dir = data_dir / "runs" / str(run_id)
     wait_for(lambda: (run_dir / "checkpoints" / "step-8").is_dir(), 180, 0.2, "checkpoint 8")
     err = assert_error_body(client.post(f"/api/runs/{run_id}/resume"), 409)
     assert err["field"] == "id" and "running" in err["message"]
@@ -248,7 +253,7 @@ def test_outputs_download_and_resume_from_a_checkpoint(server):
     records = stored_records(client, run_id)
     seqs = [r["seq"] for r in records]
     assert seqs == list(range(len(seqs))) and seqs[-1] > stopped_at  # one stream, no gap
-    assert records == file_records(server.data_dir, run_id)
+    assert records == file_records(data_dir, run_id)
     stages = [r for r in records if r["kind"] == "stage" and r["seq"] > stopped_at]
     assert any(r["stage"] == "train" and r["done"] == last for r in stages), stages[:3]
     trainer = [r for r in records if r["source"] == "trainer" and r["kind"] == "step"]
