@@ -226,20 +226,38 @@ def test_job_status_becomes_the_workers_exit():
     assert exit_of("RUNNING", None, None) is None and exit_of("PENDING", None, None) is None
 
 
-def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--no-browser", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def serve(capsys, *args: str) -> tuple[int, str]:
+    """``workbench serve --no-browser ARGS`` in this process (each refusal here comes before
+    the server would start; a real process refusing to start, with its exit code, is
+    ``test_security.test_other_address_without_token_refuses_to_start``): ``(exit code,
+    stderr)``."""
+    from workbench.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(["serve", "--no-browser", *args])
+    except SystemExit as exc:  # argparse's refusals
+        rc = exc.code
+    return rc, capsys.readouterr().err
 
 
-def test_serve_refuses_bad_executor_settings_naming_them(tmp_path):
+def test_serve_refuses_bad_executor_settings_naming_them(tmp_path, capsys):
     data = ("--data-dir", str(tmp_path / "d"), "--port", "1")
-    out = serve("--executor", "ray", *data)
-    assert out.returncode == 2 and "ray_address" in out.stderr, out.stderr
-    out = serve(
-        "--executor", "ray", "--ray-address", "http://127.0.0.1:9", "--ray-runtime-env", "{", *data
+    rc, err = serve(capsys, "--executor", "ray", *data)
+    assert rc == 2 and "ray_address" in err, err
+    rc, err = serve(
+        capsys,
+        "--executor",
+        "ray",
+        "--ray-address",
+        "http://127.0.0.1:9",
+        "--ray-runtime-env",
+        "{",
+        *data,
     )
-    assert out.returncode == 2 and "--ray-runtime-env: not JSON" in out.stderr, out.stderr
-    out = serve(
+    assert rc == 2 and "--ray-runtime-env: not JSON" in err, err
+    rc, err = serve(
+        capsys,
         "--executor",
         "ray",
         "--ray-address",
@@ -248,11 +266,11 @@ def test_serve_refuses_bad_executor_settings_naming_them(tmp_path):
         "[1]",
         *data,
     )
-    assert out.returncode == 2 and "ray_runtime_env: expected a JSON object" in out.stderr
-    out = serve("--executor", "ray", "--ray-address", "http://127.0.0.1:9", *data)
-    assert out.returncode == 2 and "ray_address: no Ray job API answers" in out.stderr, out.stderr
-    out = serve("--executor", "slurm", *data)
-    assert out.returncode == 2 and "--executor" in out.stderr
+    assert rc == 2 and "ray_runtime_env: expected a JSON object" in err
+    rc, err = serve(capsys, "--executor", "ray", "--ray-address", "http://127.0.0.1:9", *data)
+    assert rc == 2 and "ray_address: no Ray job API answers" in err, err
+    rc, err = serve(capsys, "--executor", "slurm", *data)
+    assert rc == 2 and "--executor" in err
 
 
 def test_the_local_executor_never_imports_ray(tmp_path):
