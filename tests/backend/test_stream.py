@@ -1,4 +1,8 @@
-"""A tiny-ci run through the API, followed over the websocket; reconnect with ``since``."""
+"""A tiny-ci run through the API, followed over the websocket; reconnect with ``since``.
+
+The app in-process over the real local executor (``local_api``: a real ``workbench train``
+worker, forked); the websocket over a real server's uvicorn is the dashboard tests' (and
+``test_security``'s)."""
 
 from __future__ import annotations
 
@@ -6,15 +10,16 @@ import json
 import threading
 
 from backend_helpers import file_records, stored_records, wait_status
+from inprocess import ws_url
 
 from workbench.contract.status import TERMINAL
 
 
-def follow(ws, stop_after_step: bool = False, timeout: float = 180):
+def follow(ws, stop_after_step: bool = False):
     """Frames until a terminal run frame (or the first step record); ``(records, runs)``."""
     records, runs = [], []
     while True:
-        frame = json.loads(ws.recv(timeout=timeout))
+        frame = json.loads(ws.receive_text())
         assert set(frame) <= {"records", "run"}, frame
         records += frame.get("records", [])
         if "run" in frame:
@@ -25,36 +30,48 @@ def follow(ws, stop_after_step: bool = False, timeout: float = 180):
             return records, runs
 
 
-def test_follow_to_completion_and_reconnect_with_since(server):
-    client = server.client()
+def following(client, run_id: int, since: int = -1, **kw) -> dict:
+    """``follow`` on a websocket of its own from ``since``, in a thread (the in-process
+    websocket's receive has no timeout): ``out["records"], out["runs"]`` once it ended."""
+    out: dict = {}
+
+    def run() -> None:
+        path = f"/api/runs/{run_id}/stream?since={since}"
+        with client.websocket_connect(ws_url(client, path)) as ws:
+            out["records"], out["runs"] = follow(ws, **kw)
+
+    out["thread"] = thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return out
+
+
+def ended(out: dict, timeout: float = 200) -> tuple[list, list]:
+    out["thread"].join(timeout)
+    assert not out["thread"].is_alive() and "runs" in out, "the websocket follow did not end"
+    return out["records"], out["runs"]
+
+
+def test_follow_to_completion_and_reconnect_with_since(local_api, tmp_path):
+    client = local_api()
+    data_dir = tmp_path / "data"
     resp = client.post("/api/runs", json={"preset": "tiny-ci", "overrides": {"max_steps": 12}})
     assert resp.status_code == 201, resp.text
     run = resp.json()
     assert run["status"] in ("queued", "running") and run["config"]["max_steps"] == 12
     run_id = run["id"]
 
-    whole: dict = {}
-
-    def follow_whole() -> None:
-        with server.ws(run_id) as ws:
-            whole["records"], whole["runs"] = follow(ws)
-
-    thread = threading.Thread(target=follow_whole)
-    thread.start()
+    whole = following(client, run_id)
 
     # A second client disconnects after its first step record and comes back with `since`.
-    with server.ws(run_id) as ws:
-        first, _ = follow(ws, stop_after_step=True)
+    first, _ = ended(following(client, run_id, stop_after_step=True), 180)
     last_seq = first[-1]["seq"]
-    with server.ws(run_id, since=last_seq) as ws:
-        rest, runs = follow(ws)
-    thread.join(200)
-    assert not thread.is_alive()
+    rest, runs = ended(following(client, run_id, since=last_seq), 180)
+    whole["records"], whole["runs"] = ended(whole)
 
     final = wait_status(client, run_id, TERMINAL)
     assert final["status"] == "succeeded", final
     assert runs[-1]["status"] == "succeeded"
-    in_file = file_records(server.data_dir, run_id)
+    in_file = file_records(data_dir, run_id)
     assert in_file[-1]["kind"] == "run_finished"
     assert [r["seq"] for r in in_file] == list(range(len(in_file)))
     # Every client saw exactly the file: line for line, no loss, no duplicates.
@@ -92,7 +109,7 @@ def test_follow_to_completion_and_reconnect_with_since(server):
     assert [b["count"] for b in named] == [b["count"] for b in buckets]
 
     # The finished run's files: config written for the worker, log captured, no sample listed.
-    run_dir = server.data_dir / "runs" / str(run_id)
+    run_dir = data_dir / "runs" / str(run_id)
     assert (run_dir / "worker.log").stat().st_size > 0
     listed = client.get(f"/api/runs/{run_id}/artifacts").json()
     assert listed == {"data": [], "count": 0}
