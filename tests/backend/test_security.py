@@ -3,17 +3,19 @@
 
 The security middleware's checks run on the app in-process (``api_factory``); a real server
 process is kept where the process is the point: ``serve`` refusing to start, and uvicorn's
-access log."""
+logs (one server for the module, at ``--log-level debug``: its access log, and the websockets
+library's handshake headers; each test reads the lines written since it began)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import uuid
 
 import httpx
 import pytest
-from backend_helpers import REPO, assert_error_body, free_port
+from backend_helpers import REPO, Server, assert_error_body, free_port, wait_for
 from inprocess import ws_url
 from starlette.websockets import WebSocketDisconnect
 from websockets.sync.client import connect
@@ -48,13 +50,48 @@ def test_other_address_without_token_refuses_to_start(tmp_path):
     assert not (tmp_path / "workbench.db").exists()
 
 
+class LoggedServer:
+    """The module's real server (bound to 127.0.0.2 with a token, ``--log-level debug``) as one
+    test sees it: ``log()``, what the server logged since the test began."""
+
+    def __init__(self, srv: Server) -> None:
+        self.srv, self.url, self.host, self.port = srv, srv.url, srv.host, srv.port
+        self.start = srv.log.stat().st_size
+
+    def log(self) -> str:
+        """The lines since the test began, once a request sent now is logged: uvicorn logs on
+        one event loop, so what the test's requests made it log comes before that request's
+        access line (the server ran to its end before the test read the log when each test
+        had a server of its own)."""
+        barrier = f"barrier-{uuid.uuid4().hex}"
+        httpx.get(f"{self.url}/api/runs?{barrier}=1")  # 401, logged
+
+        def written() -> str | None:
+            with open(self.srv.log, "rb") as f:
+                f.seek(self.start)
+                text = f.read().decode("utf-8", "replace")
+            return text if barrier in text else None
+
+        return wait_for(written, 30, 0.05, "the server's log line of a request")
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory):
+    srv = Server(
+        tmp_path_factory.mktemp("guarded") / "data",
+        host="127.0.0.2",
+        env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN},
+        args=("--log-level", "debug"),
+    ).start()
+    yield srv
+    srv.stop()
+    assert TOKEN not in srv.log.read_text()  # nor in what the server logged on its way out
+
+
 @pytest.fixture
-def guarded(server_factory):
-    """A real server bound to 127.0.0.2 with a token, its access log on."""
-    srv = server_factory(
-        host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN}, args=("--log-level", "info")
-    )
-    return srv.start()
+def guarded(guarded_server) -> LoggedServer:
+    """The module's real server bound to 127.0.0.2 with a token, its access log on."""
+    return LoggedServer(guarded_server)
 
 
 @pytest.fixture
@@ -151,8 +188,7 @@ def test_token_in_a_link_stays_out_of_every_log(guarded):
     ws = f"ws://{guarded.host}:{guarded.port}/api/runs/1/stream?since=-1&token={TOKEN}"
     with connect(ws) as conn:
         assert json.loads(conn.recv(timeout=10))["error"]["code"] == "unauthorized"
-    guarded.stop()  # flushes the log
-    log = guarded.log.read_text()
+    log = guarded.log()
     assert '"GET /?token=[redacted] HTTP/1.1" 303' in log  # the access log is on, and redacted
     assert "/api/runs?x=1&token=[redacted]" in log
     assert '"WebSocket /api/runs/1/stream?since=-1&token=[redacted]"' in log
@@ -255,12 +291,10 @@ def test_every_form_of_the_token_is_redacted_from_a_log_record():
     assert shown("got %r", (f"weird:{TOKEN}",))[0] == "got 'weird:[redacted]'"
 
 
-def test_token_stays_out_of_the_debug_log(server_factory):
+def test_token_stays_out_of_the_debug_log(guarded):
     """At ``--log-level debug`` the websockets library logged the handshake's headers
     (``< authorization: Bearer T``, ``< cookie: workbench_token=T``)."""
-    srv = server_factory(
-        host="127.0.0.2", env={"STAGEHAND_WORKBENCH_TOKEN": TOKEN}, args=("--log-level", "debug")
-    ).start()
+    srv = guarded
     stream = f"ws://{srv.host}:{srv.port}/api/runs/1/stream?since=-1"
     for headers in ({"Authorization": f"Bearer {TOKEN}"}, {"Cookie": f"workbench_token={TOKEN}"}):
         with connect(stream, additional_headers=headers, open_timeout=10) as conn:
@@ -268,8 +302,7 @@ def test_token_stays_out_of_the_debug_log(server_factory):
     for form in REFUSED_FORMS:
         for token in (TOKEN, "typo-4242"):
             httpx.get(srv.url + form.format(token))
-    srv.stop()  # flushes the log
-    log = srv.log.read_text()
+    log = srv.log()
     assert TOKEN not in log and "typo-4242" not in log
     assert "< authorization: [redacted]" in log.lower()  # the headers were logged, redacted
     assert "< cookie: [redacted]" in log.lower()
