@@ -31,9 +31,9 @@ STEPS = 3  # the trace step, the step after it, a steady step
 
 
 @pytest.mark.sync_device  # the CPU's tracked accounting is what is compared
-def test_each_step_of_the_composed_preset_moves_what_its_plan_simulates(tmp_path):
+def test_each_step_of_the_composed_preset_moves_what_its_plan_simulates(flux_dev_tiny):
     spec = real_model("flux-dev")
-    folder = tmp_path / "w"
+    folder = flux_dev_tiny  # built once per session (conftest); build_job finds it built
     job = {"model": "flux-dev", "folder": str(folder), "size": "tiny", "device": "cpu"}
     assert build_job(job)["status"] == "ok"
     memory = row_memory("preset", "flux-dev", "tiny", card_bytes=CARD)

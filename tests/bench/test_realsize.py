@@ -63,16 +63,14 @@ def test_the_real_config_is_flux_dev_and_its_rows_use_the_presets():
         real_model("flux-9")
 
 
-def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
-    out = tmp_path / "realsize.json"
-    argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
-    # Warm-up 2: the trace step, then the first step after it, which also loads ahead the
-    # blocks its successor needs first (NOTE [ Prefetch window ]): the third is steady.
-    argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
-    assert main(argv) == 0
-    result = json.loads(out.read_text())
+def test_tiny_real_size_rows_run_every_strategy(flux_dev_tiny_run):
+    """Every row of the session's tiny bench run (``conftest.flux_dev_tiny_run``: on an emulated
+    24 GiB card, which on the CPU is the card a tiny row's sections are resolved for anyway)."""
+    assert flux_dev_tiny_run["code"] == 0
+    result = flux_dev_tiny_run["result"]
     assert result["kind"] == "bench_realsize" and result["size"] == "tiny"
-    assert result["build"]["params"] > 0 and not result["build"]["reused"]
+    # The folder was built before this run (``conftest.flux_dev_tiny``): the run reuses it.
+    assert result["build"]["reused"] is True
     probe = result["probe"]
     assert probe["memcpy_gbps"] > 0
     assert all(probe[f"pagecache_to_host_{t}t_gbps"] > 0 for t in (1, 4, 8))
@@ -124,11 +122,24 @@ def test_tiny_real_size_rows_run_every_strategy(tmp_path, capsys):
         assert row["x_bound"] == pytest.approx(row["step_ms_median"] / row["bound_ms"])
         assert row["attention"]["device"] == "cpu"
         assert row["plan"]["step_ms"] > 0  # the planner's prediction beside the measurement
-    printed = capsys.readouterr().out
+    printed = flux_dev_tiny_run["printed"]
     assert "layer_offload_0.9" in printed and "x bound" in printed
-    # A second run reuses the weights.
-    assert main([*argv[:-1], str(tmp_path / "again.json"), "--only", "resident"]) == 0
-    assert json.loads((tmp_path / "again.json").read_text())["build"]["reused"] is True
+
+
+def test_a_tiny_run_builds_the_weights_its_folder_lacks(tmp_path):
+    """Without ``--card-gb``, in an empty folder: the run builds the weights (a later run
+    reuses them: ``test_tiny_real_size_rows_run_every_strategy``) and its rows resolve each
+    section for the 24 GiB card the session's shared run emulates."""
+    out = tmp_path / "realsize.json"
+    argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
+    argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
+    assert main([*argv, "--only", "resident"]) == 0
+    result = json.loads(out.read_text())
+    assert result["build"]["params"] > 0 and not result["build"]["reused"]
+    assert [r["status"] for r in result["rows"]] == ["ok"] and result["card_gb"] is None
+    for name in ROWS:
+        card = row_memory(name, "flux-dev", "tiny", card_bytes=CARD_BYTES)
+        assert row_memory(name, "flux-dev", "tiny") == card, name
 
 
 @pytest.mark.parametrize(("device", "index"), [("cuda", 1), ("cuda:3", 3)])

@@ -4,14 +4,12 @@ planner's simulation of its section predicts."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 
 from stagehand.config.memory import MB
 from stagehand.strategy.auto import resolve_auto
-from workbench.bench.cli import main
 from workbench.bench.realmodel import (
     REAL_MODELS,
     card_section,
@@ -62,19 +60,20 @@ def test_the_plan_and_a_card_row_resolve_auto_to_the_same_watermarks():
     assert gap == pytest.approx(figures["activation_peak_bytes"] / MB)
 
 
-def test_a_tiny_card_row_moves_what_the_plan_predicts(tmp_path):
-    """``--size tiny --device cpu --card-gb 24 --only stream_file,preset``: each row runs the
+@pytest.mark.realsize_rows("stream_file", "preset")
+def test_a_tiny_card_row_moves_what_the_plan_predicts(flux_dev_tiny_run):
+    """``--size tiny --device cpu --card-gb 24 --only stream_file,preset`` (the session's run,
+    ``conftest.flux_dev_tiny_run``, which has these rows): each row runs the
     section the planner resolves for the real model (scaled to the tiny blocks) and its measured
     step (the third: warm-up 2) has the blocks on the device, loads, H2D bytes and misses the
     planner's simulation of that section on the tiny model predicts for the same step. The
     preset row (streaming + activation spill + the Conductor) planned 42 loads and 7,827,456 B
     against the run's 41 and 7,522,304 before the plan counted activations as the run does
     (``tests/bench/test_preset_plan_exact.py`` checks it step by step)."""
-    out = tmp_path / "card.json"
-    argv = ["--model", "flux-dev", "--size", "tiny", "--folder", str(tmp_path / "w")]
-    argv += ["--device", "cpu", "--steps", "1", "--warmup", "2", "--out", str(out)]
-    assert main([*argv, "--card-gb", "24", "--only", "stream_file,preset"]) == 0
-    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert flux_dev_tiny_run["code"] == 0
+    result = flux_dev_tiny_run["result"]
+    assert result["card_gb"] == 24 and (result["steps"], result["warmup"]) == (1, 2)
+    rows = {r["name"]: r for r in result["rows"]}
     spec = REAL_MODELS["flux-dev"]
     real = card_section(spec, preset_memory(spec.preset), CARD)["stagehand"]
     scale = section_scale(spec, "tiny")

@@ -117,9 +117,16 @@ def real_model(name: str) -> RealModel:
 
 
 def largest_block_bytes(spec: RealModel, size: str, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Parameter bytes of the model's largest block at ``size``, measured on ``meta``."""
+    """Parameter bytes of the model's largest block at ``size``, measured on ``meta`` once per
+    process for each class and config (every ``row_memory`` of a tiny row scales by it; a
+    meta FLUX.1-dev takes a second or two to build)."""
+    config = json.dumps(spec.model_config(size), sort_keys=True)
+    return _largest_block_bytes(spec.class_name, config, dtype)
 
-    model = meta_model(spec.class_name, spec.model_config(size), dtype)
+
+@functools.cache
+def _largest_block_bytes(class_name: str, config: str, dtype: torch.dtype) -> int:
+    model = meta_model(class_name, json.loads(config), dtype)
     blocks = find_blocks(model, None)
     return max(sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in blocks)
 
@@ -135,19 +142,26 @@ CARD_BYTES = 24 * 2**30
 """The card a tiny row's ``"auto"`` figures are resolved for (then scaled): a 24 GiB card."""
 
 
-@functools.cache
 def model_inventory(
     name: str, size: str, block_pattern: str | None = None, resident_fraction: float = 0.1
 ) -> Any:
     """The planner's ``Inventory`` of ``REAL_MODELS[name]`` at ``size`` with its LoRA and its
     training inputs, measured on ``meta`` (``workbench.plan.inventory.inventory``). A meta
     forward and backward of 57 blocks takes 10 to 40 s of one core, so it is measured once
-    per process.
+    per process for each set of arguments, however they are passed: ``("flux-dev", "real")``
+    and a section's ``("flux-dev", "real", None, 0.1)`` are one measurement (a cache keyed on
+    the call as written measured them twice).
 
     Raises:
         ValueError: unknown model or size.
     """
+    return _model_inventory(name, size, block_pattern, float(resident_fraction))
 
+
+@functools.cache
+def _model_inventory(
+    name: str, size: str, block_pattern: str | None, resident_fraction: float
+) -> Any:
     spec = real_model(name)
     model = meta_model(spec.class_name, spec.model_config(size), torch.bfloat16)
     add_lora(model, spec.lora_rank, spec.lora_targets)
