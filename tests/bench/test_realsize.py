@@ -17,7 +17,14 @@ from stagehand.weights.auto import margin_bytes
 from stagehand.weights.defaults import block_bytes, resolve
 from stagehand.weights.registry import find_blocks
 from workbench.bench.cli import main
-from workbench.bench.realmodel import CARD_BYTES, REAL_MODELS, real_model, section_scale
+from workbench.bench.realmodel import (
+    CARD_BYTES,
+    REAL_MODELS,
+    card_section,
+    preset_memory,
+    real_model,
+    section_scale,
+)
 from workbench.bench.realsize import ROWS, emulate_card, row_memory
 from workbench.plan.inventory import add_lora, meta_model
 from workbench.plan.profiles import profile
@@ -124,6 +131,45 @@ def test_tiny_real_size_rows_run_every_strategy(flux_dev_tiny_run):
         assert row["plan"]["step_ms"] > 0  # the planner's prediction beside the measurement
     printed = flux_dev_tiny_run["printed"]
     assert "layer_offload_0.9" in printed and "x bound" in printed
+
+
+@pytest.mark.realsize_rows("stream_file", "preset")
+def test_a_tiny_card_row_moves_what_the_plan_predicts(flux_dev_tiny_run):
+    """``--size tiny --device cpu --card-gb 24 --only stream_file,preset`` (the session's run,
+    ``conftest.flux_dev_tiny_run``, which has these rows): each row runs the
+    section the planner resolves for the real model (scaled to the tiny blocks) and its measured
+    step (the third: warm-up 2) has the blocks on the device, loads, H2D bytes and misses the
+    planner's simulation of that section on the tiny model predicts for the same step. The
+    preset row (streaming + activation spill + the Conductor) planned 42 loads and 7,827,456 B
+    against the run's 41 and 7,522,304 before the plan counted activations as the run does
+    (``tests/bench/test_preset_plan_exact.py`` checks it step by step)."""
+    assert flux_dev_tiny_run["code"] == 0
+    result = flux_dev_tiny_run["result"]
+    assert result["card_gb"] == 24 and (result["steps"], result["warmup"]) == (1, 2)
+    rows = {r["name"]: r for r in result["rows"]}
+    spec = REAL_MODELS["flux-dev"]
+    real = card_section(spec, preset_memory(spec.preset), CARD_BYTES)["stagehand"]
+    scale = section_scale(spec, "tiny")
+    for name in ("stream_file", "preset"):
+        row, plan = rows[name], rows[name]["plan"]
+        section = row["memory_config"]["stagehand"]
+        assert section["vram_high_watermark_mb"] == pytest.approx(
+            real["vram_high_watermark_mb"] * scale
+        )
+        assert plan["watermarks_mb"] == [
+            round(section["vram_high_watermark_mb"], 3),
+            round(section["vram_low_watermark_mb"], 3),
+        ]
+        c = row["counters"]
+        assert 0 < c["blocks_loaded"] < 110 and 0 < c["resident_blocks"] < 57  # not vacuous
+        assert c["blocks_loaded"] == plan["block_loads_per_step"], name
+        assert row["h2d_bytes_per_step"] == plan["h2d_bytes_per_step"], name
+        assert c["resident_blocks"] == plan["on_device_blocks"], name
+        assert c["prefetch_misses"] == plan["misses_per_step"] == 0
+        assert plan["streamed_blocks"] + plan["resident_blocks"] == 57 and plan["step_ms"] > 0
+    assert rows["preset"]["h2d_bytes_per_step"] == 7_522_304  # spill_bytes 0: no spill here
+    assert rows["preset"]["counters"]["grants"] == 41  # the Conductor granted every prefetch
+    assert rows["resident"]["plan"]["block_loads_per_step"] == 0
 
 
 def test_a_tiny_run_builds_the_weights_its_folder_lacks(tmp_path):

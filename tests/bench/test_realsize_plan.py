@@ -1,6 +1,7 @@
 """The plan and the real-size rows choose the same residency: one resolution of ``"auto"``
-(the planner's activation estimate included) and, on the CPU, a tiny row that moves what the
-planner's simulation of its section predicts."""
+(the planner's activation estimate included). That a tiny row on the CPU moves what the
+planner's simulation of its section predicts is ``tests/bench/test_realsize.py``'s (it reads the
+session's one tiny bench run, which ``--dist loadfile`` keeps in one worker with that file)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,8 @@ from stagehand.config.memory import MB
 from stagehand.strategy.auto import resolve_auto
 from workbench.bench.realmodel import (
     REAL_MODELS,
-    card_section,
     model_inventory,
     preset_memory,
-    section_scale,
 )
 from workbench.bench.realsize import row_memory
 from workbench.plan.plan import EFFICIENCY, auto_figures, check_memory, simulate
@@ -58,45 +57,6 @@ def test_the_plan_and_a_card_row_resolve_auto_to_the_same_watermarks():
     )
     gap = zero.vram_high_watermark_mb - planned.vram_high_watermark_mb
     assert gap == pytest.approx(figures["activation_peak_bytes"] / MB)
-
-
-@pytest.mark.realsize_rows("stream_file", "preset")
-def test_a_tiny_card_row_moves_what_the_plan_predicts(flux_dev_tiny_run):
-    """``--size tiny --device cpu --card-gb 24 --only stream_file,preset`` (the session's run,
-    ``conftest.flux_dev_tiny_run``, which has these rows): each row runs the
-    section the planner resolves for the real model (scaled to the tiny blocks) and its measured
-    step (the third: warm-up 2) has the blocks on the device, loads, H2D bytes and misses the
-    planner's simulation of that section on the tiny model predicts for the same step. The
-    preset row (streaming + activation spill + the Conductor) planned 42 loads and 7,827,456 B
-    against the run's 41 and 7,522,304 before the plan counted activations as the run does
-    (``tests/bench/test_preset_plan_exact.py`` checks it step by step)."""
-    assert flux_dev_tiny_run["code"] == 0
-    result = flux_dev_tiny_run["result"]
-    assert result["card_gb"] == 24 and (result["steps"], result["warmup"]) == (1, 2)
-    rows = {r["name"]: r for r in result["rows"]}
-    spec = REAL_MODELS["flux-dev"]
-    real = card_section(spec, preset_memory(spec.preset), CARD)["stagehand"]
-    scale = section_scale(spec, "tiny")
-    for name in ("stream_file", "preset"):
-        row, plan = rows[name], rows[name]["plan"]
-        section = row["memory_config"]["stagehand"]
-        assert section["vram_high_watermark_mb"] == pytest.approx(
-            real["vram_high_watermark_mb"] * scale
-        )
-        assert plan["watermarks_mb"] == [
-            round(section["vram_high_watermark_mb"], 3),
-            round(section["vram_low_watermark_mb"], 3),
-        ]
-        c = row["counters"]
-        assert 0 < c["blocks_loaded"] < 110 and 0 < c["resident_blocks"] < 57  # not vacuous
-        assert c["blocks_loaded"] == plan["block_loads_per_step"], name
-        assert row["h2d_bytes_per_step"] == plan["h2d_bytes_per_step"], name
-        assert c["resident_blocks"] == plan["on_device_blocks"], name
-        assert c["prefetch_misses"] == plan["misses_per_step"] == 0
-        assert plan["streamed_blocks"] + plan["resident_blocks"] == 57 and plan["step_ms"] > 0
-    assert rows["preset"]["h2d_bytes_per_step"] == 7_522_304  # spill_bytes 0: no spill here
-    assert rows["preset"]["counters"]["grants"] == 41  # the Conductor granted every prefetch
-    assert rows["resident"]["plan"]["block_loads_per_step"] == 0
 
 
 def test_a_row_left_auto_resolves_with_the_plans_activation_peak():
