@@ -245,29 +245,12 @@ def test_serve_refuses_bad_executor_settings_naming_them(tmp_path, capsys):
     data = ("--data-dir", str(tmp_path / "d"), "--port", "1")
     rc, err = serve(capsys, "--executor", "ray", *data)
     assert rc == 2 and "ray_address" in err, err
-    rc, err = serve(
-        capsys,
-        "--executor",
-        "ray",
-        "--ray-address",
-        "http://127.0.0.1:9",
-        "--ray-runtime-env",
-        "{",
-        *data,
-    )
+    ray = ("--executor", "ray", "--ray-address", "http://127.0.0.1:9")
+    rc, err = serve(capsys, *ray, "--ray-runtime-env", "{", *data)
     assert rc == 2 and "--ray-runtime-env: not JSON" in err, err
-    rc, err = serve(
-        capsys,
-        "--executor",
-        "ray",
-        "--ray-address",
-        "http://127.0.0.1:9",
-        "--ray-runtime-env",
-        "[1]",
-        *data,
-    )
+    rc, err = serve(capsys, *ray, "--ray-runtime-env", "[1]", *data)
     assert rc == 2 and "ray_runtime_env: expected a JSON object" in err
-    rc, err = serve(capsys, "--executor", "ray", "--ray-address", "http://127.0.0.1:9", *data)
+    rc, err = serve(capsys, *ray, *data)
     assert rc == 2 and "ray_address: no Ray job API answers" in err, err
     rc, err = serve(capsys, "--executor", "slurm", *data)
     assert rc == 2 and "--executor" in err
