@@ -374,3 +374,13 @@ def start_refused(page):
         for route in held:
             route.abort()
         page.unroute("**/api/runs/check")
+
+
+def is_marker_label(label: str, full: str) -> bool:
+    """A chart marker's label is its text ``full``, or ``full`` cut with "…" where the room
+    beside its line ends (``markerShapes`` in frontend/js/chartlayout.js: the room depends on
+    the chart's width and on how many steps it shows when drawn, which a loaded machine moves);
+    a cut keeps at least the 12 characters that rule keeps."""
+    if label == full:
+        return True
+    return label.endswith("…") and len(label) >= 12 and full.startswith(label[:-1])
