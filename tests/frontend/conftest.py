@@ -56,7 +56,8 @@ class Api:
     def __init__(self, base: str) -> None:
         self.base = base
 
-    def call(self, method: str, path: str, body=None):
+    def send(self, method: str, path: str, body=None) -> tuple[int, object]:
+        """``(HTTP status, the JSON body or None)``, a refusal's included."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
             self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -65,10 +66,20 @@ class Api:
             # Minutes, not seconds: a loaded machine's first pipeline inspection imports
             # diffusers in the server (over 30 s on 2 busy cores).
             with urllib.request.urlopen(req, timeout=120) as resp:
-                text = resp.read()
-                return json.loads(text) if text else None
+                status, text = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
-            raise AssertionError(f"{method} {path} -> {exc.code}: {exc.read()[:500]!r}") from None
+            status, text = exc.code, exc.read()
+        try:
+            return status, json.loads(text) if text else None
+        except ValueError:
+            return status, text[:500]
+
+    def call(self, method: str, path: str, body=None):
+        """The JSON body of a 2xx answer; any other fails the test, naming the answer."""
+        status, answer = self.send(method, path, body)
+        if status >= 300:
+            raise AssertionError(f"{method} {path} -> {status}: {str(answer)[:500]}")
+        return answer
 
     def wait_run(self, run_id: int, statuses: set[str], timeout: float = 180) -> dict:
         deadline = time.monotonic() + timeout
