@@ -369,15 +369,18 @@ def api_of(base: str) -> Api:
     return Api(base)
 
 
-def start_refused(page):
-    """Clicks Start with the page's own field check held unanswered and returns the error box
-    that shows. The page checks the request 350 ms after a field changes and holds Start back
-    once the server names a problem; without the hold, a loaded machine answers that check
-    before the click and Start is never sent. With it, the server's refusal of the request
-    itself is what the box shows. The held checks are dropped once the box is up."""
+def start_refused(page, change):
+    """Makes ``change()`` (fills a field the server refuses) and clicks Start with the page's
+    own field check held unanswered; returns the error box that shows. The page checks the
+    request 350 ms after a field changes and holds Start back once the server names a problem;
+    without the hold, a loaded machine answers that check before the click and Start is never
+    sent. The hold is in place before the change, so no check of it can be answered first. With
+    it, the server's refusal of the request itself is what the box shows. The held checks are
+    dropped once the box is up."""
     held = []
     page.route("**/api/runs/check", lambda route: held.append(route))
     try:
+        change()
         page.click("#start-run")
         return page.wait_for_selector(".page-errors .error-box[data-key='start run']")
     finally:

@@ -28,9 +28,8 @@ def loss_points(page) -> int:
 def test_new_run_form_shows_api_validation_error_beside_the_field(backend_server, page):
     page.goto(backend_server + "/#/new")
     page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
-    page.fill("#field-max_steps", "0")
+    start_refused(page, lambda: page.fill("#field-max_steps", "0"))
     assert json.loads(page.input_value("#config-json"))["max_steps"] == 0
-    start_refused(page)
     err = page.wait_for_selector("#error-max_steps:not(:empty)")
     assert "greater than 0" in err.inner_text()
     assert "invalid" in page.get_attribute("#field-max_steps", "class")

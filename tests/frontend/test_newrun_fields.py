@@ -174,8 +174,7 @@ def test_keys_removed_by_hand_go_out_as_null_and_conflicts_come_back_together(
     _open(page, synthetic_server)
     config = _config(page)
     config.update(lora_rank=8, lora_alpha=4)
-    page.fill("#config-json", json.dumps(config, indent=2))
-    box = start_refused(page)
+    box = start_refused(page, lambda: page.fill("#config-json", json.dumps(config, indent=2)))
     items = [li.inner_text() for li in box.query_selector_all("li")]
     assert [i.split(":")[0] for i in items] == ["overrides.lora_rank", "overrides.lora_alpha"]
     assert all("disagree: set one (null removes the other)" in i for i in items)
@@ -184,8 +183,7 @@ def test_keys_removed_by_hand_go_out_as_null_and_conflicts_come_back_together(
 
 def test_an_error_after_start_is_the_starts_and_names_what_the_field_takes(synthetic_server, page):
     _open(page, synthetic_server, "tiny-ci")
-    page.fill("#field-vram_high_watermark_mb", "-1")
-    box = start_refused(page)
+    box = start_refused(page, lambda: page.fill("#field-vram_high_watermark_mb", "-1"))
     # Before: "check data: ... found -1, expected greater than or equal to 0" and a list with
     # "found -1, expected 'auto'" under it.
     assert box.get_attribute("data-key") == "start run"

@@ -344,8 +344,7 @@ def test_error_banners_are_sentences_and_clear_when_fixed(synthetic_server, page
     # A refused field: the banner is a sentence naming it, and goes once the field is fixed.
     page.goto(synthetic_server + "/#/new")
     page.wait_for_selector("#preset-select option[value='tiny-ci']", state="attached")
-    page.fill("#field-max_steps", "0")
-    box = start_refused(page)
+    box = start_refused(page, lambda: page.fill("#field-max_steps", "0"))
     text = box.inner_text().removeprefix("×").strip()
     # Labelled with what the user asked for: Start (its data scan is part of it).
     assert re.search(
