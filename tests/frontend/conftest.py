@@ -216,28 +216,45 @@ def _cancel_runs_after_a_failure(request):
 
 
 @pytest.fixture(scope="session")
-def browser():
+def _playwright():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
+        yield p
 
 
 @pytest.fixture(scope="session")
-def contexts(browser):
+def browser(_playwright):
+    """A plain chromium, for the tests that make a context of their own (``new_context``)."""
+    b = _playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session")
+def contexts(_playwright, tmp_path_factory):
     """``contexts(viewport, **options)``: the session's browser context of that viewport (and
-    ``new_context`` options), made once. A context costs chromium ~2.5 s of CPU (its renderer
-    starts and compiles the dashboard's scripts and Plotly from nothing); a page in one that
-    already loaded them ~1.2 s. The dashboard keeps nothing in the browser (no cookies, no
-    storage), so pages of one context see each other only through the HTTP cache."""
+    ``launch_persistent_context`` options), made once: a chromium with a profile folder of its
+    own. In a profile on disk chromium keeps the code V8 compiled for the dashboard's scripts
+    and Plotly, and a new page takes it from there: its first load costs ~1 s of CPU on 2 cores
+    where an in-memory context's (``browser.new_context``) costs ~3 s, every new page starting a
+    renderer that compiles them from nothing. The dashboard keeps nothing in the browser (no
+    cookies, no storage), so pages of one context see each other only through the HTTP cache."""
     made = {}
 
     def get(viewport: dict = DESKTOP, **options):
+        # No motion (app.css: the running badge's pulse, ~12% of a core a page in chromium's
+        # software compositing); nothing the tests assert moves.
+        options.setdefault("reduced_motion", "reduce")
         key = (tuple(sorted(viewport.items())), tuple(sorted(options.items())))
         if key not in made:
-            made[key] = browser.new_context(viewport=viewport, **options)
+            made[key] = _playwright.chromium.launch_persistent_context(
+                tmp_path_factory.mktemp("chromium-profile"),
+                executable_path=CHROMIUM,
+                args=CHROMIUM_ARGS,
+                viewport=viewport,
+                **options,
+            )
             # Waits end on what they wait for; a loaded 2-core machine's page can take longer
             # than Playwright's 30 s to get there.
             made[key].set_default_timeout(60_000)
