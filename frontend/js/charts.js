@@ -3,8 +3,6 @@
 // Every change (points, title, markers, the empty note) marks a chart dirty and schedules one
 // redraw per FLUSH_MS, however many records came in; nothing is drawn before the first flush,
 // so a chart filled from history is drawn once, with its data, not empty and then again full.
-// The redraws records schedule share one budget per page (DRAW_SHARE): on a slow machine a live
-// run's charts are redrawn less often, never more than that share of a core.
 // When a trace passes its cap it is compressed in place (downsample.js): the newest points as
 // they are, the older ones min/max downsampled, so a VRAM spike that lasted one block is still
 // drawn after 100k blocks.
@@ -28,12 +26,11 @@ export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
 /**
  * The share of one core a page's scheduled redraws may take: after a redraw of `c` ms the next
- * scheduled one (of any chart) waits until `c / DRAW_SHARE` ms after it began. A live run's page
- * (nine charts, ~50 ms a redraw on 2 busy cores, as records came ~1.4 times a second) spent 68%
- * of a core redrawing and chromium as much again compositing: 1.27 cores, taken from the
- * training on the same machine. At 0.2 each chart there is redrawn about every 2 s; one of
- * 10 ms on a fast machine keeps the page at ~0.5 s. A redraw asked for (`flush()`: history
- * loads, a user's zoom, tests) is drawn at once, its cost counted.
+ * scheduled one (of any chart; they queue) waits until `c / DRAW_SHARE` ms after it began. A
+ * live run's page (nine charts, ~50 ms a redraw on 2 busy cores, records ~1.4 times a second)
+ * spent 68% of a core redrawing, and chromium as much again compositing. With 0.2 each chart
+ * there is redrawn twice in 10 s; at 10 ms a redraw, every ~0.5 s. A redraw asked for
+ * (`flush()`: history loads, a user's zoom, tests) is drawn at once, its cost counted.
  */
 export const DRAW_SHARE = 0.2;
 const MAX_WAIT_MS = 5000; // a burst of redraws asked for (a history load) delays the next by no more
@@ -51,6 +48,7 @@ function drainQueue() {
     drawQueue.charts.shift().flush();
   }
 }
+
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
 // ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
 const DENSE_POINTS = 300;
