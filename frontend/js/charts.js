@@ -24,31 +24,6 @@ export { BASE_LAYOUT, PLOT_CONFIG, legendFit, minMaxDownsample, plotText };
 
 export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
-/**
- * The share of one core a page's scheduled redraws may take: after a redraw of `c` ms the next
- * scheduled one (of any chart; they queue) waits until `c / DRAW_SHARE` ms after it began. A
- * live run's page (nine charts, ~50 ms a redraw on 2 busy cores, records ~1.4 times a second)
- * spent 68% of a core redrawing, and chromium as much again compositing. With 0.2 each chart
- * there is redrawn twice in 10 s; at 10 ms a redraw, every ~0.5 s. A redraw asked for
- * (`flush()`: history loads, a user's zoom, tests) is drawn at once, its cost counted.
- */
-export const DRAW_SHARE = 0.2;
-const MAX_WAIT_MS = 5000; // a burst of redraws asked for (a history load) delays the next by no more
-// Charts whose scheduled redraw waits on the budget, drawn in the order they asked.
-const drawQueue = { charts: [], timer: null, next: 0 }; // next: performance.now() it waits for
-
-function drainQueue() {
-  drawQueue.timer = null;
-  while (drawQueue.charts.length) {
-    const wait = drawQueue.next - performance.now();
-    if (wait > 0) {
-      drawQueue.timer = setTimeout(drainQueue, wait);
-      return;
-    }
-    drawQueue.charts.shift().flush();
-  }
-}
-
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
 // ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
 const DENSE_POINTS = 300;
@@ -163,27 +138,16 @@ export class ChartPanel {
     return "";
   }
 
-  /** Schedules a redraw (at most one per `flushMs`, within the page's DRAW_SHARE). */
+  /** Schedules a redraw (at most one per `flushMs`). */
   invalidate() {
     this.dirty = true;
-    if (this.timer === null) this._schedule(this.flushMs);
-  }
-
-  _schedule(ms) {
-    this.timer = setTimeout(() => {
-      this.timer = null;
-      if (drawQueue.charts.includes(this)) return; // drawn from the queue, with what came since
-      drawQueue.charts.push(this);
-      if (drawQueue.timer === null) drainQueue();
-    }, ms);
+    if (this.timer === null) this.timer = setTimeout(() => this.flush(), this.flushMs);
   }
 
   /** Drops the scheduled redraw: the owner calls flush() itself. */
   unschedule() {
     clearTimeout(this.timer);
     this.timer = null;
-    const queued = drawQueue.charts.indexOf(this);
-    if (queued >= 0) drawQueue.charts.splice(queued, 1);
   }
 
   /** The x range to draw: a user's zoom, else the window's, else null (everything). */
@@ -210,7 +174,6 @@ export class ChartPanel {
     this._markerRoom(top);
     if (this.wholeX) Object.assign(xaxis, { tick0: 0, dtick: wholeTicks(hi - lo, this.el.clientWidth || 600) });
     this.layout = { ...this.layout, xaxis, shapes, annotations: notes, datarevision: this.revision };
-    const began = performance.now();
     Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
     // The plot's size is known once drawn (automargin makes room for the legend and ticks):
     // marker labels laid out on a guess of it are laid out again on the size drawn.
@@ -221,10 +184,6 @@ export class ChartPanel {
       this.layout = { ...this.layout, shapes: again.shapes };
       Plotly.react(this.el, data, this.layout, PLOT_CONFIG);
     }
-    const cost = performance.now() - began;
-    this.drawn = { began, cost }; // ms: the last redraw (performance.now() it began, its cost)
-    const next = Math.max(drawQueue.next, began) + cost / DRAW_SHARE;
-    drawQueue.next = Math.min(next, performance.now() + MAX_WAIT_MS);
     if (!this.listening && this.el.on) {
       this.listening = true;
       this.el.on("plotly_relayout", (ev) => this._userRange(ev));

@@ -131,68 +131,6 @@ def test_live_streaming_run_fills_every_chart(synthetic_server, page, shoot):
     )
 
 
-LIVE_CHARTS = ["vram", "transfers", "host", "spill", "spill-pool", "phases", "loss", "conductor"]
-
-
-def test_live_redraws_stay_within_the_page_draw_budget_and_take_turns(synthetic_server, page):
-    """The redraws records schedule on a live run's page take at most ``DRAW_SHARE`` of a core
-    (charts.js): each starts no sooner than ``cost / DRAW_SHARE`` ms after the one before it
-    began, whichever chart drew, and every chart is drawn in its turn (twice, at least, while
-    the test watches)."""
-    api = Api(synthetic_server)
-    make_preset(api, "synth-budget", steps=LONG_STEPS, step_s=0.25)
-    run = api.call("POST", "/api/runs", {"preset": "synth-budget", "name": "draw-budget"})
-    try:
-        page.goto(synthetic_server + f"/#/runs/{run['id']}")
-        page.wait_for_function("(document.getElementById('loss')?.data?.[0]?.x?.length ?? 0) >= 3")
-        # From here on the page draws only what records schedule (nothing here calls flush()).
-        page.evaluate(
-            """(ids) => {
-                window.__drawn = [];
-                for (const id of ids) {
-                    const chart = window.__runView.charts.charts[id];
-                    const flush = chart.flush;
-                    chart.flush = function () {
-                        const before = this.drawn;
-                        flush.call(this);
-                        if (this.drawn !== before) window.__drawn.push({ id, ...this.drawn });
-                    };
-                }
-            }""",
-            LIVE_CHARTS,
-        )
-        page.wait_for_function(
-            """(ids) => ids.every((id) => window.__drawn.filter((d) => d.id === id).length >= 2)""",
-            arg=LIVE_CHARTS,
-            timeout=120_000,
-        )
-        drawn, share = page.evaluate(
-            """async () => [window.__drawn, (await import('/static/js/charts.js')).DRAW_SHARE]"""
-        )
-    finally:
-        api.call("POST", f"/api/runs/{run['id']}/cancel")
-    assert share == 0.2
-    drawn.sort(key=lambda d: d["began"])
-    assert len(drawn) >= 2 * len(LIVE_CHARTS)
-    late = [
-        (a["id"], b["id"], round(b["began"] - a["began"], 1), round(a["cost"] / share, 1))
-        for a, b in zip(drawn, drawn[1:], strict=False)
-        if b["began"] < a["began"] + a["cost"] / share
-    ]
-    assert not late, f"redraws sooner than their budget allows (ms): {late}"
-    # Each chart's turn comes before any chart draws a third time since the chart last drew.
-    turns = [d["id"] for d in drawn]
-    for i, chart_id in enumerate(turns):
-        later = turns[i + 1 :]
-        if chart_id in later:
-            between = later[: later.index(chart_id)]
-            assert max((between.count(c) for c in set(between)), default=0) <= 2, (chart_id, turns)
-
-
-LONG_STEPS = 100_000
-"""A run the test cancels."""
-
-
 def test_finished_100k_record_run_opens_downsampled(synthetic_server, page, shoot):
     api = Api(synthetic_server)
     make_preset(api, "synth-100k", steps=1350, step_s=0)
