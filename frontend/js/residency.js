@@ -93,7 +93,7 @@ export class ResidencyMap extends ChartPanel {
         if (!this.state.has(block)) this.state.set(block, 0);
     }
     this._snapshot(t, block, rec.event);
-    this.invalidate();
+    this.invalidate(true);
   }
 
   _mark(kind, t, block) {

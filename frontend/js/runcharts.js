@@ -375,9 +375,11 @@ export class RunCharts {
     }
   }
 
-  /** The run is over: charts still waiting will not get records. */
+  /** The run is over: what the pacing held back is drawn now (charts.js PACE), and charts
+   * still waiting will not get records. */
   finished() {
     for (const chart of Object.values(this.charts)) {
+      chart.unpace();
       if (chart.empty && chart.emptyText === WAITING) chart.setEmptyText("no records of this kind in this run");
     }
   }

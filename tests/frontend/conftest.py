@@ -243,8 +243,8 @@ def contexts(_playwright, tmp_path_factory):
     made = {}
 
     def get(viewport: dict = DESKTOP, **options):
-        # No motion (app.css: the running badge's pulse, ~12% of a core a page in chromium's
-        # software compositing); nothing the tests assert moves.
+        # Reduced motion: app.css stops the running badge's pulse then (~0.6 CPU-s per 10 s a
+        # page in chromium's software compositing; test_live_run checks it stopped).
         options.setdefault("reduced_motion", "reduce")
         key = (tuple(sorted(viewport.items())), tuple(sorted(options.items())))
         if key not in made:

@@ -57,6 +57,55 @@ def test_min_max_downsample_and_point_cap_keep_peaks(synthetic_server, page):
     assert (result["liveLast"], result["livePeakAt"]) == (4999, 1234)
 
 
+def test_live_points_wait_on_the_last_draws_cost_and_nothing_else_does(synthetic_server, page):
+    """charts.js PACE: a live point is drawn no sooner than min(PACE x the last draw's cost,
+    MAX_PACE_MS) after that draw began; a never-drawn chart, a user's change and a finished run
+    are not held by it."""
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    r = page.evaluate("""async () => {
+        const m = await import('/static/js/charts.js');
+        const div = document.createElement('div');
+        document.body.append(div);
+        const chart = new m.LiveChart(div, {title: 't', traces: [{name: 'a'}]});
+        const within = (f) => { const t0 = performance.now(); f(); const t1 = performance.now();
+            return t0 + m.FLUSH_MS <= chart.due && chart.due <= t1 + m.FLUSH_MS; };
+        const firstInFlush = within(() => chart.push(0, 1, 1)); // never drawn: FLUSH_MS
+        chart.flush();
+        const drawn = div.data[0].x.length;
+        // As if that draw had taken 40 ms (x PACE), then 1 s (the cap).
+        chart.cost = 40;
+        chart.push(0, 2, 2);
+        const paced = [chart.due, chart.drawnAt + 40 * m.PACE];
+        const morePoints = (chart.push(0, 3, 3), chart.due === paced[0]); // one redraw, kept
+        chart.unschedule();
+        chart.cost = 1000;
+        chart.push(0, 4, 4);
+        const capped = [chart.due, chart.drawnAt + m.MAX_PACE_MS];
+        const heldPoints = div.data[0].x.length;
+        // A user's change (log y) is not held: the redraw is brought forward to FLUSH_MS.
+        const userInFlush = within(() => chart.setLogY(true));
+        chart.flush();
+        const afterUser = div.data[0].x.length;
+        // The run ends: a redraw the pacing holds is drawn at once, and pacing is over.
+        chart.drawnAt = performance.now();
+        chart.cost = 1000;
+        chart.push(0, 5, 5);
+        const heldAtEnd = div.data[0].x.length;
+        chart.unpace();
+        const atEnd = div.data[0].x.length;
+        const afterEndInFlush = within(() => chart.push(0, 6, 6));
+        return {firstInFlush, drawn, paced, morePoints, capped, heldPoints, userInFlush, afterUser,
+                heldAtEnd, atEnd, afterEndInFlush, pace: m.PACE, cap: m.MAX_PACE_MS};
+    }""")
+    assert r["firstInFlush"] and r["drawn"] == 1
+    assert r["paced"][0] == r["paced"][1] and 40 * r["pace"] < r["cap"]
+    assert r["morePoints"]
+    assert r["capped"][0] == r["capped"][1] and 1000 * r["pace"] > r["cap"]
+    assert r["heldPoints"] == 1 and r["userInFlush"] and r["afterUser"] == 4
+    assert (r["heldAtEnd"], r["atEnd"]) == (4, 5) and r["afterEndInFlush"]
+
+
 STEPS = 45
 """The live run's steps."""
 

@@ -61,6 +61,9 @@ def test_start_from_form_watch_live_change_watermark_reconnect_finish(backend_se
     page.wait_for_function(f"{LOSS_X}.length > {first}", timeout=60_000)
     assert loss_points(page) < STEPS, "the run finished before the live growth could be seen"
     assert page.get_attribute(".run-header .badge", "data-status") == "running"
+    # The contexts ask for reduced motion (conftest): the running badge does not pulse then.
+    badge_animation = "getComputedStyle(document.querySelector('.run-header .badge')).animationName"
+    assert page.evaluate(badge_animation) == "none"
     assert re.fullmatch(rf"\d+/{STEPS}", page.inner_text("#fact-step .fact-value"))
     # How weight streaming reaches the device, and why, from the worker's stagehand records
     # (tiny-ci streams file-backed; the host cache is off on a CPU device).
