@@ -285,7 +285,8 @@ def test_presets_builtin_read_only_and_user_presets_editable(client):
 
 
 def test_system_info(client):
-    # The real probe (torch asked in a subprocess), in place of the app's FixedProbe.
+    # The real probe (torch/version.py on a CPU build, else torch asked in a subprocess), in
+    # place of the app's FixedProbe (tests/backend/test_system_probe.py).
     probe = SystemProbe(client.app.state.executor)
     client.app.dependency_overrides[get_probe] = lambda: probe
     try:

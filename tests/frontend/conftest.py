@@ -129,9 +129,9 @@ def _start_server(data_dir: Path, extra_env: dict[str, str] | None = None):
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    # Up once it answers a static endpoint: /api/system waits for the torch probe (a subprocess
-    # importing torch: seconds of CPU, half a minute on a loaded machine), which the pages and
-    # tests that read it wait for themselves.
+    # Up once it answers a static endpoint: /api/system waits for the device probe (on a GPU
+    # build of torch a subprocess importing torch: seconds of CPU, half a minute on a loaded
+    # machine), which the pages and tests that read it wait for themselves.
     deadline = time.monotonic() + 120
     while True:
         try:
