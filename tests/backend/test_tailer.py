@@ -56,3 +56,49 @@ def test_nan_and_infinity_become_null_in_the_stored_line(tmp_path):
     rollup = "SELECT seq_first, seq_last, count FROM telemetry_rollup"
     assert store.db.execute(rollup).fetchall() == [(7, 8, 2)]
     store.close()
+
+
+def test_the_poll_thread_sleeps_while_no_run_is_watched(tmp_path):
+    """Idle, the tailer's thread waits for ``watch`` (no poll at all); watching, it polls every
+    ``interval_s`` and ingests; once the run is drained and forgotten it sleeps again."""
+    import asyncio
+    import threading
+    import time
+
+    from workbench.services.hub import Hub
+    from workbench.services.tailer import Tailer
+
+    store = Store(tmp_path / "db.sqlite")
+    run_id = store.create_run("r", "p", {}, "default")
+    tailer = Tailer(store, Hub(asyncio.new_event_loop()), interval_s=0.01)
+    polls = []
+    polled = threading.Event()
+    plain_poll = tailer.poll_once
+
+    def counted() -> None:
+        polls.append(time.monotonic())
+        plain_poll()
+        polled.set()
+
+    tailer.poll_once = counted
+    tailer.start()
+    try:
+        time.sleep(0.3)  # 30 polls' worth at 100 Hz
+        assert polls == []
+        path = tmp_path / "telemetry.jsonl"
+        path.write_text(rec(0, loss=1.0) + "\n" + rec(1, loss=0.5) + "\n")
+        tailer.watch(run_id, JsonlTail(path))
+        assert polled.wait(10)
+        deadline = time.monotonic() + 10
+        while store.db.execute("SELECT count(*) FROM telemetry").fetchone()[0] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tailer.drain(run_id)
+        time.sleep(0.05)  # a poll under way when the run was forgotten may still end
+        settled = len(polls)
+        time.sleep(0.3)
+        assert len(polls) == settled
+    finally:
+        tailer.stop()
+        store.close()
+    assert not tailer._thread.is_alive()
