@@ -150,6 +150,21 @@ def test_launch_forks_for_the_environment_its_fork_server_imported_with(tmp_path
     out.close()
 
 
+def test_a_launch_waits_for_the_fork_server_started_with_the_server(tmp_path, monkeypatch):
+    """``STAGEHAND_WORKBENCH_FORK_SERVER=early``: the fork server ``prestart`` began is still
+    importing (a second, as torch's import takes) when the first run launches; the launch
+    waits for it and is forked, where a fork server the launch starts itself is not waited
+    for (the test above: its first launch starts cold)."""
+    monkeypatch.setattr(forkserver, "PRELOAD", ("tests.backend.echo_preload",))
+    environ = dict(env(), ECHO_PRELOAD_S="1")
+    forkserver.prestart(environ, REPO)
+    server = forkserver._current
+    with (tmp_path / "log").open("ab") as out:
+        child = forkserver.launch(command("exit", "6"), env=environ, cwd=REPO, stdout=out)
+    assert isinstance(child, Forked) and child.server is server and child.wait(60) == 6
+    assert server.error is None and forkserver._current is server
+
+
 def test_a_worker_outlives_its_fork_server_with_an_unknown_exit_code(tmp_path):
     environ = env()
     with (tmp_path / "log").open("ab") as out:

@@ -100,7 +100,8 @@ class Settings:
     fork_server_early: bool = field(default_factory=lambda: _env("FORK_SERVER") == "early")
     """``STAGEHAND_WORKBENCH_FORK_SERVER=early`` starts the fork server with the server, not at
     the first launch, so that the first run is forked too instead of starting cold while the
-    fork server imports beside it (the browser tests' server, whose tests start runs at once)."""
+    fork server imports beside it: a launch waits for it (the browser tests' server, whose tests
+    start runs at once)."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
