@@ -117,6 +117,16 @@ def test_tiny_real_size_rows_run_every_strategy(flux_dev_tiny_run):
     # the granularity of a block (NOTE [ Eviction policy ]).
     half = rows["stream_half"]
     assert abs(half["h2d_bytes_per_step"] / half["h2d_expected_bytes"] - 1) <= 0.05
+    # The planner given that budget (the row's section as it ran, its watermarks the runtime's):
+    # the row's block loads, and its H2D bytes within 5%. Not vacuous: half the blocks do not
+    # fit, so the step loads more blocks than the model's 19 double-stream blocks.
+    ran = half["memory_config"]["stagehand"]
+    plan, c = half["plan"], half["counters"]
+    marks = [ran["vram_high_watermark_mb"], ran["vram_low_watermark_mb"]]
+    assert plan["watermarks_mb"] == [round(m, 3) for m in marks]
+    double_stream = REAL_MODELS["flux-dev"].model_config("tiny")["num_layers"]
+    assert plan["block_loads_per_step"] == c["blocks_loaded"] > double_stream
+    assert abs(plan["h2d_bytes_per_step"] / c["h2d_bytes"] - 1) <= 0.05
     offload = rows["layer_offload_0.9"]["counters"]
     # 51 offloaded blocks, each loaded and evicted at its forward and at its backward use, as
     # the synchronous mode does: async changes when copies happen, never what is offloaded

@@ -126,8 +126,10 @@ def run(args: Any, log: Any) -> int:
         row = runner.run("realsize_row", job)
         row.setdefault("name", name)
         if row["status"] == "ok" and planning is not None:
+            # The section as the row ran it (stream_half's watermarks are set on its runtime).
+            ran = row.get("memory_config", memory)
             try:
-                row["plan"] = row_prediction(args.model, size, memory, planning, warmup + steps)
+                row["plan"] = row_prediction(args.model, size, ran, planning, warmup + steps)
             except ValueError as exc:  # a section the planner refuses: the row still stands
                 row["plan"] = {"error": str(exc)}
         log(f"  {name:<18} {row['status']:<5} {time.perf_counter() - started:6.1f} s")
