@@ -319,18 +319,24 @@ def test_a_real_runs_steady_step_moves_what_its_plan_predicts(store, tmp_path):
     """A real tiny-ci worker (weights streamed from its files under 1 MB watermarks): its last
     step's block loads, H2D bytes, prefetch misses and host waits equal the plan's steady step,
     and the calibration shows them beside the plan without taking a ratio of them."""
-    import os
-    import subprocess
     import sys
     from pathlib import Path
 
+    from inprocess import warm_fork_server, worker_env
+
+    from workbench.executors import forkserver
     from workbench.plan.profiles import DeviceProfile
 
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "workbench.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True, timeout=300)
+    # Forked from the test process's fork server (the local_api tests' on this worker), as the
+    # backend starts a worker: the ~8 s of imports of a cold start once per worker, not per run.
+    warm_fork_server()
+    with (run_dir / "worker.log").open("ab") as out:
+        worker = forkserver.launch(cmd, env=worker_env(), cwd=repo, stdout=out)
+    assert worker.wait(300) == 0, (run_dir / "worker.log").read_text()[-2000:]
     config = json.loads((run_dir / "config.json").read_text())
     run_id = store.create_run("real", "tiny-ci", config, "default")
     lines = (run_dir / "telemetry.jsonl").read_text().splitlines()
