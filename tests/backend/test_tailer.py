@@ -94,10 +94,11 @@ def test_the_poll_thread_sleeps_while_no_run_is_watched(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         tailer.drain(run_id)
-        time.sleep(0.05)  # a poll under way when the run was forgotten may still end
-        settled = len(polls)
+        forgotten = len(polls)
         time.sleep(0.3)
-        assert len(polls) == settled
+        # At most the poll already under way when the run was forgotten (a starved thread may
+        # start it late), none after it: 100 Hz polling would add ~30.
+        assert len(polls) <= forgotten + 1
     finally:
         tailer.stop()
         store.close()
