@@ -58,22 +58,16 @@ from typing import IO, Any
 import psutil
 
 from workbench.executors.forkserver_process import MAX_MESSAGE, send
+from workbench.worker.preload import TRAIN
 
 log = logging.getLogger(__name__)
 
 PROCESS = "workbench.executors.forkserver_process"
 """The fork server's own module (``python -m``)."""
 
-PRELOAD = (
-    "workbench.cli.train",
-    "diffusers.models.transformers",
-    "diffusers.models.unets",
-    "diffusers.models.autoencoders",
-    "peft",
-    "transformers",
-)
-"""What a worker imports before its first step (``workbench train``'s module: the worker and the
-planner; the model classes diffusers loads lazily)."""
+PRELOAD = TRAIN
+"""What a worker imports before its first step, as a cold ``workbench train`` imports it
+(``workbench.worker.preload.TRAIN``)."""
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 READY_TIMEOUT_S = 300.0
 REPLY_TIMEOUT_S = 30.0

@@ -5,13 +5,13 @@ It imports the modules, then forks one child per request read from the socket FD
 where the rules are), answers each request with the child's pid, reports each child's exit
 code, and answers ``stale`` instead of forking once a file it imported changed on disk. In the
 child, the request's command line takes over (``_become``, then the module as ``__main__``).
-Standard library only: what it imports is what it was asked to.
+Standard library only (and ``workbench.worker.preload``, which is): what it imports is what it
+was asked to.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import json
 import os
@@ -22,6 +22,8 @@ import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from workbench.worker.preload import import_frozen
 
 MAX_MESSAGE = 1 << 20
 """The largest message read (bytes): a request holds the worker's environment."""
@@ -158,10 +160,9 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     before = dict(os.environ)
     try:
-        import importlib
-
-        for name in argv[1:]:
-            importlib.import_module(name)
+        # Paused collector, then every object frozen: a child's collections neither scan nor
+        # copy what the imports made.
+        import_frozen(argv[1:])
         import torch
 
         if torch.cuda.is_initialized():
@@ -176,7 +177,6 @@ def main(argv: list[str]) -> int:
     # cold worker's imports set it in its environment, so a child's environment has it too.
     imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
     files = _imported_files()
-    gc.freeze()  # the imports' objects: a child's collections neither scan nor copy them
     try:
         request = _serve(sock, files)
     except (BrokenPipeError, ConnectionError):

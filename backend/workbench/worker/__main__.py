@@ -4,7 +4,11 @@ activation peak of 0 until the trace step measures one (``backend/workbench/cli/
 
 import sys
 
-from workbench.worker.cli import main
+from workbench.worker.preload import WORKER_LIBRARIES, import_frozen
+
+import_frozen(("workbench.worker.cli", *WORKER_LIBRARIES))  # collector paused, then frozen
+
+from workbench.worker.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
