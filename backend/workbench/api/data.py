@@ -16,6 +16,7 @@ from workbench.api.models import DatasetScan, ScanRequest
 from workbench.api.openapi import errors
 from workbench.services.folder_reads import READS, RESPONSES
 from workbench.services.presets import run_config
+from workbench.services.torch_side import import_torch_side
 from workbench.worker.preset import validate_preset
 from workbench.worker.scan import DataError, scan_folder
 
@@ -42,7 +43,7 @@ def scan(body: ScanRequest, store: StoreDep) -> dict:
     prefix = "overrides" if body.overrides else "preset"
     if preset.model.path is not None:
         # Before the time limit starts: the first import takes seconds (torch, diffusers).
-        import workbench.worker.pipelines  # noqa: F401  # lazy: the server starts without torch
+        import_torch_side()
 
     def read():
         videos = takes_clips(preset.model.path, field=f"{prefix}.model.path")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from workbench.api.errors import Invalid
 from workbench.contract.preset import MODEL_TYPES
 from workbench.services.folder_reads import READS, RESPONSES
+from workbench.services.torch_side import import_torch_side
 
 router = APIRouter(prefix="/api/pipelines", tags=["pipelines"])
 
@@ -50,6 +51,7 @@ def inspect(body: PipelineInspect) -> dict:
         Busy (503): every folder-read slot is taken.
         ReadTimeout (504): the folder did not answer within the time limit.
     """
+    import_torch_side()
     from workbench.worker.diffusers_classes import (  # lazy: the server starts without torch
         diffusers_class,
     )

@@ -16,6 +16,7 @@ from workbench.api.models import RunId
 from workbench.api.openapi import errors
 from workbench.contract.plan_inputs import DEVICE_PROFILES, OVERRIDES
 from workbench.services.calibration import calibration_for, recovery_for
+from workbench.services.torch_side import import_torch_side
 
 router = APIRouter(prefix="/api", tags=["plan"])
 
@@ -69,6 +70,7 @@ def plan(body: PlanRequest, store: StoreDep) -> dict:
         Invalid (422): a bad preset or device; ``field`` is the JSON path at fault
             (``preset.memory.stagehand.vram_high_watermark_mb``, ``device``).
     """
+    import_torch_side()
     from workbench.plan import (  # lazy: the server starts without torch
         PlanInputError,
         plan_preset,

@@ -23,6 +23,7 @@ from workbench.contract.status import ACTIVE, RunStatus
 from workbench.services.calibration import calibration_for
 from workbench.services.presets import run_config, validate_config
 from workbench.services.run_files import write_run_config
+from workbench.services.torch_side import import_torch_side
 from workbench.store import Store
 
 router = APIRouter(prefix="/api/tunes", tags=["tunes"])
@@ -32,6 +33,7 @@ _FIELD = re.compile(r"^([A-Za-z_][\w.]*): ")
 
 def _propose(body: TuneCreate, config: dict[str, Any], store: Store) -> dict[str, Any]:
     """The planner's trials; its input errors as 422 naming the field."""
+    import_torch_side()
     from workbench.plan import PlanInputError, profile  # lazy: the server starts without torch
     from workbench.plan.feedback import family_of  # lazy: the server starts without torch
     from workbench.plan.tune import propose  # lazy: the server starts without torch

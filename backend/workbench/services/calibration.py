@@ -27,6 +27,7 @@ from typing import Any
 
 from stagehand.config.records import LIMITS_APPLIED
 from workbench.contract.records import OOM_REQUEST, RUN_STARTED
+from workbench.services.torch_side import import_torch_side
 from workbench.store import Store
 
 log = logging.getLogger("workbench.services.calibration")
@@ -209,6 +210,7 @@ class Calibrator:
         """Plan the run's config on its device, store the calibration and return it; None
         (logged, nothing stored) when the run did not succeed, changed limits while it ran, ran
         on a device without a profile, or its config cannot be planned."""
+        import_torch_side()
         from workbench.plan import (  # lazy: the server starts without torch
             PlanInputError,
             plan_preset,
