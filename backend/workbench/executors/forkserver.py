@@ -1,8 +1,9 @@
 """Workers forked from a process that already imported them: the local executor's fork server.
 
 A worker started cold (``python -m workbench.cli train DIR/config.json --run-dir DIR``) spends
-~8 s of CPU importing torch, diffusers' model classes, peft and transformers before its first
-step (measured here: a tiny-ci run takes 8.6 s cold and 1.0 s forked). The fork server imports
+most of its start importing torch, diffusers' model classes, peft and transformers (measured
+here on 2 cores: ``POST /api/runs`` to a tiny-ci run's first step 5.2-7.2 s cold, 0.42-0.43 s
+forked). The fork server imports
 them once (``PRELOAD``) and then forks one child per run. The child becomes what the command
 line would have started: its own session (so ``killpg`` reaches its children), the requested
 working directory and environment, stdin from ``/dev/null``, stdout and stderr appended to the
@@ -17,7 +18,7 @@ Rules:
   (``subprocess.Popen``), so no launch waits for a fork server it started. One started with the
   server (``STAGEHAND_WORKBENCH_FORK_SERVER=early``: ``prestart``) is waited for: it began
   importing before the launch, so it is ahead of a cold start of the same imports, and the
-  cold start's whole import (~8 s of CPU) is saved.
+  cold start's whole import (~5-7 s) is saved.
 - Imports read the environment (``HF_HUB_OFFLINE``, ``OMP_NUM_THREADS``, our own knobs), so a
   fork server serves only launches with the environment it was started with. A launch with
   another environment starts cold and starts a fork server for it; the one it replaces keeps

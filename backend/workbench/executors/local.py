@@ -3,7 +3,7 @@
 ``python -m workbench.cli train DIR/config.json --run-dir DIR``, in its own session (process
 group) so a signal to the group reaches its children and a Ctrl-C of the server does not kill
 training. Forked from a fork server that already imported the worker's modules once one is
-ready (``workbench.executors.forkserver``: a run starts ~8 s sooner), else started cold. After a restart a run is adopted when its pid is alive *and* has the recorded start
+ready (``workbench.executors.forkserver``: a run starts ~5-7 s sooner), else started cold. After a restart a run is adopted when its pid is alive *and* has the recorded start
 time (psutil ``create_time``: a reused pid has another). Telemetry is tailed from
 ``DIR/telemetry.jsonl``.
 """

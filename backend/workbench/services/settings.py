@@ -95,7 +95,7 @@ class Settings:
     worker_module: str = field(default_factory=lambda: _env("WORKER_MODULE", "workbench.cli") or "")
     """``python -m <worker_module> train CONFIG --run-dir DIR`` launches a worker."""
     fork_server: bool = field(default_factory=lambda: _env("FORK_SERVER", "1") != "0")
-    """Fork local workers from a process that already imported them (a run starts ~8 s sooner;
+    """Fork local workers from a process that already imported them (a run starts ~5-7 s sooner;
     ``workbench.executors.forkserver``). ``STAGEHAND_WORKBENCH_FORK_SERVER=0`` starts each cold."""
     fork_server_early: bool = field(default_factory=lambda: _env("FORK_SERVER") == "early")
     """``STAGEHAND_WORKBENCH_FORK_SERVER=early`` starts the fork server with the server, not at
