@@ -332,7 +332,7 @@ def test_a_real_runs_steady_step_moves_what_its_plan_predicts(store, tmp_path):
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "workbench.cli", "train", "tiny-ci", "--run-dir", str(run_dir)]
     # Forked from the test process's fork server (the local_api tests' on this worker), as the
-    # backend starts a worker: the ~8 s of imports of a cold start once per worker, not per run.
+    # backend starts a worker: the imports of a cold start once per xdist worker, not per run.
     warm_fork_server()
     with (run_dir / "worker.log").open("ab") as out:
         worker = forkserver.launch(cmd, env=worker_env(), cwd=repo, stdout=out)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         # bench does not reach into the backend.
         target = "workbench.cli.bench_latency"
     # The command's modules (a worker's: its libraries too) with the collector paused, then
-    # frozen: ~2 CPU-s of a cold ``workbench train``'s start (``workbench.worker.preload``).
+    # frozen: a cold ``workbench train tiny-ci`` 10.3 CPU-s, not 14.3 (``workbench.worker.preload``).
     import_frozen(TRAIN if name == "train" else (target,))
     module = importlib.import_module(target)
     return int(module.main(rest) or 0)
