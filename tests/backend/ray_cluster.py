@@ -9,6 +9,7 @@ naming our temp dir) are killed by pid. Never ``ray stop``: that stops every clu
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -79,14 +81,25 @@ class RayCluster:
                 raise RuntimeError(f"ray start exited: {self.log.read_text()[-3000:]}")
             try:
                 JobSubmissionClient(self.address).list_jobs()
-                self.start_s = time.monotonic() - t0
-                return self
+                # The job API can answer before the raylet has registered: up means the
+                # head node is ALIVE in the state API too (CI once saw 0 nodes alive).
+                if self.nodes_alive() >= 1:
+                    self.start_s = time.monotonic() - t0
+                    return self
             except Exception:
-                time.sleep(0.25)
+                pass
+            time.sleep(0.25)
         self.stop()
         raise TimeoutError(
-            f"Ray's job API not up after {timeout} s: {self.log.read_text()[-3000:]}"
+            f"Ray's job API and its node not up after {timeout} s: {self.log.read_text()[-3000:]}"
         )
+
+    def nodes_alive(self) -> int:
+        """ALIVE nodes in the state API (``/api/v0/nodes``), as the executor reads them."""
+        url = f"{self.address}/api/v0/nodes?limit=100"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            listed = json.loads(resp.read())["data"]["result"]["result"]
+        return sum(n["state"] == "ALIVE" for n in listed)
 
     def ours(self) -> list[psutil.Process]:
         """Processes of this cluster: they name our temp dir (or session dir) on their line."""
