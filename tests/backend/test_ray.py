@@ -77,23 +77,19 @@ def test_two_runs_on_ray_stream_their_telemetry_from_the_job_log(server_factory,
     assert cluster["cpus_total"] == 2 and cluster["gpus_total"] == 0
     node_ip = cluster["nodes"][0]["ip"]
 
-    first, second = create(client, {"max_steps": 12}), create(client, {"max_steps": 6})
-    # Records arrive while the job runs (the live log stream, not only the final full read).
-    live = wait_for(
-        lambda: (
-            (r := client.get(f"/api/runs/{first}").json())["status"] == "running"
-            and r["last_seq"] >= 20
-            and r
-        ),
-        240,
-        0.1,
-        "records of a running Ray job",
-    )
-    assert live["executor"] == "ray" and live["job_id"].startswith(f"workbench-run-{first}-")
+    first, second = create(client, {"max_steps": 40}), create(client, {"max_steps": 6})
     jobs = JobSubmissionClient(ray_cluster.address)
-    # Still running on Ray: those records came through tail_job_logs, not the full read that
-    # follows the job's end.
-    assert jobs.get_job_status(live["job_id"]) == "RUNNING"
+
+    def live_records():
+        # Records arrive while the job runs (the live log stream, not only the full read that
+        # follows the job's end): Ray still says RUNNING after the server held 20 of them.
+        run = client.get(f"/api/runs/{first}").json()
+        if run["status"] != "running" or run["last_seq"] < 20:
+            return None
+        return jobs.get_job_status(run["job_id"]) == "RUNNING" and run
+
+    live = wait_for(live_records, 240, 0.1, "records of a running Ray job")
+    assert live["executor"] == "ray" and live["job_id"].startswith(f"workbench-run-{first}-")
     for run_id in (first, second):
         done = wait_status(client, run_id, TERMINAL, timeout=240)
         assert done["status"] == "succeeded", done
