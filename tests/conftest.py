@@ -7,6 +7,9 @@ otherwise everything is built once per session into one temp folder.
 import gc
 import os
 
+# Before torch: MKL's strict reproducible mode (MKL_CBWR), as every worker and command has it.
+import workbench.worker.preload  # noqa: F401
+
 gc.disable()  # until the test loop starts (pytest_runtestloop below)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")

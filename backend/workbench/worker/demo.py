@@ -45,8 +45,9 @@ of 8 read 27. The default run's LoRA (160 steps of 8) changes the samples only a
 page shows its step-0 samples beside the last ones.
 
 Threads. The base's bytes do not depend on how many threads train it (its matrix products and
-reductions split the work, not the sums; ``tests/worker/test_demo.py`` checks 1 against 3), so
-it takes the cores no other process is using (``CoreShare``, asked every 10 steps): on this
+reductions split the work, not the sums; ``tests/worker/test_demo.py`` checks 1 against 3) when
+MKL runs in its strict reproducible mode (``threads_reproducible``; without it an AVX-512
+machine's MKL splits the sums of small products too), so it takes the cores no other process is using (``CoreShare``, asked every 10 steps): on this
 project's 2-core machine, idle, a step of 8 takes 470 ms on two threads against 717 on one. It
 never takes a busy core: with another process spinning on the second core, two threads took 1,564
 ms a step (OpenMP's threads wait on each other while the other process holds the core). The VAE
@@ -180,6 +181,15 @@ def deterministic() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(strict)
         torch.set_num_threads(threads)
+
+
+def threads_reproducible() -> bool:
+    """Whether this process's matrix products give the same bits on any thread count: MKL with
+    its strict CNR mode asked for in ``MKL_CBWR`` (``workbench.worker.preload`` sets it before
+    torch is imported; MKL reads it at its first call). Without MKL (another BLAS) or without
+    ``STRICT`` there is no such promise, and the demo base trains on one thread."""
+    mode = os.environ.get("MKL_CBWR", "").upper().replace(" ", "").split(",")
+    return torch.backends.mkl.is_available() and "STRICT" in mode
 
 
 class CoreShare:

@@ -51,6 +51,7 @@ from workbench.worker.demo import (
     encode,
     pretrain_base,
     sample_check,
+    threads_reproducible,
     train_vae,
 )
 
@@ -105,7 +106,8 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
 
     def base(advance: Callable[[int], None]) -> None:
         def _build(tmp: Path) -> None:
-            cores = CoreShare()  # measures from here: the first steps' threads too
+            # Measures from here: the first steps' threads too.
+            cores = CoreShare() if threads_reproducible() else None
             with deterministic():
                 pixels, labels, n_train = _pixels(spec)
                 latents = encode(AutoencoderKL.from_pretrained(work / "vae" / "vae"), pixels)

@@ -10,14 +10,26 @@ which no collection scans: that run's collections take ~0.15 CPU-s in all, and t
 10.3 CPU-s where it took 14.3. A forked worker inherits the frozen objects (Python's
 ``gc.freeze`` documentation: the child's collections then write to none of their pages).
 
-Standard library only: the server's fork server and command line import it torch-free.
+Standard library only: the server's fork server and command line import it torch-free, and it
+is imported before torch, so that MKL reads ``MKL_CBWR`` below at its first call.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import os
 from collections.abc import Iterable
+
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+"""MKL's strict conditional numerical reproducibility (Intel oneMKL's developer guide, "Obtaining
+Numerically Reproducible Results"): its matrix products give the same bits on any thread count.
+Without it, on an AVX-512 machine MKL splits a small product's inner dimension across threads:
+a Linear (8, 384) x (384, 384) came out 1 ulp apart on 1 and 3 threads, where AVX2 machines gave
+equal bits. MKL reads it at its first call, so it is set before anything imports torch; a value
+the user set is kept. The demo base takes idle cores only under it
+(``workbench.worker.demo.threads_reproducible``); on 2 cores it cost no measurable time
+(285-315 ms a demo step on two threads either way)."""
 
 WORKER_LIBRARIES = (
     "diffusers.models.transformers",
