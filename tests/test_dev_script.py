@@ -1,10 +1,14 @@
-"""``./dev test`` reruns the tests marked ``parity`` on ATen's baseline kernels, from the folders
-its ``-m parity`` line names (collecting no more of the suite than it must): every test module
-that marks a test ``parity`` lies under one of them, so none is left out of that rerun."""
+"""``./dev``: its ``test`` reruns the tests marked ``parity`` on ATen's baseline kernels, from the
+folders its ``-m parity`` line names (collecting no more of the suite than it must): every test
+module that marks a test ``parity`` lies under one of them, so none is left out of that rerun.
+Its install hands uv the sources pip is configured with (``uv_sources``)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,3 +32,33 @@ def test_every_parity_test_is_in_a_folder_the_rerun_collects():
     assert len(marked) >= 10, marked  # the suite's exactness tests (runtime, worker)
     outside = [m for m in marked if not any(m.startswith(f + "/") for f in folders)]
     assert outside == [], f"parity tests outside the rerun's folders {folders}: {outside}"
+
+
+def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):
+    """A config file's global and install sections and PIP_ variables, ranked as pip ranks them
+    (variable over install over global), become uv's options; cert becomes SSL_CERT_FILE."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text(
+        "[global]\nindex-url = https://mirror.example/simple\n"
+        "extra-index-url = file:///srv/a/simple file:///srv/b/simple\n"
+        "find-links = /srv/global-wheels\ncert = /etc/my-ca.pem\n"
+        "[install]\nfind-links = /srv/install-wheels\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=str(conf), PIP_CONSTRAINT="/srv/caps.txt", PIP_NO_INDEX="1")
+    script = (
+        f"PY={sys.executable}; uv_args=(); uv_env=(); "
+        f'source <(sed -n "/^uv_sources() {{/,/^}}/p" {REPO / "dev"}); uv_sources; '
+        'printf "%s\\n" "${uv_args[@]}" -- "${uv_env[@]}"'
+    )
+    out = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    args, uv_env = out[: out.index("--")], [x for x in out[out.index("--") + 1 :] if x]
+    line = " ".join(args)
+    assert line.startswith("--index-strategy unsafe-best-match ")
+    assert "--find-links /srv/install-wheels" in line and "/srv/global-wheels" not in line
+    assert "--index-url https://mirror.example/simple" in line
+    assert "--extra-index-url file:///srv/a/simple --extra-index-url file:///srv/b/simple" in line
+    assert "--constraint /srv/caps.txt" in line and "--no-index" in args
+    assert uv_env == ["SSL_CERT_FILE=/etc/my-ca.pem"]

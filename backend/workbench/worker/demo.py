@@ -47,12 +47,12 @@ page shows its step-0 samples beside the last ones.
 Threads. The base's bytes do not depend on how many threads train it (its matrix products and
 reductions split the work, not the sums; ``tests/worker/test_demo.py`` checks 1 against 3) when
 MKL runs in its strict reproducible mode (``threads_reproducible``; without it an AVX-512
-machine's MKL splits the sums of small products too), so it takes the cores no other process is using (``CoreShare``, asked every 10 steps): on this
-project's 2-core machine, idle, a step of 8 takes 470 ms on two threads against 717 on one. It
-never takes a busy core: with another process spinning on the second core, two threads took 1,564
-ms a step (OpenMP's threads wait on each other while the other process holds the core). The VAE
-and the sample check stay on one thread: their convolutions' results change with the thread
-count.
+machine's MKL splits the sums of small products too), so it takes the cores no other process
+is using (``CoreShare``, asked every 10 steps): on this project's 2-core machine, idle, a step
+of 8 takes 470 ms on two threads against 717 on one. It never takes a busy core: with another
+process spinning on the second core, two threads took 1,564 ms a step (OpenMP's threads wait on
+each other while the other process holds the core). The VAE and the sample check stay on one
+thread: their convolutions' results change with the thread count.
 """
 
 from __future__ import annotations
