@@ -106,6 +106,59 @@ def test_live_points_wait_on_the_last_draws_cost_and_nothing_else_does(synthetic
     assert (r["heldAtEnd"], r["atEnd"]) == (4, 5) and r["afterEndInFlush"]
 
 
+def test_a_chart_out_of_view_draws_live_points_every_out_of_view_ms(synthetic_server, page):
+    """charts.js IN_VIEW_MARGIN_PX: a chart farther than that below the window redraws for a
+    live point OUT_OF_VIEW_MS after its last draw, not on the pacing of one in view; a user's
+    change is drawn in FLUSH_MS; scrolled to, the held redraw comes in FLUSH_MS; the run's end
+    (unpace) draws a held point at once."""
+    page.goto(synthetic_server + "/#/compare")
+    page.wait_for_selector(".picker", state="attached")
+    r = page.evaluate("""async () => {
+        const m = await import('/static/js/charts.js');
+        const until = async (f) => {  // the observer reports at a frame, on a loaded machine late
+            for (let i = 0; i < 100 && !f(); i++) await new Promise((ok) => setTimeout(ok, 50));
+            return f();
+        };
+        const div = document.createElement('div');
+        div.style.cssText = `position: absolute; left: 0; width: 600px; height: 300px;
+            top: ${window.scrollY + innerHeight + m.IN_VIEW_MARGIN_PX + 400}px`;
+        document.body.append(div);
+        const chart = new m.LiveChart(div, {title: 't', traces: [{name: 'a'}]});
+        chart.push(0, 1, 1);
+        chart.flush();
+        const away = await until(() => !chart.inView);
+        chart.cost = 1;  // in view, its next live redraw would be due 1 x PACE ms after the last
+        chart.push(0, 2, 2);
+        chart.push(0, 3, 3);
+        const held = [chart.due === chart.drawnAt + m.OUT_OF_VIEW_MS, div.data[0].x.length];
+        const t0 = performance.now();
+        chart.setLogY(true);  // a user's change is drawn in FLUSH_MS, out of view or not
+        const userDue = chart.due <= performance.now() + m.FLUSH_MS && chart.due >= t0;
+        chart.flush();
+        const afterUser = div.data[0].x.length;
+        chart.push(0, 4, 4);
+        const heldAgain = [chart.due === chart.drawnAt + m.OUT_OF_VIEW_MS, div.data[0].x.length];
+        div.scrollIntoView();
+        const near = await until(() => chart.inView);
+        const drawnInView = await until(() => div.data[0].x.length === 4);
+        const inViewBy = performance.now() - chart.drawnAt < m.OUT_OF_VIEW_MS;
+        window.scrollTo(0, 0);
+        await until(() => !chart.inView);
+        chart.push(0, 5, 5);
+        const heldAtEnd = [chart.inView, div.data[0].x.length];
+        chart.unpace();
+        const atEnd = div.data[0].x.length;
+        return {away, held, userDue, afterUser, heldAgain, near, drawnInView, inViewBy, heldAtEnd,
+                atEnd, outMs: m.OUT_OF_VIEW_MS, paceCap: m.MAX_PACE_MS};
+    }""")
+    assert r["away"] is True and r["outMs"] > r["paceCap"]
+    assert r["held"] == [True, 1]
+    assert r["userDue"] and r["afterUser"] == 3
+    assert r["heldAgain"] == [True, 3]
+    assert r["near"] is True and r["drawnInView"] is True and r["inViewBy"] is True
+    assert r["heldAtEnd"] == [False, 4] and r["atEnd"] == 5
+
+
 STEPS = 45
 """The live run's steps."""
 

@@ -55,7 +55,9 @@ def test_start_from_form_watch_live_change_watermark_reconnect_finish(backend_se
     run_id = int(page.url.rsplit("/", 1)[1])
     assert api.call("GET", f"/api/runs/{run_id}")["config"]["max_steps"] == STEPS
 
-    # Live: the loss chart gains points while the run is still running.
+    # Live: the loss chart gains points while the run is still running, watched as a user
+    # would, scrolled to (below the window, it would redraw only every OUT_OF_VIEW_MS).
+    page.locator("#loss").scroll_into_view_if_needed()
     page.wait_for_function(f"{LOSS_X}.length >= 2", timeout=150_000)
     first = loss_points(page)
     page.wait_for_function(f"{LOSS_X}.length > {first}", timeout=60_000)
