@@ -5,8 +5,7 @@
 // so a chart filled from history is drawn once, with its data, not empty and then again full.
 // Live points are paced besides: a chart redraws for them no sooner than PACE times its last
 // draw's cost after that draw began (at most MAX_PACE_MS), so a live run's page stays light;
-// a chart out of view (more than IN_VIEW_MARGIN_PX from the window) redraws for them only
-// OUT_OF_VIEW_MS after its last draw, and within FLUSH_MS once it comes near the window.
+// out of view (inview.js), every OUT_OF_VIEW_MS, and in FLUSH_MS once it comes into view.
 // When a trace passes its cap it is compressed in place (downsample.js): the newest points as
 // they are, the older ones min/max downsampled, so a VRAM spike that lasted one block is still
 // drawn after 100k blocks.
@@ -22,9 +21,10 @@ import {
   BASE_LAYOUT, MARGIN_TOP, PLOT_CONFIG, emptyNote, legendFit, markerShapes, plotText, titleFit, wholeTicks,
 } from "./chartlayout.js";
 import { capSeries, minMaxDownsample } from "./downsample.js";
+import { IN_VIEW_MARGIN_PX, OUT_OF_VIEW_MS, watchInView } from "./inview.js";
 
 // Figures elsewhere (plan, tune, calibration) take their layout from here too.
-export { BASE_LAYOUT, PLOT_CONFIG, legendFit, minMaxDownsample, plotText };
+export { BASE_LAYOUT, IN_VIEW_MARGIN_PX, OUT_OF_VIEW_MS, PLOT_CONFIG, legendFit, minMaxDownsample, plotText };
 
 export const DEFAULT_CAP = 4000;
 export const FLUSH_MS = 150;
@@ -34,12 +34,6 @@ export const FLUSH_MS = 150;
 // the time (a 60 ms redraw: every 1.8 s); a run's end draws what is left at once (`unpace`).
 export const PACE = 30;
 export const MAX_PACE_MS = 2500;
-// A live run's page at 1400x1000 shows 3 of its 9 charts; the 6 below redrew for live points as
-// often as those in view (each every ~2.5 s). Out of view, every 10 s: chromium 5.6-6.6 ->
-// 3.9-5.4 CPU-s per 10 s of a live synthetic run's page here. A chart this near the window
-// counts as in view, so one scrolled to is drawn as it arrives.
-export const IN_VIEW_MARGIN_PX = 200;
-export const OUT_OF_VIEW_MS = 10000;
 // Past this many points per trace, SVG bars and markers cost more than they tell (hundreds of
 // ms per redraw for 1000 steps): bars become stacked areas, markers are dropped.
 const DENSE_POINTS = 300;
@@ -110,8 +104,11 @@ export class ChartPanel {
     this.timer = null;
     this.due = 0; // performance.now() ms the scheduled redraw is due at
     this.paced = true; // live points wait on the last draw's cost (PACE); unpace() ends it
-    this.inView = true; // near the window (IN_VIEW_MARGIN_PX), as last observed
-    this._watchView();
+    this.inView = true; // near the window (inview.js), as last observed
+    this.viewObserver = watchInView(el, (inView) => {
+      this.inView = inView;
+      if (inView && this.timer !== null) this.invalidate(); // a held redraw: in FLUSH_MS
+    });
     this.cost = 0; // ms of script the last draw took
     this.drawnAt = -Infinity; // performance.now() ms the last draw began
     this.revision = 0;
@@ -181,20 +178,6 @@ export class ChartPanel {
   unpace() {
     this.paced = false;
     if (this.timer !== null) this.flush();
-  }
-
-  /** Keeps `inView` (IntersectionObserver, IN_VIEW_MARGIN_PX around the window): a chart that
-   * comes into view with a redraw held for it draws in FLUSH_MS. */
-  _watchView() {
-    if (typeof IntersectionObserver === "undefined") return; // then always in view
-    this.viewObserver = new IntersectionObserver(
-      (entries) => {
-        this.inView = entries[entries.length - 1].isIntersecting;
-        if (this.inView && this.timer !== null) this.invalidate();
-      },
-      { rootMargin: `${IN_VIEW_MARGIN_PX}px` },
-    );
-    this.viewObserver.observe(this.el);
   }
 
   /** Drops the scheduled redraw: the owner calls flush() itself. */
