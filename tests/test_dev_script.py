@@ -1,10 +1,12 @@
 """``./dev``: its ``test`` reruns the tests marked ``parity`` on ATen's baseline kernels, from the
 folders its ``-m parity`` line names (collecting no more of the suite than it must): every test
 module that marks a test ``parity`` lies under one of them, so none is left out of that rerun.
-Its install hands uv the sources pip is configured with (``uv_sources``)."""
+Its install hands uv the sources pip is configured with (``uv_sources``); that rerun runs at the
+lowest priority in a session of its own (``lowest_priority``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -16,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def parity_folders() -> list[str]:
     text = (REPO / "dev").read_text()
-    found = re.findall(r"-m parity ((?:tests/\S+ ?)+)", text)
+    found = re.findall(r"-m parity ((?:tests/[^\s)]+ ?)+)", text)
     assert len(found) == 1, "dev: expected one `-m parity tests/...` line"
     return found[0].split()
 
@@ -62,3 +64,36 @@ def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):
     assert "--extra-index-url file:///srv/a/simple --extra-index-url file:///srv/b/simple" in line
     assert "--constraint /srv/caps.txt" in line and "--no-index" in args
     assert uv_env == ["SSL_CERT_FILE=/etc/my-ca.pem"]
+
+
+PROBE = """
+import json, os
+try:
+    autogroup = open("/proc/self/autogroup").read().strip()
+except OSError:
+    autogroup = None
+print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+                  "nice": os.nice(0), "autogroup": autogroup, "aten": os.environ.get("ATEN")}))
+"""
+
+
+def test_the_parity_rerun_runs_niced_in_a_session_of_its_own():
+    """``lowest_priority CMD`` (in a subshell, as ``test`` runs the rerun) becomes CMD, leader of a
+    session and process group of its own (the ``kill -- -PID`` of ``./dev``'s exit trap ends it;
+    Linux's autogroup shares the CPU between sessions, so a session's nice is its autogroup's),
+    niced to 19, its autogroup too where the kernel has one; the environment it is given reaches
+    CMD."""
+    script = (
+        f'source <(sed -n "/^lowest_priority() {{/,/^}}/p" {REPO / "dev"}); '
+        f"(lowest_priority env ATEN=default {sys.executable} -c '{PROBE}') & "
+        'echo "$!"; wait "$!"'
+    )
+    out = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split("\n")
+    started, probe = int(out[0]), json.loads(out[1])
+    assert probe["pid"] == started == probe["sid"] == probe["pgid"]
+    assert probe["sid"] != os.getsid(0)
+    assert probe["nice"] == 19 and probe["aten"] == "default"
+    if Path("/proc/self/autogroup").exists():
+        assert probe["autogroup"].endswith("nice 19"), probe["autogroup"]
