@@ -63,31 +63,31 @@ class IdleExecutor(Executor):
         self.exits[run_id] = Exit(rc)
 
 
-PYTEST_VAR = "PYTEST_CURRENT_TEST"
+SESSION_ENV = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+"""This test process's environment as its conftest files left it, before any test ran (pytest's
+per-test ``PYTEST_CURRENT_TEST`` left out: no worker reads it)."""
+
+
+def worker_env() -> dict[str, str]:
+    """The environment ``ForkedExecutor`` gives every worker: ``SESSION_ENV`` as
+    ``LocalExecutor`` passes it on. Not this process's environment at launch time: the libraries
+    the tests import write to it as they go (``import sklearn`` sets ``KMP_INIT_AT_FORK``, the
+    bench runner ``PYTORCH_NVML_BASED_CUDA_CHECK``, Ray ``RAY_CLIENT_MODE``), and a fork server
+    serves only the environment it was started with: each such write cost a new fork server
+    (~7 CPU-s of imports) and a cold start (~6 more)."""
+    return dict(SESSION_ENV, PYTHONUNBUFFERED="1")
 
 
 class ForkedExecutor(LocalExecutor):
     """The real local executor (real ``workbench train`` workers, launched by
     ``forkserver.launch``), for an app in this process: its workers fork from one fork server
     per test process (``warm_fork_server``) instead of each importing torch, diffusers and peft
-    cold (~8 s of CPU) in a test server of its own. It launches with the session's
-    environment: ``PYTEST_CURRENT_TEST`` (pytest names the test there, so each test would need
-    a fork server of its own; no worker reads it) is left out while it submits."""
+    cold (~8 s of CPU) in a test server of its own. They get the same environment every time
+    (``worker_env``)."""
 
-    def submit(self, run: dict, run_dir: Path) -> Job:
-        test = os.environ.pop(PYTEST_VAR, None)
-        try:
-            return super().submit(run, run_dir)
-        finally:
-            if test is not None:
-                os.environ[PYTEST_VAR] = test
-
-
-def worker_env() -> dict[str, str]:
-    """The environment ``LocalExecutor.submit`` gives a worker, as ``ForkedExecutor`` calls it."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop(PYTEST_VAR, None)
-    return env
+    @staticmethod
+    def _env() -> dict[str, str]:
+        return worker_env()
 
 
 def warm_fork_server(timeout_s: float = 300.0) -> None:

@@ -56,8 +56,13 @@ def _has_eight_gpus() -> bool:
     ],
 )
 def test_max_parallel_counts_runs_per_device(tmp_path, default_device, started):
+    # Started cold: a fork server would import the trainer (~7 CPU-s) for workers that never
+    # import torch.
     settings = Settings(
-        data_dir=tmp_path, max_parallel=1, worker_module="tests.frontend.synthetic_worker"
+        data_dir=tmp_path,
+        max_parallel=1,
+        worker_module="tests.frontend.synthetic_worker",
+        fork_server=False,
     )
     store = Store(settings.db_path)
     ids = {}
