@@ -1,8 +1,11 @@
 """Worker exits and the statuses they give; the queue; cancel; live limits; server restarts.
 
-Real ``workbench train`` workers throughout. The app runs in this process (``local_api``: its
-workers forked from the test process's fork server) except where the server's own process is
-the point: a server killed and restarted (``server_factory``)."""
+Real ``workbench train`` workers, but for a server killed and restarted: there the server's own
+process is the point (``server_factory``) and its workers are the synthetic worker of the
+dashboard tests, which writes a run's telemetry as the trainer does (a real trainer outliving
+its server: ``tests/backend/test_ray.py``; a forked one adopted: ``test_forkserver.py``). The
+app runs in this process elsewhere (``local_api``: its workers forked from the test process's
+fork server)."""
 
 from __future__ import annotations
 
@@ -185,8 +188,14 @@ def test_queue_cancel_and_live_limits(local_api, tmp_path):
     assert [s["run_id"] for s in cmp["summary"]] == [first, second]
 
 
+SYNTHETIC = {"STAGEHAND_WORKBENCH_WORKER_MODULE": "tests.frontend.synthetic_worker"}
+"""Workers that write a run's telemetry as the trainer does (docs/contracts.md) without torch:
+~0.1 CPU-s to start and a step of sleep, where a tiny-ci worker takes ~5 CPU-s of imports and
+then a core for as long as it runs."""
+
+
 def test_server_restart_reconciles_without_losing_telemetry(server_factory):
-    srv = server_factory(args=("--max-parallel", "2")).start()
+    srv = server_factory(args=("--max-parallel", "2"), env=SYNTHETIC).start()
     client = srv.client()
     adopted, crashed = create(client, LONG), create(client, LONG)
     wait_steps(client, adopted)
@@ -197,7 +206,7 @@ def test_server_restart_reconciles_without_losing_telemetry(server_factory):
     os.kill(pids[crashed], signal.SIGKILL)  # ...and one of them dies while nobody watches
     time.sleep(1.0)  # the survivor keeps writing telemetry that nobody ingests yet
 
-    srv2 = server_factory(args=("--max-parallel", "2")).start()
+    srv2 = server_factory(args=("--max-parallel", "2"), env=SYNTHETIC).start()
     client = srv2.client()
     gone = client.get(f"/api/runs/{crashed}").json()
     assert gone["status"] == "crashed", gone
