@@ -244,3 +244,33 @@ def test_an_on_demand_build_waits_for_the_running_one(tmp_path):
         assert asset_status.lock_holder(tmp_path) is not None
     assert said == [f"waiting for the demo-asset build in process {proc.pid} to end"]
     assert proc.wait(timeout=30) == 0 and mark.read_text() == "built\n"
+
+
+def test_the_stages_are_checked_without_importing_diffusers(tmp_path):
+    """Listing the build's stages and checking which are built (what ``workbench demo-assets``
+    does before its first stage and before it finds another build running) imports neither
+    diffusers nor its model classes: their keys read diffusers' version from its metadata, the
+    version the library itself gives."""
+    code = (
+        "import sys, json\n"
+        "from pathlib import Path\n"
+        "from workbench.worker.demo import demo_spec\n"
+        "from workbench.worker.demo_stages import all_stages\n"
+        f"stages = all_stages(Path({str(tmp_path)!r}), demo_spec())\n"
+        "done = [s.complete() for s in stages]\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'diffusers')\n"
+        "from workbench.worker.assets.models import model_spec\n"
+        "from workbench.worker.demo import demo_key\n"
+        "import diffusers\n"
+        "keys = [model_spec('flux', 'tiny')['diffusers'], demo_key()['diffusers']]\n"
+        "print(json.dumps([[s.name for s in stages], done, loaded, keys, diffusers.__version__]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    names, done, loaded, keys, version = json.loads(out.stdout.splitlines()[-1])
+    assert names == ["digits", "demo VAE", "demo base", "demo samples", "factory models"]
+    assert done == [False] * 5
+    assert loaded == []
+    assert keys == [version, version]

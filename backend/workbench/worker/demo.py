@@ -70,7 +70,7 @@ import psutil
 import torch
 
 from workbench.worker.asset_status import demo_folder
-from workbench.worker.assets.cache import cache_root
+from workbench.worker.assets.cache import cache_root, library_version
 from workbench.worker.assets.digits import caption_for
 from workbench.worker.assets.models import MODEL_SPECS, check_spec, instantiate
 from workbench.worker.assets.text_encoder import load_text_encoder
@@ -158,14 +158,12 @@ def demo_dir(cache_dir: str | os.PathLike | None = None, spec: DemoSpec = DEMO) 
 def demo_key(spec: DemoSpec = DEMO) -> dict:
     """What the demo folder is built from: its ``.complete`` marker is this dict's hash."""
     check_spec("flux", spec.size)
-    import diffusers
-
     return {
         "demo": asdict(spec),
         "vae": VAE_CONFIG,
         "flux": MODEL_SPECS[("flux", spec.size)],
         "torch": torch.__version__.split("+")[0],
-        "diffusers": diffusers.__version__,
+        "diffusers": library_version("diffusers"),
         "format": 1,
     }
 

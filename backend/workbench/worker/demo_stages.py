@@ -77,8 +77,6 @@ def _pixels(spec: DemoSpec) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> list[Stage]:
     """The stages that train the demo VAE and base model into ``root`` (``demo_dir``)."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-
     say = log or (lambda line: None)
     key = demo_key(spec)
     final_rel = demo_folder(spec.size)
@@ -106,6 +104,8 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
 
     def base(advance: Callable[[int], None]) -> None:
         def _build(tmp: Path) -> None:
+            from diffusers import AutoencoderKL  # here: ~3 CPU-s a build stopped before needs not
+
             # Measures from here: the first steps' threads too.
             cores = CoreShare() if threads_reproducible() else None
             with deterministic():
@@ -132,6 +132,8 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
 
     def samples(advance: Callable[[int], None]) -> None:
         def _build(tmp: Path) -> None:
+            from diffusers import AutoencoderKL, FluxTransformer2DModel
+
             with deterministic():
                 pixels, labels, n_train = _pixels(spec)
                 vae_model = AutoencoderKL.from_pretrained(work / "vae" / "vae")

@@ -33,7 +33,7 @@ import torch
 
 from workbench.contract.preset import FAMILIES, SIZES
 
-from .cache import AssetError, build_once, cache_root
+from .cache import AssetError, build_once, cache_root, library_version
 from .digits import build_digits
 
 SEED = 0
@@ -196,8 +196,6 @@ def _shard_size(model: torch.nn.Module, size: str) -> int:
 def model_spec(arch: str, size: str) -> dict[str, Any]:
     """What the (arch, size) folder is built from; its hash is the folder's ``.complete``."""
     config = check_spec(arch, size)  # an unknown arch or size: AssetError naming the choices
-    import diffusers
-
     return {
         "arch": arch,
         "size": size,
@@ -205,7 +203,7 @@ def model_spec(arch: str, size: str) -> dict[str, Any]:
         "config": config,
         "seed": SEED,
         "target_shards": TARGET_SHARDS[size],
-        "diffusers": diffusers.__version__,
+        "diffusers": library_version("diffusers"),
         "format": 1,
     }
 
