@@ -1,7 +1,10 @@
 """The Ray executor against a real local Ray cluster (loopback), and the executor seam.
 
-One cluster for the module (start-up ~4 s, 2 CPUs); every run is a real ``workbench train`` of
-``tiny-ci`` submitted as a Ray job by a real ``workbench serve --executor ray``.
+One cluster for the module (start-up ~4 s, 2 CPUs); every run is submitted as a Ray job by a real
+``workbench serve --executor ray``: a real ``workbench train`` of ``tiny-ci`` where the runs'
+telemetry and outputs are the point, the synthetic worker of the dashboard tests (the trainer's
+records per docs/contracts.md, a step of sleep, no torch) where the jobs' control is: two tiny-ci
+workers training for as long as that test runs took ~17 CPU-seconds.
 """
 
 from __future__ import annotations
@@ -126,8 +129,12 @@ def test_two_runs_on_ray_stream_their_telemetry_from_the_job_log(server_factory,
 @pytest.mark.slow
 def test_kill_restart_and_cancel_on_ray(server_factory, ray_cluster):
     # Shared-folder telemetry; a cancel goes to stop_job at once (no grace for the stop file).
-    env = {"STAGEHAND_WORKBENCH_STOP_GRACE_S": "0"}
-    srv = ray_server(server_factory, ray_cluster, env=env)
+    env = {
+        "STAGEHAND_WORKBENCH_STOP_GRACE_S": "0",
+        "STAGEHAND_WORKBENCH_WORKER_MODULE": "tests.frontend.synthetic_worker",
+    }
+    synthetic = ("--ray-runtime-env", json.dumps({"env_vars": {"PYTHONPATH": str(REPO)}}))
+    srv = ray_server(server_factory, ray_cluster, *synthetic, env=env)
     client = srv.client()
     kept, killed = create(client, LONG), create(client, LONG)
     for run_id in (kept, killed):
@@ -141,7 +148,7 @@ def test_kill_restart_and_cancel_on_ray(server_factory, ray_cluster):
     jobs = JobSubmissionClient(ray_cluster.address)
     wait_for(lambda: jobs.get_job_status(job_of[killed]) == "FAILED", 60, 0.2, "Ray: FAILED")
 
-    srv2 = ray_server(server_factory, ray_cluster, env=env)
+    srv2 = ray_server(server_factory, ray_cluster, *synthetic, env=env)
     client = srv2.client()
     gone = wait_status(client, killed, TERMINAL, timeout=60)
     assert gone["status"] == "killed" and gone["signal"] == "SIGKILL", gone

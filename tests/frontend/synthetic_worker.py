@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -162,6 +163,8 @@ def main(argv: list[str]) -> int:
         "run_started",
         run_name=run_dir.name,
         preset=config.get("name"),
+        pid=os.getpid(),
+        host=socket.gethostname(),
         max_steps=max_steps,
         device="cuda",
         device_name=device_name,
