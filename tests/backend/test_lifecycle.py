@@ -2,10 +2,11 @@
 
 Real ``workbench train`` workers, but for a server killed and restarted: there the server's own
 process is the point (``server_factory``) and its workers are the synthetic worker of the
-dashboard tests, which writes a run's telemetry as the trainer does (a real trainer outliving
-its server: ``tests/backend/test_ray.py``; a forked one adopted: ``test_forkserver.py``). The
-app runs in this process elsewhere (``local_api``: its workers forked from the test process's
-fork server)."""
+dashboard tests, which writes a run's telemetry as the trainer does (``tests/backend/test_ray.py``
+kills a Ray server under it too; a forked worker adopted by a restarted server:
+``test_forkserver.py``). A worker outlives its server because it runs in a session of its own
+with its output in a file, whatever it runs. The app runs in this process elsewhere
+(``local_api``: its workers forked from the test process's fork server)."""
 
 from __future__ import annotations
 
