@@ -104,7 +104,7 @@ def model_stages(root: Path, spec: DemoSpec = DEMO, log: Say | None = None) -> l
 
     def base(advance: Callable[[int], None]) -> None:
         def _build(tmp: Path) -> None:
-            from diffusers import AutoencoderKL  # here: ~3 CPU-s a build stopped before needs not
+            from diffusers import AutoencoderKL  # here, not where the stages are listed
 
             # Measures from here: the first steps' threads too.
             cores = CoreShare() if threads_reproducible() else None
