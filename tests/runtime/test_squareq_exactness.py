@@ -185,8 +185,9 @@ def family_forward(family, dtype=torch.float32, seed_base: int = 100):
         logit_std=1.0,
     )
 
+    shape = latent_shape(family, preset, dtype)  # one value for every step: derived once
+
     def forward(model, step):
-        shape = latent_shape(family, preset, dtype)
         g = torch.Generator().manual_seed(seed_base + step)
         b, tokens = shape[0], preset.data.max_caption_tokens
         text = Text(
