@@ -24,9 +24,10 @@ from workbench.plan.op_counter import OpCounter
 FAMILIES = ["flux", "ltx2", "wan", "sdxl", "qwenimage", "sd3"]
 
 
-def _family_inventory(folder, family: str, cache: bool):
+def _family_inventory(folder, family: str, cache: bool, known: dict | None = None):
     """A fresh model and call of the ``family`` pipeline at ``folder`` (a backward leaves
-    gradients on the adapter, so each pass gets its own), measured with ``cache``."""
+    gradients on the adapter, so each pass gets its own), measured with ``cache``, reusing the
+    signatures in ``known`` (default: a fresh dict, so that no test before it counts)."""
     from tests.plan.test_families import _preset
     from workbench.plan.plan import preset_family, preset_inputs, preset_model
     from workbench.worker.preset import validate_preset
@@ -35,7 +36,7 @@ def _family_inventory(folder, family: str, cache: bool):
     fam = preset_family(preset)
     model = preset_model(preset, fam)
     inputs = preset_inputs(model, preset, None, fam)
-    ops = OpCounter(cache=cache)
+    ops = OpCounter(cache=cache, known={} if known is None else known)
     return inventory(model, inputs, ops=ops), ops
 
 
@@ -81,7 +82,7 @@ def _ltx2(layers: int, cache: bool):
     )
     family = LTX2PipelineFamily()
     inputs = family.transformer_kwargs(model, x_t, torch.empty(1, **meta), text, 8)
-    ops = OpCounter(cache=cache)
+    ops = OpCounter(cache=cache, known={})
     return inventory(model, inputs, ops=ops), ops
 
 
@@ -98,3 +99,21 @@ def test_repeated_blocks_are_measured_once():
     assert per_block[1:] == [2, 0, 0]
     calls = [ops.measured.get(i, 0) + ops.reused.get(i, 0) for i in range(4)]
     assert calls == [every.measured[i] for i in range(4)]
+
+
+@pytest.mark.parametrize("family", ["flux", "sdxl"])
+def test_a_model_planned_again_measures_nothing(asset_cache, family):
+    """What a counter measured is kept for the next one (by default for the process,
+    ``op_counter.KNOWN``): the family planned again, a fresh model and call, reuses every call
+    and gives the first pass's inventory, field by field."""
+    from tests.fixtures.pipelines import build_pipeline
+    from workbench.plan import op_counter
+
+    assert OpCounter()._known is op_counter.KNOWN
+    folder = build_pipeline(family, asset_cache)
+    known: dict = {}
+    first, ops = _family_inventory(folder, family, cache=True, known=known)
+    again, reusing = _family_inventory(folder, family, cache=True, known=known)
+    _assert_same(again, first)
+    assert sum(ops.measured.values()) > 0 and sum(reusing.measured.values()) == 0
+    assert sum(reusing.reused.values()) == sum(ops.measured.values()) + sum(ops.reused.values())
