@@ -27,7 +27,9 @@ from workbench.worker.pipelines.single_file import convert_single_file
 
 from ..runtime.exact import assert_exact, make_model, train
 
-pytestmark = pytest.mark.parity
+PARITY = pytest.mark.parity
+"""The tests that compare numbers (rerun by ``./dev test`` on ATen's baseline kernels); the
+refusals compare none."""
 
 FUSED = {  # original fused q/k/v -> diffusers' three projections, rows in that order
     "x_block.attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
@@ -149,6 +151,7 @@ def sd3_state(sd3_pipeline_dir):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@PARITY
 def test_original_layout_round_trips_through_diffusers_converter(sd3_state):
     """``original_rows`` is the inverse of diffusers' SD3 converter (what ``from_single_file``
     runs), so the files below are in the layout that converter reads."""
@@ -175,6 +178,7 @@ def section(cache, fmt="int8"):
     return {"strategy": "stagehand", "gradient_checkpointing": True, "stagehand": sh}
 
 
+@PARITY
 @pytest.mark.parametrize("variant", ["per-tensor", "per-row"])
 def test_fp8_single_file_converts_as_stored_and_trains_as_its_weights(
     sd3_pipeline_dir, sd3_state, tmp_path, variant
@@ -247,6 +251,7 @@ def test_unreadable_fp8_single_file_names_key_dtype_and_scale(
     assert not (tmp_path / "cache").exists()
 
 
+@PARITY
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_unscaled_8bit_single_file_without_squareq_is_upcast_as_any_file(
     sd3_pipeline_dir, sd3_state, tmp_path, dtype
@@ -274,6 +279,7 @@ def test_unscaled_8bit_single_file_without_squareq_is_upcast_as_any_file(
     }
 
 
+@PARITY
 def test_preset_with_squareq_trains_from_fp8_single_file(
     sd3_pipeline_dir, sd3_state, wide_images, tmp_path, monkeypatch, pipe_io
 ):
