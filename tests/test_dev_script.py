@@ -101,7 +101,7 @@ def test_the_parity_rerun_runs_niced_in_a_session_of_its_own():
 
 def test_the_venv_is_made_from_the_system_python_of_python3s_version(tmp_path):
     """``venv_python``: ``$STAGEHAND_PYTHON`` when set; else the system's CPython
-    (``$SYSTEM_PYTHON``) when it is the version ``python3`` on PATH is and has venv; else
+    (``$STAGEHAND_SYSTEM_PYTHON``) when it is the version ``python3`` on PATH is and has venv; else
     ``python3`` (a system interpreter of another version, without venv, or absent)."""
     version = subprocess.run(
         ["python3", "-c", "import sys; print(*sys.version_info[:2])"],
@@ -118,10 +118,8 @@ def test_the_venv_is_made_from_the_system_python_of_python3s_version(tmp_path):
         return str(path)
 
     def chosen(**env: str) -> str:
-        script = (
-            f'source <(sed -n "/^SYSTEM_PYTHON=/p;/^venv_python() {{/,/^}}/p" {REPO / "dev"}); '
-            "venv_python"
-        )
+        wanted = "/^STAGEHAND_SYSTEM_PYTHON=/p;/^venv_python() {/,/^}/p"
+        script = f'source <(sed -n "{wanted}" {REPO / "dev"}); venv_python'
         base = {k: v for k, v in os.environ.items() if k not in ("STAGEHAND_PYTHON",)}
         return subprocess.run(
             ["bash", "-c", script], env={**base, **env}, capture_output=True, text=True,
@@ -129,10 +127,10 @@ def test_the_venv_is_made_from_the_system_python_of_python3s_version(tmp_path):
         ).stdout.strip()  # fmt: skip
 
     same = fake("same", version, has_venv=True)
-    assert chosen(SYSTEM_PYTHON=same) == same
-    assert chosen(SYSTEM_PYTHON=same, STAGEHAND_PYTHON="/opt/py/bin/python3") == (
+    assert chosen(STAGEHAND_SYSTEM_PYTHON=same) == same
+    assert chosen(STAGEHAND_SYSTEM_PYTHON=same, STAGEHAND_PYTHON="/opt/py/bin/python3") == (
         "/opt/py/bin/python3"
     )
-    assert chosen(SYSTEM_PYTHON=fake("older", "3 8", has_venv=True)) == "python3"
-    assert chosen(SYSTEM_PYTHON=fake("no-venv", version, has_venv=False)) == "python3"
-    assert chosen(SYSTEM_PYTHON=str(tmp_path / "absent")) == "python3"
+    assert chosen(STAGEHAND_SYSTEM_PYTHON=fake("older", "3 8", has_venv=True)) == "python3"
+    assert chosen(STAGEHAND_SYSTEM_PYTHON=fake("no-venv", version, has_venv=False)) == "python3"
+    assert chosen(STAGEHAND_SYSTEM_PYTHON=str(tmp_path / "absent")) == "python3"

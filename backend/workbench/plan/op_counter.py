@@ -129,7 +129,7 @@ signature adds is a function of the signature alone (module docstring), so a pla
 planned before (the server's next run of a preset, the Tune page's proposals, a LoRA rank
 changed) measures nothing again. Emptied when it reaches ``KNOWN_CAP`` entries."""
 KNOWN_CAP = 100_000
-"""~100 bytes an entry: a server planning many models keeps at most some tens of MB."""
+"""A few hundred bytes an entry: a server planning many models keeps some tens of MB at most."""
 
 
 class OpCounter(TorchDispatchMode):
