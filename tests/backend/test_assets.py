@@ -60,4 +60,11 @@ def test_the_server_starts_the_build_and_stops_it_on_shutdown(api_factory, cache
 
     status = current(cache)
     assert status["state"] == "interrupted" and status["running"] is False
-    assert status["failed_stage"] == "digits"
+    # The stage it was in when the stop came: the digits seen running above, or the next one
+    # where they were done first (3.2 s of digits in one CI run); what is before it is built,
+    # what is after it still to build.
+    states = [(s["name"], s["state"]) for s in status["stages"]]
+    at = [name for name, _ in states].index(status["failed_stage"])
+    assert at <= 1 and states[at][1] == "interrupted", states
+    assert all(state == "done" for _, state in states[:at]), states
+    assert all(state == "pending" for _, state in states[at + 1 :]), states
