@@ -271,28 +271,3 @@ def family_of(config: dict[str, Any]) -> str:
     """The family a calibration is keyed by: the preset's ``model_type`` (else its factory)."""
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     return str(config.get("model_type") or model.get("factory") or "unknown")
-
-
-PROFILE_NAMES = {
-    "3090": "rtx3090",
-    "4090": "rtx4090",
-    "5090": "rtx5090",
-    "h100 pcie": "h100-pcie",
-    "h100": "h100",
-}
-"""Device-name parts to profiles, the first that matches wins (an "NVIDIA H100 PCIe" is the
-PCIe profile, any other H100 the SXM5 one)."""
-
-
-def profile_name(device: str | None, device_name: str | None) -> str | None:
-    """The device profile a run ran on: ``cpu`` for a CPU run, a named GPU profile when the
-    CUDA device's name matches one (``NVIDIA GeForce RTX 4090`` -> ``rtx4090``), else None."""
-    if not device:
-        return None
-    if device == "cpu":
-        return "cpu"
-    text = (device_name or "").lower()
-    for key, name in PROFILE_NAMES.items():
-        if key in text:
-            return name
-    return None

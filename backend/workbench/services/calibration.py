@@ -45,10 +45,7 @@ def recovery_for(store: Store, device: str, family: str) -> dict | None:
     """What a plan of ``device`` (a profile name) and ``family`` learns from the newest runs of
     them that ran out of memory and recovered (``trainer/oom_recovery`` records): the lowest
     limits they went on with (``workbench.plan.recovery.learnt_limits``), or None when there is none."""
-    from workbench.plan.feedback import (  # lazy: the server starts without torch
-        family_of,
-        profile_name,
-    )
+    from workbench.plan.feedback import family_of  # lazy: the server starts without torch
     from workbench.plan.recovery import (  # lazy: as workbench.plan.feedback
         RECOVERY_RUNS,
         learnt_limits,
@@ -79,12 +76,35 @@ PENDING, NOT_CALIBRATED = "calibration_pending", "not_calibrated"
 there will be none (the message says why)."""
 
 
+PROFILE_NAMES = {
+    "3090": "rtx3090",
+    "4090": "rtx4090",
+    "5090": "rtx5090",
+    "h100 pcie": "h100-pcie",
+    "h100": "h100",
+}
+"""Device-name parts to profiles, the first that matches wins (an "NVIDIA H100 PCIe" is the
+PCIe profile, any other H100 the SXM5 one)."""
+
+
+def profile_name(device: str | None, device_name: str | None) -> str | None:
+    """The device profile a run ran on: ``cpu`` for a CPU run, a named GPU profile when the
+    CUDA device's name matches one (``NVIDIA GeForce RTX 4090`` -> ``rtx4090``), else None."""
+    if not device:
+        return None
+    if device == "cpu":
+        return "cpu"
+    text = (device_name or "").lower()
+    for key, name in PROFILE_NAMES.items():
+        if key in text:
+            return name
+    return None
+
+
 def skip_reason(store: Store, run: dict) -> str | None:
     """Why ``run`` (a store row) gets no calibration, from its row and records alone (no plan):
     it did not succeed, its device has no profile, or a user changed its limits while it ran.
     None: it can be calibrated."""
-    from workbench.plan.feedback import profile_name  # lazy: the server starts without torch
-
     if run["status"] != "succeeded":
         return f"only succeeded runs are calibrated; this one {run['status']}"
     started = store.last_record(run["id"], *RUN_STARTED) or {}
@@ -210,19 +230,6 @@ class Calibrator:
         """Plan the run's config on its device, store the calibration and return it; None
         (logged, nothing stored) when the run did not succeed, changed limits while it ran, ran
         on a device without a profile, or its config cannot be planned."""
-        import_torch_side()
-        from workbench.plan import (  # lazy: the server starts without torch
-            PlanInputError,
-            plan_preset,
-        )
-        from workbench.plan.feedback import (  # lazy: the server starts without torch
-            family_of,
-            measured_figures,
-            predicted_figures,
-            profile_name,
-            ratios,
-        )
-
         store = self.store
         run = store.get_run(run_id)
         if run is None:
@@ -232,6 +239,20 @@ class Calibrator:
             log.info("run %d: not calibrated: %s", run_id, reason)
             self.skipped[run_id] = reason
             return None
+        # Only now the torch side: a server whose runs are all skipped (cancelled, failed, of a
+        # device without a profile) never imports it for them (~10 CPU-s).
+        import_torch_side()
+        from workbench.plan import (  # lazy: the server starts without torch
+            PlanInputError,
+            plan_preset,
+        )
+        from workbench.plan.feedback import (  # lazy: the server starts without torch
+            family_of,
+            measured_figures,
+            predicted_figures,
+            ratios,
+        )
+
         started = store.last_record(run_id, *RUN_STARTED) or {}
         device = profile_name(started.get("device"), started.get("device_name"))
         summary = run["summary"] or store.summary(run_id)
