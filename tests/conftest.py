@@ -41,6 +41,28 @@ def pytest_runtestloop(session):
     gc.enable()
 
 
+BROWSER_TESTS = "tests/frontend/"
+"""The folder whose files one xdist worker runs together (``pytest_xdist_make_scheduler``)."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (``./dev test``), the browser tests' files are one unit of work
+    for one worker, every other file one unit as before: their session fixtures (a dashboard
+    server with its fork server and torch side, a synthetic server, chromium with its profiles
+    and Playwright's driver, ``tests/frontend/conftest.py``) are then started once per test run,
+    not once in each worker. Other ``--dist`` modes are xdist's own (None: its default)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class BrowserFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return BROWSER_TESTS if path.startswith(BROWSER_TESTS) else path
+
+    return BrowserFilesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
