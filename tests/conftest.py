@@ -1,6 +1,6 @@
 """Shared test setup: single-threaded, offline, and session-scoped assets from the factory.
 
-Set ``STAGEHAND_WORKBENCH_TEST_CACHE=/some/folder`` to reuse builds across test runs;
+Set ``STAGEHAND_WORKBENCH_TEST_CACHE=/some/folder`` to reuse the factory's builds across test runs;
 otherwise everything is built once per session into one temp folder.
 """
 
@@ -19,6 +19,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Test servers do not start the demo-asset build (minutes of CPU); tests/backend/test_assets.py
 # and tests/frontend/test_assets_ui.py start it themselves.
 os.environ.setdefault("STAGEHAND_WORKBENCH_DEMO_ASSETS", "0")
+
+
+def _run_cache() -> str:
+    """The workbench cache (``$STAGEHAND_WORKBENCH_CACHE``) of every process this test run
+    starts, in place of the user's (``~/.cache/stagehand-workbench``, or the variable they set):
+    a temp folder made by the run's first process (xdist's controller, whose environment its
+    workers inherit: one folder for them all) and removed when that process exits. The servers,
+    workers and builds the tests start wrote their stage-1 caches, worker baseline, CPU profile
+    and demo-asset builds into the user's cache. Tests that need a cache of their own still set
+    the variable themselves."""
+    import atexit
+    import shutil
+    import tempfile
+
+    owner = os.environ.get("STAGEHAND_TEST_RUN_CACHE")
+    if owner is None:
+        owner = tempfile.mkdtemp(prefix="stagehand-test-cache-")
+        os.environ["STAGEHAND_TEST_RUN_CACHE"] = owner
+        atexit.register(shutil.rmtree, owner, ignore_errors=True)
+    return owner
+
+
+os.environ["STAGEHAND_WORKBENCH_CACHE"] = _run_cache()
 
 from pathlib import Path  # noqa: E402
 

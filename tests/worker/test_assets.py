@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,23 @@ def test_cache_root_resolution(tmp_path, monkeypatch):
     assert cache_root(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("STAGEHAND_WORKBENCH_CACHE")
     assert cache_root(create=False) == Path("~/.cache/stagehand-workbench").expanduser()
+
+
+def test_what_the_tests_start_uses_the_runs_cache_not_the_users():
+    """``tests/conftest.py``: the processes a test run starts get a cache folder of the run's
+    own (a temp folder of its first process), never ``~/.cache/stagehand-workbench``."""
+    import subprocess
+    import sys
+    import tempfile
+
+    run_cache = Path(os.environ["STAGEHAND_TEST_RUN_CACHE"])
+    assert run_cache.is_dir() and run_cache.name.startswith("stagehand-test-cache-")
+    assert run_cache.parent == Path(tempfile.gettempdir())
+    code = "from workbench.worker.assets import cache_root; print(cache_root(create=False))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert (
+        Path(out.stdout.strip()) == run_cache != Path("~/.cache/stagehand-workbench").expanduser()
+    )
 
 
 def test_minilm_embeds(minilm_dir):
