@@ -95,6 +95,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+"""Debian's chromium and its flags, for every test that drives a browser (never ``playwright
+install``)."""
+
+
+@pytest.fixture(scope="session")
+def _playwright():
+    """The test process's one Playwright (its sync API refuses a second inside the first's
+    event loop: a test starting its own after the browser tests ran in its process failed)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def browser(_playwright):
+    """A plain chromium, for the tests that make a context of their own (``new_context``)."""
+    b = _playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    yield b
+    b.close()
+
+
 @pytest.fixture(scope="session")
 def asset_cache(tmp_path_factory) -> Path:
     """Cache root the factory builds into for this session."""

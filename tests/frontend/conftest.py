@@ -21,17 +21,8 @@ from pathlib import Path
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from tests.conftest import CHROMIUM, CHROMIUM_ARGS
+
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = Path(os.environ.get("DASHBOARD_SHOTS", "/tmp/dashboard-shots"))
 TAKE_SHOTS = os.environ.get("CI") != "true"
@@ -213,22 +204,6 @@ def _cancel_runs_after_a_failure(request):
                     api.call("POST", f"/api/runs/{run['id']}/cancel")
                 except AssertionError:  # it ended meanwhile (409)
                     pass
-
-
-@pytest.fixture(scope="session")
-def _playwright():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        yield p
-
-
-@pytest.fixture(scope="session")
-def browser(_playwright):
-    """A plain chromium, for the tests that make a context of their own (``new_context``)."""
-    b = _playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ seconds per step of its runs (``step_s=0`` writes a 100k-record run in seconds),
 the weight watermarks lowered to 55 %, the rerun's ``strategy/limits_applied`` (request ``oom``),
 then the step (docs/contracts.md; ``run_finished`` counts ``recoveries``); ``hold_at=N`` waits at
 step N's begin (up to 120 s) for a limits request, so that a test's live limit lands mid-run on a
-machine of any speed.
+machine of any speed; ``ignore_stop=1`` leaves stop requests unanswered, as a hung worker
+would: only the executor's SIGTERM ends the run.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def main(argv: list[str]) -> int:
     oom_at = int(found.group(1)) if found else None
     found = re.search(r"hold_at=([0-9]+)", description)
     hold_at = int(found.group(1)) if found else None
+    ignore_stop = "ignore_stop=1" in description
     recoveries = 0
     w = Writer(run_dir / wire.TELEMETRY_FILE)
     control = ControlDir(run_dir)
@@ -193,7 +195,7 @@ def main(argv: list[str]) -> int:
                 time.sleep(0.05)
                 requests += control.poll()
         for req in requests:
-            if req.command == STOP:
+            if req.command == STOP and not ignore_stop:
                 w.emit(
                     "trainer",
                     "run_finished",
