@@ -29,7 +29,7 @@ from stagehand.weights.registry import find_blocks
 from workbench.worker.assets import build_model
 
 from .device_double import SLOW, device_double
-from .exact import STEPS, assert_exact, build_toy, make_model, train
+from .exact import STEPS, Run, assert_exact, build_toy, make_model, train
 
 pytestmark = pytest.mark.parity  # run again with ATEN_CPU_CAPABILITY=default by ./dev test
 
@@ -66,12 +66,30 @@ def memory(fmt: str, file_backed: bool, cache_dir, **extra) -> dict:
     }
 
 
-def reference(arch, folder, fmt, dtype, cls=None, forward=None, steps=STEPS):
-    """The plain model (ordinary storage) with its blocks' frozen linear weights dequantized."""
-    model = make_model(arch, folder, "lora", "non-reentrant", True, dtype, cls)
-    count = dequantized_in_place([m for _, m in find_blocks(model)], fmt)
-    assert count > 0
-    return train(model, steps=steps, forward=forward)
+REFERENCES: dict[tuple, Run] = {}
+"""``reference``'s runs of this module, by what decides them (dropped with the module)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _references():
+    yield
+    REFERENCES.clear()
+
+
+def reference(arch, folder, fmt, dtype, cls=None, family=None, steps=STEPS):
+    """The plain model (ordinary storage) with its blocks' frozen linear weights dequantized,
+    trained (through ``family``'s call, ``family_forward``, when given): once per model folder,
+    format, dtype, class, family and steps in this module. The run is deterministic, and what
+    the checks vary besides (file- or module-backed, a host cache, the device double) is the
+    strategy's, not the reference's: the checks of one model and format compare with one run."""
+    key = (str(folder), fmt, dtype, cls, family, steps)
+    if key not in REFERENCES:
+        model = make_model(arch, folder, "lora", "non-reentrant", True, dtype, cls)
+        count = dequantized_in_place([m for _, m in find_blocks(model)], fmt)
+        assert count > 0
+        forward = None if family is None else family_forward(family, dtype)
+        REFERENCES[key] = train(model, steps=steps, forward=forward)
+    return REFERENCES[key]
 
 
 def check(
@@ -82,12 +100,12 @@ def check(
     file_backed,
     dtype=torch.float32,
     cls=None,
-    forward=None,
+    family=None,
     steps=STEPS,
     **extra,
 ):
-    """``cls``/``forward``/``steps``: a pipeline family's transformer class, its training call
-    (``family_forward``) and fewer steps (``train``'s)."""
+    """``cls``/``family``/``steps``: a pipeline family's transformer class, its adapter (the
+    model is called through it, ``family_forward``) and fewer steps (``train``'s)."""
     model = make_model(arch, folders[arch], "lora", "non-reentrant", dtype=dtype, cls=cls)
     plain = {n: p.detach().clone() for n, p in model.named_parameters()}
     built = build_strategy(
@@ -98,8 +116,9 @@ def check(
     )
     weights = built.weights
     assert weights.squareq.enabled
+    forward = None if family is None else family_forward(family, dtype)
     got = train(model, built, steps=steps, forward=forward)
-    assert_exact(reference(arch, folders[arch], fmt, dtype, cls, forward, steps), got)
+    assert_exact(reference(arch, folders[arch], fmt, dtype, cls, family, steps), got)
     # Not vacuous: images streamed, and they are not the plain weights.
     work = built.counters()
     images = [b for b in weights.blocks if b.image is not None]
@@ -239,8 +258,7 @@ def check_family(family, tmp_path, fmt, file_backed=True, dtype=torch.float32, *
     config = json.loads((folder / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
     arch = "unet" if cls is diffusers.UNet2DConditionModel else family.name
-    forward = family_forward(family, dtype)
-    check({arch: folder}, tmp_path, arch, fmt, file_backed, dtype, cls, forward, 2, **extra)
+    check({arch: folder}, tmp_path, arch, fmt, file_backed, dtype, cls, family, 2, **extra)
 
 
 def alternating(names):
