@@ -73,10 +73,10 @@ def test_live_points_wait_on_the_last_draws_cost_and_nothing_else_does(synthetic
         const firstInFlush = within(() => chart.push(0, 1, 1)); // never drawn: FLUSH_MS
         chart.flush();
         const drawn = div.data[0].x.length;
-        // As if that draw had taken 40 ms (x PACE), then 1 s (the cap).
-        chart.cost = 40;
+        // As if that draw had taken 20 ms (x PACE), then 1 s (the cap).
+        chart.cost = 20;
         chart.push(0, 2, 2);
-        const paced = [chart.due, chart.drawnAt + 40 * m.PACE];
+        const paced = [chart.due, chart.drawnAt + 20 * m.PACE];
         const morePoints = (chart.push(0, 3, 3), chart.due === paced[0]); // one redraw, kept
         chart.unschedule();
         chart.cost = 1000;
@@ -99,7 +99,7 @@ def test_live_points_wait_on_the_last_draws_cost_and_nothing_else_does(synthetic
                 heldAtEnd, atEnd, afterEndInFlush, pace: m.PACE, cap: m.MAX_PACE_MS};
     }""")
     assert r["firstInFlush"] and r["drawn"] == 1
-    assert r["paced"][0] == r["paced"][1] and 40 * r["pace"] < r["cap"]
+    assert r["paced"][0] == r["paced"][1] and 20 * r["pace"] < r["cap"]
     assert r["morePoints"]
     assert r["capped"][0] == r["capped"][1] and 1000 * r["pace"] > r["cap"]
     assert r["heldPoints"] == 1 and r["userInFlush"] and r["afterUser"] == 4
