@@ -21,6 +21,7 @@ from backend_helpers import wait_for
 from inprocess import IdleExecutor, append_records
 
 from tests.fixtures.disk import fill
+from workbench.services import diskfull
 from workbench.services.diskfull import DiskCondition, free_bytes, is_disk_full
 from workbench.store import Store
 
@@ -62,7 +63,10 @@ def records(n: int) -> list[dict]:
 def db_full(monkeypatch) -> threading.Event:
     """While the event is set, every connection of ``Store`` (one per thread) refuses to grow the
     database: each use sets ``PRAGMA max_page_count`` below the file's size, which sqlite clamps
-    to the size, so a write that needs a page fails with ``SQLITE_FULL``."""
+    to the size, so a write that needs a page fails with ``SQLITE_FULL``. Meanwhile the free
+    bytes the condition watches stay what they were when it filled, as a full disk's do: this
+    disk is not full, and the other processes of a test run create and delete files on it (1 MiB
+    freed ends a condition, ``FREED_BYTES``; 13 MB freed by them ended one in a suite run)."""
     full = threading.Event()
     real = Store.db.fget
 
@@ -71,7 +75,16 @@ def db_full(monkeypatch) -> threading.Event:
         found.conn.execute(f"PRAGMA max_page_count = {1 if full.is_set() else NO_LIMIT}")
         return found
 
+    frozen: dict[str, int | None] = {}
+
+    def free(path):
+        if not full.is_set():
+            frozen.clear()
+            return free_bytes(path)
+        return frozen.setdefault(str(path), free_bytes(path))
+
     monkeypatch.setattr(Store, "db", property(db))
+    monkeypatch.setattr(diskfull, "free_bytes", free)
     return full
 
 
